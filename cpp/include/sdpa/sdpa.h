@@ -1,0 +1,49 @@
+// The C++ core's whole public surface: plain structs and functions, no CUDA or cxx types, so
+// the Rust bridge (crates/sdpa-sys/src/bridge.cc) can include it with a host compiler alone.
+// Every function throws sdpa::Error (a std::runtime_error) on failure; nothing aborts.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace sdpa {
+
+struct Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+enum class Dtype : int32_t { F16 = 0, BF16 = 1 };
+
+// Strides are in elements; the innermost (head_dim) stride is 1. The Rust layer has validated
+// every field (shapes, strides, alignment, that the buffers hold what the strides address).
+struct Strides {
+  int64_t batch, head, seq;
+};
+
+struct FwdArgs {
+  const void *q, *k, *v;
+  void *o;
+  int64_t batch, heads, kv_heads, seq_q, seq_k, head_dim;
+  Strides q_stride, k_stride, v_stride, o_stride;
+  float scale;
+  bool causal;
+  Dtype dtype;
+};
+
+// Resource use of one compiled kernel on the current device (cudaFuncGetAttributes).
+struct KernelAttr {
+  std::string backend, name;
+  int32_t registers, static_smem, local_bytes, max_threads;
+};
+
+// Backend entry points. `stream` is a CUstream / cudaStream_t.
+void scalar_forward(const FwdArgs& args, void* stream);
+
+// Runs an empty kernel on `blocks` CTAs: the launch floor every timing is read against.
+void empty_kernel(int32_t blocks, void* stream);
+
+std::vector<KernelAttr> kernel_attributes();
+
+}  // namespace sdpa

@@ -1,0 +1,234 @@
+// Scalar backend: FlashAttention-style forward on CUDA cores only (no tensor cores).
+// Assumes validated arguments (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned
+// rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1.
+//
+// One CTA = BM query rows of one (batch, head); 4 warps, each owning RPW rows. K/V stream
+// through shared memory in tiles of BN = 32 keys, one key per lane for Q·Kᵀ (so the row max is
+// one 5-step shuffle reduction per row and tile), then each lane owns D/32 output columns for
+// P·V with P broadcast from shared memory. Online softmax in the log2 domain, f32 throughout;
+// each lane keeps a partial row sum, reduced across the warp once at the end.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "common/check.cuh"
+#include "common/dtype.cuh"
+
+namespace sdpa::scalar {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+// 32 rows per CTA: the mission problem (B2 H8 S256) then launches 128 CTAs on 132 SMs, and
+// RPW = 8 rows per warp reuses each K value loaded from shared memory 8 times.
+constexpr int kBM = 32;
+constexpr int kRPW = kBM / kWarps;
+constexpr int kBN = 32;  // one key per lane
+
+struct Params {
+  const uint8_t *q, *k, *v;
+  uint8_t* o;
+  int64_t seq_q, seq_k, heads, group;  // group = heads / kv_heads
+  Strides qs, ks, vs, os;
+  float scale_log2;  // scale * log2(e): scores live in the log2 domain
+};
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+template <typename T, int D, bool CAUSAL>
+__global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
+  constexpr int W = D / 2;          // 32-bit words (element pairs) per row
+  constexpr int KW = W + 1;         // padded K row: lane j reads row j, banks (j + w) % 32 differ
+  constexpr int CH = D / 8;         // 16-byte chunks per row
+  constexpr int CPL = D / 64;       // output words per lane: lane owns words lane, lane+32, ...
+  using P2 = Pair<T>;
+
+  __shared__ __align__(16) float sQ[kBM][D];
+  __shared__ uint32_t sK[kBN][KW];
+  __shared__ __align__(16) uint32_t sV[kBN][W];
+  __shared__ __align__(16) float sP[kWarps][kRPW][kBN];
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t m0 = int64_t(blockIdx.x) * kBM;
+  const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const uint8_t* qb = p.q + 2 * (b * p.qs.batch + h * p.qs.head);
+  const uint8_t* kb = p.k + 2 * (b * p.ks.batch + hk * p.ks.head);
+  const uint8_t* vb = p.v + 2 * (b * p.vs.batch + hk * p.vs.head);
+  const int64_t off = p.seq_k - p.seq_q;  // causal mask aligned bottom-right
+
+  // Q tile -> f32, pre-scaled. Rows past seq_q are zero and never stored.
+  for (int c = tid; c < kBM * CH; c += kThreads) {
+    const int r = c / CH, col = (c % CH) * 8;
+    float4 lo = make_float4(0, 0, 0, 0), hi = lo;
+    if (m0 + r < p.seq_q) {
+      const uint4 u = *reinterpret_cast<const uint4*>(qb + 2 * ((m0 + r) * p.qs.seq + col));
+      const float2 a = P2::to_float2(u.x), bb = P2::to_float2(u.y), cc = P2::to_float2(u.z),
+                   dd = P2::to_float2(u.w);
+      const float s = p.scale_log2;
+      lo = make_float4(a.x * s, a.y * s, bb.x * s, bb.y * s);
+      hi = make_float4(cc.x * s, cc.y * s, dd.x * s, dd.y * s);
+    }
+    *reinterpret_cast<float4*>(&sQ[r][col]) = lo;
+    *reinterpret_cast<float4*>(&sQ[r][col + 4]) = hi;
+  }
+
+  // Keys this CTA can see: all, or (causal) up to its last row's diagonal.
+  int64_t n_end = p.seq_k;
+  if (CAUSAL) n_end = min(p.seq_k, max(int64_t(0), m0 + kBM + off));
+
+  float acc[kRPW][2 * CPL];
+  float m[kRPW], l[kRPW];
+#pragma unroll
+  for (int r = 0; r < kRPW; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+#pragma unroll
+    for (int c = 0; c < 2 * CPL; ++c) acc[r][c] = 0.f;
+  }
+  const int64_t row0 = m0 + warp * kRPW;
+
+  for (int64_t n0 = 0; n0 < n_end; n0 += kBN) {
+    __syncthreads();  // previous tile fully consumed (and, first time, sQ visible after next)
+    for (int c = tid; c < kBN * CH; c += kThreads) {
+      const int r = c / CH, w = (c % CH) * 4;
+      uint4 ku = make_uint4(0, 0, 0, 0), vu = ku;
+      if (n0 + r < p.seq_k) {
+        ku = *reinterpret_cast<const uint4*>(kb + 2 * ((n0 + r) * p.ks.seq + 2 * w));
+        vu = *reinterpret_cast<const uint4*>(vb + 2 * ((n0 + r) * p.vs.seq + 2 * w));
+      }
+      sK[r][w] = ku.x;
+      sK[r][w + 1] = ku.y;
+      sK[r][w + 2] = ku.z;
+      sK[r][w + 3] = ku.w;
+      *reinterpret_cast<uint4*>(&sV[r][w]) = vu;
+    }
+    __syncthreads();
+
+    // S = Q·Kᵀ for this warp's rows; lane = key.
+    float s[kRPW];
+#pragma unroll
+    for (int r = 0; r < kRPW; ++r) s[r] = 0.f;
+#pragma unroll 4
+    for (int w = 0; w < W; w += 2) {
+      const float2 k01 = P2::to_float2(sK[lane][w]);
+      const float2 k23 = P2::to_float2(sK[lane][w + 1]);
+#pragma unroll
+      for (int r = 0; r < kRPW; ++r) {
+        const float4 q = *reinterpret_cast<const float4*>(&sQ[warp * kRPW + r][2 * w]);
+        s[r] = fmaf(q.x, k01.x, fmaf(q.y, k01.y, fmaf(q.z, k23.x, fmaf(q.w, k23.y, s[r]))));
+      }
+    }
+
+    // Online softmax: mask, new row max, rescale.
+    const int64_t j = n0 + lane;
+#pragma unroll
+    for (int r = 0; r < kRPW; ++r) {
+      const bool visible = j < p.seq_k && (!CAUSAL || j <= row0 + r + off);
+      const float sv = visible ? s[r] : -INFINITY;
+      const float m_new = fmaxf(m[r], warp_max(sv));
+      // A row with nothing visible yet keeps m = -inf; subtracting 0 then keeps p = 0, not NaN.
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m[r] - base);
+      const float pj = exp2f(sv - base);
+      m[r] = m_new;
+      l[r] = l[r] * alpha + pj;
+#pragma unroll
+      for (int c = 0; c < 2 * CPL; ++c) acc[r][c] *= alpha;
+      sP[warp][r][lane] = pj;
+    }
+    __syncwarp();
+
+    // O += P·V; lane owns column pairs lane, lane + 32, ...
+#pragma unroll 2
+    for (int jj = 0; jj < kBN; jj += 4) {
+      float2 v[4][CPL];
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) v[t][c] = P2::to_float2(sV[jj + t][lane + 32 * c]);
+#pragma unroll
+      for (int r = 0; r < kRPW; ++r) {
+        const float4 pr = *reinterpret_cast<const float4*>(&sP[warp][r][jj]);
+        const float pv[4] = {pr.x, pr.y, pr.z, pr.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+          for (int c = 0; c < CPL; ++c) {
+            acc[r][2 * c] = fmaf(pv[t], v[t][c].x, acc[r][2 * c]);
+            acc[r][2 * c + 1] = fmaf(pv[t], v[t][c].y, acc[r][2 * c + 1]);
+          }
+      }
+    }
+    __syncwarp();  // sP is rewritten next tile
+  }
+
+  uint8_t* ob = p.o + 2 * (b * p.os.batch + h * p.os.head);
+#pragma unroll
+  for (int r = 0; r < kRPW; ++r) {
+    const float lsum = warp_sum(l[r]);
+    const int64_t i = row0 + r;
+    if (i >= p.seq_q) continue;
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;  // no visible key: zeros
+    uint32_t* orow = reinterpret_cast<uint32_t*>(ob + 2 * (i * p.os.seq));
+#pragma unroll
+    for (int c = 0; c < CPL; ++c)
+      orow[lane + 32 * c] = P2::from_float2(acc[r][2 * c] * inv, acc[r][2 * c + 1] * inv);
+  }
+}
+
+template <typename T, int D, bool CAUSAL>
+void launch(const FwdArgs& a, cudaStream_t stream) {
+  Params p;
+  p.q = static_cast<const uint8_t*>(a.q);
+  p.k = static_cast<const uint8_t*>(a.k);
+  p.v = static_cast<const uint8_t*>(a.v);
+  p.o = static_cast<uint8_t*>(a.o);
+  p.seq_q = a.seq_q;
+  p.seq_k = a.seq_k;
+  p.heads = a.heads;
+  p.group = a.heads / a.kv_heads;
+  p.qs = a.q_stride;
+  p.ks = a.k_stride;
+  p.vs = a.v_stride;
+  p.os = a.o_stride;
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  const dim3 grid(unsigned((a.seq_q + kBM - 1) / kBM), unsigned(a.heads), unsigned(a.batch));
+  fwd_kernel<T, D, CAUSAL><<<grid, kThreads, 0, stream>>>(p);
+  SDPA_LAUNCH_CHECK("scalar fwd_kernel launch");
+}
+
+template <typename T, int D>
+void forward(const FwdArgs& a, cudaStream_t stream) {
+  if (a.causal)
+    launch<T, D, true>(a, stream);
+  else
+    launch<T, D, false>(a, stream);
+}
+
+template <typename T, int D>
+void attributes(std::vector<KernelAttr>& out) {
+  const void* fns[2] = {reinterpret_cast<const void*>(fwd_kernel<T, D, false>),
+                        reinterpret_cast<const void*>(fwd_kernel<T, D, true>)};
+  for (int c = 0; c < 2; ++c) {
+    cudaFuncAttributes fa;
+    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, fns[c]));
+    out.push_back({"scalar",
+                   std::string("fwd_") + dtype_name<T>() + "_d" + std::to_string(D) +
+                       (c ? "_causal" : ""),
+                   fa.numRegs, int32_t(fa.sharedSizeBytes), int32_t(fa.localSizeBytes),
+                   fa.maxThreadsPerBlock});
+  }
+}
+
+}  // namespace sdpa::scalar

@@ -1,0 +1,275 @@
+//! Builds the CUDA core (`cpp/`, through CMake) and the cxx bridge, then links them with the
+//! static CUDA runtime. Needs nothing preinstalled: without CUDA_HOME / nvcc on PATH /
+//! CUTLASS_DIR / a cmake >= 3.24, it installs the toolchain pinned in third_party/toolchain.txt
+//! from PyPI into a cache directory outside the source tree, once, and reuses it.
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const DEFAULT_ARCHS: &str = "80;90a";
+
+struct Toolchain {
+    cuda: PathBuf,
+    cutlass_include: Option<PathBuf>,
+    cmake: Option<PathBuf>,
+}
+
+fn main() {
+    for var in [
+        "CUDA_HOME",
+        "CUDA_PATH",
+        "CUTLASS_DIR",
+        "CMAKE",
+        "SDPA_TOOLCHAIN_DIR",
+        "SDPA_CUDA_ARCHS",
+    ] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+    let repo = manifest.join("../..").canonicalize().unwrap();
+    let cpp = repo.join("cpp");
+    let pins = repo.join("third_party/toolchain.txt");
+    for p in [
+        cpp.clone(),
+        repo.join("cmake"),
+        pins.clone(),
+        manifest.join("src/bridge.cc"),
+        manifest.join("src/bridge.h"),
+    ] {
+        println!("cargo:rerun-if-changed={}", p.display());
+    }
+
+    let tc = locate(&pins).unwrap_or_else(|msg| fail(&msg));
+    let archs = env::var("SDPA_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.to_string());
+    let nvcc = tc.cuda.join("bin/nvcc");
+
+    if let Some(cmake) = &tc.cmake {
+        // The cmake crate runs whatever $CMAKE names. Build scripts are single-threaded.
+        unsafe { env::set_var("CMAKE", cmake) };
+    }
+    let mut cfg = cmake::Config::new(&cpp);
+    cfg.profile("Release")
+        .define("CMAKE_CUDA_COMPILER", &nvcc)
+        .define("CUDAToolkit_ROOT", &tc.cuda)
+        .define("CMAKE_CUDA_ARCHITECTURES", &archs)
+        .build_target("sdpa_core");
+    if let Some(inc) = &tc.cutlass_include {
+        cfg.define("SDPA_CUTLASS_INCLUDE", inc);
+    }
+    let dst = cfg.build();
+    let build = dst.join("build");
+
+    write_ptxas_report(&build, &PathBuf::from(env::var("OUT_DIR").unwrap()));
+
+    cxx_build::bridge("src/lib.rs")
+        .file("src/bridge.cc")
+        .include(cpp.join("include"))
+        .std("c++17")
+        .compile("sdpa_bridge");
+
+    println!("cargo:rustc-link-search=native={}", build.display());
+    println!("cargo:rustc-link-lib=static=sdpa_core");
+    for lib in ["lib64", "lib", "targets/x86_64-linux/lib"] {
+        let d = tc.cuda.join(lib);
+        if d.join("libcudart_static.a").exists() {
+            println!("cargo:rustc-link-search=native={}", d.display());
+            break;
+        }
+    }
+    // cudart_static loads libcuda with dlopen at run time: no link-time dependency on a driver.
+    println!("cargo:rustc-link-lib=static=cudart_static");
+    for lib in ["dl", "pthread", "rt"] {
+        println!("cargo:rustc-link-lib=dylib={lib}");
+    }
+    println!("cargo:rustc-env=SDPA_CUDA_ARCHS={archs}");
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("\nsdpa-sys: {msg}\n");
+    std::process::exit(1);
+}
+
+/// Finds the toolkit, CUTLASS and cmake the machine gives, and fills what is missing from the
+/// pinned PyPI toolchain.
+fn locate(pins: &Path) -> Result<Toolchain, String> {
+    let cuda = match env::var_os("CUDA_HOME").or_else(|| env::var_os("CUDA_PATH")) {
+        Some(home) => {
+            let home = PathBuf::from(home);
+            if !home.join("bin/nvcc").exists() {
+                return Err(format!(
+                    "CUDA_HOME={} has no bin/nvcc; point it at a CUDA 13.0 toolkit or unset it",
+                    home.display()
+                ));
+            }
+            Some(home)
+        }
+        None => which("nvcc").and_then(|n| n.parent()?.parent().map(Path::to_path_buf)),
+    };
+    let cutlass_include = env::var_os("CUTLASS_DIR").map(|d| {
+        let d = PathBuf::from(d);
+        if d.join("include/cute").exists() {
+            d.join("include")
+        } else {
+            d
+        }
+    });
+    let cmake = env::var_os("CMAKE")
+        .map(PathBuf::from)
+        .or_else(|| which("cmake").filter(|c| cmake_is_recent(c)));
+
+    if let (Some(cuda), Some(_), Some(_)) = (&cuda, &cutlass_include, &cmake) {
+        return Ok(Toolchain {
+            cuda: cuda.clone(),
+            cutlass_include,
+            cmake,
+        });
+    }
+    let root = ensure_pypi_toolchain(pins)?;
+    Ok(Toolchain {
+        cuda: cuda.unwrap_or_else(|| root.join("nvidia/cu13")),
+        cutlass_include: cutlass_include
+            .or_else(|| Some(root.join("cutlass_library/source/include"))),
+        cmake: cmake.or_else(|| Some(root.join("cmake/data/bin/cmake"))),
+    })
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    env::split_paths(&env::var_os("PATH")?)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+fn cmake_is_recent(cmake: &Path) -> bool {
+    let Ok(out) = Command::new(cmake).arg("--version").output() else {
+        return false;
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let version = text.split_whitespace().nth(2).unwrap_or("0");
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    (major, minor) >= (3, 24)
+}
+
+/// FNV-1a: a hash that stays the same across Rust releases, to name the cache directory.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn ensure_pypi_toolchain(pins_file: &Path) -> Result<PathBuf, String> {
+    let pins_text = fs::read_to_string(pins_file)
+        .map_err(|e| format!("cannot read {}: {e}", pins_file.display()))?;
+    let pins: Vec<&str> = pins_text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    let cache = match env::var_os("SDPA_TOOLCHAIN_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .ok_or("neither SDPA_TOOLCHAIN_DIR, XDG_CACHE_HOME nor HOME is set")?
+            .join("sdpa"),
+    };
+    let root = cache.join(format!("toolchain-{:016x}", fnv1a(pins.join("\n").as_bytes())));
+    if root.join(".complete").exists() {
+        return Ok(root);
+    }
+    fs::create_dir_all(&cache).map_err(|e| format!("cannot create {}: {e}", cache.display()))?;
+    let tmp = cache.join(format!(".tmp-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&tmp);
+    println!(
+        "cargo:warning=sdpa-sys: installing the pinned CUDA 13.0 + CUTLASS 4.2 + CMake toolchain \
+         from PyPI into {} (once, about 900 MB)",
+        root.display()
+    );
+    let python = ["python3", "python"]
+        .into_iter()
+        .find(|p| which(p).is_some())
+        .ok_or("no python3 on PATH to install the toolchain with pip")?;
+    let out = Command::new(python)
+        .args(["-m", "pip", "install", "--no-deps", "--no-input", "--quiet"])
+        .args(["--disable-pip-version-check", "--no-warn-script-location", "--target"])
+        .arg(&tmp)
+        .args(&pins)
+        .output()
+        .map_err(|e| format!("could not run {python} -m pip: {e}"))?;
+    if !out.status.success() {
+        let _ = fs::remove_dir_all(&tmp);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = stderr.lines().rev().take(8).collect();
+        return Err(format!(
+            "could not install the pinned CUDA toolchain from PyPI (offline?).\n\
+             pip said:\n  {}\n\
+             Either give this machine access to PyPI, or set CUDA_HOME to a CUDA 13.0 toolkit, \
+             CUTLASS_DIR to CUTLASS 4.2 and CMAKE to a cmake >= 3.24 (third_party/README.md).",
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n  ")
+        ));
+    }
+    fix_up_toolkit(&tmp.join("nvidia/cu13"))?;
+    fs::write(tmp.join(".complete"), pins.join("\n")).map_err(|e| e.to_string())?;
+    if fs::rename(&tmp, &root).is_err() {
+        // Another build installed it meanwhile; use theirs.
+        let _ = fs::remove_dir_all(&tmp);
+        if !root.join(".complete").exists() {
+            return Err(format!("could not move the toolchain into {}", root.display()));
+        }
+    }
+    Ok(root)
+}
+
+/// Makes the PyPI layout look like a normal toolkit to nvcc and CMake's FindCUDAToolkit.
+fn fix_up_toolkit(cuda: &Path) -> Result<(), String> {
+    let link = |target: &str, at: PathBuf| -> Result<(), String> {
+        if at.exists() {
+            return Ok(());
+        }
+        std::os::unix::fs::symlink(target, &at)
+            .map_err(|e| format!("symlink {} -> {target}: {e}", at.display()))
+    };
+    // nvcc's profile looks for lib64 ("cannot find -lcudart_static" without it).
+    link("lib", cuda.join("lib64"))?;
+    // FindCUDAToolkit wants unversioned names ("missing: CUDA_CUDART").
+    for (name, versioned) in [
+        ("libcudart.so", "libcudart.so.13"),
+        ("libcublas.so", "libcublas.so.13"),
+        ("libcublasLt.so", "libcublasLt.so.13"),
+    ] {
+        if cuda.join("lib").join(versioned).exists() {
+            link(versioned, cuda.join("lib").join(name))?;
+        }
+    }
+    Ok(())
+}
+
+/// Concatenates the per-object ptxas reports (cmake/ptxas-log.sh) into one file for
+/// `sdpa_sys::PTXAS_REPORT`.
+fn write_ptxas_report(build: &Path, out_dir: &Path) {
+    let mut files = Vec::new();
+    let mut stack = vec![build.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "ptxas") {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    let mut report = String::new();
+    for f in files {
+        let name = f.file_name().unwrap().to_string_lossy().replace(".o.ptxas", "");
+        report.push_str(&format!("## {name}\n"));
+        report.push_str(&fs::read_to_string(&f).unwrap_or_default());
+    }
+    fs::write(out_dir.join("ptxas.txt"), report).unwrap();
+}

@@ -1,0 +1,49 @@
+#include "sdpa-sys/src/bridge.h"
+
+#include "sdpa-sys/src/lib.rs.h"
+#include "sdpa/sdpa.h"
+
+namespace sdpa_bridge {
+namespace {
+sdpa::Strides strides(const std::array<int64_t, 3>& s) { return {s[0], s[1], s[2]}; }
+
+sdpa::FwdArgs convert(const FwdArgs& a) {
+  sdpa::FwdArgs r{};
+  r.q = reinterpret_cast<const void*>(a.q);
+  r.k = reinterpret_cast<const void*>(a.k);
+  r.v = reinterpret_cast<const void*>(a.v);
+  r.o = reinterpret_cast<void*>(a.o);
+  r.batch = a.batch;
+  r.heads = a.heads;
+  r.kv_heads = a.kv_heads;
+  r.seq_q = a.seq_q;
+  r.seq_k = a.seq_k;
+  r.head_dim = a.head_dim;
+  r.q_stride = strides(a.q_stride);
+  r.k_stride = strides(a.k_stride);
+  r.v_stride = strides(a.v_stride);
+  r.o_stride = strides(a.o_stride);
+  r.scale = a.scale;
+  r.causal = a.causal;
+  r.dtype = static_cast<sdpa::Dtype>(a.dtype);
+  return r;
+}
+}  // namespace
+
+void scalar_forward(const FwdArgs& args, std::size_t stream) {
+  sdpa::scalar_forward(convert(args), reinterpret_cast<void*>(stream));
+}
+
+void empty_kernel(int32_t blocks, std::size_t stream) {
+  sdpa::empty_kernel(blocks, reinterpret_cast<void*>(stream));
+}
+
+rust::Vec<KernelAttr> kernel_attributes() {
+  rust::Vec<KernelAttr> out;
+  for (const auto& k : sdpa::kernel_attributes()) {
+    out.push_back(KernelAttr{k.backend, k.name, k.registers, k.static_smem, k.local_bytes,
+                             k.max_threads});
+  }
+  return out;
+}
+}  // namespace sdpa_bridge

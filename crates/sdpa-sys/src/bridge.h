@@ -1,0 +1,16 @@
+// Declarations cxx binds to; definitions in bridge.cc. Converts between the cxx shared structs
+// and the core's own (cpp/include/sdpa/sdpa.h), so the CMake build never sees cxx.
+#pragma once
+
+#include <cstdint>
+
+#include "rust/cxx.h"
+
+namespace sdpa_bridge {
+struct FwdArgs;
+struct KernelAttr;
+
+void scalar_forward(const FwdArgs& args, std::size_t stream);
+void empty_kernel(int32_t blocks, std::size_t stream);
+rust::Vec<KernelAttr> kernel_attributes();
+}  // namespace sdpa_bridge

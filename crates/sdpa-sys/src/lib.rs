@@ -1,0 +1,62 @@
+//! The whole Rust/C++ boundary of sdpa: one `#[cxx::bridge]` module.
+//!
+//! Everything here is raw: pointers are `u64` device addresses, streams are `CUstream` values
+//! as `usize`. The safe layer (`sdpa` crate) validates every argument before calling in; a C++
+//! exception (a failed CUDA call, an unsupported case) arrives as `Err(cxx::Exception)`.
+
+#[cxx::bridge(namespace = "sdpa_bridge")]
+pub mod ffi {
+    /// Mirrors `sdpa::FwdArgs` (cpp/include/sdpa/sdpa.h). Strides in elements: [batch, head, seq].
+    #[derive(Debug, Clone)]
+    pub struct FwdArgs {
+        pub q: u64,
+        pub k: u64,
+        pub v: u64,
+        pub o: u64,
+        pub batch: i64,
+        pub heads: i64,
+        pub kv_heads: i64,
+        pub seq_q: i64,
+        pub seq_k: i64,
+        pub head_dim: i64,
+        pub q_stride: [i64; 3],
+        pub k_stride: [i64; 3],
+        pub v_stride: [i64; 3],
+        pub o_stride: [i64; 3],
+        pub scale: f32,
+        pub causal: bool,
+        /// 0 = f16, 1 = bf16
+        pub dtype: i32,
+    }
+
+    /// Resource use of one kernel on the current device.
+    #[derive(Debug, Clone)]
+    pub struct KernelAttr {
+        pub backend: String,
+        pub name: String,
+        pub registers: i32,
+        pub static_smem: i32,
+        pub local_bytes: i32,
+        pub max_threads: i32,
+    }
+
+    unsafe extern "C++" {
+        include!("sdpa-sys/src/bridge.h");
+
+        /// # Safety
+        /// `args` must describe live device buffers of the sizes its shape and strides address,
+        /// on the device current on this thread, and `stream` must be a valid stream there.
+        unsafe fn scalar_forward(args: &FwdArgs, stream: usize) -> Result<()>;
+        /// # Safety
+        /// `stream` must be a valid stream of the current context.
+        unsafe fn empty_kernel(blocks: i32, stream: usize) -> Result<()>;
+        fn kernel_attributes() -> Result<Vec<KernelAttr>>;
+    }
+}
+
+/// The ptxas resource report of every kernel, captured when `cpp/` was compiled
+/// (`-Xptxas=-v`, demangled). Parsed by `sdpa::info`.
+pub const PTXAS_REPORT: &str = include_str!(concat!(env!("OUT_DIR"), "/ptxas.txt"));
+
+/// CUDA architectures the core was compiled for (e.g. "80;90a").
+pub const CUDA_ARCHS: &str = env!("SDPA_CUDA_ARCHS");
