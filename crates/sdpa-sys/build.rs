@@ -176,17 +176,19 @@ fn ensure_pypi_toolchain(pins_file: &Path) -> Result<PathBuf, String> {
             .join("sdpa"),
     };
     let root = cache.join(format!("toolchain-{:016x}", fnv1a(pins.join("\n").as_bytes())));
+    // Printed on every build (cargo replays it when the build script is fresh, too).
+    println!(
+        "cargo:warning=sdpa-sys: CUDA toolchain: the pinned PyPI install in {} (made once by \
+         the first build; set CUDA_HOME, CUTLASS_DIR and CMAKE to use your own)",
+        root.display()
+    );
     if root.join(".complete").exists() {
         return Ok(root);
     }
     fs::create_dir_all(&cache).map_err(|e| format!("cannot create {}: {e}", cache.display()))?;
     let tmp = cache.join(format!(".tmp-{}", std::process::id()));
     let _ = fs::remove_dir_all(&tmp);
-    println!(
-        "cargo:warning=sdpa-sys: installing the pinned CUDA 13.0 + CUTLASS 4.2 + CMake toolchain \
-         from PyPI into {} (once, about 900 MB)",
-        root.display()
-    );
+    eprintln!("sdpa-sys: installing the pinned toolchain from PyPI (about 900 MB)");
     let python = ["python3", "python"]
         .into_iter()
         .find(|p| which(p).is_some())

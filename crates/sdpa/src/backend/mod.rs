@@ -1,0 +1,98 @@
+//! Backends: one module each, one enum to name them, one place that says who supports what.
+
+pub mod cpu;
+pub(crate) mod scalar;
+
+use crate::device::Device;
+use crate::error::{Error, Result, invalid};
+use crate::problem::Problem;
+use std::fmt;
+use std::str::FromStr;
+
+/// Which implementation runs a problem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// float64 on the host: the reference (inputs downloaded, output uploaded).
+    Cpu,
+    /// CUDA cores only: tiled online softmax with warp reductions. Runs on sm_80 and newer.
+    Scalar,
+    /// The fastest supported GPU backend for the device and problem.
+    Auto,
+}
+
+impl Backend {
+    /// Every backend, in the order tables list them.
+    pub const ALL: [Backend; 3] = [Backend::Cpu, Backend::Scalar, Backend::Auto];
+    /// The backends that run on the GPU (what `validate` and `bench` iterate over).
+    pub const GPU: [Backend; 1] = [Backend::Scalar];
+
+    /// Lower-case name, as the CLI accepts it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Scalar => "scalar",
+            Backend::Auto => "auto",
+        }
+    }
+
+    /// Whether this backend can run `p` on `dev`; the error says precisely why not.
+    /// Assumes `p.validate()` passed.
+    pub fn supports(self, dev: Option<&Device>, p: &Problem) -> Result<()> {
+        let unsupported = |reason: String| Error::Unsupported {
+            backend: self.name(),
+            reason,
+        };
+        match self {
+            Backend::Cpu => Ok(()),
+            Backend::Scalar => {
+                scalar::supports(p).map_err(unsupported)?;
+                let dev = dev.ok_or_else(|| unsupported("needs a GPU".into()))?;
+                let (major, minor) = dev.compute_capability()?;
+                if major < 8 {
+                    return Err(unsupported(format!(
+                        "needs compute capability 8.0 or newer, the GPU has {major}.{minor}"
+                    )));
+                }
+                Ok(())
+            }
+            Backend::Auto => self.resolve(dev, p).map(|_| ()),
+        }
+    }
+
+    /// The concrete backend `Auto` stands for on this device and problem (others: themselves).
+    pub fn resolve(self, dev: Option<&Device>, p: &Problem) -> Result<Backend> {
+        if self != Backend::Auto {
+            return Ok(self);
+        }
+        let mut reasons = Vec::new();
+        for b in Backend::GPU {
+            match b.supports(dev, p) {
+                Ok(()) => return Ok(b),
+                Err(e) => reasons.push(e.to_string()),
+            }
+        }
+        Err(Error::Unsupported {
+            backend: "auto",
+            reason: format!("no GPU backend can run {p}: {}", reasons.join("; ")),
+        })
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Backend {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Backend::ALL
+            .into_iter()
+            .find(|b| b.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                let names: Vec<_> = Backend::ALL.iter().map(|b| b.name()).collect();
+                invalid!("unknown backend {s:?} (known: {})", names.join(", "))
+            })
+    }
+}

@@ -1,0 +1,53 @@
+//! One error type for the whole crate. Every failure is a value: bad arguments, unsupported
+//! problems, a machine without a GPU or driver, and CUDA failures inside the core.
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong, each variant with a message naming the offending value.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An argument is malformed: shapes, dtypes, buffer sizes, names.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The problem is valid but this backend (or this device) cannot run it.
+    #[error("backend {backend} does not support this problem: {reason}")]
+    Unsupported {
+        /// Backend name as `Backend::name` prints it.
+        backend: &'static str,
+        /// Which limit was hit, with the offending value.
+        reason: String,
+    },
+    /// No usable GPU: no driver library, no device, or the ordinal does not exist.
+    #[error("no GPU: {0}")]
+    NoDevice(String),
+    /// A CUDA call failed (driver API via cudarc, or inside the C++ core).
+    #[error("CUDA error: {0}")]
+    Cuda(String),
+    /// Reading or writing a file.
+    #[error("{path}: {msg}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        msg: String,
+    },
+}
+
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Error::Cuda(e.to_string())
+    }
+}
+
+impl From<cxx::Exception> for Error {
+    fn from(e: cxx::Exception) -> Self {
+        Error::Cuda(e.what().to_string())
+    }
+}
+
+/// Shorthand for an `InvalidArgument` error from a format string.
+macro_rules! invalid {
+    ($($arg:tt)*) => { $crate::error::Error::InvalidArgument(format!($($arg)*)) };
+}
+pub(crate) use invalid;

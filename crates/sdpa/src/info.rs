@@ -1,0 +1,109 @@
+//! What was compiled, and at what cost: the ptxas report captured at build time, parsed.
+
+/// Resources of one kernel for one architecture, from `ptxas -v`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelReport {
+    /// Source file of the instantiation (e.g. `fwd_f16_d64.cu`).
+    pub file: String,
+    /// Demangled kernel signature.
+    pub kernel: String,
+    /// Target, e.g. `sm_90a`.
+    pub arch: String,
+    /// Registers per thread.
+    pub registers: u32,
+    /// Static shared memory per CTA in bytes.
+    pub smem: u32,
+    /// Stack frame per thread in bytes.
+    pub stack: u32,
+    /// Spill stores in bytes.
+    pub spill_stores: u32,
+    /// Spill loads in bytes.
+    pub spill_loads: u32,
+}
+
+fn number_before(text: &str, unit: &str) -> u32 {
+    text.find(unit)
+        .and_then(|end| text[..end].split_whitespace().last()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Parses the text of a `-Xptxas=-v` report (files separated by `## name` lines).
+pub fn parse_ptxas(report: &str) -> Vec<KernelReport> {
+    let mut out = Vec::new();
+    let (mut file, mut current) = (String::new(), None::<KernelReport>);
+    for line in report.lines() {
+        if let Some(name) = line.strip_prefix("## ") {
+            file = name.trim().to_string();
+        } else if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let (kernel, tail) = rest.split_once("' for '").unwrap_or((rest, "?'"));
+            current = Some(KernelReport {
+                file: file.clone(),
+                kernel: kernel.to_string(),
+                arch: tail.trim_end_matches('\'').to_string(),
+                registers: 0,
+                smem: 0,
+                stack: 0,
+                spill_stores: 0,
+                spill_loads: 0,
+            });
+        } else if line.contains("bytes stack frame") {
+            if let Some(k) = current.as_mut() {
+                k.stack = number_before(line, "bytes stack frame");
+                k.spill_stores = number_before(line, "bytes spill stores");
+                k.spill_loads = number_before(line, "bytes spill loads");
+            }
+        } else if line.contains("Used") && line.contains("registers") {
+            if let Some(mut k) = current.take() {
+                k.registers = number_before(line, "registers");
+                k.smem = number_before(line, "bytes smem");
+                out.push(k);
+            }
+        }
+    }
+    out
+}
+
+/// The report of the kernels in this build.
+pub fn kernels() -> Vec<KernelReport> {
+    parse_ptxas(sdpa_sys::PTXAS_REPORT)
+}
+
+/// CUDA architectures this build contains.
+pub fn cuda_archs() -> &'static str {
+    sdpa_sys::CUDA_ARCHS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_ptxas_report() {
+        let text = "## fwd_f16_d64.cu\n\
+ptxas info    : Compiling entry function 'void k<__half, 64, false>(P)' for 'sm_90a'\n\
+ptxas info    : Function properties for void k<__half, 64, false>(P)\n\
+    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n\
+ptxas info    : Used 122 registers, used 1 barriers, 36992 bytes smem\n";
+        let k = &parse_ptxas(text)[0];
+        assert_eq!(k.file, "fwd_f16_d64.cu");
+        assert_eq!(k.kernel, "void k<__half, 64, false>(P)");
+        assert_eq!(k.arch, "sm_90a");
+        assert_eq!(
+            (k.registers, k.smem, k.stack, k.spill_stores, k.spill_loads),
+            (122, 36992, 8, 4, 12)
+        );
+    }
+
+    #[test]
+    fn this_build_reports_every_scalar_instantiation_without_spills() {
+        let ks = kernels();
+        let scalar: Vec<_> = ks.iter().filter(|k| k.kernel.contains("scalar::fwd_kernel")).collect();
+        // 2 dtypes x 2 head dims x 2 causal, for each architecture built.
+        let archs = cuda_archs().split(';').count();
+        assert_eq!(scalar.len(), 8 * archs, "{ks:#?}");
+        for k in scalar {
+            assert!(k.registers > 0 && k.smem > 0, "{k:?}");
+            assert_eq!(k.spill_stores + k.spill_loads, 0, "{k:?}");
+        }
+    }
+}

@@ -1,0 +1,140 @@
+//! Scaled dot-product attention on NVIDIA GPUs, every fast path checked against a float64
+//! reference.
+//!
+//! `out = softmax(scale · Q·Kᵀ + mask) · V` (forward), for f16 and bf16, BHSD or BSHD layout,
+//! grouped-query attention, causal (aligned bottom-right) or not, any sequence lengths.
+//!
+//! ```no_run
+//! use sdpa::{Backend, Device, DType, Problem, Tensor};
+//!
+//! # fn main() -> sdpa::Result<()> {
+//! let dev = Device::new(0)?; // Err(Error::NoDevice) on a machine without a GPU
+//! let p = Problem::new(2, 8, 256, 256, 64).with_causal(true).with_dtype(DType::Bf16);
+//! let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
+//! let q = Tensor::from_f32(&dev, p.dtype, &vec![0.5; ql])?;
+//! let k = Tensor::from_f32(&dev, p.dtype, &vec![0.25; kl])?;
+//! let v = Tensor::from_f32(&dev, p.dtype, &vec![1.0; kl])?;
+//! let mut out = Tensor::poisoned(&dev, p.dtype, ql)?;
+//! sdpa::forward(&dev, &p, Backend::Auto, &q, &k, &v, &mut out)?;
+//! assert!(out.to_f32(&dev)?.iter().all(|&x| x == 1.0));
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The float64 reference needs no GPU:
+//!
+//! ```
+//! let p = sdpa::Problem::new(1, 1, 2, 3, 4);
+//! let (q, kv) = (vec![0.1; 8], vec![0.2; 12]);
+//! let out = sdpa::reference(&p, &q, &kv, &kv)?;
+//! assert!(out.iter().all(|&x| (x - 0.2).abs() < 1e-15));
+//! # Ok::<(), sdpa::Error>(())
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod backend;
+pub mod check;
+mod device;
+mod error;
+pub mod info;
+mod problem;
+pub mod timing;
+
+pub use backend::Backend;
+pub use backend::cpu::reference;
+pub use device::{Device, Tensor, decode, driver_present, encode};
+pub use error::{Error, Result};
+pub use problem::{DType, Layout, NAMED_PROBLEMS, Problem, Strides, named_problem};
+
+use error::invalid;
+
+/// Runs attention for `p` on `dev`'s stream: `out = softmax(scale·Q·Kᵀ + mask)·V`.
+///
+/// Every argument is checked before anything is launched: the problem itself, each tensor's
+/// dtype, length and device, and whether `backend` supports the problem on this GPU. Returns
+/// when the work is queued (GPU backends) or done (`Cpu`). Nothing is written to `out` on error.
+pub fn forward(
+    dev: &Device,
+    p: &Problem,
+    backend: Backend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &mut Tensor,
+) -> Result<()> {
+    check_args(dev, p, q, k, v, out)?;
+    let backend = backend.resolve(Some(dev), p)?;
+    backend.supports(Some(dev), p)?;
+    match backend {
+        Backend::Cpu => {
+            let o = reference(p, &q.to_f64(dev)?, &k.to_f64(dev)?, &v.to_f64(dev)?)?;
+            let o32: Vec<f32> = o.iter().map(|&x| x as f32).collect();
+            out.write_bits(dev, &encode(p.dtype, &o32))
+        }
+        Backend::Scalar => backend::scalar::forward(dev, p, q, k, v, out),
+        Backend::Auto => unreachable!("resolve() returns a concrete backend"),
+    }
+}
+
+fn check_args(
+    dev: &Device,
+    p: &Problem,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+) -> Result<()> {
+    p.validate()?;
+    let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
+    for (name, t, need) in [("q", q, ql), ("k", k, kl), ("v", v, kl), ("out", out, ql)] {
+        if t.dtype() != p.dtype {
+            return Err(invalid!(
+                "{name} is {}, the problem says {}",
+                t.dtype(),
+                p.dtype
+            ));
+        }
+        if t.len() < need {
+            return Err(invalid!(
+                "{name} holds {} elements, {p} needs {need}",
+                t.len()
+            ));
+        }
+        if !t.same_context(dev) {
+            return Err(invalid!("{name} lives on another GPU than the device handle"));
+        }
+    }
+    Ok(())
+}
+
+/// The argument block the C++ core takes; only built after `check_args` passed.
+pub(crate) fn ffi_args(
+    dev: &Device,
+    p: &Problem,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &mut Tensor,
+) -> sdpa_sys::ffi::FwdArgs {
+    let (qs, ks) = (p.q_strides().as_i64(), p.kv_strides().as_i64());
+    sdpa_sys::ffi::FwdArgs {
+        q: q.ptr(dev),
+        k: k.ptr(dev),
+        v: v.ptr(dev),
+        o: out.ptr_mut(dev),
+        batch: p.batch as i64,
+        heads: p.heads as i64,
+        kv_heads: p.kv_heads as i64,
+        seq_q: p.seq_q as i64,
+        seq_k: p.seq_k as i64,
+        head_dim: p.head_dim as i64,
+        q_stride: qs,
+        k_stride: ks,
+        v_stride: ks,
+        o_stride: qs,
+        scale: p.scale(),
+        causal: p.causal,
+        dtype: backend::scalar::dtype_code(p.dtype),
+    }
+}

@@ -1,0 +1,381 @@
+//! The one problem type every backend takes, and its validation. Shapes, dtypes and layouts are
+//! checked here, once, before anything is launched; kernels assume what `validate` guarantees.
+
+use crate::error::{Result, invalid};
+use std::fmt;
+use std::str::FromStr;
+
+/// Element type of Q, K, V and the output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        2
+    }
+    /// Name as the CLI and bench records spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+        }
+    }
+    /// Unit roundoff (half the spacing of values near 1): 2^-11 for f16, 2^-8 for bf16.
+    pub fn unit_roundoff(self) -> f64 {
+        match self {
+            DType::F16 => 2f64.powi(-11),
+            DType::Bf16 => 2f64.powi(-8),
+        }
+    }
+    /// All dtypes, in the order tables list them.
+    pub const ALL: [DType; 2] = [DType::F16, DType::Bf16];
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DType {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f16" | "fp16" | "half" | "float16" => Ok(DType::F16),
+            "bf16" | "bfloat16" => Ok(DType::Bf16),
+            _ => Err(invalid!("unknown dtype {s:?} (expected f16 or bf16)")),
+        }
+    }
+}
+
+/// Memory layout of Q, K, V and the output (all contiguous, all the same layout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Layout {
+    /// [batch, heads, seq, head_dim]: PyTorch's SDPA layout.
+    #[default]
+    Bhsd,
+    /// [batch, seq, heads, head_dim]: what a fused QKV projection produces.
+    Bshd,
+}
+
+impl FromStr for Layout {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "bhsd" => Ok(Layout::Bhsd),
+            "bshd" => Ok(Layout::Bshd),
+            _ => Err(invalid!("unknown layout {s:?} (expected bhsd or bshd)")),
+        }
+    }
+}
+
+/// Element strides of a contiguous 4-D tensor: (batch, head, seq); head_dim has stride 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Strides {
+    /// Between batches.
+    pub batch: usize,
+    /// Between heads.
+    pub head: usize,
+    /// Between sequence positions.
+    pub seq: usize,
+}
+
+impl Strides {
+    /// Offset of element (b, h, s, d).
+    pub fn offset(&self, b: usize, h: usize, s: usize, d: usize) -> usize {
+        b * self.batch + h * self.head + s * self.seq + d
+    }
+    pub(crate) fn as_i64(&self) -> [i64; 3] {
+        [self.batch as i64, self.head as i64, self.seq as i64]
+    }
+}
+
+/// One attention problem: out = softmax(scale · Q·Kᵀ + mask) · V.
+///
+/// Q is `[batch, heads, seq_q, head_dim]`, K and V `[batch, kv_heads, seq_k, head_dim]` (in the
+/// order `layout` says), the output has Q's shape. `kv_heads < heads` is grouped-query attention:
+/// query head `h` reads K/V head `h / (heads / kv_heads)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Problem {
+    /// Batch size.
+    pub batch: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads; divides `heads`.
+    pub kv_heads: usize,
+    /// Query sequence length.
+    pub seq_q: usize,
+    /// Key/value sequence length.
+    pub seq_k: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Causal mask, aligned bottom-right: query row i sees keys j <= i + seq_k - seq_q.
+    pub causal: bool,
+    /// Softmax scale; `None` means 1/sqrt(head_dim).
+    pub scale: Option<f32>,
+    /// Element type of inputs and output.
+    pub dtype: DType,
+    /// Memory layout of all four tensors.
+    pub layout: Layout,
+}
+
+/// Largest element count of one tensor: kernels index with 64-bit offsets, but the CPU side
+/// multiplies sizes in `usize` and the driver caps one allocation well below this.
+const MAX_ELEMENTS: usize = 1 << 40;
+
+impl Problem {
+    /// Self-attention shaped problem with defaults: kv_heads = heads, non-causal, f16, BHSD.
+    pub fn new(batch: usize, heads: usize, seq_q: usize, seq_k: usize, head_dim: usize) -> Self {
+        Problem {
+            batch,
+            heads,
+            kv_heads: heads,
+            seq_q,
+            seq_k,
+            head_dim,
+            causal: false,
+            scale: None,
+            dtype: DType::F16,
+            layout: Layout::Bhsd,
+        }
+    }
+    /// Sets the number of K/V heads (GQA when fewer than `heads`).
+    pub fn with_kv_heads(mut self, kv_heads: usize) -> Self {
+        self.kv_heads = kv_heads;
+        self
+    }
+    /// Sets the causal flag.
+    pub fn with_causal(mut self, causal: bool) -> Self {
+        self.causal = causal;
+        self
+    }
+    /// Sets an explicit softmax scale.
+    pub fn with_scale(mut self, scale: f32) -> Self {
+        self.scale = Some(scale);
+        self
+    }
+    /// Sets the element type.
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
+    }
+    /// Sets the memory layout.
+    pub fn with_layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// The softmax scale in effect.
+    pub fn scale(&self) -> f32 {
+        self.scale
+            .unwrap_or_else(|| 1.0 / (self.head_dim as f32).sqrt())
+    }
+
+    /// Checks everything that does not depend on a backend. Every error names the value.
+    pub fn validate(&self) -> Result<()> {
+        for (name, v) in [
+            ("batch", self.batch),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+            ("seq_q", self.seq_q),
+            ("seq_k", self.seq_k),
+            ("head_dim", self.head_dim),
+        ] {
+            if v == 0 {
+                return Err(invalid!("{name} must be at least 1, got 0"));
+            }
+        }
+        if self.heads % self.kv_heads != 0 {
+            return Err(invalid!(
+                "heads ({}) must be a multiple of kv_heads ({})",
+                self.heads,
+                self.kv_heads
+            ));
+        }
+        if let Some(s) = self.scale
+            && !(s.is_finite() && s > 0.0)
+        {
+            return Err(invalid!("scale must be finite and positive, got {s}"));
+        }
+        for (name, n) in [("Q/O", self.q_len()), ("K/V", self.kv_len())] {
+            match n {
+                Some(n) if n <= MAX_ELEMENTS => {}
+                _ => {
+                    return Err(invalid!(
+                        "{name} would hold more than 2^40 elements ({}x{}x{}x{})",
+                        self.batch,
+                        if name == "Q/O" { self.heads } else { self.kv_heads },
+                        if name == "Q/O" { self.seq_q } else { self.seq_k },
+                        self.head_dim
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn count(b: usize, h: usize, s: usize, d: usize) -> Option<usize> {
+        b.checked_mul(h)?.checked_mul(s)?.checked_mul(d)
+    }
+    /// Elements of Q (and of the output); `None` on overflow.
+    pub fn q_len(&self) -> Option<usize> {
+        Self::count(self.batch, self.heads, self.seq_q, self.head_dim)
+    }
+    /// Elements of K (and of V); `None` on overflow.
+    pub fn kv_len(&self) -> Option<usize> {
+        Self::count(self.batch, self.kv_heads, self.seq_k, self.head_dim)
+    }
+
+    fn strides(&self, heads: usize, seq: usize) -> Strides {
+        let d = self.head_dim;
+        match self.layout {
+            Layout::Bhsd => Strides {
+                batch: heads * seq * d,
+                head: seq * d,
+                seq: d,
+            },
+            Layout::Bshd => Strides {
+                batch: seq * heads * d,
+                head: d,
+                seq: heads * d,
+            },
+        }
+    }
+    /// Strides of Q and of the output.
+    pub fn q_strides(&self) -> Strides {
+        self.strides(self.heads, self.seq_q)
+    }
+    /// Strides of K and of V.
+    pub fn kv_strides(&self) -> Strides {
+        self.strides(self.kv_heads, self.seq_k)
+    }
+
+    /// Number of keys query row `i` attends to (0 for rows that see none).
+    pub fn visible_keys(&self, i: usize) -> usize {
+        if !self.causal {
+            return self.seq_k;
+        }
+        // j <= i + seq_k - seq_q  <=>  j < i + 1 + seq_k - seq_q
+        (i + 1 + self.seq_k).saturating_sub(self.seq_q).min(self.seq_k)
+    }
+
+    /// Floating-point operations of the two matrix products, counting only visible scores
+    /// (so a causal square problem counts about half).
+    pub fn flops(&self) -> f64 {
+        let visible: f64 = if self.causal {
+            (0..self.seq_q).map(|i| self.visible_keys(i) as f64).sum()
+        } else {
+            self.seq_q as f64 * self.seq_k as f64
+        };
+        4.0 * (self.batch * self.heads) as f64 * visible * self.head_dim as f64
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "B{} H{}", self.batch, self.heads)?;
+        if self.kv_heads != self.heads {
+            write!(f, "/{}", self.kv_heads)?;
+        }
+        if self.seq_q == self.seq_k {
+            write!(f, " S{}", self.seq_q)?;
+        } else {
+            write!(f, " Sq{} Sk{}", self.seq_q, self.seq_k)?;
+        }
+        write!(f, " D{} {}", self.head_dim, self.dtype)?;
+        if self.causal {
+            f.write_str(" causal")?;
+        }
+        if self.layout == Layout::Bshd {
+            f.write_str(" bshd")?;
+        }
+        Ok(())
+    }
+}
+
+/// The named problems of design.md (same names as the PyTorch anchor script).
+pub const NAMED_PROBLEMS: [(&str, [usize; 4], bool); 7] = [
+    ("mission", [2, 8, 256, 64], false),
+    ("mission-causal", [2, 8, 256, 64], true),
+    ("s1k-d64", [4, 16, 1024, 64], false),
+    ("s2k-d128", [4, 16, 2048, 128], false),
+    ("s4k-d128-causal", [2, 16, 4096, 128], true),
+    ("s8k-d128", [1, 16, 8192, 128], false),
+    ("s16k-d128-causal", [1, 16, 16384, 128], true),
+];
+
+/// Looks up a named problem (f16, BHSD).
+pub fn named_problem(name: &str) -> Result<Problem> {
+    NAMED_PROBLEMS
+        .iter()
+        .find(|(n, _, _)| *n == name)
+        .map(|&(_, [b, h, s, d], c)| Problem::new(b, h, s, s, d).with_causal(c))
+        .ok_or_else(|| {
+            let names: Vec<_> = NAMED_PROBLEMS.iter().map(|p| p.0).collect();
+            invalid!("unknown problem {name:?} (known: {})", names.join(", "))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn causal_visibility_is_bottom_right() {
+        let p = Problem::new(1, 1, 3, 5, 64).with_causal(true);
+        assert_eq!(
+            (0..3).map(|i| p.visible_keys(i)).collect::<Vec<_>>(),
+            [3, 4, 5]
+        );
+        let p = Problem::new(1, 1, 5, 3, 64).with_causal(true);
+        assert_eq!(
+            (0..5).map(|i| p.visible_keys(i)).collect::<Vec<_>>(),
+            [0, 0, 1, 2, 3]
+        );
+    }
+
+    #[test]
+    fn causal_square_counts_half_plus_diagonal() {
+        let p = Problem::new(1, 1, 4, 4, 8).with_causal(true);
+        assert_eq!(p.flops(), 4.0 * (1 + 2 + 3 + 4) as f64 * 8.0);
+    }
+
+    #[test]
+    fn strides_address_every_element_once() {
+        for layout in [Layout::Bhsd, Layout::Bshd] {
+            let p = Problem::new(2, 3, 5, 5, 4).with_layout(layout);
+            let s = p.q_strides();
+            let mut seen = vec![false; p.q_len().unwrap()];
+            for b in 0..2 {
+                for h in 0..3 {
+                    for i in 0..5 {
+                        for d in 0..4 {
+                            let o = s.offset(b, h, i, d);
+                            assert!(!seen[o], "{layout:?} offset {o} twice");
+                            seen[o] = true;
+                        }
+                    }
+                }
+            }
+            assert!(seen.into_iter().all(|x| x));
+        }
+    }
+
+    #[test]
+    fn validation_names_the_offending_value() {
+        let e = Problem::new(1, 6, 4, 4, 64).with_kv_heads(4).validate();
+        assert!(e.unwrap_err().to_string().contains("kv_heads (4)"));
+        let e = Problem::new(1, 1, 4, 0, 64).validate();
+        assert!(e.unwrap_err().to_string().contains("seq_k"));
+        let e = Problem::new(1, 1, 4, 4, 64).with_scale(f32::NAN).validate();
+        assert!(e.unwrap_err().to_string().contains("NaN"));
+        let e = Problem::new(1 << 20, 1 << 10, 1 << 10, 1 << 10, 64).validate();
+        assert!(e.unwrap_err().to_string().contains("2^40"));
+    }
+}

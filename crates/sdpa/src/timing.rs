@@ -1,0 +1,132 @@
+//! GPU timing, the same way everywhere (design.md "Measuring"): CUDA events, warm-up first,
+//! medians. `us_graph` is the per-call time inside a CUDA graph of many calls (the kernel
+//! without launch gaps); `us_event` is one call between two events (what a caller sees).
+
+use crate::backend::Backend;
+use crate::device::{Device, Tensor};
+use crate::error::{Error, Result};
+use crate::problem::Problem;
+use cudarc::driver::sys;
+use std::time::Instant;
+
+/// Median per-call times in microseconds.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// Per call inside a CUDA graph of many calls.
+    pub us_graph: f64,
+    /// One call between two events, host-side argument checking included.
+    pub us_event: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+/// Times `f` (which must only enqueue work on `dev`'s stream) with events and in a graph.
+/// `budget_ms` bounds the total time spent (roughly; at least a few repetitions run).
+pub fn time_gpu(
+    dev: &Device,
+    budget_ms: f64,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<Timing> {
+    let ctx = dev.ctx();
+    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
+    let stream = dev.stream();
+    let once = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        start.record(stream)?;
+        f()?;
+        end.record(stream)?;
+        Ok(f64::from(start.elapsed_ms(&end)?) * 1e3)
+    };
+    for _ in 0..3 {
+        f()?;
+    }
+    dev.synchronize()?;
+    let first_us = once(&mut f)?.max(1.0);
+
+    let share_us = budget_ms * 1e3 / 2.0;
+    let reps = ((share_us / first_us) as usize).clamp(5, 200);
+    let us_event = median((0..reps).map(|_| once(&mut f)).collect::<Result<_>>()?);
+
+    // Enough calls per graph that a replay lasts ~2 ms (launch of the graph itself amortized).
+    let calls = ((2000.0 / first_us) as usize).clamp(2, 200);
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    let captured: Result<()> = (0..calls).try_for_each(|_| f());
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    captured?;
+    let graph = graph?.ok_or_else(|| Error::Cuda("stream capture produced no graph".into()))?;
+    graph.upload()?;
+    graph.launch()?;
+    dev.synchronize()?;
+    let replays = ((share_us / (first_us * calls as f64)) as usize).clamp(3, 50);
+    let mut per_call = Vec::with_capacity(replays);
+    for _ in 0..replays {
+        start.record(stream)?;
+        graph.launch()?;
+        end.record(stream)?;
+        per_call.push(f64::from(start.elapsed_ms(&end)?) * 1e3 / calls as f64);
+    }
+    Ok(Timing {
+        us_graph: median(per_call),
+        us_event,
+    })
+}
+
+/// Times one backend on one problem (inputs random, rounded to the dtype). `Cpu` is timed with
+/// the host clock, both figures the same.
+pub fn time_backend(
+    dev: Option<&Device>,
+    p: &Problem,
+    backend: Backend,
+    budget_ms: f64,
+) -> Result<Timing> {
+    let backend = backend.resolve(dev, p)?;
+    backend.supports(dev, p)?;
+    let inputs = crate::check::random_inputs(p, crate::check::fresh_seed());
+    if backend == Backend::Cpu {
+        let [q, k, v] = &inputs.values;
+        let mut ts = Vec::new();
+        let t0 = Instant::now();
+        while ts.is_empty() || (t0.elapsed().as_secs_f64() * 1e3 < budget_ms && ts.len() < 20) {
+            let t = Instant::now();
+            std::hint::black_box(crate::reference(p, q, k, v)?);
+            ts.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        let us = median(ts);
+        return Ok(Timing {
+            us_graph: us,
+            us_event: us,
+        });
+    }
+    let dev = dev.expect("supports() requires a device for GPU backends");
+    let [qb, kb, vb] = &inputs.bits;
+    let q = Tensor::from_bits(dev, p.dtype, qb)?;
+    let k = Tensor::from_bits(dev, p.dtype, kb)?;
+    let v = Tensor::from_bits(dev, p.dtype, vb)?;
+    let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap())?;
+    time_gpu(dev, budget_ms, || {
+        crate::forward(dev, p, backend, &q, &k, &v, &mut out)
+    })
+}
+
+/// The launch floor: an empty kernel on `blocks` CTAs in the same harness.
+pub fn launch_floor(dev: &Device, blocks: i32) -> Result<Timing> {
+    time_gpu(dev, 200.0, || {
+        let s = dev.raw_stream()?;
+        // SAFETY: a valid stream of the current context; the kernel touches no memory.
+        unsafe { sdpa_sys::ffi::empty_kernel(blocks, s)? };
+        Ok(())
+    })
+}
+
+/// TFLOP/s of a problem at `us` microseconds per call (causal counts visible scores only).
+pub fn tflops(p: &Problem, us: f64) -> f64 {
+    p.flops() / (us * 1e-6) / 1e12
+}
