@@ -124,26 +124,33 @@ pub fn fresh_seed() -> u64 {
         .unwrap_or(0x5eed)
 }
 
-/// Runs `backend` on fresh inputs drawn from `seed` and compares with the f64 reference.
+/// Runs `backend` on `inputs` (output poisoned first) and returns its output as f64.
 ///
-/// `Cpu` needs no device: its check is the reference rounded to the dtype (what
-/// `forward(Backend::Cpu)` returns).
-pub fn check_backend(
+/// `Cpu` needs no device: its output is the reference rounded to the dtype (what
+/// `forward(Backend::Cpu)` returns), computed from `reference` when given.
+pub fn run_backend(
     dev: Option<&Device>,
     p: &Problem,
     backend: Backend,
-    seed: u64,
-) -> Result<Report> {
+    inputs: &Inputs,
+    reference: Option<&[f64]>,
+) -> Result<Vec<f64>> {
     p.validate()?;
     let backend = backend.resolve(dev, p)?;
     backend.supports(dev, p)?;
-    let inputs = random_inputs(p, seed);
-    let [qv, kv, vv] = &inputs.values;
-    let want = cpu::reference(p, qv, kv, vv)?;
-    let got = match (backend, dev) {
+    match (backend, dev) {
         (Backend::Cpu, _) | (_, None) => {
+            let owned;
+            let want = match reference {
+                Some(r) => r,
+                None => {
+                    let [q, k, v] = &inputs.values;
+                    owned = cpu::reference(p, q, k, v)?;
+                    &owned
+                }
+            };
             let o32: Vec<f32> = want.iter().map(|&x| x as f32).collect();
-            decode(p.dtype, &encode(p.dtype, &o32))
+            Ok(decode(p.dtype, &encode(p.dtype, &o32)))
         }
         (_, Some(dev)) => {
             let [qb, kb, vb] = &inputs.bits;
@@ -152,9 +159,24 @@ pub fn check_backend(
             let v = Tensor::from_bits(dev, p.dtype, vb)?;
             let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap())?;
             crate::forward(dev, p, backend, &q, &k, &v, &mut out)?;
-            out.to_f64(dev)?
+            out.to_f64(dev)
         }
-    };
+    }
+}
+
+/// Runs `backend` on fresh inputs drawn from `seed` and compares with the f64 reference.
+pub fn check_backend(
+    dev: Option<&Device>,
+    p: &Problem,
+    backend: Backend,
+    seed: u64,
+) -> Result<Report> {
+    p.validate()?;
+    backend.supports(dev, p)?;
+    let inputs = random_inputs(p, seed);
+    let [q, k, v] = &inputs.values;
+    let want = cpu::reference(p, q, k, v)?;
+    let got = run_backend(dev, p, backend, &inputs, Some(&want))?;
     Ok(compare(&got, &want, p.dtype, seed))
 }
 
