@@ -12,16 +12,31 @@ fn problem_errors_without_a_gpu() {
         (Problem::new(1, 1, 0, 4, 64), "seq_q must be at least 1"),
         (Problem::new(1, 1, 4, 0, 64), "seq_k must be at least 1"),
         (Problem::new(1, 1, 4, 4, 0), "head_dim must be at least 1"),
-        (Problem::new(1, 4, 4, 4, 64).with_kv_heads(3), "multiple of kv_heads (3)"),
-        (Problem::new(1, 4, 4, 4, 64).with_kv_heads(0), "kv_heads must be at least 1"),
-        (Problem::new(1, 1, 4, 4, 64).with_scale(-1.0), "scale must be finite and positive, got -1"),
-        (Problem::new(1, 1, 4, 4, 64).with_scale(f32::INFINITY), "got inf"),
+        (
+            Problem::new(1, 4, 4, 4, 64).with_kv_heads(3),
+            "multiple of kv_heads (3)",
+        ),
+        (
+            Problem::new(1, 4, 4, 4, 64).with_kv_heads(0),
+            "kv_heads must be at least 1",
+        ),
+        (
+            Problem::new(1, 1, 4, 4, 64).with_scale(-1.0),
+            "scale must be finite and positive, got -1",
+        ),
+        (
+            Problem::new(1, 1, 4, 4, 64).with_scale(f32::INFINITY),
+            "got inf",
+        ),
         (Problem::new(usize::MAX, 2, 4, 4, 64), "2^40"),
     ];
     for (p, fragment) in cases {
         let e = p.validate().unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{p:?}: {e}");
-        assert!(e.to_string().contains(fragment), "{p:?}: {e:?} lacks {fragment:?}");
+        assert!(
+            e.to_string().contains(fragment),
+            "{p:?}: {e:?} lacks {fragment:?}"
+        );
     }
 }
 
@@ -29,7 +44,16 @@ fn problem_errors_without_a_gpu() {
 fn scalar_names_its_head_dim_limit_with_or_without_a_gpu() {
     let p = Problem::new(1, 1, 4, 4, 96);
     let e = Backend::Scalar.supports(None, &p).unwrap_err();
-    assert!(matches!(e, Error::Unsupported { backend: "scalar", .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::Unsupported {
+                backend: "scalar",
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert!(e.to_string().contains("head_dim 96"), "{e}");
 }
 
@@ -52,7 +76,9 @@ fn no_gpu_is_an_error_value_not_a_crash() {
         Err(e) => assert!(matches!(e, Error::NoDevice(_)), "{e}"),
     }
     // Whatever the machine, a huge ordinal is an error value.
-    let e = sdpa::Device::new(1 << 20).err().expect("no machine has 2^20 GPUs");
+    let e = sdpa::Device::new(1 << 20)
+        .err()
+        .expect("no machine has 2^20 GPUs");
     assert!(matches!(e, Error::NoDevice(_)), "{e}");
 }
 
@@ -70,14 +96,29 @@ fn tensor_mismatches_are_rejected_before_launch() {
 
     let mut out = Tensor::poisoned(&dev, DType::F16, n).unwrap();
     let e = sdpa::forward(&dev, &p, Backend::Scalar, &bf, &k, &v, &mut out).unwrap_err();
-    assert!(e.to_string().contains("q is bf16, the problem says f16"), "{e}");
+    assert!(
+        e.to_string().contains("q is bf16, the problem says f16"),
+        "{e}"
+    );
     let e = sdpa::forward(&dev, &p, Backend::Scalar, &q, &short, &v, &mut out).unwrap_err();
-    assert!(e.to_string().contains(&format!("k holds {} elements", n - 1)), "{e}");
+    assert!(
+        e.to_string()
+            .contains(&format!("k holds {} elements", n - 1)),
+        "{e}"
+    );
     let mut short_out = Tensor::poisoned(&dev, DType::F16, n - 1).unwrap();
     let e = sdpa::forward(&dev, &p, Backend::Scalar, &q, &k, &v, &mut short_out).unwrap_err();
     assert!(e.to_string().contains("out holds"), "{e}");
-    let e = sdpa::forward(&dev, &p.with_kv_heads(3), Backend::Scalar, &q, &k, &v, &mut out)
-        .unwrap_err();
+    let e = sdpa::forward(
+        &dev,
+        &p.with_kv_heads(3),
+        Backend::Scalar,
+        &q,
+        &k,
+        &v,
+        &mut out,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("kv_heads (3)"), "{e}");
     let p96 = Problem::new(1, 1, 8, 8, 96);
     let e = sdpa::forward(&dev, &p96, Backend::Scalar, &q, &k, &v, &mut out).unwrap_err();

@@ -30,7 +30,11 @@ fn run_grid(dtype: DType, head_dim: usize) {
     for (i, &(sq, sk)) in SEQS.iter().enumerate() {
         for causal in [false, true] {
             // Rotate layout and GQA through the grid so each appears with every length.
-            let layout = if i % 2 == 0 { Layout::Bhsd } else { Layout::Bshd };
+            let layout = if i % 2 == 0 {
+                Layout::Bhsd
+            } else {
+                Layout::Bshd
+            };
             let (heads, kv_heads) = [(2, 2), (4, 2), (4, 1)][i % 3];
             let p = Problem::new(2, heads, sq, sk, head_dim)
                 .with_kv_heads(kv_heads)
@@ -44,7 +48,12 @@ fn run_grid(dtype: DType, head_dim: usize) {
             }
         }
     }
-    assert!(failures.is_empty(), "{} of {n} failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {n} failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]

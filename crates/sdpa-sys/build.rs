@@ -175,7 +175,10 @@ fn ensure_pypi_toolchain(pins_file: &Path) -> Result<PathBuf, String> {
             .ok_or("neither SDPA_TOOLCHAIN_DIR, XDG_CACHE_HOME nor HOME is set")?
             .join("sdpa"),
     };
-    let root = cache.join(format!("toolchain-{:016x}", fnv1a(pins.join("\n").as_bytes())));
+    let root = cache.join(format!(
+        "toolchain-{:016x}",
+        fnv1a(pins.join("\n").as_bytes())
+    ));
     // Printed on every build (cargo replays it when the build script is fresh, too).
     println!(
         "cargo:warning=sdpa-sys: CUDA toolchain: the pinned PyPI install in {} (made once by \
@@ -195,7 +198,11 @@ fn ensure_pypi_toolchain(pins_file: &Path) -> Result<PathBuf, String> {
         .ok_or("no python3 on PATH to install the toolchain with pip")?;
     let out = Command::new(python)
         .args(["-m", "pip", "install", "--no-deps", "--no-input", "--quiet"])
-        .args(["--disable-pip-version-check", "--no-warn-script-location", "--target"])
+        .args([
+            "--disable-pip-version-check",
+            "--no-warn-script-location",
+            "--target",
+        ])
         .arg(&tmp)
         .args(&pins)
         .output()
@@ -218,7 +225,10 @@ fn ensure_pypi_toolchain(pins_file: &Path) -> Result<PathBuf, String> {
         // Another build installed it meanwhile; use theirs.
         let _ = fs::remove_dir_all(&tmp);
         if !root.join(".complete").exists() {
-            return Err(format!("could not move the toolchain into {}", root.display()));
+            return Err(format!(
+                "could not move the toolchain into {}",
+                root.display()
+            ));
         }
     }
     Ok(root)
@@ -269,7 +279,11 @@ fn write_ptxas_report(build: &Path, out_dir: &Path) {
     files.sort();
     let mut report = String::new();
     for f in files {
-        let name = f.file_name().unwrap().to_string_lossy().replace(".o.ptxas", "");
+        let name = f
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .replace(".o.ptxas", "");
         report.push_str(&format!("## {name}\n"));
         report.push_str(&fs::read_to_string(&f).unwrap_or_default());
     }

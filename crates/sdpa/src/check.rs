@@ -67,13 +67,21 @@ pub fn compare(out: &[f64], reference: &[f64], dtype: DType, seed: u64) -> Repor
         let d = o - r;
         num += d * d;
         den += r * r;
-        max_err = if d.is_nan() { f64::NAN } else { max_err.max(d.abs()) };
+        max_err = if d.is_nan() {
+            f64::NAN
+        } else {
+            max_err.max(d.abs())
+        };
         ref_max = ref_max.max(r.abs());
     }
     let mut tol = tolerance(dtype);
     tol.max_abs *= ref_max;
     Report {
-        rel_err: if den > 0.0 { (num / den).sqrt() } else { num.sqrt() },
+        rel_err: if den > 0.0 {
+            (num / den).sqrt()
+        } else {
+            num.sqrt()
+        },
         max_err,
         nan_count,
         tol,
@@ -202,7 +210,10 @@ mod tests {
             let rep = check_backend(None, &p, Backend::Cpu, 7).unwrap();
             let u = dtype.unit_roundoff();
             assert!(rep.pass(), "{dtype}: {rep:?}");
-            assert!(rep.rel_err > 0.2 * u && rep.rel_err < 0.8 * u, "{dtype}: {rep:?}");
+            assert!(
+                rep.rel_err > 0.2 * u && rep.rel_err < 0.8 * u,
+                "{dtype}: {rep:?}"
+            );
         }
     }
 
@@ -214,6 +225,9 @@ mod tests {
         let x = &a.values[0];
         let mean = x.iter().sum::<f64>() / x.len() as f64;
         let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / x.len() as f64;
-        assert!(mean.abs() < 0.05 && (var - 1.0).abs() < 0.1, "mean {mean} var {var}");
+        assert!(
+            mean.abs() < 0.05 && (var - 1.0).abs() < 0.1,
+            "mean {mean} var {var}"
+        );
     }
 }

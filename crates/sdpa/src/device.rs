@@ -74,7 +74,9 @@ impl Device {
     /// Number of streaming multiprocessors.
     pub fn sm_count(&self) -> Result<u32> {
         use sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
-        Ok(self.ctx.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32)
+        Ok(self
+            .ctx
+            .attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32)
     }
     /// Waits for everything issued on this handle's stream.
     pub fn synchronize(&self) -> Result<()> {

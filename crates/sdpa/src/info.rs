@@ -97,7 +97,10 @@ ptxas info    : Used 122 registers, used 1 barriers, 36992 bytes smem\n";
     #[test]
     fn this_build_reports_every_scalar_instantiation_without_spills() {
         let ks = kernels();
-        let scalar: Vec<_> = ks.iter().filter(|k| k.kernel.contains("scalar::fwd_kernel")).collect();
+        let scalar: Vec<_> = ks
+            .iter()
+            .filter(|k| k.kernel.contains("scalar::fwd_kernel"))
+            .collect();
         // 2 dtypes x 2 head dims x 2 causal, for each architecture built.
         let archs = cuda_archs().split(';').count();
         assert_eq!(scalar.len(), 8 * archs, "{ks:#?}");

@@ -102,7 +102,9 @@ fn check_args(
             ));
         }
         if !t.same_context(dev) {
-            return Err(invalid!("{name} lives on another GPU than the device handle"));
+            return Err(invalid!(
+                "{name} lives on another GPU than the device handle"
+            ));
         }
     }
     Ok(())

@@ -210,8 +210,16 @@ impl Problem {
                     return Err(invalid!(
                         "{name} would hold more than 2^40 elements ({}x{}x{}x{})",
                         self.batch,
-                        if name == "Q/O" { self.heads } else { self.kv_heads },
-                        if name == "Q/O" { self.seq_q } else { self.seq_k },
+                        if name == "Q/O" {
+                            self.heads
+                        } else {
+                            self.kv_heads
+                        },
+                        if name == "Q/O" {
+                            self.seq_q
+                        } else {
+                            self.seq_k
+                        },
                         self.head_dim
                     ));
                 }
@@ -262,7 +270,9 @@ impl Problem {
             return self.seq_k;
         }
         // j <= i + seq_k - seq_q  <=>  j < i + 1 + seq_k - seq_q
-        (i + 1 + self.seq_k).saturating_sub(self.seq_q).min(self.seq_k)
+        (i + 1 + self.seq_k)
+            .saturating_sub(self.seq_q)
+            .min(self.seq_k)
     }
 
     /// Floating-point operations of the two matrix products, counting only visible scores

@@ -30,11 +30,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Times `f` (which must only enqueue work on `dev`'s stream) with events and in a graph.
 /// `budget_ms` bounds the total time spent (roughly; at least a few repetitions run).
-pub fn time_gpu(
-    dev: &Device,
-    budget_ms: f64,
-    mut f: impl FnMut() -> Result<()>,
-) -> Result<Timing> {
+pub fn time_gpu(dev: &Device, budget_ms: f64, mut f: impl FnMut() -> Result<()>) -> Result<Timing> {
     let ctx = dev.ctx();
     let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
     let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);

@@ -84,7 +84,8 @@ mod tests {
                 for i in 0..p.seq_q {
                     let mut w = vec![f64::NEG_INFINITY; p.seq_k];
                     for (j, wj) in w.iter_mut().enumerate() {
-                        let masked = p.causal && (j as i64) > i as i64 + p.seq_k as i64 - p.seq_q as i64;
+                        let masked =
+                            p.causal && (j as i64) > i as i64 + p.seq_k as i64 - p.seq_q as i64;
                         if !masked {
                             let mut dot = 0.0;
                             for t in 0..d {
@@ -101,7 +102,10 @@ mod tests {
                     let z: f64 = w.iter().map(|x| (x - mx).exp()).sum();
                     for t in 0..d {
                         out[((b * p.heads + h) * p.seq_q + i) * d + t] = (0..p.seq_k)
-                            .map(|j| (w[j] - mx).exp() / z * v[((b * p.kv_heads + hk) * p.seq_k + j) * d + t])
+                            .map(|j| {
+                                (w[j] - mx).exp() / z
+                                    * v[((b * p.kv_heads + hk) * p.seq_k + j) * d + t]
+                            })
                             .sum();
                     }
                 }
@@ -131,7 +135,9 @@ mod tests {
             (1, 4, 2, 9, 4, 16, true),
             (1, 4, 1, 6, 6, 8, true),
         ] {
-            let p = Problem::new(b, h, sq, sk, d).with_kv_heads(kvh).with_causal(causal);
+            let p = Problem::new(b, h, sq, sk, d)
+                .with_kv_heads(kvh)
+                .with_causal(causal);
             let q = pseudo_random(p.q_len().unwrap(), 1);
             let k = pseudo_random(p.kv_len().unwrap(), 2);
             let v = pseudo_random(p.kv_len().unwrap(), 3);
@@ -167,10 +173,18 @@ mod tests {
     fn bshd_is_a_permutation_of_bhsd() {
         let base = Problem::new(2, 3, 5, 6, 4).with_causal(true);
         let (ql, kl) = (base.q_len().unwrap(), base.kv_len().unwrap());
-        let (q, k, v) = (pseudo_random(ql, 6), pseudo_random(kl, 7), pseudo_random(kl, 8));
+        let (q, k, v) = (
+            pseudo_random(ql, 6),
+            pseudo_random(kl, 7),
+            pseudo_random(kl, 8),
+        );
         let bhsd = reference(&base, &q, &k, &v).unwrap();
         let t = base.with_layout(Layout::Bshd);
-        let permute = |x: &[f64], from: crate::problem::Strides, to: crate::problem::Strides, h: usize, s: usize| {
+        let permute = |x: &[f64],
+                       from: crate::problem::Strides,
+                       to: crate::problem::Strides,
+                       h: usize,
+                       s: usize| {
             let mut y = vec![0.0; x.len()];
             for b in 0..2 {
                 for hh in 0..h {

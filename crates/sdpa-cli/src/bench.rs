@@ -1,0 +1,153 @@
+//! `sdpa bench`: named problems x backends, CUDA-event timing (`us_graph`, `us_event`),
+//! TFLOP/s, rel_err, and `--json` records in the format of shared/anchors/compare.py.
+
+use crate::open_device;
+use crate::validate::{ProblemArgs, backends};
+use sdpa::check::{compare, fresh_seed, random_inputs};
+use sdpa::timing::{launch_floor, tflops, time_backend, time_gpu};
+use sdpa::{Backend, Device, Problem, Result, Tensor};
+use serde_json::json;
+use std::process::ExitCode;
+
+/// Problems whose f64 reference costs more than this many flops get no rel_err in the bench
+/// (minutes of CPU time); `sdpa validate` covers them.
+const REFERENCE_FLOP_LIMIT: f64 = 2e11;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    problems: ProblemArgs,
+    /// Backends (comma-separated); default: every GPU backend (cpu when there is no GPU).
+    #[arg(long, value_delimiter = ',')]
+    backend: Vec<String>,
+    /// Write records (JSON list) here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    /// Time budget per measurement, milliseconds.
+    #[arg(long, default_value_t = 1000.0)]
+    budget_ms: f64,
+}
+
+pub fn main(a: Args) -> Result<ExitCode> {
+    let dev = open_device();
+    let all: Vec<&str> = sdpa::NAMED_PROBLEMS.iter().map(|p| p.0).collect();
+    let default: &[&str] = if dev.is_some() { &all } else { &["mission"] };
+    let problems = a.problems.problems(default, "named")?;
+    let backends: Vec<Backend> = if a.backend.is_empty() {
+        if dev.is_some() {
+            Backend::GPU.to_vec()
+        } else {
+            vec![Backend::Cpu]
+        }
+    } else {
+        backends(&a.backend)?
+    };
+
+    if let Some(d) = &dev {
+        let sms = d.sm_count()? as i32;
+        let (one, full) = (launch_floor(d, 1)?, launch_floor(d, 2 * sms)?);
+        println!(
+            "{} ({} SMs). launch floor (empty kernel): {:.2} us/call in a graph (1 CTA), {:.2} \
+             ({} CTAs); {:.2} us one launch between events",
+            d.name()?,
+            sms,
+            one.us_graph,
+            full.us_graph,
+            2 * sms,
+            one.us_event
+        );
+    }
+    let mut records = Vec::new();
+    let mut failed = false;
+    for (name, p) in &problems {
+        for &b in &backends {
+            eprint!("bench {name} {} {} ... ", p.dtype, b.name());
+            match bench_one(dev.as_ref(), p, b, a.budget_ms) {
+                Ok((t, rel_err)) => {
+                    eprintln!("{:.2} us", t.us_graph);
+                    records.push(json!({
+                        "name": name, "batch": p.batch, "heads": p.heads, "seq_q": p.seq_q,
+                        "seq_k": p.seq_k, "head_dim": p.head_dim, "causal": p.causal,
+                        "dtype": p.dtype.name(), "backend": b.name(), "us_graph": t.us_graph,
+                        "us_event": t.us_event, "tflops": tflops(p, t.us_graph),
+                        "rel_err": rel_err,
+                    }));
+                }
+                Err(e @ sdpa::Error::Unsupported { .. }) => eprintln!("skipped: {e}"),
+                Err(e) => {
+                    eprintln!("FAILED: {e}");
+                    failed = true;
+                }
+            }
+        }
+    }
+    println!(
+        "\n{:<18} {:<5} {:<8} {:>11} {:>11} {:>8} {:>10}",
+        "problem", "dtype", "backend", "us_graph", "us_event", "TFLOP/s", "rel_err"
+    );
+    for r in &records {
+        println!(
+            "{:<18} {:<5} {:<8} {:>11.2} {:>11.2} {:>8.2} {:>10}",
+            r["name"].as_str().unwrap_or(""),
+            r["dtype"].as_str().unwrap_or(""),
+            r["backend"].as_str().unwrap_or(""),
+            r["us_graph"].as_f64().unwrap_or(f64::NAN),
+            r["us_event"].as_f64().unwrap_or(f64::NAN),
+            r["tflops"].as_f64().unwrap_or(f64::NAN),
+            r["rel_err"]
+                .as_f64()
+                .map_or("-".into(), |x| format!("{x:.2e}")),
+        );
+    }
+    if let Some(path) = &a.json {
+        let text = serde_json::to_string_pretty(&records).expect("records serialize");
+        std::fs::write(path, text).map_err(|e| sdpa::Error::Io {
+            path: path.display().to_string(),
+            msg: e.to_string(),
+        })?;
+        println!("wrote {} records to {}", records.len(), path.display());
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// Checks the output once (when the reference is affordable), then times the backend.
+fn bench_one(
+    dev: Option<&Device>,
+    p: &Problem,
+    b: Backend,
+    budget_ms: f64,
+) -> Result<(sdpa::timing::Timing, Option<f64>)> {
+    b.supports(dev, p)?;
+    let Some(dev) = dev.filter(|_| b != Backend::Cpu) else {
+        return Ok((time_backend(dev, p, b, budget_ms)?, None));
+    };
+    let seed = fresh_seed();
+    let inputs = random_inputs(p, seed);
+    let [qb, kb, vb] = &inputs.bits;
+    let q = Tensor::from_bits(dev, p.dtype, qb)?;
+    let k = Tensor::from_bits(dev, p.dtype, kb)?;
+    let v = Tensor::from_bits(dev, p.dtype, vb)?;
+    let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap())?;
+    sdpa::forward(dev, p, b, &q, &k, &v, &mut out)?;
+    let rel_err = if p.flops() <= REFERENCE_FLOP_LIMIT {
+        let [qv, kv, vv] = &inputs.values;
+        let want = sdpa::reference(p, qv, kv, vv)?;
+        let r = compare(&out.to_f64(dev)?, &want, p.dtype, seed);
+        if !r.pass() {
+            return Err(sdpa::Error::Cuda(format!(
+                "wrong result before timing: {r:?}"
+            )));
+        }
+        Some(r.rel_err)
+    } else {
+        None
+    };
+    let t = time_gpu(dev, budget_ms, || {
+        sdpa::forward(dev, p, b, &q, &k, &v, &mut out)
+    })?;
+    Ok((t, rel_err))
+}

@@ -1,0 +1,115 @@
+//! `sdpa`: inspect the build and the GPU, validate backends against the f64 reference, time
+//! them on the named problems, and run attention on .npy files.
+
+mod bench;
+mod npy;
+mod run;
+mod validate;
+
+use clap::{Parser, Subcommand};
+use sdpa::{Backend, Device};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "sdpa",
+    version,
+    about = "Scaled dot-product attention on NVIDIA GPUs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// The GPU, the backends it can run, and every kernel's registers / shared memory / spills.
+    Info,
+    /// Checks backends against the float64 reference on fresh random inputs.
+    Validate(validate::Args),
+    /// Times backends on the named problems (CUDA events, graph and single-launch medians).
+    Bench(bench::Args),
+    /// Runs attention on .npy inputs and writes a float32 .npy output.
+    Run(run::Args),
+}
+
+fn main() -> ExitCode {
+    let result = match Cli::parse().cmd {
+        Cmd::Info => info(),
+        Cmd::Validate(a) => validate::main(a),
+        Cmd::Bench(a) => bench::main(a),
+        Cmd::Run(a) => run::main(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("sdpa: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// GPU 0, or `None` after one line saying why (then only the CPU reference runs).
+pub(crate) fn open_device() -> Option<Device> {
+    match Device::new(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("sdpa: {e}; running the CPU reference only");
+            None
+        }
+    }
+}
+
+fn info() -> sdpa::Result<ExitCode> {
+    println!(
+        "sdpa {} (CUDA archs {})",
+        env!("CARGO_PKG_VERSION"),
+        sdpa::info::cuda_archs()
+    );
+    let dev = open_device();
+    if let Some(dev) = &dev {
+        let (major, minor) = dev.compute_capability()?;
+        println!(
+            "device 0: {} (sm_{major}{minor}, {} SMs)",
+            dev.name()?,
+            dev.sm_count()?
+        );
+    }
+    println!("\nbackends (on the mission problem, f16):");
+    let probe = sdpa::named_problem("mission")?;
+    for b in Backend::ALL {
+        match b.supports(dev.as_ref(), &probe) {
+            Ok(()) => match b.resolve(dev.as_ref(), &probe) {
+                Ok(r) if r != b => println!("  {:8} available (-> {r})", b.name()),
+                _ => println!("  {:8} available", b.name()),
+            },
+            Err(e) => println!("  {:8} unavailable: {e}", b.name()),
+        }
+    }
+    println!("\nkernels (ptxas report captured at build time):");
+    println!(
+        "  {:<44} {:>7} {:>5} {:>6} {:>6} {:>7}",
+        "kernel", "arch", "regs", "smem", "stack", "spills"
+    );
+    for k in sdpa::info::kernels() {
+        println!(
+            "  {:<44} {:>7} {:>5} {:>6} {:>6} {:>7}",
+            short_kernel_name(&k.kernel),
+            k.arch,
+            k.registers,
+            k.smem,
+            k.stack,
+            k.spill_stores + k.spill_loads
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `void sdpa::scalar::fwd_kernel<__half, 64, true>(sdpa::scalar::Params)` ->
+/// `scalar::fwd_kernel<__half, 64, true>`.
+fn short_kernel_name(k: &str) -> String {
+    let k = k.strip_prefix("void ").unwrap_or(k);
+    let k = k.strip_prefix("sdpa::").unwrap_or(k);
+    let end = k.find('(').unwrap_or(k.len());
+    k[..end].to_string()
+}

@@ -1,0 +1,192 @@
+//! `sdpa validate`: backend x problem -> rel_err, max_err, pass/fail against the f64 reference.
+
+use crate::open_device;
+use sdpa::check::{Inputs, compare, fresh_seed, random_inputs, run_backend};
+use sdpa::{Backend, DType, Layout, Problem, Result};
+use std::process::ExitCode;
+
+/// Arguments shared by `validate` and `bench`: which problems.
+#[derive(clap::Args, Clone)]
+pub struct ProblemArgs {
+    /// Named problems (comma-separated): mission, mission-causal, s1k-d64, s2k-d128,
+    /// s4k-d128-causal, s8k-d128, s16k-d128-causal.
+    #[arg(long, value_delimiter = ',')]
+    pub problem: Vec<String>,
+    /// Extra shapes, BATCH,HEADS,SEQ_Q,SEQ_K,HEAD_DIM (repeatable).
+    #[arg(long)]
+    pub shape: Vec<String>,
+    /// Causal masking: both, yes (only causal), no, or named (as the problem's name says).
+    /// Default: both for validate, named for bench.
+    #[arg(long)]
+    pub causal: Option<String>,
+    /// Element types (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "f16,bf16")]
+    pub dtype: Vec<String>,
+    /// Memory layout: bhsd or bshd.
+    #[arg(long, default_value = "bhsd")]
+    pub layout: String,
+    /// K/V heads (GQA); default: as many as query heads.
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+}
+
+impl ProblemArgs {
+    /// Expands the arguments into concrete problems, `default` names when none are given.
+    pub fn problems(
+        &self,
+        default: &[&str],
+        default_causal: &str,
+    ) -> Result<Vec<(String, Problem)>> {
+        let layout: Layout = self.layout.parse()?;
+        let causal: &[bool] = match self.causal.as_deref().unwrap_or(default_causal) {
+            "both" => &[false, true],
+            "yes" | "true" | "on" => &[true],
+            "no" | "false" | "off" => &[false],
+            "named" => &[],
+            c => {
+                return Err(sdpa::Error::InvalidArgument(format!(
+                    "--causal {c:?}: expected both, yes, no or named"
+                )));
+            }
+        };
+        let mut bases = Vec::new();
+        let names: Vec<String> = if self.problem.is_empty() && self.shape.is_empty() {
+            default.iter().map(|s| s.to_string()).collect()
+        } else {
+            self.problem.clone()
+        };
+        for n in &names {
+            let p = sdpa::named_problem(n)?;
+            if causal.is_empty() {
+                bases.push((n.clone(), p));
+            } else {
+                bases.push((n.trim_end_matches("-causal").to_string(), p));
+            }
+        }
+        for s in &self.shape {
+            let dims: Vec<usize> = s
+                .split(',')
+                .map(|x| x.trim().parse::<usize>())
+                .collect::<std::result::Result<_, _>>()
+                .map_err(|_| sdpa::Error::InvalidArgument(format!("--shape {s:?}: not numbers")))?;
+            let [b, h, sq, sk, d] = dims[..] else {
+                return Err(sdpa::Error::InvalidArgument(format!(
+                    "--shape {s:?}: expected BATCH,HEADS,SEQ_Q,SEQ_K,HEAD_DIM"
+                )));
+            };
+            bases.push((
+                format!("B{b}-H{h}-Sq{sq}-Sk{sk}-D{d}"),
+                Problem::new(b, h, sq, sk, d),
+            ));
+        }
+        let mut out: Vec<(String, Problem)> = Vec::new();
+        for dtype in &self.dtype {
+            let dtype: DType = dtype.parse()?;
+            for (name, base) in &bases {
+                let named = [base.causal];
+                for &c in if causal.is_empty() {
+                    &named[..]
+                } else {
+                    causal
+                } {
+                    let mut p = base.with_causal(c).with_dtype(dtype).with_layout(layout);
+                    if let Some(kv) = self.kv_heads {
+                        p = p.with_kv_heads(kv);
+                    }
+                    p.validate()?;
+                    let name = if c && !name.ends_with("-causal") {
+                        format!("{name}-causal")
+                    } else {
+                        name.clone()
+                    };
+                    if !out.iter().any(|(_, q)| *q == p) {
+                        out.push((name, p));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Parses a backend list; empty means `cpu` plus every GPU backend.
+pub fn backends(names: &[String]) -> Result<Vec<Backend>> {
+    if names.is_empty() {
+        return Ok([Backend::Cpu].into_iter().chain(Backend::GPU).collect());
+    }
+    names.iter().map(|n| n.parse()).collect()
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    problems: ProblemArgs,
+    /// Backends (comma-separated); default: cpu and every GPU backend.
+    #[arg(long, value_delimiter = ',')]
+    backend: Vec<String>,
+    /// Seed for the random inputs; default: fresh every run.
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+pub fn main(a: Args) -> Result<ExitCode> {
+    let dev = open_device();
+    let problems = a
+        .problems
+        .problems(&["mission", "s1k-d64", "s2k-d128"], "both")?;
+    let mut backends = backends(&a.backend)?;
+    if dev.is_none() {
+        backends.retain(|b| *b == Backend::Cpu);
+    }
+    let seed = a.seed.unwrap_or_else(fresh_seed);
+    println!("seed {seed}");
+    println!(
+        "{:<8} {:<22} {:<5} {:>10} {:>10} {:>10}  result",
+        "backend", "problem", "dtype", "rel_err", "max_err", "tol"
+    );
+    let (mut failed, mut ran) = (0, 0);
+    for (i, (name, p)) in problems.iter().enumerate() {
+        let inputs: Inputs = random_inputs(p, seed.wrapping_add(i as u64));
+        let [q, k, v] = &inputs.values;
+        let want = sdpa::reference(p, q, k, v)?;
+        for &b in &backends {
+            let line = |r: &str| format!("{:<8} {:<22} {:<5} {r}", b.name(), name, p.dtype.name());
+            if let Err(e) = b.supports(dev.as_ref(), p) {
+                println!("{}", line(&format!("{:>32}  skipped: {e}", "")));
+                continue;
+            }
+            ran += 1;
+            match run_backend(dev.as_ref(), p, b, &inputs, Some(&want)) {
+                Ok(got) => {
+                    let r = compare(&got, &want, p.dtype, seed);
+                    let verdict = if r.pass() { "pass" } else { "FAIL" };
+                    failed += usize::from(!r.pass());
+                    println!(
+                        "{}",
+                        line(&format!(
+                            "{:>10.3e} {:>10.3e} {:>10.1e}  {verdict}{}",
+                            r.rel_err,
+                            r.max_err,
+                            r.tol.rel,
+                            if r.nan_count > 0 {
+                                format!(" ({} NaN)", r.nan_count)
+                            } else {
+                                String::new()
+                            }
+                        ))
+                    );
+                }
+                Err(e) => {
+                    failed += 1;
+                    println!("{}", line(&format!("{:>32}  FAIL: {e}", "")));
+                }
+            }
+        }
+    }
+    println!("{} of {ran} checks passed", ran - failed);
+    Ok(if failed == 0 && ran > 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
