@@ -141,8 +141,8 @@ pub fn main(a: Args) -> Result<ExitCode> {
     let seed = a.seed.unwrap_or_else(fresh_seed);
     println!("seed {seed}");
     println!(
-        "{:<8} {:<22} {:<5} {:>10} {:>10} {:>10}  result",
-        "backend", "problem", "dtype", "rel_err", "max_err", "tol"
+        "{:<8} {:<22} {:<5} {:>10} {:>10} {:>10} {:>10}  result",
+        "backend", "problem", "dtype", "rel_err", "rel_tol", "max_err", "max_tol"
     );
     let (mut failed, mut ran) = (0, 0);
     for (i, (name, p)) in problems.iter().enumerate() {
@@ -152,7 +152,7 @@ pub fn main(a: Args) -> Result<ExitCode> {
         for &b in &backends {
             let line = |r: &str| format!("{:<8} {:<22} {:<5} {r}", b.name(), name, p.dtype.name());
             if let Err(e) = b.supports(dev.as_ref(), p) {
-                println!("{}", line(&format!("{:>32}  skipped: {e}", "")));
+                println!("{}", line(&format!("{:>43}  skipped: {e}", "")));
                 continue;
             }
             ran += 1;
@@ -164,10 +164,11 @@ pub fn main(a: Args) -> Result<ExitCode> {
                     println!(
                         "{}",
                         line(&format!(
-                            "{:>10.3e} {:>10.3e} {:>10.1e}  {verdict}{}",
+                            "{:>10.3e} {:>10.1e} {:>10.3e} {:>10.1e}  {verdict}{}",
                             r.rel_err,
-                            r.max_err,
                             r.tol.rel,
+                            r.max_err,
+                            r.tol.max_abs,
                             if r.nan_count > 0 {
                                 format!(" ({} NaN)", r.nan_count)
                             } else {
@@ -178,7 +179,7 @@ pub fn main(a: Args) -> Result<ExitCode> {
                 }
                 Err(e) => {
                     failed += 1;
-                    println!("{}", line(&format!("{:>32}  FAIL: {e}", "")));
+                    println!("{}", line(&format!("{:>43}  FAIL: {e}", "")));
                 }
             }
         }

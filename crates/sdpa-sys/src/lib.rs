@@ -4,6 +4,9 @@
 //! as `usize`. The safe layer (`sdpa` crate) validates every argument before calling in; a C++
 //! exception (a failed CUDA call, an unsupported case) arrives as `Err(cxx::Exception)`.
 
+// cxx re-emits the extern functions without their doc comments; the `# Safety` contracts are
+// written on the declarations below.
+#[allow(clippy::missing_safety_doc)]
 #[cxx::bridge(namespace = "sdpa_bridge")]
 pub mod ffi {
     /// Mirrors `sdpa::FwdArgs` (cpp/include/sdpa/sdpa.h). Strides in elements: [batch, head, seq].

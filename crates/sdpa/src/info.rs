@@ -52,12 +52,13 @@ pub fn parse_ptxas(report: &str) -> Vec<KernelReport> {
                 k.spill_stores = number_before(line, "bytes spill stores");
                 k.spill_loads = number_before(line, "bytes spill loads");
             }
-        } else if line.contains("Used") && line.contains("registers") {
-            if let Some(mut k) = current.take() {
-                k.registers = number_before(line, "registers");
-                k.smem = number_before(line, "bytes smem");
-                out.push(k);
-            }
+        } else if line.contains("Used")
+            && line.contains("registers")
+            && let Some(mut k) = current.take()
+        {
+            k.registers = number_before(line, "registers");
+            k.smem = number_before(line, "bytes smem");
+            out.push(k);
         }
     }
     out

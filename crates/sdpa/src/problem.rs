@@ -191,7 +191,7 @@ impl Problem {
                 return Err(invalid!("{name} must be at least 1, got 0"));
             }
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(invalid!(
                 "heads ({}) must be a multiple of kv_heads ({})",
                 self.heads,
