@@ -1,4 +1,4 @@
-// Host-side dispatch: the one switch from (backend, dtype, head_dim) to an instantiation.
+// Host-side dispatch: the one switch from (kernel, dtype, head_dim) to an instantiation.
 // Arguments arrive validated by the Rust layer; the default branches are a second line of
 // defence that throws instead of launching anything.
 #include <string>
@@ -6,31 +6,57 @@
 #include "common/check.cuh"
 #include "sdpa/sdpa.h"
 
-namespace sdpa {
-namespace scalar {
-void forward_f16_d64(const FwdArgs&, cudaStream_t);
-void forward_f16_d128(const FwdArgs&, cudaStream_t);
-void forward_bf16_d64(const FwdArgs&, cudaStream_t);
-void forward_bf16_d128(const FwdArgs&, cudaStream_t);
-void attributes_f16_d64(std::vector<KernelAttr>&);
-void attributes_f16_d128(std::vector<KernelAttr>&);
-void attributes_bf16_d64(std::vector<KernelAttr>&);
-void attributes_bf16_d128(std::vector<KernelAttr>&);
-}  // namespace scalar
+// Each backend folder defines forward_<dtype>_d<D> and attributes_<dtype>_d<D> per
+// instantiation file (cpp/src/<backend>/fwd_<dtype>_d<D>.cu).
+#define SDPA_DECLARE_INSTANTIATIONS(ns)                        \
+  namespace ns {                                               \
+  void forward_f16_d64(const FwdArgs&, cudaStream_t);          \
+  void forward_f16_d128(const FwdArgs&, cudaStream_t);         \
+  void forward_bf16_d64(const FwdArgs&, cudaStream_t);         \
+  void forward_bf16_d128(const FwdArgs&, cudaStream_t);        \
+  void attributes_f16_d64(std::vector<KernelAttr>&);           \
+  void attributes_f16_d128(std::vector<KernelAttr>&);          \
+  void attributes_bf16_d64(std::vector<KernelAttr>&);          \
+  void attributes_bf16_d128(std::vector<KernelAttr>&);         \
+  }
 
-void scalar_forward(const FwdArgs& a, void* stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  const bool f16 = a.dtype == Dtype::F16;
+namespace sdpa {
+SDPA_DECLARE_INSTANTIATIONS(scalar)
+SDPA_DECLARE_INSTANTIATIONS(wmma_backend)
+
+namespace {
+using ForwardFn = void (*)(const FwdArgs&, cudaStream_t);
+
+// [dtype][head_dim 64, 128]
+template <ForwardFn F16_64, ForwardFn F16_128, ForwardFn BF16_64, ForwardFn BF16_128>
+void dispatch(const char* name, const FwdArgs& a, cudaStream_t s) {
   if (a.dtype != Dtype::F16 && a.dtype != Dtype::BF16)
-    throw Error("scalar: unsupported dtype code " + std::to_string(int(a.dtype)));
+    throw Error(std::string(name) + ": unsupported dtype code " + std::to_string(int(a.dtype)));
+  const bool f16 = a.dtype == Dtype::F16;
   switch (a.head_dim) {
     case 64:
-      return f16 ? scalar::forward_f16_d64(a, s) : scalar::forward_bf16_d64(a, s);
+      return f16 ? F16_64(a, s) : BF16_64(a, s);
     case 128:
-      return f16 ? scalar::forward_f16_d128(a, s) : scalar::forward_bf16_d128(a, s);
+      return f16 ? F16_128(a, s) : BF16_128(a, s);
     default:
-      throw Error("scalar: head_dim " + std::to_string(a.head_dim) + " not instantiated");
+      throw Error(std::string(name) + ": head_dim " + std::to_string(a.head_dim) +
+                  " not instantiated");
   }
+}
+}  // namespace
+
+void forward(Kernel kernel, const FwdArgs& a, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (kernel) {
+    case Kernel::Scalar:
+      return dispatch<scalar::forward_f16_d64, scalar::forward_f16_d128,
+                      scalar::forward_bf16_d64, scalar::forward_bf16_d128>("scalar", a, s);
+    case Kernel::Wmma:
+      return dispatch<wmma_backend::forward_f16_d64, wmma_backend::forward_f16_d128,
+                      wmma_backend::forward_bf16_d64, wmma_backend::forward_bf16_d128>("wmma",
+                                                                                          a, s);
+  }
+  throw Error("unknown kernel code " + std::to_string(int(kernel)));
 }
 
 __global__ void empty() {}
@@ -42,10 +68,11 @@ void empty_kernel(int32_t blocks, void* stream) {
 
 std::vector<KernelAttr> kernel_attributes() {
   std::vector<KernelAttr> out;
-  scalar::attributes_f16_d64(out);
-  scalar::attributes_f16_d128(out);
-  scalar::attributes_bf16_d64(out);
-  scalar::attributes_bf16_d128(out);
+  for (auto f : {scalar::attributes_f16_d64, scalar::attributes_f16_d128,
+                 scalar::attributes_bf16_d64, scalar::attributes_bf16_d128,
+                 wmma_backend::attributes_f16_d64, wmma_backend::attributes_f16_d128,
+                 wmma_backend::attributes_bf16_d64, wmma_backend::attributes_bf16_d128})
+    f(out);
   return out;
 }
 

@@ -32,14 +32,29 @@ struct FwdArgs {
   Dtype dtype;
 };
 
+// The softmax step of the unfused cuBLAS backend: P = softmax(S) per row, causal mask
+// aligned bottom-right, P in `dtype`. S is f32 [rows][seq_k], rows = batch*heads*seq_q.
+struct SoftmaxArgs {
+  const void* s;
+  void* p;
+  int64_t rows, seq_q, seq_k;
+  bool causal;
+  Dtype dtype;
+};
+
 // Resource use of one compiled kernel on the current device (cudaFuncGetAttributes).
 struct KernelAttr {
   std::string backend, name;
-  int32_t registers, static_smem, local_bytes, max_threads;
+  int32_t registers, static_smem, dynamic_smem, local_bytes, max_threads;
 };
 
-// Backend entry points. `stream` is a CUstream / cudaStream_t.
-void scalar_forward(const FwdArgs& args, void* stream);
+// The fused kernels of the core, one per backend folder under cpp/src/.
+enum class Kernel : int32_t { Scalar = 0, Wmma = 1 };
+
+// Runs `kernel` on `args`, enqueued on `stream` (a CUstream / cudaStream_t).
+void forward(Kernel kernel, const FwdArgs& args, void* stream);
+
+void masked_softmax(const SoftmaxArgs& args, void* stream);
 
 // Runs an empty kernel on `blocks` CTAs: the launch floor every timing is read against.
 void empty_kernel(int32_t blocks, void* stream);

@@ -226,7 +226,7 @@ void attributes(std::vector<KernelAttr>& out) {
     out.push_back({"scalar",
                    std::string("fwd_") + dtype_name<T>() + "_d" + std::to_string(D) +
                        (c ? "_causal" : ""),
-                   fa.numRegs, int32_t(fa.sharedSizeBytes), int32_t(fa.localSizeBytes),
+                   fa.numRegs, int32_t(fa.sharedSizeBytes), 0, int32_t(fa.localSizeBytes),
                    fa.maxThreadsPerBlock});
   }
 }

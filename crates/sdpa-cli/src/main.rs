@@ -102,6 +102,19 @@ fn info() -> sdpa::Result<ExitCode> {
             k.spill_stores + k.spill_loads
         );
     }
+    if let Some(dev) = &dev {
+        println!("\nkernels on this device (cudaFuncGetAttributes):");
+        println!(
+            "  {:<8} {:<24} {:>5} {:>7} {:>8} {:>6}",
+            "backend", "kernel", "regs", "smem", "dyn smem", "local"
+        );
+        for k in sdpa::info::device_kernels(dev)? {
+            println!(
+                "  {:<8} {:<24} {:>5} {:>7} {:>8} {:>6}",
+                k.backend, k.name, k.registers, k.static_smem, k.dynamic_smem, k.local_bytes
+            );
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -30,8 +30,18 @@ sdpa::FwdArgs convert(const FwdArgs& a) {
 }
 }  // namespace
 
-void scalar_forward(const FwdArgs& args, std::size_t stream) {
-  sdpa::scalar_forward(convert(args), reinterpret_cast<void*>(stream));
+void forward(Kernel kernel, const FwdArgs& args, std::size_t stream) {
+  sdpa::forward(static_cast<sdpa::Kernel>(kernel), convert(args), reinterpret_cast<void*>(stream));
+}
+
+void masked_softmax(const SoftmaxArgs& a, std::size_t stream) {
+  const sdpa::SoftmaxArgs r{reinterpret_cast<const void*>(a.s), reinterpret_cast<void*>(a.p),
+                            a.rows,
+                            a.seq_q,
+                            a.seq_k,
+                            a.causal,
+                            static_cast<sdpa::Dtype>(a.dtype)};
+  sdpa::masked_softmax(r, reinterpret_cast<void*>(stream));
 }
 
 void empty_kernel(int32_t blocks, std::size_t stream) {
@@ -41,7 +51,8 @@ void empty_kernel(int32_t blocks, std::size_t stream) {
 rust::Vec<KernelAttr> kernel_attributes() {
   rust::Vec<KernelAttr> out;
   for (const auto& k : sdpa::kernel_attributes()) {
-    out.push_back(KernelAttr{k.backend, k.name, k.registers, k.static_smem, k.local_bytes,
+    out.push_back(KernelAttr{k.backend, k.name, k.registers, k.static_smem, k.dynamic_smem,
+                             k.local_bytes,
                              k.max_threads});
   }
   return out;

@@ -9,8 +9,11 @@
 namespace sdpa_bridge {
 struct FwdArgs;
 struct KernelAttr;
+struct SoftmaxArgs;
+enum class Kernel : int32_t;
 
-void scalar_forward(const FwdArgs& args, std::size_t stream);
+void forward(Kernel kernel, const FwdArgs& args, std::size_t stream);
+void masked_softmax(const SoftmaxArgs& args, std::size_t stream);
 void empty_kernel(int32_t blocks, std::size_t stream);
 rust::Vec<KernelAttr> kernel_attributes();
 }  // namespace sdpa_bridge

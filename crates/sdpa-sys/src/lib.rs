@@ -32,6 +32,19 @@ pub mod ffi {
         pub dtype: i32,
     }
 
+    /// Mirrors `sdpa::SoftmaxArgs`: S (f32) -> P (dtype), rows = batch * heads * seq_q.
+    #[derive(Debug, Clone)]
+    pub struct SoftmaxArgs {
+        pub s: u64,
+        pub p: u64,
+        pub rows: i64,
+        pub seq_q: i64,
+        pub seq_k: i64,
+        pub causal: bool,
+        /// 0 = f16, 1 = bf16
+        pub dtype: i32,
+    }
+
     /// Resource use of one kernel on the current device.
     #[derive(Debug, Clone)]
     pub struct KernelAttr {
@@ -39,8 +52,18 @@ pub mod ffi {
         pub name: String,
         pub registers: i32,
         pub static_smem: i32,
+        /// Dynamic shared memory the launch requests, bytes.
+        pub dynamic_smem: i32,
         pub local_bytes: i32,
         pub max_threads: i32,
+    }
+
+    /// Mirrors `sdpa::Kernel`: the fused kernels of the core.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[repr(i32)]
+    pub enum Kernel {
+        Scalar = 0,
+        Wmma = 1,
     }
 
     unsafe extern "C++" {
@@ -49,7 +72,11 @@ pub mod ffi {
         /// # Safety
         /// `args` must describe live device buffers of the sizes its shape and strides address,
         /// on the device current on this thread, and `stream` must be a valid stream there.
-        unsafe fn scalar_forward(args: &FwdArgs, stream: usize) -> Result<()>;
+        unsafe fn forward(kernel: Kernel, args: &FwdArgs, stream: usize) -> Result<()>;
+        /// # Safety
+        /// `args.s` and `args.p` must be live device buffers of `rows * seq_k` elements (f32
+        /// and the dtype) on the current context; `stream` a valid stream there.
+        unsafe fn masked_softmax(args: &SoftmaxArgs, stream: usize) -> Result<()>;
         /// # Safety
         /// `stream` must be a valid stream of the current context.
         unsafe fn empty_kernel(blocks: i32, stream: usize) -> Result<()>;

@@ -1,10 +1,11 @@
 //! Device handles and device tensors, owned by Rust through cudarc.
 
+use crate::backend::cublas::BlasState;
 use crate::error::{Error, Result, invalid};
 use crate::problem::DType;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
 use half::{bf16, f16};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A GPU and one stream on it. Everything issued through one `Device` runs in order on its
 /// stream; [`Device::fork`] gives another stream on the same GPU for concurrent work.
@@ -15,6 +16,8 @@ use std::sync::Arc;
 pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// cuBLAS handle and workspace of this stream, made on first use by the cublas backend.
+    blas: Arc<Mutex<Option<BlasState>>>,
 }
 
 /// Whether the CUDA driver library can be loaded at all. Without it cudarc would panic on
@@ -51,7 +54,11 @@ impl Device {
         // SAFETY: no other stream of this context exists yet.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
-        Ok(Device { ctx, stream })
+        Ok(Device {
+            ctx,
+            stream,
+            blas: Arc::default(),
+        })
     }
 
     /// A handle to the same GPU with a new stream of its own.
@@ -59,6 +66,7 @@ impl Device {
         Ok(Device {
             ctx: self.ctx.clone(),
             stream: self.ctx.new_stream()?,
+            blas: Arc::default(),
         })
     }
 
@@ -85,6 +93,13 @@ impl Device {
     /// The cudarc stream, for callers who mix in their own cudarc work.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+    pub(crate) fn blas_state(&self) -> &Mutex<Option<BlasState>> {
+        &self.blas
     }
     pub(crate) fn ctx(&self) -> &Arc<CudaContext> {
         &self.ctx
@@ -200,5 +215,17 @@ impl Tensor {
     }
     pub(crate) fn same_context(&self, dev: &Device) -> bool {
         self.buf.context() == dev.ctx()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Handles cross threads: a `Device` per thread (or a shared one) and tensors moved between
+    /// threads. This fails to compile if a field ever stops being `Send + Sync`.
+    #[test]
+    fn handles_are_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<super::Device>();
+        check::<super::Tensor>();
     }
 }

@@ -64,6 +64,13 @@ pub fn parse_ptxas(report: &str) -> Vec<KernelReport> {
     out
 }
 
+/// Resources of each kernel as the driver reports them on `dev` (cudaFuncGetAttributes):
+/// registers, static and dynamic shared memory, local memory per thread.
+pub fn device_kernels(dev: &crate::Device) -> crate::Result<Vec<sdpa_sys::ffi::KernelAttr>> {
+    dev.raw_stream()?; // binds the context to this thread
+    Ok(sdpa_sys::ffi::kernel_attributes()?)
+}
+
 /// The report of the kernels in this build.
 pub fn kernels() -> Vec<KernelReport> {
     parse_ptxas(sdpa_sys::PTXAS_REPORT)
@@ -96,18 +103,17 @@ ptxas info    : Used 122 registers, used 1 barriers, 36992 bytes smem\n";
     }
 
     #[test]
-    fn this_build_reports_every_scalar_instantiation_without_spills() {
+    fn this_build_reports_every_fused_instantiation_without_spills() {
         let ks = kernels();
-        let scalar: Vec<_> = ks
-            .iter()
-            .filter(|k| k.kernel.contains("scalar::fwd_kernel"))
-            .collect();
-        // 2 dtypes x 2 head dims x 2 causal, for each architecture built.
         let archs = cuda_archs().split(';').count();
-        assert_eq!(scalar.len(), 8 * archs, "{ks:#?}");
-        for k in scalar {
-            assert!(k.registers > 0 && k.smem > 0, "{k:?}");
-            assert_eq!(k.spill_stores + k.spill_loads, 0, "{k:?}");
+        for ns in ["sdpa::scalar::", "sdpa::wmma_backend::"] {
+            let found: Vec<_> = ks.iter().filter(|k| k.kernel.contains(ns)).collect();
+            // 2 dtypes x 2 head dims x 2 causal, for each architecture built.
+            assert_eq!(found.len(), 8 * archs, "{ns}: {ks:#?}");
+            for k in found {
+                assert!(k.registers > 0, "{k:?}");
+                assert_eq!(k.spill_stores + k.spill_loads, 0, "{k:?}");
+            }
         }
     }
 }

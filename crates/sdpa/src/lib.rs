@@ -48,6 +48,7 @@ pub use error::{Error, Result};
 pub use problem::{DType, Layout, NAMED_PROBLEMS, Problem, Strides, named_problem};
 
 use error::invalid;
+use sdpa_sys::ffi::Kernel;
 
 /// Runs attention for `p` on `dev`'s stream: `out = softmax(scale·Q·Kᵀ + mask)·V`.
 ///
@@ -72,7 +73,9 @@ pub fn forward(
             let o32: Vec<f32> = o.iter().map(|&x| x as f32).collect();
             out.write_bits(dev, &encode(p.dtype, &o32))
         }
-        Backend::Scalar => backend::scalar::forward(dev, p, q, k, v, out),
+        Backend::Scalar => backend::fused::forward(Kernel::Scalar, dev, p, q, k, v, out),
+        Backend::Wmma => backend::fused::forward(Kernel::Wmma, dev, p, q, k, v, out),
+        Backend::Cublas => backend::cublas::forward(dev, p, q, k, v, out),
         Backend::Auto => unreachable!("resolve() returns a concrete backend"),
     }
 }
@@ -137,6 +140,6 @@ pub(crate) fn ffi_args(
         o_stride: qs,
         scale: p.scale(),
         causal: p.causal,
-        dtype: backend::scalar::dtype_code(p.dtype),
+        dtype: backend::fused::dtype_code(p.dtype),
     }
 }

@@ -28,6 +28,17 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// Device time of the work `f` enqueues on `dev`'s stream, between two CUDA events.
+pub fn elapsed(dev: &Device, f: impl FnOnce() -> Result<()>) -> Result<std::time::Duration> {
+    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let (start, end) = (dev.ctx().new_event(flags)?, dev.ctx().new_event(flags)?);
+    start.record(dev.stream())?;
+    f()?;
+    end.record(dev.stream())?;
+    let ms = f64::from(start.elapsed_ms(&end)?);
+    Ok(std::time::Duration::from_secs_f64(ms * 1e-3))
+}
+
 /// Times `f` (which must only enqueue work on `dev`'s stream) with events and in a graph.
 /// `budget_ms` bounds the total time spent (roughly; at least a few repetitions run).
 pub fn time_gpu(dev: &Device, budget_ms: f64, mut f: impl FnMut() -> Result<()>) -> Result<Timing> {

@@ -1,7 +1,8 @@
 //! Backends: one module each, one enum to name them, one place that says who supports what.
 
 pub mod cpu;
-pub(crate) mod scalar;
+pub(crate) mod cublas;
+pub(crate) mod fused;
 
 use crate::device::Device;
 use crate::error::{Error, Result, invalid};
@@ -16,21 +17,33 @@ pub enum Backend {
     Cpu,
     /// CUDA cores only: tiled online softmax with warp reductions. Runs on sm_80 and newer.
     Scalar,
+    /// Tensor cores through `nvcuda::wmma` for Q·Kᵀ and P·V, cp.async K/V pipeline (sm_80+).
+    Wmma,
+    /// Unfused: cuBLAS GEMM for S = Q·Kᵀ (f32), masked softmax kernel, cuBLAS GEMM for P·V.
+    Cublas,
     /// The fastest supported GPU backend for the device and problem.
     Auto,
 }
 
 impl Backend {
     /// Every backend, in the order tables list them.
-    pub const ALL: [Backend; 3] = [Backend::Cpu, Backend::Scalar, Backend::Auto];
+    pub const ALL: [Backend; 5] = [
+        Backend::Cpu,
+        Backend::Scalar,
+        Backend::Wmma,
+        Backend::Cublas,
+        Backend::Auto,
+    ];
     /// The backends that run on the GPU (what `validate` and `bench` iterate over).
-    pub const GPU: [Backend; 1] = [Backend::Scalar];
+    pub const GPU: [Backend; 3] = [Backend::Scalar, Backend::Wmma, Backend::Cublas];
 
     /// Lower-case name, as the CLI accepts it.
     pub fn name(self) -> &'static str {
         match self {
             Backend::Cpu => "cpu",
             Backend::Scalar => "scalar",
+            Backend::Wmma => "wmma",
+            Backend::Cublas => "cublas",
             Backend::Auto => "auto",
         }
     }
@@ -44,8 +57,8 @@ impl Backend {
         };
         match self {
             Backend::Cpu => Ok(()),
-            Backend::Scalar => {
-                scalar::supports(p).map_err(unsupported)?;
+            Backend::Scalar | Backend::Wmma => {
+                fused::supports(p).map_err(unsupported)?;
                 let dev = dev.ok_or_else(|| unsupported("needs a GPU".into()))?;
                 let (major, minor) = dev.compute_capability()?;
                 if major < 8 {
@@ -54,6 +67,16 @@ impl Backend {
                     )));
                 }
                 Ok(())
+            }
+            Backend::Cublas => {
+                let dev = dev.ok_or_else(|| unsupported("needs a GPU".into()))?;
+                let (major, minor) = dev.compute_capability()?;
+                if major < 8 {
+                    return Err(unsupported(format!(
+                        "bf16 tensor-op GEMMs need compute capability 8.0, the GPU has {major}.{minor}"
+                    )));
+                }
+                cublas::supports(dev, p).map_err(unsupported)
             }
             Backend::Auto => self.resolve(dev, p).map(|_| ()),
         }

@@ -1,6 +1,6 @@
-//! The scalar CUDA backend against the float64 reference over the grid of issue #2: odd and
-//! even sequence lengths, seq_q != seq_k both ways, both head dims, dtypes, layouts, causal
-//! both ways, GQA. Fresh inputs every run (the seed is printed with any failure).
+//! The fused GPU backends (scalar, wmma) against the float64 reference over the grid of issue
+//! #2: odd and even sequence lengths, seq_q != seq_k both ways, both head dims, dtypes,
+//! layouts, causal both ways, GQA. Fresh inputs every run (the seed is printed with any failure).
 
 mod common;
 
@@ -20,8 +20,8 @@ const SEQS: [(usize, usize); 10] = [
     (1000, 1),
 ];
 
-fn run_grid(dtype: DType, head_dim: usize) {
-    let Some(dev) = common::device("scalar grid") else {
+fn run_grid(backend: Backend, dtype: DType, head_dim: usize) {
+    let Some(dev) = common::device(&format!("{backend} grid")) else {
         return;
     };
     let seed = fresh_seed();
@@ -41,10 +41,10 @@ fn run_grid(dtype: DType, head_dim: usize) {
                 .with_causal(causal)
                 .with_dtype(dtype)
                 .with_layout(layout);
-            let rep = check_backend(Some(&dev), &p, Backend::Scalar, seed + n).unwrap();
+            let rep = check_backend(Some(&dev), &p, backend, seed + n).unwrap();
             n += 1;
             if !rep.pass() {
-                failures.push(format!("{p}: {rep:?}"));
+                failures.push(format!("{backend} {p}: {rep:?}"));
             }
         }
     }
@@ -58,27 +58,50 @@ fn run_grid(dtype: DType, head_dim: usize) {
 
 #[test]
 fn scalar_f16_d64() {
-    run_grid(DType::F16, 64);
+    run_grid(Backend::Scalar, DType::F16, 64);
 }
 #[test]
 fn scalar_f16_d128() {
-    run_grid(DType::F16, 128);
+    run_grid(Backend::Scalar, DType::F16, 128);
 }
 #[test]
 fn scalar_bf16_d64() {
-    run_grid(DType::Bf16, 64);
+    run_grid(Backend::Scalar, DType::Bf16, 64);
 }
 #[test]
 fn scalar_bf16_d128() {
-    run_grid(DType::Bf16, 128);
+    run_grid(Backend::Scalar, DType::Bf16, 128);
+}
+#[test]
+fn wmma_f16_d64() {
+    run_grid(Backend::Wmma, DType::F16, 64);
+}
+#[test]
+fn wmma_f16_d128() {
+    run_grid(Backend::Wmma, DType::F16, 128);
+}
+#[test]
+fn wmma_bf16_d64() {
+    run_grid(Backend::Wmma, DType::Bf16, 64);
+}
+#[test]
+fn wmma_bf16_d128() {
+    run_grid(Backend::Wmma, DType::Bf16, 128);
 }
 
 /// Same inputs twice must give bit-identical output: a moving result is a race.
 #[test]
-fn scalar_is_deterministic() {
-    let Some(dev) = common::device("scalar determinism") else {
+fn fused_kernels_are_deterministic() {
+    let Some(dev) = common::device("determinism") else {
         return;
     };
+    for backend in Backend::GPU {
+        deterministic(&dev, backend);
+    }
+}
+
+fn deterministic(dev: &sdpa::Device, backend: Backend) {
+    let dev = dev.clone();
     let p = Problem::new(2, 4, 333, 333, 128).with_causal(true);
     let inputs = sdpa::check::random_inputs(&p, fresh_seed());
     let [qb, kb, vb] = &inputs.bits;
@@ -88,10 +111,13 @@ fn scalar_is_deterministic() {
     let mut runs = Vec::new();
     for _ in 0..3 {
         let mut out = sdpa::Tensor::poisoned(&dev, p.dtype, p.q_len().unwrap()).unwrap();
-        sdpa::forward(&dev, &p, Backend::Scalar, &q, &k, &v, &mut out).unwrap();
+        sdpa::forward(&dev, &p, backend, &q, &k, &v, &mut out).unwrap();
         runs.push(out.to_bits(&dev).unwrap());
     }
-    assert!(runs.windows(2).all(|w| w[0] == w[1]));
+    assert!(
+        runs.windows(2).all(|w| w[0] == w[1]),
+        "{backend} output moved between runs"
+    );
 }
 
 /// Auto resolves to a GPU backend and is as accurate as it.

@@ -1,12 +1,15 @@
-//! The scalar CUDA backend (cpp/src/scalar): the seeds' baseline, on CUDA cores only.
+//! The fused kernels of the C++ core (cpp/src/scalar, cpp/src/wmma): one launch computes the
+//! whole attention with an online softmax. They share one argument block and one dispatch.
 
 use crate::device::{Device, Tensor};
 use crate::error::Result;
 use crate::problem::{DType, Problem};
+use sdpa_sys::ffi::Kernel;
 
-/// Head dims with an instantiation in cpp/src/scalar/.
+/// Head dims with an instantiation in each fused backend's folder.
 pub(crate) const HEAD_DIMS: [usize; 2] = [64, 128];
 
+/// What a fused kernel accepts beyond `Problem::validate`.
 pub(crate) fn supports(p: &Problem) -> std::result::Result<(), String> {
     if !HEAD_DIMS.contains(&p.head_dim) {
         return Err(format!(
@@ -14,7 +17,7 @@ pub(crate) fn supports(p: &Problem) -> std::result::Result<(), String> {
             p.head_dim
         ));
     }
-    // Grid: x = ceil(seq_q / 32) (2^31 - 1 max), y = heads, z = batch (65535 max each).
+    // Grid: x = query-row tiles (2^31 - 1 max), y = heads, z = batch (65535 max each).
     if p.heads > 65535 || p.batch > 65535 {
         return Err(format!(
             "batch ({}) and heads ({}) must each be at most 65535",
@@ -25,6 +28,7 @@ pub(crate) fn supports(p: &Problem) -> std::result::Result<(), String> {
 }
 
 pub(crate) fn forward(
+    kernel: Kernel,
     dev: &Device,
     p: &Problem,
     q: &Tensor,
@@ -36,7 +40,7 @@ pub(crate) fn forward(
     let stream = dev.raw_stream()?;
     // SAFETY: `forward` validated shapes, dtypes, lengths and context of every buffer against
     // `p`; the strides in `args` address only elements inside them.
-    unsafe { sdpa_sys::ffi::scalar_forward(&args, stream)? };
+    unsafe { sdpa_sys::ffi::forward(kernel, &args, stream)? };
     Ok(())
 }
 

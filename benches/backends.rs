@@ -1,0 +1,83 @@
+//! `cargo bench`: every available backend on the named problems of design.md, timed on the GPU
+//! with CUDA events through `iter_custom` (not host clocks). Without a GPU it benches the f64
+//! CPU reference on the mission problem and says so.
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use sdpa::{Backend, DType, Device, NAMED_PROBLEMS, Problem, Tensor};
+use std::time::Duration;
+
+fn gpu_benches(c: &mut Criterion, dev: &Device) {
+    for &(name, _, _) in NAMED_PROBLEMS.iter() {
+        let base = sdpa::named_problem(name).unwrap();
+        let mut group = c.benchmark_group(name);
+        group
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(200));
+        group.measurement_time(Duration::from_secs(1));
+        for dtype in DType::ALL {
+            let p = base.with_dtype(dtype);
+            // Throughput in "elements" = floating-point operations: criterion then prints FLOP/s.
+            group.throughput(Throughput::Elements(p.flops() as u64));
+            let inputs = sdpa::check::random_inputs(&p, sdpa::check::fresh_seed());
+            let [qb, kb, vb] = &inputs.bits;
+            let q = Tensor::from_bits(dev, dtype, qb).unwrap();
+            let k = Tensor::from_bits(dev, dtype, kb).unwrap();
+            let v = Tensor::from_bits(dev, dtype, vb).unwrap();
+            let mut out = Tensor::poisoned(dev, dtype, p.q_len().unwrap()).unwrap();
+            for backend in Backend::GPU {
+                if let Err(e) = backend.supports(Some(dev), &p) {
+                    eprintln!("{name} {dtype} {backend}: skipped ({e})");
+                    continue;
+                }
+                let id = BenchmarkId::new(backend.name(), dtype);
+                group.bench_function(id, |b| {
+                    b.iter_custom(|iters| gpu_time(dev, iters, &p, backend, &q, &k, &v, &mut out))
+                });
+            }
+        }
+        group.finish();
+    }
+}
+
+/// `iters` calls between two CUDA events on the device's stream.
+#[allow(clippy::too_many_arguments)]
+fn gpu_time(
+    dev: &Device,
+    iters: u64,
+    p: &Problem,
+    backend: Backend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &mut Tensor,
+) -> Duration {
+    sdpa::timing::elapsed(dev, || {
+        (0..iters).try_for_each(|_| sdpa::forward(dev, p, backend, q, k, v, out))
+    })
+    .unwrap()
+}
+
+fn cpu_benches(c: &mut Criterion) {
+    let p = sdpa::named_problem("mission").unwrap();
+    let inputs = sdpa::check::random_inputs(&p, 1);
+    let [q, k, v] = &inputs.values;
+    let mut group = c.benchmark_group("mission");
+    group
+        .sample_size(10)
+        .throughput(Throughput::Elements(p.flops() as u64));
+    group.bench_function("cpu", |b| b.iter(|| sdpa::reference(&p, q, k, v).unwrap()));
+    group.finish();
+}
+
+fn benches(c: &mut Criterion) {
+    match Device::new(0) {
+        Ok(dev) => gpu_benches(c, &dev),
+        Err(e) => {
+            eprintln!("no GPU ({e}): benching the CPU reference on the mission problem only");
+            cpu_benches(c);
+        }
+    }
+}
+
+criterion_group!(all, benches);
+criterion_main!(all);

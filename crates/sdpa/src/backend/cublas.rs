@@ -1,0 +1,271 @@
+//! The unfused cuBLAS backend: S = scale·Q·Kᵀ (one tensor-op GEMM per batch group, f32
+//! scores), P = masked row softmax of S (our kernel, cpp/src/cublas/softmax.cu), O = P·V
+//! (second GEMM, written straight into the output's layout).
+//!
+//! Scores are f32, not f16: a score of 40 in f16 carries an absolute error of 0.02, which
+//! becomes a 2% error in exp(); f32 costs 2 bytes more per score and nothing in GEMM speed
+//! (f32 accumulation either way). P is rounded to the input dtype, as the fused kernels do.
+//!
+//! cuBLAS is loaded at run time (cudarc dynamic loading), so machines without it still build,
+//! run the CPU backend and the tests; there this backend reports itself unsupported.
+
+use crate::device::{Device, Tensor};
+use crate::error::{Error, Result};
+use crate::problem::{DType, Problem};
+use cudarc::cublas::{CudaBlas, sys as cb};
+use cudarc::driver::{CudaSlice, DevicePtrMut};
+
+/// The cuBLAS handle and the S/P workspace of one `Device` (one stream), reused across calls
+/// and grown when a larger problem arrives.
+pub(crate) struct BlasState {
+    blas: CudaBlas,
+    workspace: Option<CudaSlice<u8>>,
+}
+
+/// Workspace bytes: f32 scores plus P in the dtype, for every (batch, head).
+pub(crate) fn workspace_bytes(p: &Problem) -> Option<usize> {
+    let scores = p
+        .batch
+        .checked_mul(p.heads)?
+        .checked_mul(p.seq_q)?
+        .checked_mul(p.seq_k)?;
+    scores.checked_mul(4 + p.dtype.size())
+}
+
+fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+pub(crate) fn library_present() -> bool {
+    // SAFETY: only tries to dlopen libcublas.
+    unsafe { cb::is_culib_present() }
+}
+
+/// Checks what cuBLAS's 32-bit dimension arguments and the device's memory allow.
+pub(crate) fn supports(dev: &Device, p: &Problem) -> std::result::Result<(), String> {
+    if !library_present() {
+        return Err("the cuBLAS library (libcublas.so.13) was not found".into());
+    }
+    let i32max = i32::MAX as usize;
+    if p.seq_q > i32max || p.seq_k > i32max || p.batch * p.kv_heads > i32max {
+        return Err("sequence lengths and batch x kv_heads must fit in 32 bits for cuBLAS".into());
+    }
+    let need = workspace_bytes(p).ok_or("workspace size overflows")?;
+    let held = dev.blas_state().lock().ok().and_then(|s| {
+        s.as_ref()
+            .and_then(|s| s.workspace.as_ref().map(|w| w.len()))
+    });
+    let (free, _) = dev.mem_info().map_err(|e| e.to_string())?;
+    if need > free + held.unwrap_or(0) {
+        return Err(format!(
+            "needs {:.2} GiB of workspace for S and P, the GPU has {:.2} GiB free",
+            gib(need),
+            gib(free + held.unwrap_or(0))
+        ));
+    }
+    Ok(())
+}
+
+fn data_type(d: DType) -> cb::cudaDataType {
+    match d {
+        DType::F16 => cb::cudaDataType::CUDA_R_16F,
+        DType::Bf16 => cb::cudaDataType::CUDA_R_16BF,
+    }
+}
+
+fn check(status: cb::cublasStatus_t, what: &str) -> Result<()> {
+    if status == cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Cuda(format!("{what}: {status:?}")))
+    }
+}
+
+/// One strided-batched GEMM in cuBLAS's column-major terms; pointers are device addresses.
+struct Gemm {
+    trans_a: bool,
+    m: i32,
+    n: i32,
+    k: i32,
+    alpha: f32,
+    a: u64,
+    a_type: cb::cudaDataType,
+    lda: i64,
+    stride_a: i64,
+    b: u64,
+    b_type: cb::cudaDataType,
+    ldb: i64,
+    stride_b: i64,
+    c: u64,
+    c_type: cb::cudaDataType,
+    ldc: i64,
+    stride_c: i64,
+    batch: i32,
+}
+
+impl Gemm {
+    fn run(&self, blas: &CudaBlas) -> Result<()> {
+        let beta = 0f32;
+        let op = |t| {
+            if t {
+                cb::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cb::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        // SAFETY: the caller built every pointer, leading dimension and stride from a
+        // validated problem and buffers at least that large.
+        let status = unsafe {
+            cb::cublasGemmStridedBatchedEx(
+                *blas.handle(),
+                op(self.trans_a),
+                op(false),
+                self.m,
+                self.n,
+                self.k,
+                (&self.alpha as *const f32).cast(),
+                self.a as *const _,
+                self.a_type,
+                self.lda as i32,
+                self.stride_a,
+                self.b as *const _,
+                self.b_type,
+                self.ldb as i32,
+                self.stride_b,
+                (&beta as *const f32).cast(),
+                self.c as *mut _,
+                self.c_type,
+                self.ldc as i32,
+                self.stride_c,
+                self.batch,
+                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        check(status, "cublasGemmStridedBatchedEx")
+    }
+}
+
+pub(crate) fn forward(
+    dev: &Device,
+    p: &Problem,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &mut Tensor,
+) -> Result<()> {
+    let need = workspace_bytes(p).expect("checked in supports()");
+    let state = dev.blas_state();
+    let mut guard = state
+        .lock()
+        .map_err(|_| Error::Cuda("cuBLAS state poisoned by a panic".into()))?;
+    if guard.is_none() {
+        let blas = CudaBlas::new(dev.stream().clone())
+            .map_err(|e| Error::Cuda(format!("cublasCreate: {e:?}")))?;
+        *guard = Some(BlasState {
+            blas,
+            workspace: None,
+        });
+    }
+    let st = guard.as_mut().unwrap();
+    if st.workspace.as_ref().is_none_or(|w| w.len() < need) {
+        st.workspace = None; // free the old one before asking for the larger
+        // SAFETY: the workspace is written by the GEMM before anything reads it.
+        st.workspace = Some(unsafe { dev.stream().alloc::<u8>(need)? });
+    }
+    let ws = st.workspace.as_mut().unwrap();
+    let (s_ptr, _g) = ws.device_ptr_mut(dev.stream());
+    let scores = (p.batch * p.heads * p.seq_q * p.seq_k) as u64;
+    let p_ptr = s_ptr + 4 * scores;
+
+    let (qs, ks) = (p.q_strides(), p.kv_strides());
+    let g = p.heads / p.kv_heads;
+    let (sq, sk, d) = (p.seq_q as i64, p.seq_k as i64, p.head_dim as i64);
+    let es = p.dtype.size() as u64;
+    let ty = data_type(p.dtype);
+    let qp = q.ptr(dev);
+    let kp = k.ptr(dev);
+    let vp = v.ptr(dev);
+    let op = out.ptr_mut(dev);
+    // Batch over (batch, kv_head) in one call when the batch stride is uniform over that
+    // flattened index (BHSD), else one call per batch entry; one call per member r of a GQA
+    // group: head h = hk * g + r.
+    let merged = qs.batch == p.heads * qs.head && ks.batch == p.kv_heads * ks.head;
+    let (outer, count) = if merged {
+        (1, p.batch * p.kv_heads)
+    } else {
+        (p.batch, p.kv_heads)
+    };
+    let blas = &st.blas;
+    for b in 0..outer {
+        for r in 0..g {
+            let q_off = (b * qs.batch + r * qs.head) as u64;
+            let kv_off = (b * ks.batch) as u64;
+            let row0 = ((b * p.heads + r) as i64 * sq) as u64; // first S row of head (b, r)
+            // Sᵀ (sk x sq, col-major) = Kᵀ-op(K) · Q  <=>  S = Q·Kᵀ row-major.
+            Gemm {
+                trans_a: true,
+                m: sk as i32,
+                n: sq as i32,
+                k: d as i32,
+                alpha: p.scale(),
+                a: kp + es * kv_off,
+                a_type: ty,
+                lda: ks.seq as i64,
+                stride_a: ks.head as i64,
+                b: qp + es * q_off,
+                b_type: ty,
+                ldb: qs.seq as i64,
+                stride_b: (g * qs.head) as i64,
+                c: s_ptr + 4 * row0 * sk as u64,
+                c_type: cb::cudaDataType::CUDA_R_32F,
+                ldc: sk,
+                stride_c: g as i64 * sq * sk,
+                batch: count as i32,
+            }
+            .run(blas)?;
+        }
+    }
+    let args = sdpa_sys::ffi::SoftmaxArgs {
+        s: s_ptr,
+        p: p_ptr,
+        rows: scores as i64 / sk,
+        seq_q: sq,
+        seq_k: sk,
+        causal: p.causal,
+        dtype: super::fused::dtype_code(p.dtype),
+    };
+    let stream = dev.raw_stream()?;
+    // SAFETY: S and P both hold `scores` elements of the workspace allocated above.
+    unsafe { sdpa_sys::ffi::masked_softmax(&args, stream)? };
+    for b in 0..outer {
+        for r in 0..g {
+            let o_off = (b * qs.batch + r * qs.head) as u64;
+            let kv_off = (b * ks.batch) as u64;
+            let row0 = ((b * p.heads + r) as i64 * sq) as u64;
+            // Oᵀ (d x sq, col-major) = V (d x sk) · P (sk x sq)  <=>  O = P·V row-major.
+            Gemm {
+                trans_a: false,
+                m: d as i32,
+                n: sq as i32,
+                k: sk as i32,
+                alpha: 1.0,
+                a: vp + es * kv_off,
+                a_type: ty,
+                lda: ks.seq as i64,
+                stride_a: ks.head as i64,
+                b: p_ptr + es * row0 * sk as u64,
+                b_type: ty,
+                ldb: sk,
+                stride_b: g as i64 * sq * sk,
+                c: op + es * o_off,
+                c_type: ty,
+                ldc: qs.seq as i64,
+                stride_c: (g * qs.head) as i64,
+                batch: count as i32,
+            }
+            .run(blas)?;
+        }
+    }
+    Ok(())
+}
