@@ -57,6 +57,13 @@ pub fn main(a: Args) -> Result<ExitCode> {
             one.us_event
         );
     }
+    let (device, sm) = match &dev {
+        Some(d) => {
+            let (major, minor) = d.compute_capability()?;
+            (d.name()?, Some(major * 10 + minor))
+        }
+        None => ("cpu".to_string(), None),
+    };
     let mut records = Vec::new();
     let mut failed = false;
     for (name, p) in &problems {
@@ -70,7 +77,7 @@ pub fn main(a: Args) -> Result<ExitCode> {
                         "seq_k": p.seq_k, "head_dim": p.head_dim, "causal": p.causal,
                         "dtype": p.dtype.name(), "backend": b.name(), "us_graph": t.us_graph,
                         "us_event": t.us_event, "tflops": tflops(p, t.us_graph),
-                        "rel_err": rel_err,
+                        "rel_err": rel_err, "device": device, "sm": sm,
                     }));
                 }
                 Err(e @ sdpa::Error::Unsupported { .. }) => eprintln!("skipped: {e}"),

@@ -1,6 +1,7 @@
 //! `sdpa`: inspect the build and the GPU, validate backends against the f64 reference, time
 //! them on the named problems, and run attention on .npy files.
 
+mod autotable;
 mod bench;
 mod npy;
 mod run;
@@ -31,6 +32,8 @@ enum Cmd {
     Bench(bench::Args),
     /// Runs attention on .npy inputs and writes a float32 .npy output.
     Run(run::Args),
+    /// Prints crates/sdpa/src/backend/auto_table.rs from `sdpa bench --json` records.
+    Autotable(autotable::Args),
 }
 
 fn main() -> ExitCode {
@@ -39,6 +42,7 @@ fn main() -> ExitCode {
         Cmd::Validate(a) => validate::main(a),
         Cmd::Bench(a) => bench::main(a),
         Cmd::Run(a) => run::main(a),
+        Cmd::Autotable(a) => autotable::main(a),
     };
     match result {
         Ok(code) => code,
@@ -85,6 +89,29 @@ fn info() -> sdpa::Result<ExitCode> {
             },
             Err(e) => println!("  {:8} unavailable: {e}", b.name()),
         }
+    }
+    let sm = match &dev {
+        Some(d) => {
+            let (major, minor) = d.compute_capability()?;
+            Some(major * 10 + minor)
+        }
+        None => None,
+    };
+    println!("\nauto dispatch (measured by `sdpa bench`, crates/sdpa/src/backend/auto_table.rs):");
+    for r in sdpa::backend::auto::table() {
+        if sm.is_some_and(|s| s != r.sm) {
+            continue;
+        }
+        let order: Vec<_> = r.order.iter().map(|b| b.name()).collect();
+        println!(
+            "  sm_{} {:<4} d{:<3} {:<10} {:<6} -> {}",
+            r.sm,
+            r.dtype,
+            r.head_dim,
+            if r.causal { "causal" } else { "non-causal" },
+            format!("{:?}", r.size),
+            order.join(" > ")
+        );
     }
     println!("\nkernels (ptxas report captured at build time):");
     println!(

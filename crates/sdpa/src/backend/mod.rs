@@ -1,5 +1,7 @@
 //! Backends: one module each, one enum to name them, one place that says who supports what.
 
+pub mod auto;
+mod auto_table;
 pub mod cpu;
 pub(crate) mod cublas;
 pub(crate) mod fused;
@@ -87,8 +89,15 @@ impl Backend {
         if self != Backend::Auto {
             return Ok(self);
         }
+        let sm = match dev {
+            Some(d) => {
+                let (major, minor) = d.compute_capability()?;
+                Some(major * 10 + minor)
+            }
+            None => None,
+        };
         let mut reasons = Vec::new();
-        for b in Backend::GPU {
+        for &b in auto::order(sm, p) {
             match b.supports(dev, p) {
                 Ok(()) => return Ok(b),
                 Err(e) => reasons.push(e.to_string()),
