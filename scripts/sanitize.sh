@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over every GPU backend on
+# a small problem and odd-sized ones (seq 77, seq_q != seq_k, causal and not, GQA) and fails on
+# any report. Needs a GPU and compute-sanitizer (the GPU machine has both).
+#
+#   scripts/sanitize.sh [path/to/sdpa]      # default: target/release/sdpa
+# On the GPU machine with .gpu/ carried:  bash .gpu/run bin sdpa info >/dev/null;
+#   bash scripts/sanitize.sh /tmp/gpu-bundle/bin/sdpa
+set -uo pipefail
+sdpa=${1:-target/release/sdpa}
+cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+[ -x "$cs" ] || { echo "sanitize: compute-sanitizer not found" >&2; exit 2; }
+args=(validate --backend scalar,wmma,cublas --dtype f16,bf16 --causal both --seed 7
+      --shape 1,2,64,64,64 --shape 1,2,77,77,64 --shape 1,4,77,130,128)
+rc=0
+for tool in memcheck racecheck synccheck initcheck; do
+  echo "== $tool"
+  if "$cs" --tool "$tool" --error-exitcode 99 --print-limit 20 "$sdpa" "${args[@]}" > /tmp/sanitize-$tool.log 2>&1; then
+    grep -E "ERROR SUMMARY|checks passed" /tmp/sanitize-$tool.log | tail -2
+  else
+    echo "sanitize: $tool reported problems (or the run failed):"; tail -40 /tmp/sanitize-$tool.log; rc=1
+  fi
+done
+# GQA through the same path (kv_heads 1 of 4).
+echo "== memcheck (GQA)"
+"$cs" --tool memcheck --error-exitcode 99 "$sdpa" validate --backend scalar,wmma,cublas \
+  --dtype f16 --causal both --seed 8 --shape 2,4,77,77,128 --kv-heads 1 > /tmp/sanitize-gqa.log 2>&1 \
+  && grep -E "ERROR SUMMARY|checks passed" /tmp/sanitize-gqa.log | tail -2 \
+  || { echo "sanitize: GQA memcheck failed"; tail -40 /tmp/sanitize-gqa.log; rc=1; }
+exit $rc
