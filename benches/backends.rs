@@ -19,10 +19,7 @@ fn gpu_benches(c: &mut Criterion, dev: &Device) {
             // Throughput in "elements" = floating-point operations: criterion then prints FLOP/s.
             group.throughput(Throughput::Elements(p.flops() as u64));
             let inputs = sdpa::check::random_inputs(&p, sdpa::check::fresh_seed());
-            let [qb, kb, vb] = &inputs.bits;
-            let q = Tensor::from_bits(dev, dtype, qb).unwrap();
-            let k = Tensor::from_bits(dev, dtype, kb).unwrap();
-            let v = Tensor::from_bits(dev, dtype, vb).unwrap();
+            let [q, k, v] = inputs.upload(dev, dtype).unwrap();
             let mut out = Tensor::poisoned(dev, dtype, p.q_len().unwrap()).unwrap();
             for backend in Backend::GPU {
                 if let Err(e) = backend.supports(Some(dev), &p) {

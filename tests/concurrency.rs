@@ -7,11 +7,7 @@ use sdpa::check::{fresh_seed, random_inputs};
 use sdpa::{Backend, Device, Problem, Tensor};
 
 fn run(dev: &Device, p: &Problem, b: Backend, seed: u64) -> Vec<u16> {
-    let inputs = random_inputs(p, seed);
-    let [qb, kb, vb] = &inputs.bits;
-    let q = Tensor::from_bits(dev, p.dtype, qb).unwrap();
-    let k = Tensor::from_bits(dev, p.dtype, kb).unwrap();
-    let v = Tensor::from_bits(dev, p.dtype, vb).unwrap();
+    let [q, k, v] = random_inputs(p, seed).upload(dev, p.dtype).unwrap();
     let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap()).unwrap();
     // Several calls back to back on this stream, so the threads' kernels overlap in time.
     for _ in 0..4 {

@@ -104,10 +104,7 @@ fn deterministic(dev: &sdpa::Device, backend: Backend) {
     let dev = dev.clone();
     let p = Problem::new(2, 4, 333, 333, 128).with_causal(true);
     let inputs = sdpa::check::random_inputs(&p, fresh_seed());
-    let [qb, kb, vb] = &inputs.bits;
-    let q = sdpa::Tensor::from_bits(&dev, p.dtype, qb).unwrap();
-    let k = sdpa::Tensor::from_bits(&dev, p.dtype, kb).unwrap();
-    let v = sdpa::Tensor::from_bits(&dev, p.dtype, vb).unwrap();
+    let [q, k, v] = inputs.upload(&dev, p.dtype).unwrap();
     let mut runs = Vec::new();
     for _ in 0..3 {
         let mut out = sdpa::Tensor::poisoned(&dev, p.dtype, p.q_len().unwrap()).unwrap();

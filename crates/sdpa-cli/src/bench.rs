@@ -134,10 +134,7 @@ fn bench_one(
     };
     let seed = fresh_seed();
     let inputs = random_inputs(p, seed);
-    let [qb, kb, vb] = &inputs.bits;
-    let q = Tensor::from_bits(dev, p.dtype, qb)?;
-    let k = Tensor::from_bits(dev, p.dtype, kb)?;
-    let v = Tensor::from_bits(dev, p.dtype, vb)?;
+    let [q, k, v] = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap())?;
     sdpa::forward(dev, p, b, &q, &k, &v, &mut out)?;
     let rel_err = if p.flops() <= REFERENCE_FLOP_LIMIT {

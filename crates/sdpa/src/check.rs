@@ -97,6 +97,18 @@ pub struct Inputs {
     pub values: [Vec<f64>; 3],
 }
 
+impl Inputs {
+    /// Uploads Q, K, V to `dev` as tensors of `dtype`.
+    pub fn upload(&self, dev: &Device, dtype: DType) -> Result<[Tensor; 3]> {
+        let [q, k, v] = &self.bits;
+        Ok([
+            Tensor::from_bits(dev, dtype, q)?,
+            Tensor::from_bits(dev, dtype, k)?,
+            Tensor::from_bits(dev, dtype, v)?,
+        ])
+    }
+}
+
 /// Draws fresh N(0, 1) inputs from `seed`, rounded to `p.dtype`.
 pub fn random_inputs(p: &Problem, seed: u64) -> Inputs {
     let mut rng = StdRng::seed_from_u64(seed);
@@ -161,10 +173,7 @@ pub fn run_backend(
             Ok(decode(p.dtype, &encode(p.dtype, &o32)))
         }
         (_, Some(dev)) => {
-            let [qb, kb, vb] = &inputs.bits;
-            let q = Tensor::from_bits(dev, p.dtype, qb)?;
-            let k = Tensor::from_bits(dev, p.dtype, kb)?;
-            let v = Tensor::from_bits(dev, p.dtype, vb)?;
+            let [q, k, v] = inputs.upload(dev, p.dtype)?;
             let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap())?;
             crate::forward(dev, p, backend, &q, &k, &v, &mut out)?;
             out.to_f64(dev)

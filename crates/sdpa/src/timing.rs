@@ -113,10 +113,7 @@ pub fn time_backend(
         });
     }
     let dev = dev.expect("supports() requires a device for GPU backends");
-    let [qb, kb, vb] = &inputs.bits;
-    let q = Tensor::from_bits(dev, p.dtype, qb)?;
-    let k = Tensor::from_bits(dev, p.dtype, kb)?;
-    let v = Tensor::from_bits(dev, p.dtype, vb)?;
+    let [q, k, v] = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap())?;
     time_gpu(dev, budget_ms, || {
         crate::forward(dev, p, backend, &q, &k, &v, &mut out)
