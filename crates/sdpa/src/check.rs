@@ -37,11 +37,12 @@ pub fn tolerance(dtype: DType) -> Tolerance {
 /// The result of one check.
 #[derive(Debug, Clone, Copy)]
 pub struct Report {
-    /// ‖out − ref‖ / ‖ref‖ (NaN if any output is NaN).
+    /// ‖out − ref‖ / ‖ref‖ over the positions where neither is NaN.
     pub rel_err: f64,
-    /// max |out − ref| (NaN if any output is NaN).
+    /// max |out − ref| over the same positions.
     pub max_err: f64,
-    /// Output elements that are NaN where the reference is not (unwritten or broken).
+    /// Elements that are NaN on one side only (unwritten, broken, or a NaN that should have
+    /// propagated and did not).
     pub nan_count: usize,
     /// What the dtype is held to.
     pub tol: Tolerance,
@@ -56,23 +57,30 @@ impl Report {
     }
 }
 
-/// Compares an output with the reference. `max_err` in the report is absolute; the pass test
-/// scales the tolerance by max(1, max |ref|).
+/// Compares an output with the reference. Positions where the reference itself is NaN (NaN
+/// inputs propagate) must be NaN in the output too and are otherwise left out; a NaN on one
+/// side only counts in `nan_count` and fails the check. `max_err` in the report is absolute;
+/// the pass test scales the tolerance by max(1, max |ref|).
 pub fn compare(out: &[f64], reference: &[f64], dtype: DType, seed: u64) -> Report {
     let (mut num, mut den, mut max_err, mut ref_max, mut nan_count) = (0.0, 0.0, 0.0f64, 1.0f64, 0);
     for (&o, &r) in out.iter().zip(reference) {
-        if o.is_nan() && !r.is_nan() {
-            nan_count += 1;
+        if o.is_nan() || r.is_nan() {
+            nan_count += usize::from(o.is_nan() != r.is_nan());
+            continue;
         }
         let d = o - r;
+        if d.is_nan() {
+            // inf - inf: both infinite with the same sign is agreement, else a mismatch.
+            nan_count += usize::from(o != r);
+            continue;
+        }
         num += d * d;
         den += r * r;
-        max_err = if d.is_nan() {
-            f64::NAN
-        } else {
-            max_err.max(d.abs())
-        };
+        max_err = max_err.max(d.abs());
         ref_max = ref_max.max(r.abs());
+    }
+    if out.len() != reference.len() {
+        nan_count += out.len().abs_diff(reference.len());
     }
     let mut tol = tolerance(dtype);
     tol.max_abs *= ref_max;
@@ -98,6 +106,17 @@ pub struct Inputs {
 }
 
 impl Inputs {
+    /// Inputs from given values (rounded to `dtype`).
+    pub fn from_f32(dtype: DType, q: &[f32], k: &[f32], v: &[f32]) -> Inputs {
+        let bits = [encode(dtype, q), encode(dtype, k), encode(dtype, v)];
+        let values = [
+            decode(dtype, &bits[0]),
+            decode(dtype, &bits[1]),
+            decode(dtype, &bits[2]),
+        ];
+        Inputs { bits, values }
+    }
+
     /// Uploads Q, K, V to `dev` as tensors of `dtype`.
     pub fn upload(&self, dev: &Device, dtype: DType) -> Result<[Tensor; 3]> {
         let [q, k, v] = &self.bits;
@@ -208,6 +227,15 @@ mod tests {
         let nan = compare(&[1.0, f64::NAN, 0.5], &r, DType::F16, 0);
         assert_eq!(nan.nan_count, 1);
         assert!(!nan.pass());
+        let lost = compare(&r, &[1.0, f64::NAN, 0.5], DType::F16, 0);
+        assert_eq!(lost.nan_count, 1, "a NaN the reference has must propagate");
+        let both = compare(
+            &[f64::NAN, -2.0, 0.5],
+            &[f64::NAN, -2.0, 0.5],
+            DType::F16,
+            0,
+        );
+        assert!(both.pass(), "{both:?}");
         let off = compare(&[1.0, -2.0, 0.6], &r, DType::Bf16, 0);
         assert!(!off.pass(), "{off:?}");
     }

@@ -278,10 +278,12 @@ impl Problem {
     /// Floating-point operations of the two matrix products, counting only visible scores
     /// (so a causal square problem counts about half).
     pub fn flops(&self) -> f64 {
-        let visible: f64 = if self.causal {
-            (0..self.seq_q).map(|i| self.visible_keys(i) as f64).sum()
-        } else {
-            self.seq_q as f64 * self.seq_k as f64
+        let (sq, sk) = (self.seq_q as f64, self.seq_k as f64);
+        // Row i sees i + 1 + sk - sq keys (at least 0): an arithmetic series ending at sk.
+        let visible = match (self.causal, self.seq_q <= self.seq_k) {
+            (false, _) => sq * sk,
+            (true, true) => sq * (2.0 * sk - sq + 1.0) / 2.0,
+            (true, false) => sk * (sk + 1.0) / 2.0,
         };
         4.0 * (self.batch * self.heads) as f64 * visible * self.head_dim as f64
     }
@@ -351,9 +353,12 @@ mod tests {
     }
 
     #[test]
-    fn causal_square_counts_half_plus_diagonal() {
-        let p = Problem::new(1, 1, 4, 4, 8).with_causal(true);
-        assert_eq!(p.flops(), 4.0 * (1 + 2 + 3 + 4) as f64 * 8.0);
+    fn causal_flops_count_visible_scores() {
+        for (sq, sk) in [(4, 4), (3, 7), (7, 3), (1, 1), (1, 9), (9, 1)] {
+            let p = Problem::new(1, 1, sq, sk, 8).with_causal(true);
+            let visible: usize = (0..sq).map(|i| p.visible_keys(i)).sum();
+            assert_eq!(p.flops(), 4.0 * visible as f64 * 8.0, "{sq}x{sk}");
+        }
     }
 
     #[test]

@@ -20,7 +20,7 @@ pub enum SizeClass {
 impl SizeClass {
     /// The class of a problem.
     pub fn of(p: &Problem) -> SizeClass {
-        let scores = (p.batch * p.heads) as f64 * p.seq_q as f64 * p.seq_k as f64;
+        let scores = p.batch as f64 * p.heads as f64 * p.seq_q as f64 * p.seq_k as f64;
         if scores <= (1u64 << 22) as f64 {
             SizeClass::Small
         } else if scores <= (1u64 << 27) as f64 {

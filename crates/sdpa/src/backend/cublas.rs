@@ -50,6 +50,13 @@ pub(crate) fn supports(dev: &Device, p: &Problem) -> std::result::Result<(), Str
     if p.seq_q > i32max || p.seq_k > i32max || p.batch * p.kv_heads > i32max {
         return Err("sequence lengths and batch x kv_heads must fit in 32 bits for cuBLAS".into());
     }
+    // The softmax kernel runs one CTA per score row.
+    let rows = p.batch * p.heads * p.seq_q;
+    if rows > i32max {
+        return Err(format!(
+            "batch x heads x seq_q = {rows} score rows; the softmax grid allows 2^31 - 1"
+        ));
+    }
     let need = workspace_bytes(p).ok_or("workspace size overflows")?;
     let held = dev.blas_state().lock().ok().and_then(|s| {
         s.as_ref()

@@ -50,9 +50,10 @@ impl Backend {
         }
     }
 
-    /// Whether this backend can run `p` on `dev`; the error says precisely why not.
-    /// Assumes `p.validate()` passed.
+    /// Whether this backend can run `p` on `dev`; the error says precisely why not (an invalid
+    /// problem gets its validation error).
     pub fn supports(self, dev: Option<&Device>, p: &Problem) -> Result<()> {
+        p.validate()?;
         let unsupported = |reason: String| Error::Unsupported {
             backend: self.name(),
             reason,
