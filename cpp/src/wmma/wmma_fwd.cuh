@@ -1,13 +1,16 @@
 // WMMA backend: FlashAttention-2 style forward on tensor cores through nvcuda::wmma (sm_80+).
 // Assumes validated arguments (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned
-// rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1.
+// rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1, scale > 0.
 //
 // One CTA = BM = 64 query rows of one (batch, head); 4 warps each own 16 rows (one wmma M) and
 // sweep every key tile themselves, so the softmax never has to merge state across warps. Per
 // tile of BN = 64 keys a warp computes its 16x64 S strip with 16x16x16 wmma into shared memory,
-// runs the online softmax on it (2 lanes per row, log2 domain, f32), writes P back as T over the
-// same strip and accumulates P·V into O fragments kept in registers. K/V tiles arrive by
+// runs the online softmax on it (2 lanes per row, log2 domain, f32), writes P back as T into
+// the same strip and accumulates P·V into O fragments kept in registers. K/V tiles arrive by
 // cp.async, double-buffered: tile n+1 is in flight while tile n is computed.
+//
+// Every tuning choice below names the variant of the measurement log (docs/perf.md,
+// "wmma tuning", H200, CUDA-graph timings) that chose it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,14 +32,29 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kBM = kWarps * 16;  // one 16-row wmma strip per warp
 constexpr int kBN = 64;
 static_assert(kBM == kBN, "Q is staged with the K/V tile loader");
-// 8 elements (16 bytes) of padding per K/V/Q row: the row pitch is then 16 bytes past a
-// multiple of 128, so the 8 rows one wmma load touches per phase start in different banks.
+// K/V/Q row padding: 8 elements (16 bytes) puts the row pitch 16 bytes past a multiple of 128,
+// so the 8 rows one ldmatrix phase reads start in different banks. Measured ("pad0", "l2p16"):
+// no padding is 3.5x (D = 64) and 3.9x (D = 128) slower; 16 elements puts rows r and r + 4 in
+// the same banks (pitch 32 bytes past a multiple of 128) and is 31-38% slower (D = 64 also
+// loses a CTA per SM).
+// wmma takes a pointer and a pitch, so an XOR swizzle is not expressible; padding is the choice.
 constexpr int kPad = 8;
-// S strip pitch in floats (64 + 4): 272 bytes, again 16 bytes past a multiple of 128, which
-// keeps the softmax's float4 reads (lanes 0-7 read rows 0-7) and the P writes conflict-free.
-constexpr int kSLd = kBN + 4;
-// P is written as T over its own S row, so its pitch in elements is the S pitch in bytes / 2.
-constexpr int kPLd = 2 * kSLd;
+// S strip pitch in floats: 72 (288 bytes, 32 past 256). wmma's f32 accumulator store writes
+// 8-byte pairs, 4 lanes per row, 4 rows per half-warp: at 72 those 4 rows land on disjoint
+// 8-bank spans. The previous pitch, 68, was free of conflicts for the softmax reads but made
+// every accumulator store 2-way (ncu: 10.9M store conflicts on s2k-d128); 72 with the lane
+// mapping below is conflict-free for all four accesses ("l2": -8% s1k-d64, -3 to -4%
+// s2k-d128).
+// Pitch 64 ("spad0") is 1.9-2.5x slower.
+constexpr int kSLd = kBN + 8;
+// P (T) has its own pitch inside the strip: 72 elements = 144 bytes (16 past 128), so both the
+// softmax's 8-byte P stores and the ldmatrix rows of the P·V load are conflict-free.
+constexpr int kPLd = kBN + 8;
+// Two K/V stages, by measurement ("st3" against "qk4_4"): a third stage costs a CTA per SM at
+// D = 64 (4 -> 3, +6%) and at D = 128 (2 -> 1, +34-36%). An FA2-style schedule with one K and one
+// V buffer loaded in split phases (two barriers per tile, 168 registers for 3 CTAs/SM, "sp2")
+// gained only 1.7% at D = 128 and lost 3% at D = 64: not worth a second schedule.
+constexpr int kStages = 2;
 
 using Acc = wm::fragment<wm::accumulator, 16, 16, 16, float>;
 
@@ -47,15 +65,16 @@ struct Layout {
   static constexpr int kLd = D + kPad;                 // K/V/Q row pitch in elements
   static constexpr int kTile = kBN * kLd * 2;          // one K or V tile
   static constexpr int kStrip = 16 * kSLd * 4;         // one warp's f32 S strip
-  static constexpr int kK = 0;                         // K tiles [2][kBN][kLd]
-  static constexpr int kV = kK + 2 * kTile;            // V tiles [2][kBN][kLd]
-  static constexpr int kS = kV + 2 * kTile;            // S/P strips [kWarps][16][kSLd]; Q staging
+  static constexpr int kK = 0;                         // K tiles [kStages][kBN][kLd]
+  static constexpr int kV = kK + kStages * kTile;      // V tiles [kStages][kBN][kLd]
+  static constexpr int kS = kV + kStages * kTile;      // S/P strips [kWarps][16][kSLd]; Q staging
   static constexpr int kAlpha = kS + kWarps * kStrip;  // per-row factors [kWarps][16]
   static constexpr int kBytes = kAlpha + kWarps * 16 * 4;
   static_assert(kTile % 128 == 0 && kStrip % 128 == 0, "regions must stay 128-byte aligned");
   static_assert(kBM * kLd * 2 <= kWarps * kStrip, "Q staging must fit in the S strips");
-  // Within the 99 KB per-CTA opt-in limit of sm_86/sm_89. At D = 128 (85.3 KB) two CTAs fit
-  // an sm_90 SM (228 KB) but only one an sm_80 SM (164 KB); D = 64 (53.3 KB) fits two on both.
+  static_assert(16 * kPLd * 2 <= kStrip, "P must fit in its warp's S strip");
+  // Within the 99 KB per-CTA opt-in limit of sm_86/sm_89. D = 128 (86.3 KB): two CTAs per SM
+  // on sm_90 (228 KB), one on sm_80 (164 KB). D = 64 (54.3 KB): four on sm_90, two on sm_80.
   static_assert(kBytes <= 99 * 1024, "shared memory over budget");
 };
 
@@ -67,13 +86,20 @@ struct Params {
   float scale_log2;  // scale * log2(e): scores live in the log2 domain
 };
 
-// 16-byte global -> shared copy that bypasses L1 (.cg: K/V are reused across CTAs through L2,
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copies that bypass L1 (.cg: K/V are reused across CTAs through L2,
 // not within one). With valid == false nothing is read and the 16 bytes are zero-filled.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  const size_t s = __cvta_generic_to_global(src);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(s),
-               "r"(valid ? 16 : 0)
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
+               "l"(__cvta_generic_to_global(src))
+               : "memory");
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+               "l"(__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
                : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() {
@@ -83,29 +109,94 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
-// Issues cp.async for 64 rows [r0, r0 + 64) of a [n, D] matrix with row stride `ld` elements
-// into shared memory with pitch kLd. Rows >= n are zero-filled: zero K/Q rows give finite
-// scores that the mask then discards, and zero V rows keep 0 * garbage = NaN out of P·V.
+// 2^x on the SFU alone. exp2f adds a denormal-range fix-up (a compare and two multiplies per
+// call); P values below 2^-126 are zero once rounded to f16/bf16 anyway.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Fragment loads from shared memory. For f16 the library's wmma.load already carries the
+// .shared state space and becomes ldmatrix. The bf16 builtins lose it: their PTX loads are
+// generic, which ptxas turns into plain LD plus MOVM transposes (100 LD + 32 MOVM per D = 128
+// kernel), and that alone made bf16 ~40% slower than f16 ("base" against "fix4": s2k-d128
+// 1099 -> 771 us, f16 769 us). The same wmma.load with .shared spelled out restores ldmatrix.
+// Layouts are wmma's own (the instruction is the same), so mma_sync consumes them unchanged.
+__device__ __forceinline__ void load_frag(
+    wm::fragment<wm::matrix_a, 16, 16, 16, __nv_bfloat16, wm::row_major>& f, const __nv_bfloat16* p,
+    unsigned ldm) {
+  uint32_t* x = reinterpret_cast<uint32_t*>(&f);
+  asm volatile("wmma.load.a.sync.aligned.row.m16n16k16.shared.bf16 {%0, %1, %2, %3}, [%4], %5;\n"
+               : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+               : "r"(smem_addr(p)), "r"(ldm)
+               : "memory");
+}
+__device__ __forceinline__ void load_frag(
+    wm::fragment<wm::matrix_b, 16, 16, 16, __nv_bfloat16, wm::col_major>& f, const __nv_bfloat16* p,
+    unsigned ldm) {
+  uint32_t* x = reinterpret_cast<uint32_t*>(&f);
+  asm volatile("wmma.load.b.sync.aligned.col.m16n16k16.shared.bf16 {%0, %1, %2, %3}, [%4], %5;\n"
+               : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+               : "r"(smem_addr(p)), "r"(ldm)
+               : "memory");
+}
+__device__ __forceinline__ void load_frag(
+    wm::fragment<wm::matrix_b, 16, 16, 16, __nv_bfloat16, wm::row_major>& f, const __nv_bfloat16* p,
+    unsigned ldm) {
+  uint32_t* x = reinterpret_cast<uint32_t*>(&f);
+  asm volatile("wmma.load.b.sync.aligned.row.m16n16k16.shared.bf16 {%0, %1, %2, %3}, [%4], %5;\n"
+               : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+               : "r"(smem_addr(p)), "r"(ldm)
+               : "memory");
+}
+template <typename Frag>
+__device__ __forceinline__ void load_frag(Frag& f, const __half* p, unsigned ldm) {
+  wm::load_matrix_sync(f, p, ldm);
+}
+
+// Issues cp.async for one 64-row tile. Thread tid owns the 16-byte column chunk tid % CH of
+// rows tid / CH + i * RS; `g` points at its first chunk in global memory, `step` is RS rows in
+// bytes and `dst` its first chunk in shared memory. Only a tile with fewer than 64 rows left
+// pays for the row predicate: rows past the end are zero-filled (zero K/Q rows give finite
+// scores that the mask then discards, zero V rows keep 0 * garbage = NaN out of P·V) and read
+// from `base`, which is mapped. Precomputing the addresses cut the loader from ~300 to ~100
+// instructions per tile ("ld4": -5.7% s1k-d64; at s2k-d128 within noise, -1% to +2%).
 template <int D>
-__device__ __forceinline__ void load_tile(uint8_t* dst, const uint8_t* src, int64_t ld, int64_t r0,
-                                          int64_t n, int tid) {
-  constexpr int CH = D / 8;  // 16-byte chunks per row
-  static_assert(kBN * CH % kThreads == 0, "tile chunks must split evenly over the CTA");
+__device__ __forceinline__ void load_tile(uint32_t dst, const uint8_t* g, int64_t step,
+                                          int rows_left, int tid, const uint8_t* base) {
+  constexpr int CH = D / 8, RS = kThreads / CH;
+  static_assert(kThreads % CH == 0, "each thread must keep one column chunk");
+  constexpr int kRowBytes = Layout<D>::kLd * 2;
+  if (rows_left >= kBN) {
 #pragma unroll
-  for (int i = 0; i < kBN * CH / kThreads; ++i) {
-    const int c = tid + i * kThreads, r = c / CH, col = (c % CH) * 8;
-    const bool valid = r0 + r < n;
-    // An out-of-range row still needs a mapped source address; the base is never read.
-    const uint8_t* g = valid ? src + 2 * ((r0 + r) * ld + col) : src;
-    cp_async16(dst + 2 * (r * Layout<D>::kLd + col), g, valid);
+    for (int i = 0; i < kBN / RS; ++i) cp_async16(dst + i * RS * kRowBytes, g + i * step);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBN / RS; ++i) {
+      const bool valid = tid / CH + i * RS < rows_left;
+      cp_async16(dst + i * RS * kRowBytes, valid ? g + i * step : base, valid);
+    }
   }
 }
 
+// CTAs per SM that __launch_bounds__ asks for at D = 64. On sm_90, 4 fit in shared memory
+// (4 x 54.3 KB) and 4 caps registers at 128; without the cap ptxas takes 142-160 and only 3
+// CTAs fit (a 3-CTA configuration, "st3", measured 6% slower there). On sm_80 shared memory
+// admits only 2, and the 128 cap would spill there, so it asks for 2. D = 128 holds 2 CTAs per
+// SM on sm_90 and 1 on sm_80 (shared memory) at any register count, so it asks for 1.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kMinCtasD64 = 2;
+#else
+constexpr int kMinCtasD64 = 4;
+#endif
+
 template <typename T, int D, bool CAUSAL>
-__global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kernel(const Params p) {
   using L = Layout<D>;
   using P2 = Pair<T>;
-  constexpr int KD = D / 16;  // k-steps of Q·Kᵀ, and O fragments per warp
+  constexpr int KD = D / 16;    // k-steps of Q·Kᵀ, and O fragments per warp
+  constexpr int NB = kBN / 16;  // 16-key blocks per tile
   constexpr int NE = Acc::num_elements;
   static_assert(D % 64 == 0, "the epilogue writes 64 columns at a time");
 
@@ -130,12 +221,24 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   if (CAUSAL) n_end = min(p.seq_k, max(int64_t(0), min(m0 + kBM, p.seq_q) + off));
   const int n_tiles = int((n_end + kBN - 1) / kBN);
 
+  // Loader addresses: this thread's chunk of a tile, advanced by whole tiles.
+  constexpr int CH = D / 8, RS = kThreads / CH;
+  const int lrow = tid / CH, lcol = (tid % CH) * 8;
+  const uint32_t s_chunk = smem_addr(smem) + (lrow * L::kLd + lcol) * 2;
+  const uint8_t* kg = kb + 2 * (lrow * p.ks.seq + lcol);
+  const uint8_t* vg = vb + 2 * (lrow * p.vs.seq + lcol);
+  auto load_kv = [&](int tile, int buf) {
+    const int rows_left = int(min(p.seq_k - int64_t(tile) * kBN, int64_t(kBN)));
+    load_tile<D>(s_chunk + L::kK + buf * L::kTile, kg + tile * 2 * kBN * p.ks.seq,
+                 2 * RS * p.ks.seq, rows_left, tid, kb);
+    load_tile<D>(s_chunk + L::kV + buf * L::kTile, vg + tile * 2 * kBN * p.vs.seq,
+                 2 * RS * p.vs.seq, rows_left, tid, vb);
+  };
+
   // Prologue: Q (staged over the S strips) and K/V tile 0 as one cp.async group.
-  load_tile<D>(smem + L::kS, qb, p.qs.seq, m0, p.seq_q, tid);
-  if (n_tiles > 0) {
-    load_tile<D>(smem + L::kK, kb, p.ks.seq, 0, p.seq_k, tid);
-    load_tile<D>(smem + L::kV, vb, p.vs.seq, 0, p.seq_k, tid);
-  }
+  load_tile<D>(s_chunk + L::kS, qb + 2 * ((m0 + lrow) * p.qs.seq + lcol), 2 * RS * p.qs.seq,
+               int(min(p.seq_q - m0, int64_t(kBM))), tid, qb);
+  if (n_tiles > 0) load_kv(0, 0);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
@@ -145,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   {
     const T* sQ = reinterpret_cast<const T*>(smem + L::kS) + warp * 16 * L::kLd;
 #pragma unroll
-    for (int k = 0; k < KD; ++k) wm::load_matrix_sync(qf[k], sQ + k * 16, L::kLd);
+    for (int k = 0; k < KD; ++k) load_frag(qf[k], sQ + k * 16, L::kLd);
   }
   __syncthreads();  // the S strips are about to overwrite other warps' Q rows
 
@@ -169,13 +272,16 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 #pragma unroll
   for (int f = 0; f < KD; ++f) wm::fill_fragment(o[f], 0.f);
 
-  // Softmax ownership: lane and lane ^ 16 share row r, each holding 32 of the 64 columns.
-  const int r = lane & 15, half = lane >> 4;
+  // Softmax ownership: lanes 2r and 2r + 1 share row r. Lane half = lane & 1 holds the column
+  // quads 8j + 4 * half + [0, 4), j < 8, so the 8 lanes of one 16-byte read phase cover rows
+  // 0-3 x both halves: 8 disjoint 4-bank groups at pitch 72.
+  const int r = lane >> 1, half = lane & 1;
   const int64_t row = wrow0 + r;
-  float m_run = -INFINITY, l_run = 0.f;  // l_run: this lane's partial row sum
+  float m_run = -INFINITY, l_run = 0.f;  // m_run: scaled (log2) max; l_run: this lane's sum
 
-  for (int t = 0; t < n_tiles; ++t) {
-    const int buf = t & 1;
+  // buf is carried rather than computed as t & 1: with t & 1, ptxas spills 4-8 bytes at D = 64
+  // under the 128-register cap; with the carried bit it needs 126 and no spills.
+  for (int t = 0, buf = 0; t < n_tiles; ++t, buf ^= 1) {
     const int64_t n0 = int64_t(t) * kBN;
     if (t > 0) {
       cp_async_wait_all();
@@ -184,75 +290,82 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
       __syncthreads();
     }
     if (t + 1 < n_tiles) {
-      load_tile<D>(smem + L::kK + (buf ^ 1) * L::kTile, kb, p.ks.seq, n0 + kBN, p.seq_k, tid);
-      load_tile<D>(smem + L::kV + (buf ^ 1) * L::kTile, vb, p.vs.seq, n0 + kBN, p.seq_k, tid);
+      load_kv(t + 1, buf ^ 1);
       cp_async_commit();
     }
 
-    // S = Q·Kᵀ: the row-major K tile read as a col-major matrix_b is Kᵀ. This loop and the P·V
-    // key loop stay rolled: unrolled, ptxas hoists all their fragment loads and D = 128 spills.
-    const T* kt = sK + buf * kBN * L::kLd;
-#pragma unroll 1
-    for (int nb = 0; nb < kBN / 16; ++nb) {
-      Acc s;
-      wm::fill_fragment(s, 0.f);
+    // S = Q·Kᵀ: the row-major K tile read as a col-major matrix_b is Kᵀ. Four independent
+    // accumulators (one per 16-key block) interleave their mma chains; one accumulator at a
+    // time left each 16-key block a chain of KD dependent mmas ("qk4_4": -8 to -9% s2k-d128
+    // against "smx4"; two accumulators, "qk2_4", got -3 to -6%).
+    {
+      const T* kt = sK + buf * kBN * L::kLd;
+      Acc s[NB];
+#pragma unroll
+      for (int n = 0; n < NB; ++n) wm::fill_fragment(s[n], 0.f);
 #pragma unroll
       for (int k = 0; k < KD; ++k) {
-        wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::col_major> kf;
-        wm::load_matrix_sync(kf, kt + nb * 16 * L::kLd + k * 16, L::kLd);
-        wm::mma_sync(s, qf[k], kf, s);
+#pragma unroll
+        for (int n = 0; n < NB; ++n) {
+          wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::col_major> kf;
+          load_frag(kf, kt + n * 16 * L::kLd + k * 16, L::kLd);
+          wm::mma_sync(s[n], qf[k], kf, s[n]);
+        }
       }
-      wm::store_matrix_sync(sS + nb * 16, s, kSLd, wm::mem_row_major);
+#pragma unroll
+      for (int n = 0; n < NB; ++n)
+        wm::store_matrix_sync(sS + n * 16, s[n], kSLd, wm::mem_row_major);
     }
     __syncwarp();
 
-    // Online softmax of this lane's half row.
+    // Online softmax of this lane's half row, on raw scores: scale > 0 commutes with max, and
+    // the scaling folds into one FFMA per element inside the exponent ("smx4", with the tree
+    // reductions and fast_exp2: -4% on both large problems).
     float x[32];
     {
-      const float* srow = sS + r * kSLd + half * 32;
+      const float* srow = sS + r * kSLd + 4 * half;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float4 v = *reinterpret_cast<const float4*>(srow + 4 * j);
-        x[4 * j] = v.x * p.scale_log2;
-        x[4 * j + 1] = v.y * p.scale_log2;
-        x[4 * j + 2] = v.z * p.scale_log2;
-        x[4 * j + 3] = v.w * p.scale_log2;
+        const float4 v = *reinterpret_cast<const float4*>(srow + 8 * j);
+        x[4 * j] = v.x, x[4 * j + 1] = v.y, x[4 * j + 2] = v.z, x[4 * j + 3] = v.w;
       }
     }
     // Only the last tile and (causal) tiles crossing this warp's diagonal need a mask.
     const bool edge = n0 + kBN > p.seq_k || (CAUSAL && n0 + kBN - 1 > wrow0 + off);
     if (edge) {
-      const int64_t j0 = n0 + half * 32;
+      const int64_t c0 = n0 + 4 * half;
 #pragma unroll
-      for (int j = 0; j < 32; ++j)
-        if (j0 + j >= p.seq_k || (CAUSAL && j0 + j > row + off)) x[j] = -INFINITY;
+      for (int j = 0; j < 32; ++j) {
+        const int64_t col = c0 + 8 * (j / 4) + j % 4;
+        if (col >= p.seq_k || (CAUSAL && col > row + off)) x[j] = -INFINITY;
+      }
     }
-    float mx = x[0];
+    float mx[8];
 #pragma unroll
-    for (int j = 1; j < 32; ++j) mx = fmaxf(mx, x[j]);
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-    const float m_new = fmaxf(m_run, mx);
+    for (int j = 0; j < 8; ++j) mx[j] = fmaxf(fmaxf(x[j], x[j + 8]), fmaxf(x[j + 16], x[j + 24]));
+    float m = fmaxf(fmaxf(fmaxf(mx[0], mx[4]), fmaxf(mx[1], mx[5])),
+                    fmaxf(fmaxf(mx[2], mx[6]), fmaxf(mx[3], mx[7])));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    const float m_new = fmaxf(m_run, m * p.scale_log2);
     // A row with nothing visible yet keeps m = -inf; subtracting 0 then keeps p = 0, not NaN.
     const float base = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = exp2f(m_run - base);
-    float sum = 0.f;
+    const float alpha = fast_exp2(m_run - base);
+    float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      x[j] = exp2f(x[j] - base);
-      sum += x[j];
+      x[j] = fast_exp2(fmaf(x[j], p.scale_log2, -base));
+      part[j % 4] += x[j];
     }
-    l_run = l_run * alpha + sum;
+    l_run = l_run * alpha + ((part[0] + part[1]) + (part[2] + part[3]));
     m_run = m_new;
 
     __syncwarp();  // every lane has read its S values: P may now overwrite the strip
     {
-      uint4* prow = reinterpret_cast<uint4*>(sP + r * kPLd + half * 32);
+      T* prow = sP + r * kPLd + 4 * half;
 #pragma unroll
-      for (int q = 0; q < 4; ++q)
-        prow[q] = make_uint4(P2::from_float2(x[8 * q], x[8 * q + 1]),
-                             P2::from_float2(x[8 * q + 2], x[8 * q + 3]),
-                             P2::from_float2(x[8 * q + 4], x[8 * q + 5]),
-                             P2::from_float2(x[8 * q + 6], x[8 * q + 7]));
+      for (int j = 0; j < 8; ++j)
+        *reinterpret_cast<uint2*>(prow + 8 * j) = make_uint2(
+            P2::from_float2(x[4 * j], x[4 * j + 1]), P2::from_float2(x[4 * j + 2], x[4 * j + 3]));
     }
     if (half == 0) sAlpha[r] = alpha;
     __syncwarp();
@@ -264,23 +377,25 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
       for (int f = 0; f < KD; ++f) o[f].x[e] *= a;
     }
 
-    // O += P·V.
+    // O += P·V. Unrolled by 2 so the next block's fragment loads overlap this block's mmas
+    // ("qk4p2": -1 to -2%); fully unrolled, ptxas hoists every load and D = 128 runs out of
+    // registers.
     const T* vt = sV + buf * kBN * L::kLd;
-#pragma unroll 1
-    for (int kk = 0; kk < kBN / 16; ++kk) {
+#pragma unroll 2
+    for (int kk = 0; kk < NB; ++kk) {
       wm::fragment<wm::matrix_a, 16, 16, 16, T, wm::row_major> pf;
-      wm::load_matrix_sync(pf, sP + kk * 16, kPLd);
+      load_frag(pf, sP + kk * 16, kPLd);
 #pragma unroll
       for (int f = 0; f < KD; ++f) {
         wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::row_major> vf;
-        wm::load_matrix_sync(vf, vt + kk * 16 * L::kLd + f * 16, L::kLd);
+        load_frag(vf, vt + kk * 16 * L::kLd + f * 16, L::kLd);
         wm::mma_sync(o[f], pf, vf, o[f]);
       }
     }
   }
 
   // Normalize by the full row sum; a row with no visible key has l = 0 and outputs zeros.
-  const float l = l_run + __shfl_xor_sync(0xffffffffu, l_run, 16);
+  const float l = l_run + __shfl_xor_sync(0xffffffffu, l_run, 1);
   __syncwarp();  // all lanes are past their last reads of sAlpha and of P in the strip
   if (half == 0) sAlpha[r] = l > 0.f ? 1.f / l : 0.f;
   __syncwarp();
