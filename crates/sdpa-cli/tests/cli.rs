@@ -6,8 +6,18 @@ use npyz::WriterBuilder;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The `sdpa` binary: cargo's path, or (on the GPU machine, where tests run from a staged
+/// bundle) `../bin/sdpa` beside the test executable's folder, or $SDPA_BIN.
 fn sdpa() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_sdpa"))
+    if let Some(p) = std::env::var_os("SDPA_BIN") {
+        return Command::new(p);
+    }
+    let built = PathBuf::from(env!("CARGO_BIN_EXE_sdpa"));
+    if built.exists() {
+        return Command::new(built);
+    }
+    let exe = std::env::current_exe().unwrap();
+    Command::new(exe.parent().unwrap().join("../bin/sdpa"))
 }
 
 fn tmp(name: &str) -> PathBuf {
