@@ -213,3 +213,59 @@ fn validate_and_bench_work_with_or_without_a_gpu() {
     }
     assert!(r["us_graph"].as_f64().unwrap() > 0.0);
 }
+
+/// `sdpa run` through the GPU (auto backend) agrees with the reference within the dtype's
+/// tolerance; skipped with a printed reason where there is no GPU.
+#[test]
+fn run_on_the_gpu_matches_the_reference() {
+    if let Err(e) = sdpa::Device::new(0) {
+        if std::env::var("SDPA_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            panic!("SDPA_REQUIRE_GPU=1 but no GPU: {e}");
+        }
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "run on the GPU: skipped, no GPU ({e})");
+        return;
+    }
+    let (b, h, sq, sk, d) = (2, 2, 77, 130, 128);
+    let (q, k, v) = (
+        values(b * h * sq * d, 7),
+        values(b * h * sk * d, 8),
+        values(b * h * sk * d, 9),
+    );
+    let paths = [tmp("gq.npy"), tmp("gk.npy"), tmp("gv.npy"), tmp("go.npy")];
+    let shape = |s: usize| [b as u64, h as u64, s as u64, d as u64];
+    write_npy(&paths[0], &q, &shape(sq));
+    write_npy(&paths[1], &k, &shape(sk));
+    write_npy(&paths[2], &v, &shape(sk));
+    let out = sdpa()
+        .args(["run", "--causal", "--dtype", "bf16"])
+        .args([
+            "--q",
+            paths[0].to_str().unwrap(),
+            "--k",
+            paths[1].to_str().unwrap(),
+        ])
+        .args([
+            "--v",
+            paths[2].to_str().unwrap(),
+            "--out",
+            paths[3].to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(&paths[3]).unwrap();
+    let got: Vec<f32> = npyz::NpyFile::new(&bytes[..]).unwrap().into_vec().unwrap();
+    let p = sdpa::Problem::new(b, h, sq, sk, d)
+        .with_causal(true)
+        .with_dtype(sdpa::DType::Bf16);
+    let round = |x: &[f32]| sdpa::decode(p.dtype, &sdpa::encode(p.dtype, x));
+    let want = sdpa::reference(&p, &round(&q), &round(&k), &round(&v)).unwrap();
+    let got: Vec<f64> = got.iter().map(|&x| f64::from(x)).collect();
+    let r = sdpa::check::compare(&got, &want, p.dtype, 0);
+    assert!(r.pass(), "{r:?}");
+}
