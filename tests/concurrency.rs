@@ -30,6 +30,7 @@ fn threads_on_separate_streams_match_serial_runs() {
                 (Problem::new(1, 8, 257, 513, 128).with_kv_heads(2), b),
             ]
         })
+        .filter(|(p, b)| b.supports(Some(&dev), p).is_ok())
         .collect();
     let serial: Vec<Vec<u16>> = jobs
         .iter()

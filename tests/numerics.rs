@@ -11,6 +11,9 @@ fn check(dev: &Device, p: &Problem, inputs: &Inputs, what: &str) {
     let [q, k, v] = &inputs.values;
     let want = sdpa::reference(p, q, k, v).unwrap();
     for b in Backend::GPU {
+        if b.supports(Some(dev), p).is_err() {
+            continue; // e.g. the sm_90a kernel on another GPU; tests/fused.rs says so
+        }
         let got = run_backend(Some(dev), p, b, inputs, Some(&want)).unwrap();
         let r = compare(&got, &want, p.dtype, 0);
         assert!(r.pass(), "{b} {what} on {p}: {r:?}");
@@ -65,6 +68,9 @@ fn rows_without_visible_keys_are_exact_zeros() {
     let p = Problem::new(1, 2, 100, 10, 128).with_causal(true);
     let inputs = random_inputs(&p, fresh_seed());
     for b in Backend::GPU {
+        if b.supports(Some(&dev), &p).is_err() {
+            continue;
+        }
         let got = run_backend(Some(&dev), &p, b, &inputs, None).unwrap();
         for h in 0..2 {
             let head = &got[h * 100 * 128..][..100 * 128];

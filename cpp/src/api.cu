@@ -23,6 +23,9 @@
 namespace sdpa {
 SDPA_DECLARE_INSTANTIATIONS(scalar)
 SDPA_DECLARE_INSTANTIATIONS(wmma_backend)
+#if defined(SDPA_HAVE_CUTLASS)
+SDPA_DECLARE_INSTANTIATIONS(cutlass_sm90)
+#endif
 
 namespace {
 using ForwardFn = void (*)(const FwdArgs&, cudaStream_t);
@@ -55,6 +58,14 @@ void forward(Kernel kernel, const FwdArgs& a, void* stream) {
       return dispatch<wmma_backend::forward_f16_d64, wmma_backend::forward_f16_d128,
                       wmma_backend::forward_bf16_d64, wmma_backend::forward_bf16_d128>("wmma",
                                                                                           a, s);
+    case Kernel::CutlassSm90:
+#if defined(SDPA_HAVE_CUTLASS)
+      return dispatch<cutlass_sm90::forward_f16_d64, cutlass_sm90::forward_f16_d128,
+                      cutlass_sm90::forward_bf16_d64, cutlass_sm90::forward_bf16_d128>(
+          "cutlass-sm90", a, s);
+#else
+      throw Error("cutlass-sm90: this build has no CUTLASS headers (set CUTLASS_DIR)");
+#endif
   }
   throw Error("unknown kernel code " + std::to_string(int(kernel)));
 }
@@ -73,7 +84,20 @@ std::vector<KernelAttr> kernel_attributes() {
                  wmma_backend::attributes_f16_d64, wmma_backend::attributes_f16_d128,
                  wmma_backend::attributes_bf16_d64, wmma_backend::attributes_bf16_d128})
     f(out);
+#if defined(SDPA_HAVE_CUTLASS)
+  for (auto f : {cutlass_sm90::attributes_f16_d64, cutlass_sm90::attributes_f16_d128,
+                 cutlass_sm90::attributes_bf16_d64, cutlass_sm90::attributes_bf16_d128})
+    f(out);
+#endif
   return out;
+}
+
+bool built_with_cutlass() {
+#if defined(SDPA_HAVE_CUTLASS)
+  return true;
+#else
+  return false;
+#endif
 }
 
 }  // namespace sdpa

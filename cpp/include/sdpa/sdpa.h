@@ -49,7 +49,7 @@ struct KernelAttr {
 };
 
 // The fused kernels of the core, one per backend folder under cpp/src/.
-enum class Kernel : int32_t { Scalar = 0, Wmma = 1 };
+enum class Kernel : int32_t { Scalar = 0, Wmma = 1, CutlassSm90 = 2 };
 
 // Runs `kernel` on `args`, enqueued on `stream` (a CUstream / cudaStream_t).
 void forward(Kernel kernel, const FwdArgs& args, void* stream);
@@ -60,5 +60,8 @@ void masked_softmax(const SoftmaxArgs& args, void* stream);
 void empty_kernel(int32_t blocks, void* stream);
 
 std::vector<KernelAttr> kernel_attributes();
+
+// Whether the CUTLASS kernels were compiled in (CUTLASS headers found at build time).
+bool built_with_cutlass();
 
 }  // namespace sdpa

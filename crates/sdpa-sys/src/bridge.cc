@@ -48,6 +48,8 @@ void empty_kernel(int32_t blocks, std::size_t stream) {
   sdpa::empty_kernel(blocks, reinterpret_cast<void*>(stream));
 }
 
+bool built_with_cutlass() { return sdpa::built_with_cutlass(); }
+
 rust::Vec<KernelAttr> kernel_attributes() {
   rust::Vec<KernelAttr> out;
   for (const auto& k : sdpa::kernel_attributes()) {

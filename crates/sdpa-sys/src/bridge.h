@@ -16,4 +16,5 @@ void forward(Kernel kernel, const FwdArgs& args, std::size_t stream);
 void masked_softmax(const SoftmaxArgs& args, std::size_t stream);
 void empty_kernel(int32_t blocks, std::size_t stream);
 rust::Vec<KernelAttr> kernel_attributes();
+bool built_with_cutlass();
 }  // namespace sdpa_bridge

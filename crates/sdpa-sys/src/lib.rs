@@ -64,6 +64,7 @@ pub mod ffi {
     pub enum Kernel {
         Scalar = 0,
         Wmma = 1,
+        CutlassSm90 = 2,
     }
 
     unsafe extern "C++" {
@@ -81,6 +82,8 @@ pub mod ffi {
         /// `stream` must be a valid stream of the current context.
         unsafe fn empty_kernel(blocks: i32, stream: usize) -> Result<()>;
         fn kernel_attributes() -> Result<Vec<KernelAttr>>;
+        /// Whether the CUTLASS kernels were compiled in.
+        fn built_with_cutlass() -> bool;
     }
 }
 

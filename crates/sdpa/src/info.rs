@@ -106,7 +106,11 @@ ptxas info    : Used 122 registers, used 1 barriers, 36992 bytes smem\n";
     fn this_build_reports_every_fused_instantiation_without_spills() {
         let ks = kernels();
         let archs = cuda_archs().split(';').count();
-        for ns in ["sdpa::scalar::", "sdpa::wmma_backend::"] {
+        let mut namespaces = vec!["sdpa::scalar::", "sdpa::wmma_backend::"];
+        if sdpa_sys::ffi::built_with_cutlass() {
+            namespaces.push("sdpa::cutlass_sm90::");
+        }
+        for ns in namespaces {
             let found: Vec<_> = ks.iter().filter(|k| k.kernel.contains(ns)).collect();
             // 2 dtypes x 2 head dims x 2 causal, for each architecture built.
             assert_eq!(found.len(), 8 * archs, "{ns}: {ks:#?}");

@@ -76,6 +76,7 @@ pub fn forward(
         Backend::Scalar => backend::fused::forward(Kernel::Scalar, dev, p, q, k, v, out),
         Backend::Wmma => backend::fused::forward(Kernel::Wmma, dev, p, q, k, v, out),
         Backend::Cublas => backend::cublas::forward(dev, p, q, k, v, out),
+        Backend::Cutlass => backend::fused::forward(Kernel::CutlassSm90, dev, p, q, k, v, out),
         Backend::Auto => unreachable!("resolve() returns a concrete backend"),
     }
 }

@@ -54,7 +54,12 @@ pub fn table() -> &'static [Row] {
 }
 
 /// Order used when no measured row matches: tensor-core paths first.
-pub const FALLBACK: [Backend; 3] = [Backend::Wmma, Backend::Cublas, Backend::Scalar];
+pub const FALLBACK: [Backend; 4] = [
+    Backend::Cutlass,
+    Backend::Wmma,
+    Backend::Cublas,
+    Backend::Scalar,
+];
 
 /// The candidate order for `p` on a device of compute capability `sm`: the exact measured row,
 /// else a row measured on another device for the same kind of problem, else `FALLBACK`.

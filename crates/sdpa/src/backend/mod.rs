@@ -23,21 +23,30 @@ pub enum Backend {
     Wmma,
     /// Unfused: cuBLAS GEMM for S = Q·Kᵀ (f32), masked softmax kernel, cuBLAS GEMM for P·V.
     Cublas,
+    /// CuTe on sm_90a (Hopper): TMA loads, wgmma, a producer warpgroup and two consumer
+    /// warpgroups (cpp/src/cutlass/sm90).
+    Cutlass,
     /// The fastest supported GPU backend for the device and problem.
     Auto,
 }
 
 impl Backend {
     /// Every backend, in the order tables list them.
-    pub const ALL: [Backend; 5] = [
+    pub const ALL: [Backend; 6] = [
         Backend::Cpu,
         Backend::Scalar,
         Backend::Wmma,
         Backend::Cublas,
+        Backend::Cutlass,
         Backend::Auto,
     ];
     /// The backends that run on the GPU (what `validate` and `bench` iterate over).
-    pub const GPU: [Backend; 3] = [Backend::Scalar, Backend::Wmma, Backend::Cublas];
+    pub const GPU: [Backend; 4] = [
+        Backend::Scalar,
+        Backend::Wmma,
+        Backend::Cublas,
+        Backend::Cutlass,
+    ];
 
     /// Lower-case name, as the CLI accepts it.
     pub fn name(self) -> &'static str {
@@ -46,6 +55,7 @@ impl Backend {
             Backend::Scalar => "scalar",
             Backend::Wmma => "wmma",
             Backend::Cublas => "cublas",
+            Backend::Cutlass => "cutlass",
             Backend::Auto => "auto",
         }
     }
@@ -81,6 +91,36 @@ impl Backend {
                 }
                 cublas::supports(dev, p).map_err(unsupported)
             }
+            Backend::Cutlass => {
+                fused::supports(p).map_err(unsupported)?;
+                if !sdpa_sys::ffi::built_with_cutlass() {
+                    return Err(unsupported(
+                        "this build has no CUTLASS headers (set CUTLASS_DIR and rebuild)".into(),
+                    ));
+                }
+                if !sdpa_sys::CUDA_ARCHS.split(';').any(|a| a == "90a") {
+                    return Err(unsupported(format!(
+                        "built for CUDA archs {}, without 90a",
+                        sdpa_sys::CUDA_ARCHS
+                    )));
+                }
+                // TMA descriptors take byte strides below 2^40.
+                let bytes = p.q_len().unwrap().max(p.kv_len().unwrap()) * p.dtype.size();
+                if bytes >= 1 << 40 {
+                    return Err(unsupported(format!(
+                        "a {bytes}-byte tensor exceeds what a TMA descriptor addresses (2^40)"
+                    )));
+                }
+                let dev = dev.ok_or_else(|| unsupported("needs a GPU".into()))?;
+                let (major, minor) = dev.compute_capability()?;
+                if (major, minor) != (9, 0) {
+                    return Err(unsupported(format!(
+                        "the sm_90a kernel runs on compute capability 9.0 (H100/H200), the GPU has \
+                         {major}.{minor}"
+                    )));
+                }
+                Ok(())
+            }
             Backend::Auto => self.resolve(dev, p).map(|_| ()),
         }
     }
@@ -98,7 +138,10 @@ impl Backend {
             None => None,
         };
         let mut reasons = Vec::new();
-        for &b in auto::order(sm, p) {
+        let measured = auto::order(sm, p);
+        // Backends the table has not measured yet (added since it was made) come last.
+        let unmeasured = auto::FALLBACK.iter().filter(|b| !measured.contains(b));
+        for &b in measured.iter().chain(unmeasured) {
             match b.supports(dev, p) {
                 Ok(()) => return Ok(b),
                 Err(e) => reasons.push(e.to_string()),

@@ -1,0 +1,588 @@
+// CUTLASS/CuTe backend for sm_90a (Hopper): FlashAttention-2 style forward on wgmma, with Q, K
+// and V brought into swizzled shared memory by TMA. Assumes validated arguments
+// (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned rows, strides in elements,
+// heads % kv_heads == 0, seq_q, seq_k >= 1.
+//
+// One CTA = BM = 128 query rows of one (batch, head), computed by two consumer warpgroups of 64
+// rows each (one wgmma M = 64 per warpgroup; 128 rows per CTA halves the K/V traffic per query
+// row against 64, and still leaves the register file room for the 64x128 S and 64xD O
+// accumulators). Keys come in tiles of BN = 128 through a ring of shared-memory stages. Per tile
+// and warpgroup:
+//   S = Q·Kᵀ    wgmma SS, Q [BM][D] and K [BN][D] both K-major (128-byte swizzle) in smem;
+//   softmax     on the S accumulator in registers (each row lives in the 4 lanes of a quad),
+//               f32, log2 domain with scale·log2(e) folded into one FMA before exp2;
+//   O += P·V    wgmma RS: P converted to f16/bf16 in registers is the A operand as is (the
+//               64xN accumulator and the 64x16 A fragment share their row/column ownership),
+//               and V [BN][D] read as Vᵀ [D][BN] is an MN-major B operand.
+// TMA zero-fills rows past seq_q / seq_k (the descriptor is 4-D: d, seq, head, batch, so a tile
+// never reads into the next head); scores of keys >= seq_k and, if causal, of keys past the
+// bottom-right diagonal are set to -inf before the softmax.
+//
+// Warp specialized, 384 threads: a producer warpgroup (one thread issues every TMA load; the
+// warpgroup gives its registers away with setmaxnreg) and the two consumer warpgroups (240
+// registers each), on a ring of K/V stages with full/empty mbarriers. The consumers take turns
+// (two named barriers) issuing their wgmmas, S_n = Q·K_nᵀ and O += P_{n-1}·V_{n-1} as one round,
+// so that one warpgroup's softmax runs while the other's wgmmas hold the tensor cores; within a
+// warpgroup the softmax of S_n overlaps its own P_{n-1}·V_{n-1} (waits for S_n alone, and only
+// the O rescale waits for P·V).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <cute/tensor.hpp>  // first: the cute headers below assume its declarations
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+
+#include "common/check.cuh"
+
+// The kernel bodies exist only in the sm_90a device pass; other passes (sm_80 in the default
+// "80;90a" build) compile them empty, and the host side refuses to launch off sm_90.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SDPA_SM90_DEVICE 1
+#endif
+
+namespace sdpa::cutlass_sm90 {
+
+using namespace cute;
+
+template <typename T>
+constexpr const char* dtype_name();
+template <>
+constexpr const char* dtype_name<cute::half_t>() {
+  return "f16";
+}
+template <>
+constexpr const char* dtype_name<cute::bfloat16_t>() {
+  return "bf16";
+}
+
+// Two f32 -> one packed pair of T (low half = a), round to nearest.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<cute::half_t>(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<cute::bfloat16_t>(float a, float b) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Named barriers (id 0 is __syncthreads): bar.sync waits, bar.arrive only counts.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Tile configuration.
+template <typename T, int D>
+struct Cfg {
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static constexpr int kWG = 2;  // consumer warpgroups, each 64 query rows
+  static constexpr int kThreads = 128 * (kWG + 1);  // + the producer warpgroup
+  static constexpr int kBM = 64 * kWG;
+  static constexpr int kBN = 128;
+  // D = 128: Q 32 + O 32 + 2 x (K 32 + V 32) = 192 KB; a third stage would not fit.
+  static constexpr int kStages = D == 64 ? 3 : 2;
+  using BM = Int<kBM>;
+  using BN = Int<kBN>;
+  using HD = Int<D>;
+  using Stages = Int<kStages>;
+
+  // The warpgroups tile M: warpgroup w owns rows [64w, 64w + 64) of S and O.
+  using MmaQK = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, BN, HD>, GMMA::Major::K,
+                                 GMMA::Major::K>(),
+      Layout<Shape<Int<kWG>, _1, _1>>{}));
+  using MmaPV = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<T, T, float, Shape<_64, HD, BN>, GMMA::Major::K,
+                                 GMMA::Major::MN>(),
+      Layout<Shape<Int<kWG>, _1, _1>>{}));
+
+  // Shared memory layouts: rows of 64 elements (128 bytes) with the 128-byte swizzle, stacked
+  // 8 rows to an atom. K and V tiles are laid out alike ([key][d], d contiguous); Vt is the
+  // same bytes seen as [d][key] for the MN-major B operand of P·V.
+  using LayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<BM, HD>{}));
+  using LayoutK =
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<BN, HD, Stages>{}));
+  using LayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
+                                          Shape<HD, BN, Stages>{}, Step<_2, _1, _3>{}));
+  using LayoutV = decltype(composition(
+      LayoutVt{}, make_layout(Shape<BN, HD, Stages>{}, Stride<HD, _1, Int<D * kBN>>{})));
+
+  // P as the A operand of P·V, over the registers of the S accumulator. S per thread is
+  // ((2 cols, 2 rows, BN/8 col groups), 1, 1), compact; the A fragment of one 16-key step is
+  // ((2 cols, 2 rows, 2 col groups)), so key step kb takes col groups 2kb and 2kb + 1.
+  using LayoutP =
+      Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+
+  // Global tensors as TMA sees them: (seq, d, head, batch), d contiguous.
+  using GShape = Shape<int, HD, int, int>;
+  using GStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)),
+                                       std::declval<GShape>(), std::declval<GStride>()));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensor>(), LayoutQ{},
+                                      Shape<BM, HD>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensor>(),
+                                       take<0, 2>(LayoutK{}), Shape<BN, HD>{}, _1{}));
+
+  struct Smem {
+    alignas(1024) T q[kBM * D];
+    alignas(1024) T k[kStages * kBN * D];
+    alignas(1024) T v[kStages * kBN * D];
+    alignas(1024) T o[kBM * D];  // output staging, 64 rows per consumer warpgroup
+    alignas(8) uint64_t bar_q;
+    uint64_t full_k[kStages];
+    uint64_t full_v[kStages];
+    uint64_t empty_k[kStages];
+    uint64_t empty_v[kStages];
+  };
+  // +1 KB: the kernel aligns the dynamic smem base up to 1024 bytes (128-byte swizzle atoms).
+  static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit");
+};
+
+template <typename T, int D>
+struct Params {
+  typename Cfg<T, D>::TmaQ tma_q;
+  typename Cfg<T, D>::TmaKV tma_k, tma_v;
+  T* o;
+  Strides os;
+  int seq_q, seq_k, heads, kv_heads, batch, group;
+  float scale_log2;  // scale * log2(e)
+};
+
+// ((2, 2, N/8), M, N) accumulator layout -> ((2 rows, M), (2 cols, N/8, N)) row/column view.
+template <class L>
+__device__ __forceinline__ constexpr auto rowcol(L const& l) {
+  static_assert(decltype(rank(l))::value == 3);
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
+                     make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// One tile of the online softmax, in place on S (row/col view of the accumulator): mask, new
+// running max, S <- exp2(S·scale_log2 - max·scale_log2), row sums, and per row the factor
+// alpha by which O must be rescaled (rescale_o; kept apart so that it can wait for the P·V
+// wgmma still accumulating into O). cSrc gives each S element's (row, col) within the CTA
+// tile. m_run is in raw score units.
+template <bool CAUSAL, class TS, class TC>
+__device__ __forceinline__ void softmax_tile(TS& S, TC const& cSrc, float* m_run, float* l_run,
+                                             float* alpha, int m0, int n0, int bn, int seq_k,
+                                             int off, float sl2) {
+  constexpr int kRows = decltype(size<0>(S))::value;
+  // Only the last tile (keys >= seq_k) and causal tiles crossing the CTA's diagonal need it.
+  const bool edge = n0 + bn > seq_k || (CAUSAL && n0 + bn - 1 > m0 + off);
+  if (edge) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int row = m0 + get<0>(cSrc(r, 0));
+      const int last = CAUSAL ? min(seq_k - 1, row + off) : seq_k - 1;  // last key it sees
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(S); ++c)
+        if (n0 + get<1>(cSrc(r, c)) > last) S(r, c) = -INFINITY;
+    }
+  }
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    float mx = -INFINITY;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(S); ++c) mx = fmaxf(mx, S(r, c));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a row lives in a quad
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run[r], mx);
+    // A row with nothing visible yet keeps m = -inf; subtracting 0 keeps p = 0, not NaN.
+    const float base = m_new == -INFINITY ? 0.f : m_new * sl2;
+    alpha[r] = exp2f(m_run[r] * sl2 - base);
+    m_run[r] = m_new;
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(S); ++c) {
+      const float e = exp2f(fmaf(S(r, c), sl2, -base));
+      S(r, c) = e;
+      sum += e;
+    }
+    l_run[r] = l_run[r] * alpha[r] + sum;  // this thread's partial sum; the quad adds at the end
+  }
+}
+
+template <class TO>
+__device__ __forceinline__ void rescale_o(TO& O, const float* alpha) {
+  CUTE_UNROLL
+  for (int r = 0; r < decltype(size<0>(O))::value; ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(O); ++c) O(r, c) *= alpha[r];
+  }
+}
+
+// O /= row sum; a row with no visible key has l = 0 and outputs zeros.
+template <class TO>
+__device__ __forceinline__ void normalize(TO& O, const float* l_run) {
+  CUTE_UNROLL
+  for (int r = 0; r < decltype(size<0>(O))::value; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(O); ++c) O(r, c) *= inv;
+  }
+}
+
+// S accumulator (f32) -> P in T, in the register layout of P·V's A operand.
+template <typename T, class TP, class TS>
+__device__ __forceinline__ void convert_p(TP& rP, TS const& tSrS) {
+  Tensor rP32 = recast<uint32_t>(rP);
+  CUTE_UNROLL
+  for (int i = 0; i < size(rP32); ++i) rP32(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
+}
+
+// Aligns the dynamic shared memory base up to 1024 bytes.
+template <class Smem>
+__device__ __forceinline__ Smem& smem_storage() {
+  extern __shared__ uint8_t smem_raw[];
+  return *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                  ~uintptr_t(1023));
+}
+
+template <typename T, int D, bool CAUSAL>
+__global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
+    fwd_kernel(const __grid_constant__ Params<T, D> p) {
+#ifdef SDPA_SM90_DEVICE
+  using C = Cfg<T, D>;
+  using Bar = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages;
+  constexpr int kConsumers = 128 * C::kWG;
+  constexpr int kTurn = 1;      // named barriers kTurn + w: consumer warpgroup w may issue
+  constexpr int kEpilogue = 3;  // named barriers kEpilogue + w: warpgroup w's output staging
+  auto& sm = smem_storage<typename C::Smem>();
+
+  const int tid = threadIdx.x;
+  const int m_block = CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int off = p.seq_k - p.seq_q;
+  const int m0 = m_block * BM;
+  int n_end = p.seq_k;
+  if (CAUSAL) n_end = min(p.seq_k, max(0, min(m0 + BM, p.seq_q) + off));
+  const int n_tiles = (n_end + BN - 1) / BN;
+
+  if (tid == 0) {
+    prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    Bar::init(&sm.bar_q, 1);
+    for (int s = 0; s < S; ++s) {
+      Bar::init(&sm.full_k[s], 1);
+      Bar::init(&sm.full_v[s], 1);
+      Bar::init(&sm.empty_k[s], kConsumers);  // every consumer thread releases
+      Bar::init(&sm.empty_v[s], kConsumers);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();  // the last CTA-wide barrier: the roles part here
+
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQ{});    // (BM, D)
+  Tensor sK = make_tensor(make_smem_ptr(sm.k), typename C::LayoutK{});    // (BN, D, stage)
+  Tensor sV = make_tensor(make_smem_ptr(sm.v), typename C::LayoutV{});    // (BN, D, stage)
+  Tensor sVt = make_tensor(make_smem_ptr(sm.v), typename C::LayoutVt{});  // (D, BN, stage)
+
+  if (tid < 128) {
+    // Producer warpgroup: 24 registers a thread are plenty to issue TMA.
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (tid != 0) return;
+    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seq_q, Int<D>{}, p.heads, p.batch));
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
+    Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
+    Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(m_block, _0{}));
+    Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+    Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+    auto tQ = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                            group_modes<0, 2>(gQ));
+    auto tK = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                            group_modes<0, 2>(gK));
+    auto tV = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                            group_modes<0, 2>(gV));
+    constexpr uint32_t kQBytes = BM * D * sizeof(T);
+    constexpr uint32_t kKVBytes = BN * D * sizeof(T);
+    Bar::arrive_and_expect_tx(&sm.bar_q, kQBytes);
+    copy(p.tma_q.with(sm.bar_q), get<0>(tQ), get<1>(tQ));
+    for (int n = 0; n < n_tiles; ++n) {
+      const int s = n % S;
+      const uint32_t phase = ((n / S) + 1) & 1;  // the release of tile n - S
+      if (n >= S) Bar::wait(&sm.empty_k[s], phase);
+      Bar::arrive_and_expect_tx(&sm.full_k[s], kKVBytes);
+      copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, n), get<1>(tK)(_, s));
+      if (n >= S) Bar::wait(&sm.empty_v[s], phase);
+      Bar::arrive_and_expect_tx(&sm.full_v[s], kKVBytes);
+      copy(p.tma_v.with(sm.full_v[s]), get<0>(tV)(_, n), get<1>(tV)(_, s));
+    }
+    return;
+  }
+
+  // Consumer warpgroups.
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int ctid = tid - 128;  // 0 .. 255
+  const int wg = ctid / 128;   // this consumer warpgroup: rows [64 wg, 64 wg + 64)
+
+  typename C::MmaQK mma_qk;
+  typename C::MmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(ctid);
+  auto thr_pv = mma_pv.get_thread_slice(ctid);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<D>>{});
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
+  Tensor rP = make_tensor<T>(typename C::LayoutP{});
+  clear(tOrO);
+
+  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
+  Tensor cSrc = make_tensor(cS.data(), rowcol(cS.layout()));
+  Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+  Tensor Srow = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+  constexpr int kRows = decltype(size<0>(O))::value;
+  static_assert(kRows == 2);
+  float m_run[kRows], l_run[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    m_run[r] = -INFINITY;
+    l_run[r] = 0.f;
+  }
+
+  // Turn taking: warpgroup 0 goes first. Each warpgroup runs n_tiles + 1 issue rounds; round r
+  // waits for its own turn barrier and then hands the turn over. Warpgroup 1 pre-arrives once
+  // and skips its very last hand-over, so both barriers see matched counts.
+  //   round 0:            S_0
+  //   round n (1..N-1):   S_n, then O += P_{n-1}·V_{n-1}: two commit groups
+  //   round N:            O += P_{N-1}·V_{N-1}
+  // Once S_n is done its K stage is released and the softmax turns it into exp2 scores; once
+  // P·V is done its V stage is released, O is rescaled and P_n written over P_{n-1}. Every
+  // wgmma sits on an unconditional path of its round: wgmmas under a branch make ptxas
+  // serialize them.
+  const auto issue_s = [&](int sk) {
+    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+      cute::gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, sk), tSrS);
+      mma_qk.accumulate_ = GMMA::ScaleOut::One;
+    }
+  };
+  const auto fence_all = [&]() {
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tOrO);
+    warpgroup_fence_operand(rP);
+  };
+  float alpha[kRows];
+  if (n_tiles > 0) {
+    if (wg == 1) named_arrive(kTurn + 0, kConsumers);
+    Bar::wait(&sm.bar_q, 0);
+
+    // Round 0.
+    Bar::wait(&sm.full_k[0], 0);
+    named_sync(kTurn + wg, kConsumers);
+    fence_all();
+    warpgroup_arrive();
+    issue_s(0);
+    warpgroup_commit_batch();
+    named_arrive(kTurn + (wg ^ 1), kConsumers);
+    warpgroup_wait<0>();
+    fence_all();
+    Bar::arrive(&sm.empty_k[0]);
+    softmax_tile<CAUSAL>(Srow, cSrc, m_run, l_run, alpha, m0, 0, BN, p.seq_k, off,
+                         p.scale_log2);
+    convert_p<T>(rP, tSrS);  // O is still zero: no rescale
+
+    for (int n = 1; n < n_tiles; ++n) {
+      const int sk = n % S, sv = (n - 1) % S;
+      Bar::wait(&sm.full_k[sk], (n / S) & 1);
+      Bar::wait(&sm.full_v[sv], ((n - 1) / S) & 1);
+      named_sync(kTurn + wg, kConsumers);
+      fence_all();
+      warpgroup_arrive();
+      issue_s(sk);
+      warpgroup_commit_batch();
+      cute::gemm(mma_pv, rP, tOrV(_, _, _, sv), tOrO);
+      warpgroup_commit_batch();
+      named_arrive(kTurn + (wg ^ 1), kConsumers);
+      warpgroup_wait<1>();  // S_n done; P_{n-1}·V_{n-1} may still run
+      warpgroup_fence_operand(tSrS);
+      Bar::arrive(&sm.empty_k[sk]);
+      softmax_tile<CAUSAL>(Srow, cSrc, m_run, l_run, alpha, m0, n * BN, BN, p.seq_k, off,
+                           p.scale_log2);
+      warpgroup_wait<0>();
+      fence_all();
+      Bar::arrive(&sm.empty_v[sv]);
+      rescale_o(O, alpha);
+      convert_p<T>(rP, tSrS);
+    }
+
+    // Round N.
+    {
+      const int sv = (n_tiles - 1) % S;
+      Bar::wait(&sm.full_v[sv], ((n_tiles - 1) / S) & 1);
+      named_sync(kTurn + wg, kConsumers);
+      fence_all();
+      warpgroup_arrive();
+      cute::gemm(mma_pv, rP, tOrV(_, _, _, sv), tOrO);
+      warpgroup_commit_batch();
+      if (wg == 0) named_arrive(kTurn + 1, kConsumers);
+      warpgroup_wait<0>();
+      fence_all();
+      Bar::arrive(&sm.empty_v[sv]);
+    }
+  } else {
+    Bar::wait(&sm.bar_q, 0);  // no TMA may still be writing when the CTA exits
+  }
+
+  normalize(O, l_run);
+
+  // Output through this warpgroup's 64-row staging area: row r, 16-byte chunk j lives at chunk
+  // j ^ (r % 8), so the quad-strided 4-byte writes and the row-contiguous 16-byte reads are
+  // both free of bank conflicts.
+  T* so = sm.o + wg * 64 * D;
+  {
+    Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+    CUTE_UNROLL
+    for (int i = 0; i < size(tOrO); i += 2) {
+      const int r = get<0>(cO(i)) - 64 * wg, c = get<1>(cO(i));  // element i + 1: (r, c + 1)
+      const int phys = r * D + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
+      *reinterpret_cast<uint32_t*>(so + phys) = pack2<T>(tOrO(i), tOrO(i + 1));
+    }
+  }
+  named_sync(kEpilogue + wg, 128);
+  T* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head;
+  constexpr int CH = D / 8;  // 16-byte chunks per row
+  const int wtid = ctid % 128;
+  CUTE_UNROLL
+  for (int i = 0; i < 64 * CH / 128; ++i) {
+    const int ci = wtid + i * 128, r = ci / CH, j = ci % CH;
+    const int row = m0 + 64 * wg + r;
+    if (row < p.seq_q)
+      *reinterpret_cast<uint4*>(ob + int64_t(row) * p.os.seq + j * 8) =
+          *reinterpret_cast<const uint4*>(so + r * D + ((j ^ (r & 7)) << 3));
+  }
+#endif
+}
+
+// Host side ----------------------------------------------------------------------------------
+
+// TMA needs a 16-byte aligned base and 16-byte multiple strides below 2^40 bytes; the Rust
+// layer guarantees both, this only turns a broken promise into an error instead of a fault.
+inline void check_tma_operand(const void* ptr, const Strides& s, const char* what) {
+  const auto ok = [](int64_t st) {
+    return st >= 0 && (st * 2) % 16 == 0 && st * 2 < (int64_t(1) << 40);
+  };
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0 || !ok(s.batch) || !ok(s.head) || !ok(s.seq))
+    throw Error(std::string("cutlass-sm90: ") + what +
+                " is not TMA-addressable (16-byte aligned base and strides required)");
+}
+
+// Whether device `dev` is an sm_90 part; cached per device.
+inline bool is_sm90(int dev) {
+  static std::atomic<uint64_t> known{0}, yes{0};
+  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+  if (bit && (known.load(std::memory_order_relaxed) & bit))
+    return yes.load(std::memory_order_relaxed) & bit;
+  int major = 0;
+  SDPA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (bit) {
+    if (major == 9) yes.fetch_or(bit, std::memory_order_relaxed);
+    known.fetch_or(bit, std::memory_order_relaxed);
+  }
+  return major == 9;
+}
+
+// The kernel parameters: a TMA descriptor per operand (make_tma_copy encodes it on the host;
+// it travels in the __grid_constant__ parameter block) and the scalars.
+template <typename T, int D>
+Params<T, D> make_params(const FwdArgs& a) {
+  using C = Cfg<T, D>;
+  const auto gmem = [&](const void* ptr, int64_t seq, int64_t heads, const Strides& st) {
+    return make_tensor(make_gmem_ptr(static_cast<const T*>(ptr)),
+                       make_shape(int(seq), Int<D>{}, int(heads), int(a.batch)),
+                       make_stride(st.seq, _1{}, st.head, st.batch));
+  };
+  Params<T, D> p{};
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.q, a.seq_q, a.heads, a.q_stride),
+                          typename C::LayoutQ{}, Shape<Int<C::kBM>, Int<D>>{}, _1{});
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.k, a.seq_k, a.kv_heads, a.k_stride),
+                          take<0, 2>(typename C::LayoutK{}), Shape<Int<C::kBN>, Int<D>>{}, _1{});
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.seq_k, a.kv_heads, a.v_stride),
+                          take<0, 2>(typename C::LayoutV{}), Shape<Int<C::kBN>, Int<D>>{}, _1{});
+  p.o = static_cast<T*>(a.o);
+  p.os = a.o_stride;
+  p.seq_q = int(a.seq_q);
+  p.seq_k = int(a.seq_k);
+  p.heads = int(a.heads);
+  p.kv_heads = int(a.kv_heads);
+  p.batch = int(a.batch);
+  p.group = int(a.heads / a.kv_heads);
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  return p;
+}
+
+template <typename T, int D, bool CAUSAL>
+void launch(const FwdArgs& a, cudaStream_t stream) {
+  using C = Cfg<T, D>;
+  constexpr int kSmem = C::kSmemBytes;
+  int dev = 0;
+  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
+  if (!is_sm90(dev)) throw Error("cutlass-sm90: needs an sm_90 (Hopper) GPU");
+  // Dynamic shared memory above 48 KB needs an opt-in, per function and per device.
+  static std::atomic<uint64_t> configured{0};
+  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+  if (bit == 0 || !(configured.load(std::memory_order_relaxed) & bit)) {
+    SDPA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel<T, D, CAUSAL>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    configured.fetch_or(bit, std::memory_order_relaxed);
+  }
+  check_tma_operand(a.q, a.q_stride, "q");
+  check_tma_operand(a.k, a.k_stride, "k");
+  check_tma_operand(a.v, a.v_stride, "v");
+  const Params<T, D> p = make_params<T, D>(a);
+  // Causal CTAs are launched last query block first (the kernel reverses blockIdx.x).
+  const dim3 grid(unsigned((a.seq_q + C::kBM - 1) / C::kBM), unsigned(a.heads),
+                  unsigned(a.batch));
+  fwd_kernel<T, D, CAUSAL><<<grid, C::kThreads, kSmem, stream>>>(p);
+  SDPA_LAUNCH_CHECK("cutlass-sm90 fwd_kernel launch");
+}
+
+template <typename T, int D>
+void forward(const FwdArgs& a, cudaStream_t stream) {
+  if (a.causal)
+    launch<T, D, true>(a, stream);
+  else
+    launch<T, D, false>(a, stream);
+}
+
+template <typename T, int D>
+void attributes(std::vector<KernelAttr>& out) {
+  const void* fns[2] = {reinterpret_cast<const void*>(fwd_kernel<T, D, false>),
+                        reinterpret_cast<const void*>(fwd_kernel<T, D, true>)};
+  for (int c = 0; c < 2; ++c) {
+    cudaFuncAttributes fa;
+    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, fns[c]));
+    // sharedSizeBytes counts static shared memory only; this kernel's is all dynamic.
+    out.push_back({"cutlass-sm90",
+                   std::string("fwd_") + dtype_name<T>() + "_d" + std::to_string(D) +
+                       (c ? "_causal" : ""),
+                   fa.numRegs, int32_t(fa.sharedSizeBytes), Cfg<T, D>::kSmemBytes,
+                   int32_t(fa.localSizeBytes), fa.maxThreadsPerBlock});
+  }
+}
+
+}  // namespace sdpa::cutlass_sm90
