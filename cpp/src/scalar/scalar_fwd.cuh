@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/attributes.cuh"
 #include "common/check.cuh"
 #include "common/dtype.cuh"
 
@@ -210,25 +211,15 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
 
 template <typename T, int D>
 void forward(const FwdArgs& a, cudaStream_t stream) {
-  if (a.causal)
-    launch<T, D, true>(a, stream);
-  else
-    launch<T, D, false>(a, stream);
+  (a.causal ? launch<T, D, true> : launch<T, D, false>)(a, stream);
 }
 
 template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out) {
-  const void* fns[2] = {reinterpret_cast<const void*>(fwd_kernel<T, D, false>),
-                        reinterpret_cast<const void*>(fwd_kernel<T, D, true>)};
-  for (int c = 0; c < 2; ++c) {
-    cudaFuncAttributes fa;
-    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, fns[c]));
-    out.push_back({"scalar",
-                   std::string("fwd_") + dtype_name<T>() + "_d" + std::to_string(D) +
-                       (c ? "_causal" : ""),
-                   fa.numRegs, int32_t(fa.sharedSizeBytes), 0, int32_t(fa.localSizeBytes),
-                   fa.maxThreadsPerBlock});
-  }
+  push_attributes(out, "scalar", dtype_name<T>(), D,
+                  {reinterpret_cast<const void*>(fwd_kernel<T, D, false>),
+                   reinterpret_cast<const void*>(fwd_kernel<T, D, true>)},
+                  0);
 }
 
 }  // namespace sdpa::scalar

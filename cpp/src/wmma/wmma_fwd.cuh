@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/attributes.cuh"
 #include "common/check.cuh"
 #include "common/dtype.cuh"
 
@@ -466,26 +467,16 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
 
 template <typename T, int D>
 void forward(const FwdArgs& a, cudaStream_t stream) {
-  if (a.causal)
-    launch<T, D, true>(a, stream);
-  else
-    launch<T, D, false>(a, stream);
+  (a.causal ? launch<T, D, true> : launch<T, D, false>)(a, stream);
 }
 
 template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out) {
-  const void* fns[2] = {reinterpret_cast<const void*>(fwd_kernel<T, D, false>),
-                        reinterpret_cast<const void*>(fwd_kernel<T, D, true>)};
-  for (int c = 0; c < 2; ++c) {
-    cudaFuncAttributes fa;
-    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, fns[c]));
-    // sharedSizeBytes counts static shared memory only; this kernel's is all dynamic.
-    out.push_back(
-        {"wmma",
-         std::string("fwd_") + dtype_name<T>() + "_d" + std::to_string(D) + (c ? "_causal" : ""),
-         fa.numRegs, int32_t(fa.sharedSizeBytes), Layout<D>::kBytes, int32_t(fa.localSizeBytes),
-         fa.maxThreadsPerBlock});
-  }
+  // All of this kernel's shared memory is dynamic.
+  push_attributes(out, "wmma", dtype_name<T>(), D,
+                  {reinterpret_cast<const void*>(fwd_kernel<T, D, false>),
+                   reinterpret_cast<const void*>(fwd_kernel<T, D, true>)},
+                  Layout<D>::kBytes);
 }
 
 }  // namespace sdpa::wmma_backend
