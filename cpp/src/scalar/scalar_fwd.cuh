@@ -16,6 +16,7 @@
 
 #include "common/attributes.cuh"
 #include "common/check.cuh"
+#include "common/launch.cuh"
 #include "common/dtype.cuh"
 
 namespace sdpa::scalar {
@@ -28,13 +29,7 @@ constexpr int kBM = 32;
 constexpr int kRPW = kBM / kWarps;
 constexpr int kBN = 32;  // one key per lane
 
-struct Params {
-  const uint8_t *q, *k, *v;
-  uint8_t* o;
-  int64_t seq_q, seq_k, heads, group;  // group = heads / kv_heads
-  Strides qs, ks, vs, os;
-  float scale_log2;  // scale * log2(e): scores live in the log2 domain
-};
+using Params = KernelParams;
 
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
@@ -190,20 +185,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 
 template <typename T, int D, bool CAUSAL>
 void launch(const FwdArgs& a, cudaStream_t stream) {
-  Params p;
-  p.q = static_cast<const uint8_t*>(a.q);
-  p.k = static_cast<const uint8_t*>(a.k);
-  p.v = static_cast<const uint8_t*>(a.v);
-  p.o = static_cast<uint8_t*>(a.o);
-  p.seq_q = a.seq_q;
-  p.seq_k = a.seq_k;
-  p.heads = a.heads;
-  p.group = a.heads / a.kv_heads;
-  p.qs = a.q_stride;
-  p.ks = a.k_stride;
-  p.vs = a.v_stride;
-  p.os = a.o_stride;
-  p.scale_log2 = a.scale * 1.4426950408889634f;
+  const Params p = make_params(a);
   const dim3 grid(unsigned((a.seq_q + kBM - 1) / kBM), unsigned(a.heads), unsigned(a.batch));
   fwd_kernel<T, D, CAUSAL><<<grid, kThreads, 0, stream>>>(p);
   SDPA_LAUNCH_CHECK("scalar fwd_kernel launch");

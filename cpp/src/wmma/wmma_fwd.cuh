@@ -22,6 +22,7 @@
 
 #include "common/attributes.cuh"
 #include "common/check.cuh"
+#include "common/launch.cuh"
 #include "common/dtype.cuh"
 
 namespace sdpa::wmma_backend {
@@ -79,13 +80,7 @@ struct Layout {
   static_assert(kBytes <= 99 * 1024, "shared memory over budget");
 };
 
-struct Params {
-  const uint8_t *q, *k, *v;
-  uint8_t* o;
-  int64_t seq_q, seq_k, heads, group;  // group = heads / kv_heads
-  Strides qs, ks, vs, os;
-  float scale_log2;  // scale * log2(e): scores live in the log2 domain
-};
+using Params = KernelParams;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -434,32 +429,10 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
 template <typename T, int D, bool CAUSAL>
 void launch(const FwdArgs& a, cudaStream_t stream) {
   constexpr int kSmem = Layout<D>::kBytes;
-  // Dynamic shared memory above 48 KB needs an opt-in, which is per function and per device:
-  // one bit per device already configured makes it one call per (instantiation, device).
   static std::atomic<uint64_t> configured{0};
-  int dev = 0;
-  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-  if (bit == 0 || !(configured.load(std::memory_order_relaxed) & bit)) {
-    SDPA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel<T, D, CAUSAL>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    configured.fetch_or(bit, std::memory_order_relaxed);
-  }
+  opt_in_smem(reinterpret_cast<const void*>(fwd_kernel<T, D, CAUSAL>), kSmem, configured);
 
-  Params p;
-  p.q = static_cast<const uint8_t*>(a.q);
-  p.k = static_cast<const uint8_t*>(a.k);
-  p.v = static_cast<const uint8_t*>(a.v);
-  p.o = static_cast<uint8_t*>(a.o);
-  p.seq_q = a.seq_q;
-  p.seq_k = a.seq_k;
-  p.heads = a.heads;
-  p.group = a.heads / a.kv_heads;
-  p.qs = a.q_stride;
-  p.ks = a.k_stride;
-  p.vs = a.v_stride;
-  p.os = a.o_stride;
-  p.scale_log2 = a.scale * 1.4426950408889634f;
+  const Params p = make_params(a);
   const dim3 grid(unsigned((a.seq_q + kBM - 1) / kBM), unsigned(a.heads), unsigned(a.batch));
   fwd_kernel<T, D, CAUSAL><<<grid, kThreads, kSmem, stream>>>(p);
   SDPA_LAUNCH_CHECK("wmma fwd_kernel launch");

@@ -1,0 +1,55 @@
+// Host-side pieces every fused kernel's launch shares: the kernel parameter block built from
+// the validated FwdArgs, and the once-per-device opt-in to more than 48 KB of shared memory.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "common/check.cuh"
+#include "sdpa/sdpa.h"
+
+namespace sdpa {
+
+// Byte pointers (kernels add 2-byte-element offsets themselves) and 64-bit sizes and strides.
+struct KernelParams {
+  const uint8_t *q, *k, *v;
+  uint8_t* o;
+  int64_t seq_q, seq_k, heads, group;  // group = heads / kv_heads
+  Strides qs, ks, vs, os;
+  float scale_log2;  // scale * log2(e): scores live in the log2 domain
+};
+
+inline KernelParams make_params(const FwdArgs& a) {
+  KernelParams p;
+  p.q = static_cast<const uint8_t*>(a.q);
+  p.k = static_cast<const uint8_t*>(a.k);
+  p.v = static_cast<const uint8_t*>(a.v);
+  p.o = static_cast<uint8_t*>(a.o);
+  p.seq_q = a.seq_q;
+  p.seq_k = a.seq_k;
+  p.heads = a.heads;
+  p.group = a.heads / a.kv_heads;
+  p.qs = a.q_stride;
+  p.ks = a.k_stride;
+  p.vs = a.v_stride;
+  p.os = a.o_stride;
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  return p;
+}
+
+// Dynamic shared memory above 48 KB needs cudaFuncSetAttribute, which is per function and per
+// device: `configured` (one static per instantiation) keeps one bit per device already done,
+// so it is one call per (instantiation, device), not one per launch.
+inline void opt_in_smem(const void* kernel, int bytes, std::atomic<uint64_t>& configured) {
+  int dev = 0;
+  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+  if (bit != 0 && (configured.load(std::memory_order_relaxed) & bit)) return;
+  SDPA_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  configured.fetch_or(bit, std::memory_order_relaxed);
+}
+
+}  // namespace sdpa
