@@ -8,16 +8,16 @@
 
 // Each backend folder defines forward_<dtype>_d<D> and attributes_<dtype>_d<D> per
 // instantiation file (cpp/src/<backend>/fwd_<dtype>_d<D>.cu).
-#define SDPA_DECLARE_INSTANTIATIONS(ns)                        \
-  namespace ns {                                               \
-  void forward_f16_d64(const FwdArgs&, cudaStream_t);          \
-  void forward_f16_d128(const FwdArgs&, cudaStream_t);         \
-  void forward_bf16_d64(const FwdArgs&, cudaStream_t);         \
-  void forward_bf16_d128(const FwdArgs&, cudaStream_t);        \
-  void attributes_f16_d64(std::vector<KernelAttr>&);           \
-  void attributes_f16_d128(std::vector<KernelAttr>&);          \
-  void attributes_bf16_d64(std::vector<KernelAttr>&);          \
-  void attributes_bf16_d128(std::vector<KernelAttr>&);         \
+#define SDPA_DECLARE_INSTANTIATIONS(ns)                 \
+  namespace ns {                                        \
+  void forward_f16_d64(const FwdArgs&, cudaStream_t);   \
+  void forward_f16_d128(const FwdArgs&, cudaStream_t);  \
+  void forward_bf16_d64(const FwdArgs&, cudaStream_t);  \
+  void forward_bf16_d128(const FwdArgs&, cudaStream_t); \
+  void attributes_f16_d64(std::vector<KernelAttr>&);    \
+  void attributes_f16_d128(std::vector<KernelAttr>&);   \
+  void attributes_bf16_d64(std::vector<KernelAttr>&);   \
+  void attributes_bf16_d128(std::vector<KernelAttr>&);  \
   }
 
 namespace sdpa {
@@ -52,12 +52,12 @@ void forward(Kernel kernel, const FwdArgs& a, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   switch (kernel) {
     case Kernel::Scalar:
-      return dispatch<scalar::forward_f16_d64, scalar::forward_f16_d128,
-                      scalar::forward_bf16_d64, scalar::forward_bf16_d128>("scalar", a, s);
+      return dispatch<scalar::forward_f16_d64, scalar::forward_f16_d128, scalar::forward_bf16_d64,
+                      scalar::forward_bf16_d128>("scalar", a, s);
     case Kernel::Wmma:
       return dispatch<wmma_backend::forward_f16_d64, wmma_backend::forward_f16_d128,
-                      wmma_backend::forward_bf16_d64, wmma_backend::forward_bf16_d128>("wmma",
-                                                                                          a, s);
+                      wmma_backend::forward_bf16_d64, wmma_backend::forward_bf16_d128>("wmma", a,
+                                                                                       s);
     case Kernel::CutlassSm90:
 #if defined(SDPA_HAVE_CUTLASS)
       return dispatch<cutlass_sm90::forward_f16_d64, cutlass_sm90::forward_f16_d128,

@@ -24,7 +24,7 @@ struct Strides {
 
 struct FwdArgs {
   const void *q, *k, *v;
-  void *o;
+  void* o;
   int64_t batch, heads, kv_heads, seq_q, seq_k, head_dim;
   Strides q_stride, k_stride, v_stride, o_stride;
   float scale;

@@ -47,8 +47,7 @@ inline void opt_in_smem(const void* kernel, int bytes, std::atomic<uint64_t>& co
   SDPA_CUDA_CHECK(cudaGetDevice(&dev));
   const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
   if (bit != 0 && (configured.load(std::memory_order_relaxed) & bit)) return;
-  SDPA_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  SDPA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   configured.fetch_or(bit, std::memory_order_relaxed);
 }
 

@@ -16,8 +16,8 @@
 
 #include "common/attributes.cuh"
 #include "common/check.cuh"
-#include "common/launch.cuh"
 #include "common/dtype.cuh"
+#include "common/launch.cuh"
 
 namespace sdpa::scalar {
 
@@ -44,10 +44,10 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 template <typename T, int D, bool CAUSAL>
 __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
-  constexpr int W = D / 2;          // 32-bit words (element pairs) per row
-  constexpr int KW = W + 1;         // padded K row: lane j reads row j, banks (j + w) % 32 differ
-  constexpr int CH = D / 8;         // 16-byte chunks per row
-  constexpr int CPL = D / 64;       // output words per lane: lane owns words lane, lane+32, ...
+  constexpr int W = D / 2;     // 32-bit words (element pairs) per row
+  constexpr int KW = W + 1;    // padded K row: lane j reads row j, banks (j + w) % 32 differ
+  constexpr int CH = D / 8;    // 16-byte chunks per row
+  constexpr int CPL = D / 64;  // output words per lane: lane owns words lane, lane+32, ...
   using P2 = Pair<T>;
 
   __shared__ __align__(16) float sQ[kBM][D];

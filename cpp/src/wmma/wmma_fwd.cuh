@@ -22,8 +22,8 @@
 
 #include "common/attributes.cuh"
 #include "common/check.cuh"
-#include "common/launch.cuh"
 #include "common/dtype.cuh"
+#include "common/launch.cuh"
 
 namespace sdpa::wmma_backend {
 

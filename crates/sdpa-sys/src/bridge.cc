@@ -35,7 +35,8 @@ void forward(Kernel kernel, const FwdArgs& args, std::size_t stream) {
 }
 
 void masked_softmax(const SoftmaxArgs& a, std::size_t stream) {
-  const sdpa::SoftmaxArgs r{reinterpret_cast<const void*>(a.s), reinterpret_cast<void*>(a.p),
+  const sdpa::SoftmaxArgs r{reinterpret_cast<const void*>(a.s),
+                            reinterpret_cast<void*>(a.p),
                             a.rows,
                             a.seq_q,
                             a.seq_k,
@@ -54,8 +55,7 @@ rust::Vec<KernelAttr> kernel_attributes() {
   rust::Vec<KernelAttr> out;
   for (const auto& k : sdpa::kernel_attributes()) {
     out.push_back(KernelAttr{k.backend, k.name, k.registers, k.static_smem, k.dynamic_smem,
-                             k.local_bytes,
-                             k.max_threads});
+                             k.local_bytes, k.max_threads});
   }
   return out;
 }
