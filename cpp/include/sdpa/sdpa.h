@@ -56,6 +56,10 @@ void forward(Kernel kernel, const FwdArgs& args, void* stream);
 
 void masked_softmax(const SoftmaxArgs& args, void* stream);
 
+// y[i] = E4M3(x[i] * inv_scale), saturating to +-448, round to nearest even (the GPU's own
+// conversion). x: f32 device buffer, y: byte device buffer, both n long.
+void e4m3_encode(const float* x, uint8_t* y, int64_t n, float inv_scale, void* stream);
+
 // Runs an empty kernel on `blocks` CTAs: the launch floor every timing is read against.
 void empty_kernel(int32_t blocks, void* stream);
 

@@ -45,6 +45,11 @@ void masked_softmax(const SoftmaxArgs& a, std::size_t stream) {
   sdpa::masked_softmax(r, reinterpret_cast<void*>(stream));
 }
 
+void e4m3_encode(uint64_t x, uint64_t y, int64_t n, float inv_scale, std::size_t stream) {
+  sdpa::e4m3_encode(reinterpret_cast<const float*>(x), reinterpret_cast<uint8_t*>(y), n, inv_scale,
+                    reinterpret_cast<void*>(stream));
+}
+
 void empty_kernel(int32_t blocks, std::size_t stream) {
   sdpa::empty_kernel(blocks, reinterpret_cast<void*>(stream));
 }

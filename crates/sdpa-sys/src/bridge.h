@@ -14,6 +14,7 @@ enum class Kernel : int32_t;
 
 void forward(Kernel kernel, const FwdArgs& args, std::size_t stream);
 void masked_softmax(const SoftmaxArgs& args, std::size_t stream);
+void e4m3_encode(uint64_t x, uint64_t y, int64_t n, float inv_scale, std::size_t stream);
 void empty_kernel(int32_t blocks, std::size_t stream);
 rust::Vec<KernelAttr> kernel_attributes();
 bool built_with_cutlass();

@@ -79,6 +79,10 @@ pub mod ffi {
         /// and the dtype) on the current context; `stream` a valid stream there.
         unsafe fn masked_softmax(args: &SoftmaxArgs, stream: usize) -> Result<()>;
         /// # Safety
+        /// `x` (f32) and `y` (bytes) must be live device buffers of `n` elements on the current
+        /// context; `stream` a valid stream there.
+        unsafe fn e4m3_encode(x: u64, y: u64, n: i64, inv_scale: f32, stream: usize) -> Result<()>;
+        /// # Safety
         /// `stream` must be a valid stream of the current context.
         unsafe fn empty_kernel(blocks: i32, stream: usize) -> Result<()>;
         fn kernel_attributes() -> Result<Vec<KernelAttr>>;

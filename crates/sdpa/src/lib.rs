@@ -37,6 +37,7 @@ pub mod backend;
 pub mod check;
 mod device;
 mod error;
+pub mod fp8;
 pub mod info;
 mod problem;
 pub mod timing;
