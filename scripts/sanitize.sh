@@ -14,7 +14,7 @@ args=(validate --dtype f16,bf16 --causal both --seed 7
       --shape 1,2,64,64,64 --shape 1,2,77,77,64 --shape 1,4,77,130,128)
 rc=0
 for tool in memcheck racecheck synccheck initcheck; do
-  for backend in scalar wmma cublas cutlass; do
+  for backend in scalar wmma cublas cutlass cutlass-sm80; do
     echo "== $tool $backend"
     log=/tmp/sanitize-$tool-$backend.log
     if "$cs" --tool "$tool" --error-exitcode 99 --print-limit 10 "$sdpa" "${args[@]}" \
@@ -28,7 +28,7 @@ for tool in memcheck racecheck synccheck initcheck; do
 done
 # GQA through the same path (kv_heads 1 of 4).
 echo "== memcheck (GQA)"
-"$cs" --tool memcheck --error-exitcode 99 "$sdpa" validate --backend scalar,wmma,cublas,cutlass \
+"$cs" --tool memcheck --error-exitcode 99 "$sdpa" validate --backend scalar,wmma,cublas,cutlass,cutlass-sm80 \
   --dtype f16 --causal both --seed 8 --shape 2,4,77,77,128 --kv-heads 1 > /tmp/sanitize-gqa.log 2>&1 \
   && grep -E "ERROR SUMMARY|checks passed" /tmp/sanitize-gqa.log | tail -2 \
   || { echo "sanitize: GQA memcheck failed"; tail -40 /tmp/sanitize-gqa.log; rc=1; }

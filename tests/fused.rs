@@ -115,6 +115,23 @@ fn cutlass_bf16_d128() {
     run_grid(Backend::Cutlass, DType::Bf16, 128);
 }
 
+#[test]
+fn cutlass_sm80_f16_d64() {
+    run_grid(Backend::CutlassSm80, DType::F16, 64);
+}
+#[test]
+fn cutlass_sm80_f16_d128() {
+    run_grid(Backend::CutlassSm80, DType::F16, 128);
+}
+#[test]
+fn cutlass_sm80_bf16_d64() {
+    run_grid(Backend::CutlassSm80, DType::Bf16, 64);
+}
+#[test]
+fn cutlass_sm80_bf16_d128() {
+    run_grid(Backend::CutlassSm80, DType::Bf16, 128);
+}
+
 /// Same inputs twice must give bit-identical output: a moving result is a race.
 #[test]
 fn fused_kernels_are_deterministic() {

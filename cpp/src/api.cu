@@ -25,6 +25,7 @@ SDPA_DECLARE_INSTANTIATIONS(scalar)
 SDPA_DECLARE_INSTANTIATIONS(wmma_backend)
 #if defined(SDPA_HAVE_CUTLASS)
 SDPA_DECLARE_INSTANTIATIONS(cutlass_sm90)
+SDPA_DECLARE_INSTANTIATIONS(cutlass_sm80)
 #endif
 
 namespace {
@@ -66,6 +67,14 @@ void forward(Kernel kernel, const FwdArgs& a, void* stream) {
 #else
       throw Error("cutlass-sm90: this build has no CUTLASS headers (set CUTLASS_DIR)");
 #endif
+    case Kernel::CutlassSm80:
+#if defined(SDPA_HAVE_CUTLASS)
+      return dispatch<cutlass_sm80::forward_f16_d64, cutlass_sm80::forward_f16_d128,
+                      cutlass_sm80::forward_bf16_d64, cutlass_sm80::forward_bf16_d128>(
+          "cutlass-sm80", a, s);
+#else
+      throw Error("cutlass-sm80: this build has no CUTLASS headers (set CUTLASS_DIR)");
+#endif
   }
   throw Error("unknown kernel code " + std::to_string(int(kernel)));
 }
@@ -86,7 +95,9 @@ std::vector<KernelAttr> kernel_attributes() {
     f(out);
 #if defined(SDPA_HAVE_CUTLASS)
   for (auto f : {cutlass_sm90::attributes_f16_d64, cutlass_sm90::attributes_f16_d128,
-                 cutlass_sm90::attributes_bf16_d64, cutlass_sm90::attributes_bf16_d128})
+                 cutlass_sm90::attributes_bf16_d64, cutlass_sm90::attributes_bf16_d128,
+                 cutlass_sm80::attributes_f16_d64, cutlass_sm80::attributes_f16_d128,
+                 cutlass_sm80::attributes_bf16_d64, cutlass_sm80::attributes_bf16_d128})
     f(out);
 #endif
   return out;

@@ -65,6 +65,7 @@ pub mod ffi {
         Scalar = 0,
         Wmma = 1,
         CutlassSm90 = 2,
+        CutlassSm80 = 3,
     }
 
     unsafe extern "C++" {

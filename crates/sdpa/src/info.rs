@@ -109,11 +109,13 @@ ptxas info    : Used 122 registers, used 1 barriers, 36992 bytes smem\n";
         let mut namespaces = vec!["sdpa::scalar::", "sdpa::wmma_backend::"];
         if sdpa_sys::ffi::built_with_cutlass() {
             namespaces.push("sdpa::cutlass_sm90::");
+            namespaces.push("sdpa::cutlass_sm80::");
         }
         for ns in namespaces {
             let found: Vec<_> = ks.iter().filter(|k| k.kernel.contains(ns)).collect();
-            // 2 dtypes x 2 head dims x 2 causal, for each architecture built.
-            assert_eq!(found.len(), 8 * archs, "{ns}: {ks:#?}");
+            // At least 2 dtypes x 2 head dims x 2 causal per architecture built (cutlass_sm80
+            // adds an 8-warp d128 variant for GPUs with less shared memory).
+            assert!(found.len() >= 8 * archs, "{ns}: {ks:#?}");
             for k in found {
                 assert!(k.registers > 0, "{k:?}");
                 assert_eq!(k.spill_stores + k.spill_loads, 0, "{k:?}");

@@ -78,6 +78,7 @@ pub fn forward(
         Backend::Wmma => backend::fused::forward(Kernel::Wmma, dev, p, q, k, v, out),
         Backend::Cublas => backend::cublas::forward(dev, p, q, k, v, out),
         Backend::Cutlass => backend::fused::forward(Kernel::CutlassSm90, dev, p, q, k, v, out),
+        Backend::CutlassSm80 => backend::fused::forward(Kernel::CutlassSm80, dev, p, q, k, v, out),
         Backend::Auto => unreachable!("resolve() returns a concrete backend"),
     }
 }

@@ -54,8 +54,9 @@ pub fn table() -> &'static [Row] {
 }
 
 /// Order used when no measured row matches: tensor-core paths first.
-pub const FALLBACK: [Backend; 4] = [
+pub const FALLBACK: [Backend; 5] = [
     Backend::Cutlass,
+    Backend::CutlassSm80,
     Backend::Wmma,
     Backend::Cublas,
     Backend::Scalar,

@@ -26,26 +26,31 @@ pub enum Backend {
     /// CuTe on sm_90a (Hopper): TMA loads, wgmma, a producer warpgroup and two consumer
     /// warpgroups (cpp/src/cutlass/sm90).
     Cutlass,
+    /// CuTe on sm_80+ (A100, L4, ...): mma.sync, ldmatrix, cp.async pipeline
+    /// (cpp/src/cutlass/sm80); on Hopper a fallback and a comparison point.
+    CutlassSm80,
     /// The fastest supported GPU backend for the device and problem.
     Auto,
 }
 
 impl Backend {
     /// Every backend, in the order tables list them.
-    pub const ALL: [Backend; 6] = [
+    pub const ALL: [Backend; 7] = [
         Backend::Cpu,
         Backend::Scalar,
         Backend::Wmma,
         Backend::Cublas,
         Backend::Cutlass,
+        Backend::CutlassSm80,
         Backend::Auto,
     ];
     /// The backends that run on the GPU (what `validate` and `bench` iterate over).
-    pub const GPU: [Backend; 4] = [
+    pub const GPU: [Backend; 5] = [
         Backend::Scalar,
         Backend::Wmma,
         Backend::Cublas,
         Backend::Cutlass,
+        Backend::CutlassSm80,
     ];
 
     /// Lower-case name, as the CLI accepts it.
@@ -56,6 +61,7 @@ impl Backend {
             Backend::Wmma => "wmma",
             Backend::Cublas => "cublas",
             Backend::Cutlass => "cutlass",
+            Backend::CutlassSm80 => "cutlass-sm80",
             Backend::Auto => "auto",
         }
     }
@@ -117,6 +123,22 @@ impl Backend {
                     return Err(unsupported(format!(
                         "the sm_90a kernel runs on compute capability 9.0 (H100/H200), the GPU has \
                          {major}.{minor}"
+                    )));
+                }
+                Ok(())
+            }
+            Backend::CutlassSm80 => {
+                fused::supports(p).map_err(unsupported)?;
+                if !sdpa_sys::ffi::built_with_cutlass() {
+                    return Err(unsupported(
+                        "this build has no CUTLASS headers (set CUTLASS_DIR and rebuild)".into(),
+                    ));
+                }
+                let dev = dev.ok_or_else(|| unsupported("needs a GPU".into()))?;
+                let (major, minor) = dev.compute_capability()?;
+                if major < 8 {
+                    return Err(unsupported(format!(
+                        "needs compute capability 8.0 or newer, the GPU has {major}.{minor}"
                     )));
                 }
                 Ok(())

@@ -1,0 +1,617 @@
+// CUTLASS/CuTe backend for sm_80 and later (A100, A10/A40/RTX 30xx = sm_86, L4/L40 = sm_89, and
+// Hopper as a fallback and comparison point): FlashAttention-2 style forward on mma.sync.
+// Assumes validated arguments (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned
+// rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1, scale > 0.
+//
+// Shipping configuration (forward() below): one CTA = BM = 64 query rows of one
+// (batch, head), 4 warps of 16 rows each (one m16n8k16 M strip). Every warp sweeps all key
+// tiles for its own rows, so the online softmax never merges state across warps, and 16 rows a
+// warp keep the Q fragments in registers for the whole sweep (D = 128: O 64 + Q 32 + S 32
+// registers + fragments, 214-223 in all). The kernel is templated on warps per CTA (W = 4, 8)
+// and strips per warp (MT = 1, 2); all were checked, and measured on an H200 (sm_90a build of
+// this mma.sync kernel, CUDA graph of 50 launches, median, f16):
+//                         W4 MT1    W8 MT1    W4 MT2 (FlashAttention-2's 32 rows a warp)
+//   B4 H16 S2048 D128     500 us    507 us    494 us     causal: 285 / 307 / 319 us
+//   B4 H16 S1024 D64       77 us     88 us     72 us     causal:  53 /  61 /  60 us
+//   B2 H8  S256  D64      5.4 us    7.7 us    7.7 us
+// W4 MT1 is best or within 7% everywhere and clearly best causal and on small grids: several
+// independent 4-warp CTAs per SM (H200, D = 64: 3, D = 128: 2) overlap one CTA's softmax with
+// another's mma, where 8 warps behind one __syncthreads per tile move in lockstep; 64-row CTAs
+// also make twice the CTAs for short sequences and cut the causal diagonal waste. At D = 128 a
+// CTA takes 96 KB, so an A100 (164 KB per SM) or sm_86 / sm_89 (100 KB) SM holds only one:
+// there W8 MT1 (one 8-warp CTA, 128 rows) ships instead, not 4 warps per SM. MT = 2 reuses
+// each K/V fragment for two strips (half the ldmatrix traffic) but needs 255 registers: at
+// D = 128 Q no longer fits and is re-read from its own buffer, with 32-key tiles to avoid
+// spilling.
+//
+// Keys come in tiles of BN = 64 through a ring of 3 cp.async stages (each stage: the K tile, then
+// the V tile, [BN][D] with d contiguous), one __syncthreads per tile. Per tile and warp:
+//   S = Q·Kᵀ    mma.sync m16n8k16 (CuTe's SM80_16x8x16_F32{F16,BF16}..._TN atoms): Q fragments
+//               (A) loaded once by ldmatrix.x4, K fragments (B) by ldmatrix.x4 from K [key][d],
+//               which is exactly the "col" B operand;
+//   softmax     on the S accumulator in registers (m16n8 C fragment: each thread holds 2 rows,
+//               a row lives in the 4 lanes of a quad), f32, log2 domain, scale·log2(e) folded
+//               into one FFMA before exp2; the O rescale is skipped (exactly) when no row max
+//               of the strip moved, which is most tiles once the sweep is under way;
+//   O += P·V    P converted to f16/bf16 in registers is the A operand as is (two adjacent n8
+//               C tiles are one k16 A tile), V fragments by ldmatrix.x4.trans from V [key][d].
+// The fragments are indexed by hand (lane -> row/column maps below, from the PTX ISA fragment
+// layouts) and the CuTe atoms called directly (SM75_U32x4_LDSM_N, SM75_U16x8_LDSM_T,
+// SM80_CP_ASYNC_CACHEGLOBAL_ZFILL, the mma atoms): the same instructions CuTe's TiledMMA /
+// TiledCopy partitioning would emit, at a fraction of the front-end time (that partitioning
+// cost ~20 s of template instantiation per device pass and file) and with every address
+// register in view.
+//
+// Shared memory tiles are row-major [rows][D] under CuTe's Swizzle<3, 3, log2(D) - 3>: 16-byte
+// chunk c of row r is stored at chunk c ^ (r % 8) (the low 3 bits of c), so the 16-byte cp.async
+// writes, the ldmatrix row reads (plain and transposed: 8 rows of one chunk column) and the
+// epilogue's 4-byte writes are all free of bank conflicts. Q is staged through the last stage's
+// buffer (it is in registers before that stage is first filled), so shared memory is
+// 3 x 2 x BN x D elements: 48 KB (D = 64) and 96 KB (D = 128), which still fits the 99 KB
+// per-block limit of sm_86 / sm_89. The output is staged through the same buffer.
+//
+// Partial tiles: cp.async with src-size 0 zero-fills rows past seq_q / seq_k (nothing is read
+// there); scores of keys >= seq_k and, if causal, of keys past the bottom-right diagonal are set
+// to -inf before the softmax; stores are predicated per row. Causal: CTAs skip key tiles past
+// their last row's diagonal, each warp also skips the tiles fully masked for its rows, and CTAs
+// are launched last query block first (the heaviest first). Offsets into Q/K/V/O are 64-bit.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+#include <cute/swizzle.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "common/check.cuh"
+
+// The kernel bodies exist in every device pass from sm_80 on (sm_80 and sm_90a in the default
+// "80;90a" build); the host side refuses to launch below sm_80.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define SDPA_SM80_DEVICE 1
+#endif
+
+namespace sdpa::cutlass_sm80 {
+
+template <typename T>
+constexpr const char* dtype_name();
+template <>
+constexpr const char* dtype_name<cute::half_t>() {
+  return "f16";
+}
+template <>
+constexpr const char* dtype_name<cute::bfloat16_t>() {
+  return "bf16";
+}
+
+template <typename T>
+struct MmaOp;
+template <>
+struct MmaOp<cute::half_t> {
+  using type = cute::SM80_16x8x16_F32F16F16F32_TN;
+};
+template <>
+struct MmaOp<cute::bfloat16_t> {
+  using type = cute::SM80_16x8x16_F32BF16BF16F32_TN;
+};
+
+// Two f32 -> one packed pair of T (low half = a), round to nearest.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<cute::half_t>(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<cute::bfloat16_t>(float a, float b) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// d += a·b on one m16n8k16 tile (f32 accumulators in place).
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  MmaOp<T>::type::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1], d[2],
+                      d[3]);
+}
+
+template <typename T>
+__device__ __forceinline__ void ldsm(uint32_t (&r)[4], const T* p) {
+  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(p), r[0], r[1], r[2],
+                                r[3]);
+}
+template <typename T>
+__device__ __forceinline__ void ldsm_t(uint32_t (&r)[4], const T* p) {
+  cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(p), r[0], r[1], r[2],
+                                r[3]);
+}
+// 16 bytes global -> shared, zero-filled (and nothing read) when !pred.
+template <typename T>
+__device__ __forceinline__ void cp_async16(T* smem, const T* gmem, bool pred) {
+  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+      *reinterpret_cast<const cute::uint128_t*>(gmem), *reinterpret_cast<cute::uint128_t*>(smem),
+      pred);
+}
+
+// Tile configuration: W warps of MT m16 strips (16·MT query rows) each.
+template <typename T, int D, int W, int MT>
+struct Cfg {
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static_assert((W == 4 || W == 8) && (MT == 1 || MT == 2) && W * MT <= 8, "W x MT");
+  static constexpr int kWarps = W;
+  static constexpr int kThreads = 32 * W;
+  static constexpr int kWM = 16 * MT;  // query rows per warp
+  static constexpr int kBM = kWM * W;
+  // Q fragments stay in registers unless that would not fit (D = 128 with 32 rows a warp:
+  // O 128 + S 64 + Q 64 registers); then they are re-read from a Q buffer of their own, and key
+  // tiles shrink to 32 (S 32 registers) to stay within 255 registers without spilling.
+  static constexpr bool kQReg = MT == 1 || D == 64;
+  static constexpr int kBN = kQReg ? 64 : 32;
+  // 3 stages; Q shares the last one when it goes to registers (D = 128: 96 KB), else it has its
+  // own buffer (D = 128, 32-key tiles: 80 KB). Both fit the 99 KB per block of sm_86 / sm_89.
+  static constexpr int kStages = 3;
+  // CTAs per SM the register budget must allow: W4 MT1 D = 64 three (<= 170 registers; it
+  // needs 128-167), the others as many as 255 registers a thread permit.
+  static constexpr int kMinBlocks = W == 8 ? 1 : (MT == 2 ? 2 : (D == 64 ? 3 : 2));
+
+  static constexpr int kChunks = D / 8;                  // 16-byte chunks per row
+  static constexpr int kPassRows = kThreads / kChunks;   // rows one cp.async pass covers
+  static_assert(kPassRows % 8 == 0, "a pass must keep each thread's swizzle phase");
+  static constexpr int kTileElems = kBN * D;             // one K or V tile
+  static constexpr int kStageElems = 2 * kTileElems;     // K then V
+  static constexpr int kQOffset = kQReg ? (kStages - 1) * kStageElems : kStages * kStageElems;
+  static constexpr int kSmemBytes =
+      (kStages * kStageElems + (kQReg ? 0 : kBM * D)) * int(sizeof(T));
+  static_assert(!kQReg || kBM * D <= kStageElems, "Q is staged in one K/V stage");
+
+  static constexpr int kQK = D / 16;    // k-blocks of Q·Kᵀ
+  static constexpr int kSN = kBN / 8;   // n8 tiles of S
+  static constexpr int kPV = kBN / 16;  // k-blocks of P·V
+  static constexpr int kON = D / 8;     // n8 tiles of O
+  // ldmatrix fragments issued ahead of the mma that consumes them (x4 loads).
+  static constexpr int kAheadK = 2;
+  static constexpr int kAheadV = 2;
+
+  // Element offset of (row, col) in a [rows][D] tile: col's 16-byte chunk XOR row % 8.
+  using Sw = cute::Swizzle<3, 3, D == 64 ? 3 : 4>;
+  static __device__ __forceinline__ int off(int row, int col) { return Sw{}(row * D + col); }
+};
+
+template <typename T>
+struct Params {
+  const T *q, *k, *v;
+  T* o;
+  Strides qs, ks, vs, os;
+  int seq_q, seq_k, group;
+  float scale_log2;  // scale * log2(e)
+};
+
+template <typename T, int D, bool CAUSAL, int W, int MT>
+__global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::kMinBlocks)
+    fwd_kernel(const __grid_constant__ Params<T> p) {
+#ifdef SDPA_SM80_DEVICE
+  using C = Cfg<T, D, W, MT>;
+  constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages, CH = C::kChunks, WM = C::kWM;
+  constexpr int kQK = C::kQK, kSN = C::kSN, kPV = C::kPV, kON = C::kON;
+  constexpr bool kQReg = C::kQReg;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  T* const smem = reinterpret_cast<T*>(smem_raw);
+  T* const sQ = smem + C::kQOffset;  // Q, then the output staging tile
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;  // mma fragment row group / column pair
+  const int m_block = CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int off = p.seq_k - p.seq_q;  // causal: row i sees keys j <= i + off
+  const int m0 = m_block * BM;
+  // Keys the CTA needs, and the (fewer) keys this warp's rows need.
+  int n_end = p.seq_k;
+  if (CAUSAL) n_end = min(p.seq_k, max(0, min(m0 + BM, p.seq_q) + off));
+  const int n_tiles = (n_end + BN - 1) / BN;
+  const int wrow = WM * warp;  // the warp's first row within the CTA tile
+  const int mw0 = m0 + wrow;
+  int w_end = mw0 < p.seq_q ? p.seq_k : 0;
+  if (CAUSAL) w_end = min(w_end, max(0, min(mw0 + WM, p.seq_q) + off));
+  const int w_tiles = (w_end + BN - 1) / BN;
+
+  // O accumulators: strip mt, n8 tile j, (row g: cols 2t, 2t+1; row g + 8: the same).
+  float o[MT][kON][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < kON; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+  float m_run[MT][2], l_run[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m_run[mt][r] = -INFINITY;
+      l_run[mt][r] = 0.f;
+    }
+
+  if (n_tiles > 0) {
+    // Global -> shared: thread tid copies chunk tid % CH of rows tid / CH + i·kPassRows. A pass
+    // moves 8k rows, so the swizzled destination only advances by whole rows.
+    const int crow = tid / CH, cchunk = tid % CH;
+    const int c_soff = C::off(crow, cchunk * 8);
+    // Per-thread base pointers stay live across the sweep; tile and pass offsets are recomputed
+    // from the (constant-bank) strides where they are used.
+    const T* const kg = p.k + (int64_t(b) * p.ks.batch + int64_t(hk) * p.ks.head +
+                               int64_t(crow) * p.ks.seq + cchunk * 8);
+    const T* const vg = p.v + (int64_t(b) * p.vs.batch + int64_t(hk) * p.vs.head +
+                               int64_t(crow) * p.vs.seq + cchunk * 8);
+    const auto load_kv = [&](int n, int s) {
+      const int rows = p.seq_k - n * BN - crow;  // pass i is in bounds iff i·kPassRows < rows
+      T* const sk = smem + s * C::kStageElems + c_soff;
+#pragma unroll
+      for (int i = 0; i < BN / C::kPassRows; ++i)
+        cp_async16(sk + i * C::kPassRows * D,
+                   kg + int64_t(n * BN + i * C::kPassRows) * p.ks.seq, i * C::kPassRows < rows);
+#pragma unroll
+      for (int i = 0; i < BN / C::kPassRows; ++i)
+        cp_async16(sk + C::kTileElems + i * C::kPassRows * D,
+                   vg + int64_t(n * BN + i * C::kPassRows) * p.vs.seq, i * C::kPassRows < rows);
+    };
+
+    // Prologue: Q with K/V tile 0 (group 0), then tiles 1 .. S-2, one commit group each.
+    {
+      const int rows = p.seq_q - m0 - crow;
+      const int64_t qpass = int64_t(C::kPassRows) * p.qs.seq;
+      const T* qp = p.q + int64_t(b) * p.qs.batch + int64_t(h) * p.qs.head +
+                    int64_t(m0 + crow) * p.qs.seq + cchunk * 8;
+#pragma unroll
+      for (int i = 0; i < BM / C::kPassRows; ++i) {
+        cp_async16(sQ + c_soff + i * C::kPassRows * D, qp, i * C::kPassRows < rows);
+        qp += qpass;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) {
+      if (i < n_tiles) load_kv(i, i);
+      cute::cp_async_fence();
+    }
+
+    // ldmatrix lane -> row maps (PTX ISA m16n8k16 fragments; matrix i = lanes 8i .. 8i+7).
+    //   A (Q):  matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15) -> a0 a1 a2 a3
+    //   B (K):  matrices (k 0-7 | 8-15) x (keys 0-7 | 8-15) -> b0 b1 of key tile 0, then tile 1
+    //   B (V, transposed): (keys 0-7 | 8-15) x (d 0-7 | 8-15) -> b0 b1 of d tile 0, then tile 1
+    // In all three a lane reads row (lane % 8) + 8i, so its swizzle phase is lane % 8 whatever
+    // the 8-row step: the address is a row offset (immediates, per step) plus the lane's
+    // swizzled chunk, x_chunk(c) = (c ^ lane % 8) · 8 elements = C::off(row, 8c) - row · D.
+    // Spelled out like this the row steps become immediate offsets of one chunk address per
+    // k-block (the compiler cannot see that a full Swizzle of (row + 16i, c) only adds 16i·D).
+    const int swz = lane & 7;
+    const auto x_chunk = [swz](int c) { return (c ^ swz) << 3; };
+    const int q_row = wrow + (lane & 15), q_chunk = lane >> 4;
+    const int k_row = (lane & 7) + ((lane >> 4) << 3), k_chunk = (lane >> 3) & 1;
+    const int v_row = lane & 15, v_chunk = lane >> 4;
+    const auto load_q = [&](uint32_t(&r)[4], int mt, int kb) {
+      ldsm(r, sQ + (q_row + 16 * mt) * D + x_chunk(2 * kb + q_chunk));
+    };
+
+    uint32_t q[kQReg ? MT : 1][kQReg ? kQK : 1][4];  // Q fragments, for the whole sweep
+    const float sl2 = p.scale_log2;
+
+    for (int n = 0; n < n_tiles; ++n) {
+      const int s = n % S;
+      cute::cp_async_wait<S - 2>();  // tile n (and Q) landed for this thread's copies ...
+      __syncthreads();               // ... and everyone's; stage (n - 1) % S is free again
+      if constexpr (kQReg) {
+        if (n == 0) {
+#pragma unroll
+          for (int mt = 0; mt < (kQReg ? MT : 1); ++mt)
+#pragma unroll
+            for (int kb = 0; kb < (kQReg ? kQK : 1); ++kb) load_q(q[mt][kb], mt, kb);
+          __syncthreads();  // Q's buffer is stage S - 1, refilled just below
+        }
+      }
+      if (n + S - 1 < n_tiles) load_kv(n + S - 1, (n + S - 1) % S);
+      cute::cp_async_fence();
+      if (n >= w_tiles) continue;  // fully masked for this warp's rows (causal / past seq_q)
+
+      const T* const sK = smem + s * C::kStageElems;
+      const T* const sV = sK + C::kTileElems;
+
+      // S = Q·Kᵀ. Step i = (kb, key pair kp): one ldmatrix.x4 of K, 2·MT mma; K fragments are
+      // issued kAheadK steps ahead, Q fragments (when re-read) at the k-block's first step. All
+      // indices are compile-time: the arrays live in registers. (ptxas schedules the ldmatrix
+      // freely anyway: the look-ahead changes neither registers nor spills.)
+      float sacc[MT][kSN][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < kSN; ++j)
+          sacc[mt][j][0] = sacc[mt][j][1] = sacc[mt][j][2] = sacc[mt][j][3] = 0.f;
+      {
+        constexpr int kKP = kSN / 2;
+        constexpr int kSteps = kQK * kKP;
+        uint32_t kf[kSteps][4];
+        uint32_t qf[kQReg ? 1 : kQK][MT][4];
+        const auto load_k = [&](int i) {
+          ldsm(kf[i], sK + (k_row + 16 * (i % kKP)) * D + x_chunk(2 * (i / kKP) + k_chunk));
+        };
+#pragma unroll
+        for (int i = 0; i < C::kAheadK; ++i) load_k(i);
+#pragma unroll
+        for (int i = 0; i < kSteps; ++i) {
+          const int kb = i / kKP, kp = i % kKP;
+          if constexpr (!kQReg) {
+            if (kp == 0) {
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt) load_q(qf[kQReg ? 0 : kb][mt], mt, kb);
+            }
+          }
+          if (i + C::kAheadK < kSteps) load_k(i + C::kAheadK);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const uint32_t(&a)[4] = kQReg ? q[mt][kQReg ? kb : 0] : qf[kQReg ? 0 : kb][mt];
+            mma<T>(sacc[mt][2 * kp], a, kf[i][0], kf[i][1]);
+            mma<T>(sacc[mt][2 * kp + 1], a, kf[i][2], kf[i][3]);
+          }
+        }
+      }
+
+      // Online softmax on the accumulator rows: r = 0 is row g, r = 1 row g + 8 of strip mt.
+      const int n0 = n * BN;
+      const bool edge = n0 + BN > p.seq_k || (CAUSAL && n0 + BN - 1 > mw0 + off);
+      uint32_t pa[MT][kPV][4];  // P in T as the A operand of P·V
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (edge) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = mw0 + 16 * mt + g + 8 * r;
+            const int last = (CAUSAL ? min(p.seq_k - 1, row + off) : p.seq_k - 1) - n0 - 2 * t;
+#pragma unroll
+            for (int j = 0; j < kSN; ++j) {
+              if (8 * j > last) sacc[mt][j][2 * r] = -INFINITY;
+              if (8 * j + 1 > last) sacc[mt][j][2 * r + 1] = -INFINITY;
+            }
+          }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = m_run[mt][r];
+#pragma unroll
+          for (int j = 0; j < kSN; ++j)
+            mx = fmaxf(mx, fmaxf(sacc[mt][j][2 * r], sacc[mt][j][2 * r + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          // A row with nothing visible yet keeps m = -inf; subtracting 0 keeps p = 0, not NaN.
+          const float base = mx == -INFINITY ? 0.f : mx * sl2;
+          // Exactly 1 when the max did not move (also for -inf == -inf: O and l are still 0).
+          alpha[r] = mx == m_run[mt][r] ? 1.f : exp2f(fmaf(m_run[mt][r], sl2, -base));
+          m_run[mt][r] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < kSN; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float x = exp2f(fmaf(sacc[mt][j][2 * r + e], sl2, -base));
+              sacc[mt][j][2 * r + e] = x;
+              sum += x;
+            }
+          }
+          l_run[mt][r] = fmaf(l_run[mt][r], alpha[r], sum);  // this thread's part; quad-summed last
+        }
+        // O *= alpha, skipped (exactly) when no row max of the warp's strip moved.
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+          for (int j = 0; j < kON; ++j) {
+            o[mt][j][0] *= alpha[0];
+            o[mt][j][1] *= alpha[0];
+            o[mt][j][2] *= alpha[1];
+            o[mt][j][3] *= alpha[1];
+          }
+        }
+        // k-block kb of P is S tiles 2kb (a0, a1) and 2kb + 1 (a2, a3).
+#pragma unroll
+        for (int kb = 0; kb < kPV; ++kb) {
+          pa[mt][kb][0] = pack2<T>(sacc[mt][2 * kb][0], sacc[mt][2 * kb][1]);
+          pa[mt][kb][1] = pack2<T>(sacc[mt][2 * kb][2], sacc[mt][2 * kb][3]);
+          pa[mt][kb][2] = pack2<T>(sacc[mt][2 * kb + 1][0], sacc[mt][2 * kb + 1][1]);
+          pa[mt][kb][3] = pack2<T>(sacc[mt][2 * kb + 1][2], sacc[mt][2 * kb + 1][3]);
+        }
+      }
+
+      // O += P·V. Step i = (kb, d pair dp): one ldmatrix.x4.trans of V, 2·MT mma.
+      {
+        constexpr int kDP = kON / 2;
+        constexpr int kSteps = kPV * kDP;
+        uint32_t vf[kSteps][4];
+        const auto load_v = [&](int i) {
+          ldsm_t(vf[i], sV + (v_row + 16 * (i / kDP)) * D + x_chunk(2 * (i % kDP) + v_chunk));
+        };
+#pragma unroll
+        for (int i = 0; i < C::kAheadV; ++i) load_v(i);
+#pragma unroll
+        for (int i = 0; i < kSteps; ++i) {
+          if (i + C::kAheadV < kSteps) load_v(i + C::kAheadV);
+          const int kb = i / kDP, dp = i % kDP;
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma<T>(o[mt][2 * dp], pa[mt][kb], vf[i][0], vf[i][1]);
+            mma<T>(o[mt][2 * dp + 1], pa[mt][kb], vf[i][2], vf[i][3]);
+          }
+        }
+      }
+    }
+    cute::cp_async_wait<0>();
+    __syncthreads();  // every warp is done with every stage and with Q: sQ stages the output
+  }
+
+  // O /= row sum (quad-reduced); a row with no visible key has l = 0 and outputs zeros.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = l_run[mt][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int row = wrow + 16 * mt + g + 8 * r;
+#pragma unroll
+      for (int j = 0; j < kON; ++j)
+        *reinterpret_cast<uint32_t*>(sQ + C::off(row, 8 * j + 2 * t)) =
+            pack2<T>(o[mt][j][2 * r] * inv, o[mt][j][2 * r + 1] * inv);
+    }
+  }
+  __syncwarp();
+  // This warp's rows out, 16 bytes a lane, predicated per row.
+  {
+    constexpr int kRowsPerStep = 32 / CH;
+    const int r0 = lane / CH, c = lane % CH;
+    T* op = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head + int64_t(mw0 + r0) * p.os.seq +
+            c * 8;
+    const int64_t ostep = int64_t(kRowsPerStep) * p.os.seq;
+    const int rows = p.seq_q - mw0 - r0;
+#pragma unroll
+    for (int i = 0; i < WM / kRowsPerStep; ++i) {
+      if (i * kRowsPerStep < rows)
+        *reinterpret_cast<uint4*>(op) =
+            *reinterpret_cast<const uint4*>(sQ + C::off(wrow + r0 + i * kRowsPerStep, c * 8));
+      op += ostep;
+    }
+  }
+#endif
+}
+
+// Host side ----------------------------------------------------------------------------------
+
+// Compute capability >= 8.0 and enough opt-in shared memory per block; cached per device.
+template <int kSmem>
+inline void check_device(int dev) {
+  static std::atomic<uint64_t> ok{0};
+  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+  if (bit && (ok.load(std::memory_order_relaxed) & bit)) return;
+  int major = 0, smem = 0;
+  SDPA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  SDPA_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (major < 8) throw Error("cutlass-sm80: needs an sm_80 or newer GPU");
+  if (smem < kSmem)
+    throw Error("cutlass-sm80: needs " + std::to_string(kSmem) +
+                " bytes of shared memory per block, the device offers " + std::to_string(smem));
+  ok.fetch_or(bit, std::memory_order_relaxed);
+}
+
+template <typename T, int D, bool CAUSAL, int W, int MT>
+void launch(const FwdArgs& a, cudaStream_t stream) {
+  using C = Cfg<T, D, W, MT>;
+  constexpr int kSmem = C::kSmemBytes;
+  int dev = 0;
+  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
+  check_device<kSmem>(dev);
+  // Dynamic shared memory above 48 KB needs an opt-in, per function and per device.
+  if constexpr (kSmem > 48 * 1024) {
+    static std::atomic<uint64_t> configured{0};
+    const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+    if (bit == 0 || !(configured.load(std::memory_order_relaxed) & bit)) {
+      SDPA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel<T, D, CAUSAL, W, MT>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+      configured.fetch_or(bit, std::memory_order_relaxed);
+    }
+  }
+  Params<T> p{};
+  p.q = static_cast<const T*>(a.q);
+  p.k = static_cast<const T*>(a.k);
+  p.v = static_cast<const T*>(a.v);
+  p.o = static_cast<T*>(a.o);
+  p.qs = a.q_stride;
+  p.ks = a.k_stride;
+  p.vs = a.v_stride;
+  p.os = a.o_stride;
+  p.seq_q = int(a.seq_q);
+  p.seq_k = int(a.seq_k);
+  p.group = int(a.heads / a.kv_heads);
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  // Causal CTAs are launched last query block first (the kernel reverses blockIdx.x).
+  const dim3 grid(unsigned((a.seq_q + C::kBM - 1) / C::kBM), unsigned(a.heads), unsigned(a.batch));
+  fwd_kernel<T, D, CAUSAL, W, MT><<<grid, C::kThreads, kSmem, stream>>>(p);
+  SDPA_LAUNCH_CHECK("cutlass-sm80 fwd_kernel launch");
+}
+
+// Shared memory per SM of device `dev`, cached per device.
+inline int smem_per_sm(int dev) {
+  static std::atomic<int> cache[64] = {};
+  if (dev >= 0 && dev < 64) {
+    const int v = cache[dev].load(std::memory_order_relaxed);
+    if (v > 0) return v;
+  }
+  int v = 0;
+  SDPA_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  if (dev >= 0 && dev < 64) cache[dev].store(v, std::memory_order_relaxed);
+  return v;
+}
+
+// Warps per CTA that ship (16 query rows each, MT = 1; measurements in the header comment): 4,
+// except D = 128 on parts whose SM cannot hold two of its 96 KB CTAs (A100: 164 KB, sm_86 /
+// sm_89: 100 KB; +1 KB reserved per CTA): there one CTA of 8 warps with the same shared memory
+// keeps 8 warps per SM where 4-warp CTAs would leave 4.
+template <typename T, int D>
+inline int shipping_warps(int dev) {
+  if constexpr (D == 64) {
+    return 4;
+  } else {
+    return smem_per_sm(dev) >= 2 * (Cfg<T, D, 4, 1>::kSmemBytes + 1024) ? 4 : 8;
+  }
+}
+
+template <typename T, int D>
+void forward(const FwdArgs& a, cudaStream_t stream) {
+  int dev = 0;
+  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
+  if constexpr (D == 128) {
+    if (shipping_warps<T, D>(dev) == 8) {
+      if (a.causal)
+        launch<T, D, true, 8, 1>(a, stream);
+      else
+        launch<T, D, false, 8, 1>(a, stream);
+      return;
+    }
+  }
+  if (a.causal)
+    launch<T, D, true, 4, 1>(a, stream);
+  else
+    launch<T, D, false, 4, 1>(a, stream);
+}
+
+template <typename T, int D, int W>
+void attributes_of(std::vector<KernelAttr>& out) {
+  const void* fns[2] = {reinterpret_cast<const void*>(fwd_kernel<T, D, false, W, 1>),
+                        reinterpret_cast<const void*>(fwd_kernel<T, D, true, W, 1>)};
+  for (int c = 0; c < 2; ++c) {
+    cudaFuncAttributes fa;
+    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, fns[c]));
+    // sharedSizeBytes counts static shared memory only; this kernel's is all dynamic.
+    out.push_back({"cutlass-sm80",
+                   std::string("fwd_") + dtype_name<T>() + "_d" + std::to_string(D) +
+                       (c ? "_causal" : ""),
+                   fa.numRegs, int32_t(fa.sharedSizeBytes), Cfg<T, D, W, 1>::kSmemBytes,
+                   int32_t(fa.localSizeBytes), fa.maxThreadsPerBlock});
+  }
+}
+
+// The kernels forward() launches on the current device.
+template <typename T, int D>
+void attributes(std::vector<KernelAttr>& out) {
+  int dev = 0;
+  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
+  if constexpr (D == 128) {
+    if (shipping_warps<T, D>(dev) == 8) return attributes_of<T, D, 8>(out);
+  }
+  attributes_of<T, D, 4>(out);
+}
+
+}  // namespace sdpa::cutlass_sm80
