@@ -60,17 +60,16 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <cutlass/numeric_types.h>
 
 #include <atomic>
 #include <cstdint>
-#include <string>
-#include <vector>
-
 #include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/mma_sm80.hpp>
 #include <cute/swizzle.hpp>
-#include <cutlass/numeric_types.h>
+#include <string>
+#include <vector>
 
 #include "common/check.cuh"
 
@@ -165,11 +164,11 @@ struct Cfg {
   // needs 128-167), the others as many as 255 registers a thread permit.
   static constexpr int kMinBlocks = W == 8 ? 1 : (MT == 2 ? 2 : (D == 64 ? 3 : 2));
 
-  static constexpr int kChunks = D / 8;                  // 16-byte chunks per row
-  static constexpr int kPassRows = kThreads / kChunks;   // rows one cp.async pass covers
+  static constexpr int kChunks = D / 8;                 // 16-byte chunks per row
+  static constexpr int kPassRows = kThreads / kChunks;  // rows one cp.async pass covers
   static_assert(kPassRows % 8 == 0, "a pass must keep each thread's swizzle phase");
-  static constexpr int kTileElems = kBN * D;             // one K or V tile
-  static constexpr int kStageElems = 2 * kTileElems;     // K then V
+  static constexpr int kTileElems = kBN * D;          // one K or V tile
+  static constexpr int kStageElems = 2 * kTileElems;  // K then V
   static constexpr int kQOffset = kQReg ? (kStages - 1) * kStageElems : kStages * kStageElems;
   static constexpr int kSmemBytes =
       (kStages * kStageElems + (kQReg ? 0 : kBM * D)) * int(sizeof(T));
@@ -256,8 +255,8 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
       T* const sk = smem + s * C::kStageElems + c_soff;
 #pragma unroll
       for (int i = 0; i < BN / C::kPassRows; ++i)
-        cp_async16(sk + i * C::kPassRows * D,
-                   kg + int64_t(n * BN + i * C::kPassRows) * p.ks.seq, i * C::kPassRows < rows);
+        cp_async16(sk + i * C::kPassRows * D, kg + int64_t(n * BN + i * C::kPassRows) * p.ks.seq,
+                   i * C::kPassRows < rows);
 #pragma unroll
       for (int i = 0; i < BN / C::kPassRows; ++i)
         cp_async16(sk + C::kTileElems + i * C::kPassRows * D,
@@ -296,7 +295,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
     const int q_row = wrow + (lane & 15), q_chunk = lane >> 4;
     const int k_row = (lane & 7) + ((lane >> 4) << 3), k_chunk = (lane >> 3) & 1;
     const int v_row = lane & 15, v_chunk = lane >> 4;
-    const auto load_q = [&](uint32_t(&r)[4], int mt, int kb) {
+    const auto load_q = [&](uint32_t (&r)[4], int mt, int kb) {
       ldsm(r, sQ + (q_row + 16 * mt) * D + x_chunk(2 * kb + q_chunk));
     };
 
@@ -355,7 +354,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
           if (i + C::kAheadK < kSteps) load_k(i + C::kAheadK);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
-            const uint32_t(&a)[4] = kQReg ? q[mt][kQReg ? kb : 0] : qf[kQReg ? 0 : kb][mt];
+            const uint32_t (&a)[4] = kQReg ? q[mt][kQReg ? kb : 0] : qf[kQReg ? 0 : kb][mt];
             mma<T>(sacc[mt][2 * kp], a, kf[i][0], kf[i][1]);
             mma<T>(sacc[mt][2 * kp + 1], a, kf[i][2], kf[i][3]);
           }
@@ -595,11 +594,11 @@ void attributes_of(std::vector<KernelAttr>& out) {
     cudaFuncAttributes fa;
     SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, fns[c]));
     // sharedSizeBytes counts static shared memory only; this kernel's is all dynamic.
-    out.push_back({"cutlass-sm80",
-                   std::string("fwd_") + dtype_name<T>() + "_d" + std::to_string(D) +
-                       (c ? "_causal" : ""),
-                   fa.numRegs, int32_t(fa.sharedSizeBytes), Cfg<T, D, W, 1>::kSmemBytes,
-                   int32_t(fa.localSizeBytes), fa.maxThreadsPerBlock});
+    out.push_back(
+        {"cutlass-sm80",
+         std::string("fwd_") + dtype_name<T>() + "_d" + std::to_string(D) + (c ? "_causal" : ""),
+         fa.numRegs, int32_t(fa.sharedSizeBytes), Cfg<T, D, W, 1>::kSmemBytes,
+         int32_t(fa.localSizeBytes), fa.maxThreadsPerBlock});
   }
 }
 
