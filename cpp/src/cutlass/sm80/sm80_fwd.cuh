@@ -72,6 +72,7 @@
 #include <vector>
 
 #include "common/check.cuh"
+#include "cutlass/dtype.cuh"
 
 // The kernel bodies exist in every device pass from sm_80 on (sm_80 and sm_90a in the default
 // "80;90a" build); the host side refuses to launch below sm_80.
@@ -80,17 +81,6 @@
 #endif
 
 namespace sdpa::cutlass_sm80 {
-
-template <typename T>
-constexpr const char* dtype_name();
-template <>
-constexpr const char* dtype_name<cute::half_t>() {
-  return "f16";
-}
-template <>
-constexpr const char* dtype_name<cute::bfloat16_t>() {
-  return "bf16";
-}
 
 template <typename T>
 struct MmaOp;

@@ -56,6 +56,7 @@
 // clang-format on
 
 #include "common/check.cuh"
+#include "cutlass/dtype.cuh"
 
 // The kernel bodies exist only in the sm_90a device pass; other passes (sm_80 in the default
 // "80;90a" build) compile them empty, and the host side refuses to launch off sm_90.
@@ -66,17 +67,6 @@
 namespace sdpa::cutlass_sm90 {
 
 using namespace cute;
-
-template <typename T>
-constexpr const char* dtype_name();
-template <>
-constexpr const char* dtype_name<cute::half_t>() {
-  return "f16";
-}
-template <>
-constexpr const char* dtype_name<cute::bfloat16_t>() {
-  return "bf16";
-}
 
 // Two f32 -> one packed pair of T (low half = a), round to nearest.
 template <typename T>
