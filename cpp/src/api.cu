@@ -26,6 +26,16 @@ SDPA_DECLARE_INSTANTIATIONS(wmma_backend)
 #if defined(SDPA_HAVE_CUTLASS)
 SDPA_DECLARE_INSTANTIATIONS(cutlass_sm90)
 SDPA_DECLARE_INSTANTIATIONS(cutlass_sm80)
+// The native FP8 kernels (cpp/src/cutlass/sm90_fp8): E4M3 Q, K, V with scales, output
+// args.out_dtype. Every other kernel takes E4M3 inputs only after the Rust layer has
+// dequantized them (the simulated path), so it never sees Dtype::E4M3.
+namespace cutlass_sm90 {
+void forward_e4m3_d64(const FwdArgs&, cudaStream_t);
+void forward_e4m3_d128(const FwdArgs&, cudaStream_t);
+void attributes_e4m3_d64(std::vector<KernelAttr>&);
+void attributes_e4m3_d128(std::vector<KernelAttr>&);
+int64_t workspace_e4m3(const FwdArgs&);
+}  // namespace cutlass_sm90
 #endif
 
 namespace {
@@ -61,6 +71,12 @@ void forward(Kernel kernel, const FwdArgs& a, void* stream) {
                                                                                        s);
     case Kernel::CutlassSm90:
 #if defined(SDPA_HAVE_CUTLASS)
+      if (a.dtype == Dtype::E4M3) {
+        if (a.head_dim == 64) return cutlass_sm90::forward_e4m3_d64(a, s);
+        if (a.head_dim == 128) return cutlass_sm90::forward_e4m3_d128(a, s);
+        throw Error("cutlass-sm90 e4m3: head_dim " + std::to_string(a.head_dim) +
+                    " not instantiated");
+      }
       return dispatch<cutlass_sm90::forward_f16_d64, cutlass_sm90::forward_f16_d128,
                       cutlass_sm90::forward_bf16_d64, cutlass_sm90::forward_bf16_d128>(
           "cutlass-sm90", a, s);
@@ -77,6 +93,15 @@ void forward(Kernel kernel, const FwdArgs& a, void* stream) {
 #endif
   }
   throw Error("unknown kernel code " + std::to_string(int(kernel)));
+}
+
+int64_t workspace_bytes(Kernel kernel, const FwdArgs& a) {
+#if defined(SDPA_HAVE_CUTLASS)
+  if (kernel == Kernel::CutlassSm90 && a.dtype == Dtype::E4M3) return cutlass_sm90::workspace_e4m3(a);
+#endif
+  (void)kernel;
+  (void)a;
+  return 0;
 }
 
 __global__ void empty() {}
@@ -97,7 +122,8 @@ std::vector<KernelAttr> kernel_attributes() {
   for (auto f : {cutlass_sm90::attributes_f16_d64, cutlass_sm90::attributes_f16_d128,
                  cutlass_sm90::attributes_bf16_d64, cutlass_sm90::attributes_bf16_d128,
                  cutlass_sm80::attributes_f16_d64, cutlass_sm80::attributes_f16_d128,
-                 cutlass_sm80::attributes_bf16_d64, cutlass_sm80::attributes_bf16_d128})
+                 cutlass_sm80::attributes_bf16_d64, cutlass_sm80::attributes_bf16_d128,
+                 cutlass_sm90::attributes_e4m3_d64, cutlass_sm90::attributes_e4m3_d128})
     f(out);
 #endif
   return out;

@@ -14,7 +14,9 @@ struct Error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class Dtype : int32_t { F16 = 0, BF16 = 1 };
+// E4M3 = FP8 (1 sign, 4 exponent, 3 mantissa bits, "fn": no infinities, max 448), only as an
+// input type of Q, K, V, always with dequantization scales.
+enum class Dtype : int32_t { F16 = 0, BF16 = 1, E4M3 = 2 };
 
 // Strides are in elements; the innermost (head_dim) stride is 1. The Rust layer has validated
 // every field (shapes, strides, alignment, that the buffers hold what the strides address).
@@ -29,7 +31,16 @@ struct FwdArgs {
   Strides q_stride, k_stride, v_stride, o_stride;
   float scale;
   bool causal;
-  Dtype dtype;
+  Dtype dtype;      // of q, k, v
+  Dtype out_dtype;  // of o: F16 or BF16; equal to dtype unless dtype is E4M3
+  // E4M3 only (null otherwise): dequantization scales, real value = code * scale. Device f32
+  // arrays of one entry (per tensor) or, with per_head_scales, one per (batch, head) pair:
+  // q_scale[b * heads + h], k_scale[b * kv_heads + hk], v_scale[b * kv_heads + hk].
+  const float *q_scale, *k_scale, *v_scale;
+  bool per_head_scales;
+  // Scratch device memory of workspace_bytes(kernel, args) bytes, owned by the caller (null
+  // when that is 0). Valid until the enqueued work is done.
+  void* workspace;
 };
 
 // The softmax step of the unfused cuBLAS backend: P = softmax(S) per row, causal mask
@@ -54,11 +65,35 @@ enum class Kernel : int32_t { Scalar = 0, Wmma = 1, CutlassSm90 = 2, CutlassSm80
 // Runs `kernel` on `args`, enqueued on `stream` (a CUstream / cudaStream_t).
 void forward(Kernel kernel, const FwdArgs& args, void* stream);
 
+// Bytes of scratch memory `forward(kernel, args)` needs in args.workspace (0 for most).
+int64_t workspace_bytes(Kernel kernel, const FwdArgs& args);
+
 void masked_softmax(const SoftmaxArgs& args, void* stream);
 
 // y[i] = E4M3(x[i] * inv_scale), saturating to +-448, round to nearest even (the GPU's own
 // conversion). x: f32 device buffer, y: byte device buffer, both n long.
 void e4m3_encode(const float* x, uint8_t* y, int64_t n, float inv_scale, void* stream);
+
+// How E4M3 scales map onto a tensor's elements: element i belongs to scale group
+// (i / per_batch) * heads + (i / inner) % heads; per_batch = seq * heads * head_dim, and inner =
+// seq * head_dim (BHSD) or head_dim (BSHD). One group for per-tensor scales (heads = 1,
+// inner = per_batch = n).
+struct ScaleMap {
+  int64_t heads, inner, per_batch;
+};
+
+// amax[g] = max |x[i]| over the elements of group g (NaN ignored), for `groups` groups; x holds
+// f32 when `x_is_f32`, else elements of `dtype` (F16 or BF16). amax must be zeroed first.
+void absmax(const void* x, bool x_is_f32, Dtype dtype, int64_t n, ScaleMap map, float* amax,
+            int64_t groups, void* stream);
+
+// y[i] = E4M3(x[i] / scale[group(i)]), saturating to +-448, round to nearest even.
+void e4m3_quantize(const void* x, bool x_is_f32, Dtype dtype, uint8_t* y, int64_t n,
+                   ScaleMap map, const float* scale, void* stream);
+
+// y[i] = out_dtype(decode(x[i]) * scale[group(i)]), round to nearest even.
+void e4m3_dequantize(const uint8_t* x, void* y, Dtype out_dtype, int64_t n, ScaleMap map,
+                     const float* scale, void* stream);
 
 // Runs an empty kernel on `blocks` CTAs: the launch floor every timing is read against.
 void empty_kernel(int32_t blocks, void* stream);

@@ -28,8 +28,27 @@ pub mod ffi {
         pub o_stride: [i64; 3],
         pub scale: f32,
         pub causal: bool,
-        /// 0 = f16, 1 = bf16
+        /// Of q, k, v: 0 = f16, 1 = bf16, 2 = e4m3
         pub dtype: i32,
+        /// Of o: 0 = f16, 1 = bf16
+        pub out_dtype: i32,
+        /// e4m3 only (0 otherwise): device f32 dequantization scales, one per tensor or one
+        /// per (batch, head) pair when `per_head_scales`.
+        pub q_scale: u64,
+        pub k_scale: u64,
+        pub v_scale: u64,
+        pub per_head_scales: bool,
+        /// Scratch of `workspace_bytes(kernel, args)` bytes (0 when none is needed).
+        pub workspace: u64,
+    }
+
+    /// Mirrors `sdpa::ScaleMap`: element i is in scale group
+    /// `(i / per_batch) * heads + (i / inner) % heads`.
+    #[derive(Debug, Clone, Copy)]
+    pub struct ScaleMap {
+        pub heads: i64,
+        pub inner: i64,
+        pub per_batch: i64,
     }
 
     /// Mirrors `sdpa::SoftmaxArgs`: S (f32) -> P (dtype), rows = batch * heads * seq_q.
@@ -75,6 +94,8 @@ pub mod ffi {
         /// `args` must describe live device buffers of the sizes its shape and strides address,
         /// on the device current on this thread, and `stream` must be a valid stream there.
         unsafe fn forward(kernel: Kernel, args: &FwdArgs, stream: usize) -> Result<()>;
+        /// Scratch bytes `forward(kernel, args)` needs in `args.workspace`.
+        fn workspace_bytes(kernel: Kernel, args: &FwdArgs) -> Result<i64>;
         /// # Safety
         /// `args.s` and `args.p` must be live device buffers of `rows * seq_k` elements (f32
         /// and the dtype) on the current context; `stream` a valid stream there.
@@ -83,6 +104,42 @@ pub mod ffi {
         /// `x` (f32) and `y` (bytes) must be live device buffers of `n` elements on the current
         /// context; `stream` a valid stream there.
         unsafe fn e4m3_encode(x: u64, y: u64, n: i64, inv_scale: f32, stream: usize) -> Result<()>;
+        /// # Safety
+        /// `x` must hold `n` elements (f32 if `x_is_f32`, else of `dtype`), `amax` `groups`
+        /// zeroed f32s, every group index of `map` below `groups`; all on the current context.
+        unsafe fn absmax(
+            x: u64,
+            x_is_f32: bool,
+            dtype: i32,
+            n: i64,
+            map: ScaleMap,
+            amax: u64,
+            groups: i64,
+            stream: usize,
+        ) -> Result<()>;
+        /// # Safety
+        /// As `absmax`; `y` holds `n` bytes, `scale` one f32 per group.
+        unsafe fn e4m3_quantize(
+            x: u64,
+            x_is_f32: bool,
+            dtype: i32,
+            y: u64,
+            n: i64,
+            map: ScaleMap,
+            scale: u64,
+            stream: usize,
+        ) -> Result<()>;
+        /// # Safety
+        /// `x` holds `n` bytes, `y` `n` elements of `out_dtype`, `scale` one f32 per group.
+        unsafe fn e4m3_dequantize(
+            x: u64,
+            y: u64,
+            out_dtype: i32,
+            n: i64,
+            map: ScaleMap,
+            scale: u64,
+            stream: usize,
+        ) -> Result<()>;
         /// # Safety
         /// `stream` must be a valid stream of the current context.
         unsafe fn empty_kernel(blocks: i32, stream: usize) -> Result<()>;

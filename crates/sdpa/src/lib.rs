@@ -144,5 +144,11 @@ pub(crate) fn ffi_args(
         scale: p.scale(),
         causal: p.causal,
         dtype: backend::fused::dtype_code(p.dtype),
+        out_dtype: backend::fused::dtype_code(p.dtype),
+        q_scale: 0,
+        k_scale: 0,
+        v_scale: 0,
+        per_head_scales: false,
+        workspace: 0,
     }
 }

@@ -1,0 +1,17 @@
+// Placeholder until the native FP8 kernel lands: the Rust layer reports the native path as
+// unsupported (crates/sdpa/src/backend/mod.rs), so this is never reached from the API.
+#if defined(SDPA_HAVE_CUTLASS)
+#include "sdpa/sdpa.h"
+
+#include <cuda_runtime.h>
+
+#include <vector>
+
+namespace sdpa::cutlass_sm90 {
+void forward_e4m3_d64(const FwdArgs&, cudaStream_t) {
+  throw Error("cutlass-sm90: the native e4m3 kernel (d64) is not built yet");
+}
+void attributes_e4m3_d64(std::vector<KernelAttr>&) {}
+int64_t workspace_e4m3(const FwdArgs&) { return 0; }
+}  // namespace sdpa::cutlass_sm90
+#endif
