@@ -6,7 +6,8 @@
 mod common;
 
 use npyz::WriterBuilder;
-use sdpa::{Backend, DType, Error, Layout, Problem, Tensor};
+use sdpa::fp8::quantize_host;
+use sdpa::{Backend, DType, Error, Layout, Problem, Scaling, Tensor};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -223,6 +224,50 @@ fn api_cases() -> Vec<ApiCase> {
             Box::new(|| sdpa::named_problem("s3k").map(|_| ())),
             Invalid,
             "unknown problem \"s3k\"",
+        ),
+        (
+            "e4m3 output",
+            v(p(1, 1, 4, 4, 64)
+                .with_dtype(DType::E4m3)
+                .with_out_dtype(DType::E4m3)),
+            Invalid,
+            "output dtype must be f16 or bf16, got e4m3",
+        ),
+        (
+            "f16 in, bf16 out",
+            v(p(1, 1, 4, 4, 64).with_out_dtype(DType::Bf16)),
+            Invalid,
+            "only e4m3 inputs may have another output dtype",
+        ),
+        (
+            "fp8 scaling row",
+            Box::new(|| "row".parse::<Scaling>().map(|_| ())),
+            Invalid,
+            "unknown fp8 scaling \"row\"",
+        ),
+        (
+            "fp8 quantize inf",
+            Box::new(|| {
+                let s = p(1, 1, 1, 2, 2).q_shape();
+                quantize_host(&[1.0, f32::INFINITY], &s, Scaling::PerTensor).map(|_| ())
+            }),
+            Invalid,
+            "absmax inf",
+        ),
+        (
+            "fp8 quantize short",
+            Box::new(|| {
+                let s = p(1, 2, 3, 3, 4).q_shape();
+                quantize_host(&[0.5; 20], &s, Scaling::PerHead).map(|_| ())
+            }),
+            Invalid,
+            "20 values for shape [1, 2, 3, 4] bhsd, which holds 24",
+        ),
+        (
+            "fp8 scale nan",
+            Box::new(|| sdpa::fp8::scales_from_amax(&[1.0, f32::NAN]).map(|_| ())),
+            Invalid,
+            "scale group 1 has absmax NaN",
         ),
         (
             "reference q short",
@@ -465,4 +510,141 @@ fn tensor_errors_launch_nothing_and_leave_the_output_alone() {
             "{backend} wrote output"
         );
     }
+}
+
+/// e4m3 tensors: scales missing, non-finite or of the wrong count; tensors quantized for
+/// another shape or scaling than the problem says; 16-bit-only calls on e4m3. Every case an
+/// `InvalidArgument` naming the value, and the output untouched.
+#[test]
+fn fp8_tensor_errors_name_the_value() {
+    let Some(dev) = common::device("catalogue fp8") else {
+        return;
+    };
+    let pr = p(1, 2, 8, 8, 64).with_dtype(DType::E4m3);
+    let (shape, n) = (pr.q_shape(), pr.q_len().unwrap());
+    let codes = vec![0x38u8; n];
+    let e4 = |scales: &[f32], sc| Tensor::from_e4m3(&dev, &codes, scales, shape, sc);
+    let cases: Vec<(&str, sdpa::Result<Tensor>, &str)> = vec![
+        ("no scales", e4(&[], Scaling::PerTensor), "0 scales given"),
+        (
+            "nan scale",
+            e4(&[f32::NAN], Scaling::PerTensor),
+            "scale 0 is NaN",
+        ),
+        (
+            "inf scale",
+            e4(&[1.0, f32::INFINITY], Scaling::PerHead),
+            "scale 1 is inf",
+        ),
+        ("zero scale", e4(&[0.0], Scaling::PerTensor), "scale 0 is 0"),
+        (
+            "negative scale",
+            e4(&[-2.0, 1.0], Scaling::PerHead),
+            "scale 0 is -2",
+        ),
+        (
+            "per-head count",
+            e4(&[1.0], Scaling::PerHead),
+            "head scaling of [1, 2, 8, 64] bhsd needs 2",
+        ),
+        (
+            "codes short",
+            Tensor::from_e4m3(&dev, &codes[1..], &[1.0], shape, Scaling::PerTensor),
+            "1023 values for shape",
+        ),
+        (
+            "from_f32 e4m3",
+            Tensor::from_f32(&dev, DType::E4m3, &[1.0]),
+            "carry scales",
+        ),
+        (
+            "poisoned e4m3",
+            Tensor::poisoned(&dev, DType::E4m3, 4),
+            "not e4m3",
+        ),
+        (
+            "quantize e4m3",
+            e4(&[1.0], Scaling::PerTensor)
+                .and_then(|t| Tensor::quantize(&dev, &t, shape, Scaling::PerTensor)),
+            "takes an f16 or bf16 tensor, got e4m3",
+        ),
+        (
+            "dequantize f16",
+            Tensor::from_f32(&dev, DType::F16, &[1.0]).and_then(|t| t.dequantize(&dev, DType::F16)),
+            "is f16, not e4m3",
+        ),
+        (
+            "quantize empty",
+            Tensor::quantize_f32(&dev, &[], shape, Scaling::PerTensor),
+            "0 values for shape",
+        ),
+    ];
+    for (name, r, fragment) in cases {
+        let e = r.err().unwrap_or_else(|| panic!("{name}: accepted"));
+        assert_eq!(kind(&e), Kind::Invalid, "{name}: {e}");
+        assert!(e.to_string().contains(fragment), "{name}: {e}");
+    }
+    // forward with e4m3 tensors that disagree with the problem.
+    let q = e4(&[1.0, 1.0], Scaling::PerHead).unwrap();
+    let k = e4(&[1.0, 1.0], Scaling::PerHead).unwrap();
+    let other = Tensor::from_e4m3(
+        &dev,
+        &vec![0x38; 2 * 8 * 64],
+        &[1.0],
+        p(1, 1, 16, 16, 64).q_shape(),
+        Scaling::PerTensor,
+    )
+    .unwrap();
+    let per_tensor = e4(&[1.0], Scaling::PerTensor).unwrap();
+    let f16 = Tensor::from_f32(&dev, DType::F16, &vec![0.5; n]).unwrap();
+    let mut out = Tensor::poisoned(&dev, DType::F16, n).unwrap();
+    for backend in Backend::ALL {
+        let fwd: Vec<(&str, sdpa::Result<()>, &str)> = vec![
+            (
+                "v tensor-scaled",
+                sdpa::forward(&dev, &pr, backend, &q, &k, &per_tensor, &mut out),
+                "v has tensor scales, the problem says head",
+            ),
+            (
+                "k other shape",
+                sdpa::forward(
+                    &dev,
+                    &pr.with_fp8_scaling(Scaling::PerTensor),
+                    backend,
+                    &per_tensor,
+                    &other,
+                    &per_tensor,
+                    &mut out,
+                ),
+                "k was quantized with shape [1, 1, 16, 64] bhsd, the problem's k is [1, 2, 8, 64] bhsd",
+            ),
+            (
+                "q f16",
+                sdpa::forward(&dev, &pr, backend, &f16, &k, &k, &mut out),
+                "q is f16, the problem says e4m3",
+            ),
+            (
+                "out bf16",
+                sdpa::forward(
+                    &dev,
+                    &pr.with_out_dtype(DType::Bf16),
+                    backend,
+                    &q,
+                    &k,
+                    &k,
+                    &mut out,
+                ),
+                "out is f16, the problem says bf16",
+            ),
+        ];
+        for (name, r, fragment) in fwd {
+            let e = r.expect_err(name);
+            assert_eq!(kind(&e), Kind::Invalid, "{backend} {name}: {e}");
+            assert!(e.to_string().contains(fragment), "{backend} {name}: {e}");
+        }
+    }
+    assert!(
+        out.to_f32(&dev).unwrap().iter().all(|x| x.is_nan()),
+        "output written"
+    );
 }

@@ -97,7 +97,8 @@ void forward(Kernel kernel, const FwdArgs& a, void* stream) {
 
 int64_t workspace_bytes(Kernel kernel, const FwdArgs& a) {
 #if defined(SDPA_HAVE_CUTLASS)
-  if (kernel == Kernel::CutlassSm90 && a.dtype == Dtype::E4M3) return cutlass_sm90::workspace_e4m3(a);
+  if (kernel == Kernel::CutlassSm90 && a.dtype == Dtype::E4M3)
+    return cutlass_sm90::workspace_e4m3(a);
 #endif
   (void)kernel;
   (void)a;

@@ -88,8 +88,8 @@ void absmax(const void* x, bool x_is_f32, Dtype dtype, int64_t n, ScaleMap map, 
             int64_t groups, void* stream);
 
 // y[i] = E4M3(x[i] / scale[group(i)]), saturating to +-448, round to nearest even.
-void e4m3_quantize(const void* x, bool x_is_f32, Dtype dtype, uint8_t* y, int64_t n,
-                   ScaleMap map, const float* scale, void* stream);
+void e4m3_quantize(const void* x, bool x_is_f32, Dtype dtype, uint8_t* y, int64_t n, ScaleMap map,
+                   const float* scale, void* stream);
 
 // y[i] = out_dtype(decode(x[i]) * scale[group(i)]), round to nearest even.
 void e4m3_dequantize(const uint8_t* x, void* y, Dtype out_dtype, int64_t n, ScaleMap map,

@@ -57,8 +57,8 @@ __global__ void __launch_bounds__(kThreads)
                     const float* __restrict__ scale) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    y[i] = __nv_cvt_float_to_fp8(load<T>(x, i) / scale[group_of(i, map)], __NV_SATFINITE,
-                                 __NV_E4M3);
+    y[i] =
+        __nv_cvt_float_to_fp8(load<T>(x, i) / scale[group_of(i, map)], __NV_SATFINITE, __NV_E4M3);
 }
 
 __device__ __forceinline__ float decode(uint8_t b) {
@@ -115,8 +115,8 @@ void absmax(const void* x, bool x_is_f32, Dtype dtype, int64_t n, ScaleMap map, 
   SDPA_LAUNCH_CHECK("absmax launch");
 }
 
-void e4m3_quantize(const void* x, bool x_is_f32, Dtype dtype, uint8_t* y, int64_t n,
-                   ScaleMap map, const float* scale, void* stream) {
+void e4m3_quantize(const void* x, bool x_is_f32, Dtype dtype, uint8_t* y, int64_t n, ScaleMap map,
+                   const float* scale, void* stream) {
   check_map(map, "e4m3 quantize");
   if (n <= 0) return;
   const auto s = static_cast<cudaStream_t>(stream);
@@ -137,11 +137,10 @@ void e4m3_dequantize(const uint8_t* x, void* y, Dtype out_dtype, int64_t n, Scal
   if (n <= 0) return;
   const auto s = static_cast<cudaStream_t>(stream);
   if (out_dtype == Dtype::F16)
-    dequantize_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, static_cast<__half*>(y), n, map,
-                                                          scale);
+    dequantize_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, static_cast<__half*>(y), n, map, scale);
   else if (out_dtype == Dtype::BF16)
-    dequantize_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, static_cast<__nv_bfloat16*>(y), n,
-                                                          map, scale);
+    dequantize_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, static_cast<__nv_bfloat16*>(y), n, map,
+                                                         scale);
   else
     throw Error("e4m3 dequantize: output must be f16 or bf16");
   SDPA_LAUNCH_CHECK("e4m3 dequantize launch");

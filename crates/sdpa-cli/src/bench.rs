@@ -75,7 +75,8 @@ pub fn main(a: Args) -> Result<ExitCode> {
                     records.push(json!({
                         "name": name, "batch": p.batch, "heads": p.heads, "seq_q": p.seq_q,
                         "seq_k": p.seq_k, "head_dim": p.head_dim, "causal": p.causal,
-                        "dtype": p.dtype.name(), "backend": b.name(), "us_graph": t.us_graph,
+                        "dtype": p.dtype.name(), "out_dtype": p.output_dtype().name(),
+                        "backend": b.name(), "us_graph": t.us_graph,
                         "us_event": t.us_event, "tflops": tflops(p, t.us_graph),
                         "rel_err": rel_err, "device": device, "sm": sm,
                     }));
@@ -135,7 +136,7 @@ fn bench_one(
     let seed = fresh_seed();
     let inputs = random_inputs(p, seed);
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
-    let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap())?;
+    let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
     sdpa::forward(dev, p, b, &q, &k, &v, &mut out)?;
     let rel_err = if p.flops() <= REFERENCE_FLOP_LIMIT {
         let [qv, kv, vv] = &inputs.values;

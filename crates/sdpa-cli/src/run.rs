@@ -2,7 +2,7 @@
 
 use crate::npy;
 use crate::open_device;
-use sdpa::{Backend, DType, Error, Layout, Problem, Result, Tensor};
+use sdpa::{Backend, DType, Error, Layout, Problem, Result, Scaling, Tensor};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -27,9 +27,16 @@ pub struct Args {
     /// Backend; `cpu` is the float64 reference.
     #[arg(long, default_value = "auto")]
     backend: String,
-    /// Inputs are rounded to this type before any backend sees them.
+    /// Inputs are rounded to this type before any backend sees them: f16, bf16, or e4m3
+    /// (quantized with amax scales, see --scaling).
     #[arg(long, default_value = "f16")]
     dtype: String,
+    /// e4m3: scales per tensor or per (batch, head): tensor or head.
+    #[arg(long, default_value = "head")]
+    scaling: String,
+    /// e4m3: the output dtype the kernel writes (f16 or bf16).
+    #[arg(long, default_value = "f16")]
+    out_dtype: String,
     /// Softmax scale; default 1/sqrt(D).
     #[arg(long)]
     scale: Option<f32>,
@@ -52,6 +59,8 @@ pub fn main(a: Args) -> Result<ExitCode> {
     let backend: Backend = a.backend.parse()?;
     let dtype: DType = a.dtype.parse()?;
     let layout: Layout = a.layout.parse()?;
+    let scaling: Scaling = a.scaling.parse()?;
+    let out_dtype: DType = a.out_dtype.parse()?;
     let (q, qshape) = npy::read(&a.q)?;
     let (k, kshape) = npy::read(&a.k)?;
     let (v, vshape) = npy::read(&a.v)?;
@@ -81,7 +90,12 @@ pub fn main(a: Args) -> Result<ExitCode> {
     if let Some(s) = a.scale {
         p = p.with_scale(s);
     }
+    if dtype == DType::E4m3 {
+        p = p.with_fp8_scaling(scaling).with_out_dtype(out_dtype);
+    }
     p.validate()?;
+    let od = p.output_dtype();
+    let shapes = [p.q_shape(), p.kv_shape(), p.kv_shape()];
 
     let dev = if backend == Backend::Cpu {
         None
@@ -90,16 +104,27 @@ pub fn main(a: Args) -> Result<ExitCode> {
     };
     let out: Vec<f32> = match &dev {
         Some(dev) => {
-            let qt = Tensor::from_f32(dev, dtype, &q)?;
-            let kt = Tensor::from_f32(dev, dtype, &k)?;
-            let vt = Tensor::from_f32(dev, dtype, &v)?;
-            let mut ot = Tensor::poisoned(dev, dtype, p.q_len().unwrap())?;
+            let up = |x: &[f32], i: usize| match dtype {
+                DType::E4m3 => Tensor::quantize_f32(dev, x, shapes[i], scaling),
+                _ => Tensor::from_f32(dev, dtype, x),
+            };
+            let (qt, kt, vt) = (up(&q, 0)?, up(&k, 1)?, up(&v, 2)?);
+            let mut ot = Tensor::poisoned(dev, od, p.q_len().unwrap())?;
             sdpa::forward(dev, &p, backend, &qt, &kt, &vt, &mut ot)?;
             ot.to_f32(dev)?
         }
         None => {
-            let round = |x: &[f32]| sdpa::decode(dtype, &sdpa::encode(dtype, x));
-            let o = sdpa::reference(&p, &round(&q), &round(&k), &round(&v))?;
+            let round = |x: &[f32], i: usize| -> Result<Vec<f64>> {
+                Ok(match dtype {
+                    DType::E4m3 => {
+                        let (codes, s) = sdpa::fp8::quantize_host(x, &shapes[i], scaling)?;
+                        let d = sdpa::fp8::dequantize_host(&codes, &s, &shapes[i], scaling);
+                        d.into_iter().map(f64::from).collect()
+                    }
+                    _ => sdpa::decode(dtype, &sdpa::encode(dtype, x)),
+                })
+            };
+            let o = sdpa::reference(&p, &round(&q, 0)?, &round(&k, 1)?, &round(&v, 2)?)?;
             o.into_iter().map(|x| x as f32).collect()
         }
     };

@@ -2,7 +2,7 @@
 
 use crate::open_device;
 use sdpa::check::{Inputs, compare, fresh_seed, random_inputs, run_backend};
-use sdpa::{Backend, DType, Layout, Problem, Result};
+use sdpa::{Backend, DType, Layout, Problem, Result, Scaling};
 use std::process::ExitCode;
 
 /// Arguments shared by `validate` and `bench`: which problems.
@@ -28,6 +28,12 @@ pub struct ProblemArgs {
     /// K/V heads (GQA); default: as many as query heads.
     #[arg(long)]
     pub kv_heads: Option<usize>,
+    /// e4m3 inputs: scales per tensor or per (batch, head): tensor or head.
+    #[arg(long, default_value = "head")]
+    pub scaling: String,
+    /// e4m3 inputs: output dtype, f16 or bf16.
+    #[arg(long, default_value = "f16")]
+    pub out_dtype: String,
 }
 
 impl ProblemArgs {
@@ -38,6 +44,8 @@ impl ProblemArgs {
         default_causal: &str,
     ) -> Result<Vec<(String, Problem)>> {
         let layout: Layout = self.layout.parse()?;
+        let scaling: Scaling = self.scaling.parse()?;
+        let out_dtype: DType = self.out_dtype.parse()?;
         let causal: &[bool] = match self.causal.as_deref().unwrap_or(default_causal) {
             "both" => &[false, true],
             "yes" | "true" | "on" => &[true],
@@ -93,6 +101,9 @@ impl ProblemArgs {
                     if let Some(kv) = self.kv_heads {
                         p = p.with_kv_heads(kv);
                     }
+                    if dtype == DType::E4m3 {
+                        p = p.with_fp8_scaling(scaling).with_out_dtype(out_dtype);
+                    }
                     p.validate()?;
                     let name = if c && !name.ends_with("-causal") {
                         format!("{name}-causal")
@@ -106,6 +117,15 @@ impl ProblemArgs {
             }
         }
         Ok(out)
+    }
+}
+
+/// The dtype column: `e4m3>f16` for e4m3 inputs, the dtype otherwise.
+fn dtype_label(p: &Problem) -> String {
+    if p.dtype == DType::E4m3 {
+        format!("e4m3>{}", p.output_dtype())
+    } else {
+        p.dtype.name().to_string()
     }
 }
 
@@ -141,7 +161,7 @@ pub fn main(a: Args) -> Result<ExitCode> {
     let seed = a.seed.unwrap_or_else(fresh_seed);
     println!("seed {seed}");
     println!(
-        "{:<8} {:<22} {:<5} {:>10} {:>10} {:>10} {:>10}  result",
+        "{:<8} {:<22} {:<8} {:>10} {:>10} {:>10} {:>10}  result",
         "backend", "problem", "dtype", "rel_err", "rel_tol", "max_err", "max_tol"
     );
     let (mut failed, mut ran) = (0, 0);
@@ -149,8 +169,15 @@ pub fn main(a: Args) -> Result<ExitCode> {
         let inputs: Inputs = random_inputs(p, seed.wrapping_add(i as u64));
         let [q, k, v] = &inputs.values;
         let want = sdpa::reference(p, q, k, v)?;
+        let e2e_want = match &inputs.fp8 {
+            Some(f) => {
+                let [q, k, v] = &f.unquantized;
+                Some(sdpa::reference(p, q, k, v)?)
+            }
+            None => None,
+        };
         for &b in &backends {
-            let line = |r: &str| format!("{:<8} {:<22} {:<5} {r}", b.name(), name, p.dtype.name());
+            let line = |r: &str| format!("{:<8} {:<22} {:<8} {r}", b.name(), name, dtype_label(p));
             if let Err(e) = b.supports(dev.as_ref(), p) {
                 println!("{}", line(&format!("{:>43}  skipped: {e}", "")));
                 continue;
@@ -159,6 +186,16 @@ pub fn main(a: Args) -> Result<ExitCode> {
             match run_backend(dev.as_ref(), p, b, &inputs, Some(&want)) {
                 Ok(got) => {
                     let r = compare(&got, &want, p.dtype, seed);
+                    // e4m3: also the error against the unquantized inputs (quantization included).
+                    let e2e = match (&inputs.fp8, &e2e_want) {
+                        (Some(_), Some(w)) => {
+                            format!(
+                                " (end to end {:.3e})",
+                                compare(&got, w, p.dtype, seed).rel_err
+                            )
+                        }
+                        _ => String::new(),
+                    };
                     let verdict = if r.pass() { "pass" } else { "FAIL" };
                     failed += usize::from(!r.pass());
                     println!(
@@ -172,7 +209,7 @@ pub fn main(a: Args) -> Result<ExitCode> {
                             if r.nan_count > 0 {
                                 format!(" ({} NaN)", r.nan_count)
                             } else {
-                                String::new()
+                                e2e
                             }
                         ))
                     );

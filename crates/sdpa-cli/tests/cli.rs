@@ -93,6 +93,80 @@ fn run_on_npy_matches_the_reference() {
     }
 }
 
+/// `run --dtype e4m3`: the CPU reference on the inputs quantized exactly as the library does
+/// on the host (and, where a GPU is present, on the device: the same codes and scales), then
+/// the GPU path (simulated or native) within the e4m3 tolerance of that reference.
+#[test]
+fn run_e4m3_matches_the_reference_on_quantized_inputs() {
+    let (b, h, hk, sq, sk, d) = (1, 4, 2, 33, 70, 64);
+    let (q, k, v) = (
+        values(b * h * sq * d, 4),
+        values(b * hk * sk * d, 5),
+        values(b * hk * sk * d, 6),
+    );
+    let paths = [tmp("q8.npy"), tmp("k8.npy"), tmp("v8.npy"), tmp("o8.npy")];
+    let shape = |hh: usize, s: usize| [b as u64, hh as u64, s as u64, d as u64];
+    write_npy(&paths[0], &q, &shape(h, sq));
+    write_npy(&paths[1], &k, &shape(hk, sk));
+    write_npy(&paths[2], &v, &shape(hk, sk));
+    let p = sdpa::Problem::new(b, h, sq, sk, d)
+        .with_kv_heads(hk)
+        .with_causal(true)
+        .with_dtype(sdpa::DType::E4m3)
+        .with_fp8_scaling(sdpa::Scaling::PerTensor)
+        .with_out_dtype(sdpa::DType::Bf16);
+    let deq = |x: &[f32], s: sdpa::TensorShape| -> Vec<f64> {
+        let (c, sc) = sdpa::fp8::quantize_host(x, &s, p.fp8_scaling).unwrap();
+        sdpa::fp8::dequantize_host(&c, &sc, &s, p.fp8_scaling)
+            .into_iter()
+            .map(f64::from)
+            .collect()
+    };
+    let want = sdpa::reference(
+        &p,
+        &deq(&q, p.q_shape()),
+        &deq(&k, p.kv_shape()),
+        &deq(&v, p.kv_shape()),
+    )
+    .unwrap();
+    let gpu = sdpa::Device::new(0).is_ok();
+    for backend in ["cpu", "auto"] {
+        if backend == "auto" && !gpu {
+            if std::env::var("SDPA_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("SDPA_REQUIRE_GPU=1 but no GPU");
+            }
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "run e4m3 on the GPU: skipped, no GPU");
+            continue;
+        }
+        let out = sdpa()
+            .args(["run", "--backend", backend, "--causal", "--dtype", "e4m3"])
+            .args(["--scaling", "tensor", "--out-dtype", "bf16"])
+            .args(["--q", paths[0].to_str().unwrap()])
+            .args(["--k", paths[1].to_str().unwrap()])
+            .args(["--v", paths[2].to_str().unwrap()])
+            .args(["--out", paths[3].to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{backend}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let bytes = std::fs::read(&paths[3]).unwrap();
+        let got: Vec<f32> = npyz::NpyFile::new(&bytes[..]).unwrap().into_vec().unwrap();
+        let got: Vec<f64> = got.iter().map(|&x| f64::from(x)).collect();
+        if backend == "cpu" {
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() < 1e-6, "{g} vs {w}");
+            }
+        } else {
+            let r = sdpa::check::compare(&got, &want, p.dtype, 0);
+            assert!(r.pass(), "{backend}: {r:?}");
+        }
+    }
+}
+
 #[test]
 fn malformed_inputs_are_one_line_errors() {
     let bad = tmp("bad.npy");

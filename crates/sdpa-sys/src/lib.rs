@@ -5,8 +5,9 @@
 //! exception (a failed CUDA call, an unsupported case) arrives as `Err(cxx::Exception)`.
 
 // cxx re-emits the extern functions without their doc comments; the `# Safety` contracts are
-// written on the declarations below.
-#[allow(clippy::missing_safety_doc)]
+// written on the declarations below. The quantization calls mirror their C signatures (raw
+// pointers and sizes), hence more than seven arguments.
+#[allow(clippy::missing_safety_doc, clippy::too_many_arguments)]
 #[cxx::bridge(namespace = "sdpa_bridge")]
 pub mod ffi {
     /// Mirrors `sdpa::FwdArgs` (cpp/include/sdpa/sdpa.h). Strides in elements: [batch, head, seq].

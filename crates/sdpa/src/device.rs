@@ -2,7 +2,7 @@
 
 use crate::backend::cublas::BlasState;
 use crate::error::{Error, Result, invalid};
-use crate::problem::DType;
+use crate::problem::{DType, Scaling, TensorShape};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
 use half::{bf16, f16};
 use std::sync::{Arc, Mutex};
@@ -113,9 +113,37 @@ impl Device {
 }
 
 /// A contiguous device buffer of `len` elements of `dtype`, owned by Rust and freed on drop.
+///
+/// f16/bf16 tensors hold bit patterns; e4m3 tensors hold codes plus their dequantization
+/// scales and the shape the scales are laid out over (made by [`Tensor::quantize`],
+/// [`Tensor::quantize_f32`] or [`Tensor::from_e4m3`]).
 pub struct Tensor {
-    buf: CudaSlice<u16>,
-    dtype: DType,
+    pub(crate) buf: Buf,
+    pub(crate) dtype: DType,
+    pub(crate) fp8: Option<Fp8Scales>,
+}
+
+pub(crate) enum Buf {
+    Half(CudaSlice<u16>),
+    Byte(CudaSlice<u8>),
+}
+
+/// The scales of an e4m3 tensor: real value = code · scale of the element's group.
+pub(crate) struct Fp8Scales {
+    pub(crate) host: Vec<f32>,
+    pub(crate) dev: CudaSlice<f32>,
+    pub(crate) shape: TensorShape,
+    pub(crate) scaling: Scaling,
+}
+
+impl Fp8Scales {
+    /// The scale of element `i`.
+    pub(crate) fn of(&self, i: usize) -> f32 {
+        match self.scaling {
+            Scaling::PerTensor => self.host[0],
+            Scaling::PerHead => self.host[self.shape.head_of(i)],
+        }
+    }
 }
 
 /// The quiet-NaN bit pattern of a dtype, used to poison outputs before a run.
@@ -123,75 +151,134 @@ fn nan_bits(dtype: DType) -> u16 {
     match dtype {
         DType::F16 => f16::NAN.to_bits(),
         DType::Bf16 => bf16::NAN.to_bits(),
+        DType::E4m3 => 0x7F,
     }
 }
 
-/// Rounds f32 values to `dtype` (round-to-nearest-even) and returns their bit patterns.
+/// Rounds f32 values to `dtype` (round-to-nearest-even) and returns their bit patterns (for
+/// e4m3: the unscaled codes, saturating to ±448, in the low byte).
 pub fn encode(dtype: DType, data: &[f32]) -> Vec<u16> {
     match dtype {
         DType::F16 => data.iter().map(|&x| f16::from_f32(x).to_bits()).collect(),
         DType::Bf16 => data.iter().map(|&x| bf16::from_f32(x).to_bits()).collect(),
+        DType::E4m3 => data
+            .iter()
+            .map(|&x| u16::from(crate::fp8::e4m3_from_f32(x)))
+            .collect(),
     }
 }
 
-/// Decodes bit patterns of `dtype` to f64 (exact).
+/// Decodes bit patterns of `dtype` to f64 (exact; e4m3 codes unscaled).
 pub fn decode(dtype: DType, bits: &[u16]) -> Vec<f64> {
     match dtype {
         DType::F16 => bits.iter().map(|&b| f16::from_bits(b).to_f64()).collect(),
         DType::Bf16 => bits.iter().map(|&b| bf16::from_bits(b).to_f64()).collect(),
+        DType::E4m3 => bits
+            .iter()
+            .map(|&b| f64::from(crate::fp8::e4m3_to_f32(b as u8)))
+            .collect(),
     }
 }
 
+fn needs_scales(what: &str) -> Error {
+    invalid!(
+        "{what}: e4m3 tensors carry scales; make them with Tensor::quantize, \
+         Tensor::quantize_f32 or Tensor::from_e4m3"
+    )
+}
+
 impl Tensor {
-    /// Uploads `data`, rounded to `dtype`.
+    /// Uploads `data`, rounded to `dtype` (f16 or bf16; e4m3 needs scales: see
+    /// [`Tensor::quantize_f32`]).
     pub fn from_f32(dev: &Device, dtype: DType, data: &[f32]) -> Result<Tensor> {
+        if dtype == DType::E4m3 {
+            return Err(needs_scales("Tensor::from_f32"));
+        }
         Self::from_bits(dev, dtype, &encode(dtype, data))
     }
-    /// Uploads raw bit patterns of `dtype`.
+    /// Uploads raw bit patterns of `dtype` (f16 or bf16).
     pub fn from_bits(dev: &Device, dtype: DType, bits: &[u16]) -> Result<Tensor> {
+        if dtype == DType::E4m3 {
+            return Err(needs_scales("Tensor::from_bits"));
+        }
         if bits.is_empty() {
             return Err(invalid!("a tensor needs at least one element"));
         }
         Ok(Tensor {
-            buf: dev.stream.clone_htod(bits)?,
+            buf: Buf::Half(dev.stream.clone_htod(bits)?),
             dtype,
+            fp8: None,
         })
     }
-    /// A tensor of `len` NaNs: anything a kernel fails to write stays NaN and fails checks.
+    /// A tensor of `len` NaNs (f16 or bf16): anything a kernel fails to write stays NaN and
+    /// fails checks.
     pub fn poisoned(dev: &Device, dtype: DType, len: usize) -> Result<Tensor> {
+        if dtype == DType::E4m3 {
+            return Err(invalid!("outputs are f16 or bf16, not e4m3"));
+        }
         Self::from_bits(dev, dtype, &vec![nan_bits(dtype); len])
     }
     /// Refills the tensor with NaN.
     pub fn poison(&mut self, dev: &Device) -> Result<()> {
-        let bits = vec![nan_bits(self.dtype); self.len()];
-        dev.stream.memcpy_htod(&bits, &mut self.buf)?;
+        match &mut self.buf {
+            Buf::Half(b) => dev
+                .stream
+                .memcpy_htod(&vec![nan_bits(self.dtype); b.len()], b)?,
+            Buf::Byte(b) => dev.stream.memcpy_htod(&vec![0x7Fu8; b.len()], b)?,
+        }
         Ok(())
     }
     /// Number of elements.
     pub fn len(&self) -> usize {
-        self.buf.len()
+        match &self.buf {
+            Buf::Half(b) => b.len(),
+            Buf::Byte(b) => b.len(),
+        }
     }
     /// Always false: empty tensors cannot be made.
     pub fn is_empty(&self) -> bool {
-        self.buf.len() == 0
+        self.len() == 0
     }
     /// Element type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
-    /// Downloads the raw bit patterns (synchronizes the stream).
+    /// Dequantization scales of an e4m3 tensor (`None` for f16/bf16): one per tensor, or one
+    /// per (batch, head) pair in batch-major order.
+    pub fn scales(&self) -> Option<&[f32]> {
+        self.fp8.as_ref().map(|f| f.host.as_slice())
+    }
+    /// Scale layout and logical shape of an e4m3 tensor.
+    pub fn fp8_layout(&self) -> Option<(Scaling, TensorShape)> {
+        self.fp8.as_ref().map(|f| (f.scaling, f.shape))
+    }
+    /// Downloads the raw bit patterns (e4m3: codes in the low byte; synchronizes the stream).
     pub fn to_bits(&self, dev: &Device) -> Result<Vec<u16>> {
-        Ok(dev.stream.clone_dtoh(&self.buf)?)
+        Ok(match &self.buf {
+            Buf::Half(b) => dev.stream.clone_dtoh(b)?,
+            Buf::Byte(b) => dev
+                .stream
+                .clone_dtoh(b)?
+                .into_iter()
+                .map(u16::from)
+                .collect(),
+        })
     }
-    /// Downloads as f64 (exact; synchronizes the stream).
+    /// Downloads as f64 (exact, e4m3 scaled by its scales; synchronizes the stream).
     pub fn to_f64(&self, dev: &Device) -> Result<Vec<f64>> {
-        Ok(decode(self.dtype, &self.to_bits(dev)?))
+        let mut v = decode(self.dtype, &self.to_bits(dev)?);
+        if let Some(f) = &self.fp8 {
+            for (i, x) in v.iter_mut().enumerate() {
+                *x *= f64::from(f.of(i));
+            }
+        }
+        Ok(v)
     }
-    /// Downloads as f32 (exact; synchronizes the stream).
+    /// Downloads as f32 (exact for f16/bf16; e4m3 code·scale rounded to f32).
     pub fn to_f32(&self, dev: &Device) -> Result<Vec<f32>> {
         Ok(self.to_f64(dev)?.into_iter().map(|x| x as f32).collect())
     }
-    /// Overwrites the first `bits.len()` elements with bit patterns of this dtype.
+    /// Overwrites the first `bits.len()` elements with bit patterns of this dtype (f16/bf16).
     pub fn write_bits(&mut self, dev: &Device, bits: &[u16]) -> Result<()> {
         if bits.len() > self.len() {
             return Err(invalid!(
@@ -200,21 +287,39 @@ impl Tensor {
                 self.len()
             ));
         }
-        dev.stream
-            .memcpy_htod(bits, &mut self.buf.slice_mut(..bits.len()))?;
+        match &mut self.buf {
+            Buf::Half(b) => dev
+                .stream
+                .memcpy_htod(bits, &mut b.slice_mut(..bits.len()))?,
+            Buf::Byte(_) => return Err(needs_scales("Tensor::write_bits")),
+        }
         Ok(())
     }
     pub(crate) fn ptr(&self, dev: &Device) -> u64 {
         // Event tracking is off (Device::new), so the guard records nothing.
-        let (p, _guard) = self.buf.device_ptr(&dev.stream);
-        p
+        match &self.buf {
+            Buf::Half(b) => b.device_ptr(&dev.stream).0,
+            Buf::Byte(b) => b.device_ptr(&dev.stream).0,
+        }
     }
     pub(crate) fn ptr_mut(&mut self, dev: &Device) -> u64 {
-        let (p, _guard) = self.buf.device_ptr_mut(&dev.stream);
-        p
+        match &mut self.buf {
+            Buf::Half(b) => b.device_ptr_mut(&dev.stream).0,
+            Buf::Byte(b) => b.device_ptr_mut(&dev.stream).0,
+        }
+    }
+    /// Device address of the scales (0 for f16/bf16).
+    pub(crate) fn scales_ptr(&self, dev: &Device) -> u64 {
+        self.fp8
+            .as_ref()
+            .map_or(0, |f| f.dev.device_ptr(&dev.stream).0)
     }
     pub(crate) fn same_context(&self, dev: &Device) -> bool {
-        self.buf.context() == dev.ctx()
+        let ctx = match &self.buf {
+            Buf::Half(b) => b.context(),
+            Buf::Byte(b) => b.context(),
+        };
+        ctx == dev.ctx()
     }
 }
 

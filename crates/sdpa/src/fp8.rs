@@ -4,9 +4,11 @@
 //! (`__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)`): round to nearest even, magnitudes
 //! beyond 448 (infinities included) saturate to ±448, NaN becomes 0x7F.
 
-use crate::device::Device;
-use crate::error::Result;
+use crate::device::{Buf, Device, Fp8Scales, Tensor};
+use crate::error::{Result, invalid};
+use crate::problem::{DType, Scaling, TensorShape};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
+use sdpa_sys::ffi::ScaleMap;
 
 /// Encodes `x * inv_scale` on the GPU with its own conversion instruction (the behaviour the
 /// host codec must match bit for bit). Synchronizes the device's stream.
@@ -25,6 +27,290 @@ pub fn encode_on_device(dev: &Device, x: &[f32], inv_scale: f32) -> Result<Vec<u
         unsafe { sdpa_sys::ffi::e4m3_encode(xp, yp, x.len() as i64, inv_scale, s)? };
     }
     Ok(stream.clone_dtoh(&ys)?)
+}
+
+/// Number of scales a tensor of `shape` has under `scaling`.
+pub fn scale_count(shape: &TensorShape, scaling: Scaling) -> usize {
+    match scaling {
+        Scaling::PerTensor => 1,
+        Scaling::PerHead => shape.heads_total(),
+    }
+}
+
+fn group(shape: &TensorShape, scaling: Scaling, i: usize) -> usize {
+    match scaling {
+        Scaling::PerTensor => 0,
+        Scaling::PerHead => shape.head_of(i),
+    }
+}
+
+fn scale_map(shape: &TensorShape, scaling: Scaling) -> ScaleMap {
+    let n = shape.len().unwrap_or(0) as i64;
+    match scaling {
+        Scaling::PerTensor => ScaleMap {
+            heads: 1,
+            inner: n,
+            per_batch: n,
+        },
+        Scaling::PerHead => ScaleMap {
+            heads: shape.heads as i64,
+            inner: shape.head_inner() as i64,
+            per_batch: (shape.heads * shape.seq * shape.head_dim) as i64,
+        },
+    }
+}
+
+/// Per-group max |x| (NaN ignored), the statistic the scales are chosen from.
+pub fn absmax_host(x: &[f32], shape: &TensorShape, scaling: Scaling) -> Vec<f32> {
+    let mut amax = vec![0f32; scale_count(shape, scaling)];
+    for (i, &v) in x.iter().enumerate() {
+        let g = &mut amax[group(shape, scaling, i)];
+        if v.abs() > *g {
+            *g = v.abs();
+        }
+    }
+    amax
+}
+
+/// Scales that map each group's largest magnitude onto E4M3's largest finite value:
+/// `amax / 448`; an all-zero group gets 1. An infinite amax has no finite scale: error.
+pub fn scales_from_amax(amax: &[f32]) -> Result<Vec<f32>> {
+    amax.iter()
+        .enumerate()
+        .map(|(g, &a)| {
+            if !a.is_finite() {
+                Err(invalid!(
+                    "scale group {g} has absmax {a}: no finite e4m3 scale exists"
+                ))
+            } else if a == 0.0 {
+                Ok(1.0)
+            } else {
+                // Tiny amax (f32 subnormals) would give a zero scale; keep it a normal float.
+                Ok((a / E4M3_MAX).max(f32::MIN_POSITIVE))
+            }
+        })
+        .collect()
+}
+
+/// Quantizes on the host exactly as [`Tensor::quantize`] does on the GPU: codes
+/// `E4M3(x / scale)` (f32 division, round to nearest even, saturating) and the scales.
+pub fn quantize_host(
+    x: &[f32],
+    shape: &TensorShape,
+    scaling: Scaling,
+) -> Result<(Vec<u8>, Vec<f32>)> {
+    check_len(x.len(), shape, "quantize_host")?;
+    let scales = scales_from_amax(&absmax_host(x, shape, scaling))?;
+    let codes = x
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| e4m3_from_f32(v / scales[group(shape, scaling, i)]))
+        .collect();
+    Ok((codes, scales))
+}
+
+/// `code · scale` per element, in f32 (what the GPU's dequantize computes before rounding to
+/// its output dtype).
+pub fn dequantize_host(
+    codes: &[u8],
+    scales: &[f32],
+    shape: &TensorShape,
+    scaling: Scaling,
+) -> Vec<f32> {
+    codes
+        .iter()
+        .enumerate()
+        .map(|(i, &c)| e4m3_to_f32(c) * scales[group(shape, scaling, i)])
+        .collect()
+}
+
+fn check_len(n: usize, shape: &TensorShape, what: &str) -> Result<()> {
+    match shape.len() {
+        Some(0) | None => Err(invalid!("{what}: shape {shape} holds no elements")),
+        Some(len) if len != n => Err(invalid!(
+            "{what}: {n} values for shape {shape}, which holds {len}"
+        )),
+        _ => Ok(()),
+    }
+}
+
+impl Tensor {
+    /// An e4m3 tensor from host codes and scales (`scales`: one, or one per (batch, head) pair
+    /// with [`Scaling::PerHead`]; each finite and positive).
+    pub fn from_e4m3(
+        dev: &Device,
+        codes: &[u8],
+        scales: &[f32],
+        shape: TensorShape,
+        scaling: Scaling,
+    ) -> Result<Tensor> {
+        check_len(codes.len(), &shape, "Tensor::from_e4m3")?;
+        let want = scale_count(&shape, scaling);
+        if scales.len() != want {
+            return Err(invalid!(
+                "Tensor::from_e4m3: {} scales given, {} scaling of {shape} needs {want}",
+                scales.len(),
+                scaling.name()
+            ));
+        }
+        if let Some((g, s)) = scales
+            .iter()
+            .enumerate()
+            .find(|(_, s)| !(s.is_finite() && **s > 0.0))
+        {
+            return Err(invalid!(
+                "Tensor::from_e4m3: scale {g} is {s}; scales must be finite and positive"
+            ));
+        }
+        let stream = dev.stream();
+        Ok(Tensor {
+            buf: Buf::Byte(stream.clone_htod(codes)?),
+            dtype: DType::E4m3,
+            fp8: Some(Fp8Scales {
+                host: scales.to_vec(),
+                dev: stream.clone_htod(scales)?,
+                shape,
+                scaling,
+            }),
+        })
+    }
+
+    /// Quantizes an f16/bf16 device tensor of `shape` to e4m3 on the GPU, choosing each
+    /// group's scale from its absmax (`amax / 448`). Synchronizes the stream once (the scales
+    /// are read back: the reference and `to_f64` need them on the host). A group holding an
+    /// infinity is an error; NaNs become NaN codes.
+    pub fn quantize(
+        dev: &Device,
+        x: &Tensor,
+        shape: TensorShape,
+        scaling: Scaling,
+    ) -> Result<Tensor> {
+        if !matches!(x.dtype, DType::F16 | DType::Bf16) {
+            return Err(invalid!(
+                "Tensor::quantize takes an f16 or bf16 tensor, got {}",
+                x.dtype
+            ));
+        }
+        if !x.same_context(dev) {
+            return Err(invalid!(
+                "Tensor::quantize: the tensor lives on another GPU than the device handle"
+            ));
+        }
+        let n = shape
+            .len()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| invalid!("Tensor::quantize: shape {shape} holds no elements"))?;
+        if x.len() < n {
+            return Err(invalid!(
+                "Tensor::quantize: the tensor holds {} elements, shape {shape} needs {n}",
+                x.len()
+            ));
+        }
+        quantize_device(dev, x.ptr(dev), false, x.dtype, shape, scaling)
+    }
+
+    /// Uploads f32 values of `shape` and quantizes them on the GPU (see [`Tensor::quantize`]).
+    pub fn quantize_f32(
+        dev: &Device,
+        x: &[f32],
+        shape: TensorShape,
+        scaling: Scaling,
+    ) -> Result<Tensor> {
+        check_len(x.len(), &shape, "Tensor::quantize_f32")?;
+        let xs = dev.stream().clone_htod(x)?;
+        let p = xs.device_ptr(dev.stream()).0;
+        let t = quantize_device(dev, p, true, DType::F16, shape, scaling)?;
+        drop(xs); // after the quantize pass (ordered on the stream)
+        Ok(t)
+    }
+
+    /// Dequantizes an e4m3 tensor to `dtype` (f16 or bf16) on the GPU: `code · scale` in f32,
+    /// rounded to nearest even.
+    pub fn dequantize(&self, dev: &Device, dtype: DType) -> Result<Tensor> {
+        let Some(f) = &self.fp8 else {
+            return Err(invalid!(
+                "Tensor::dequantize: the tensor is {}, not e4m3",
+                self.dtype
+            ));
+        };
+        if dtype == DType::E4m3 {
+            return Err(invalid!(
+                "Tensor::dequantize: the target must be f16 or bf16"
+            ));
+        }
+        if !self.same_context(dev) {
+            return Err(invalid!(
+                "Tensor::dequantize: the tensor lives on another GPU than the device handle"
+            ));
+        }
+        let n = self.len();
+        let mut out = dev.stream().alloc_zeros::<u16>(n)?;
+        {
+            let (yp, _g) = out.device_ptr_mut(dev.stream());
+            let s = dev.raw_stream()?;
+            // SAFETY: codes, output and scales are live buffers of this context holding n, n
+            // and scale_count(shape) elements; the map's groups stay below that count.
+            unsafe {
+                sdpa_sys::ffi::e4m3_dequantize(
+                    self.ptr(dev),
+                    yp,
+                    crate::backend::fused::dtype_code(dtype),
+                    n as i64,
+                    scale_map(&f.shape, f.scaling),
+                    self.scales_ptr(dev),
+                    s,
+                )?
+            };
+        }
+        Ok(Tensor {
+            buf: Buf::Half(out),
+            dtype,
+            fp8: None,
+        })
+    }
+}
+
+fn quantize_device(
+    dev: &Device,
+    x: u64,
+    x_is_f32: bool,
+    dtype: DType,
+    shape: TensorShape,
+    scaling: Scaling,
+) -> Result<Tensor> {
+    let n = shape.len().unwrap_or(0);
+    let groups = scale_count(&shape, scaling);
+    let map = scale_map(&shape, scaling);
+    let stream = dev.stream();
+    let code = crate::backend::fused::dtype_code(dtype);
+    let mut amax = stream.alloc_zeros::<f32>(groups)?;
+    {
+        let (ap, _g) = amax.device_ptr_mut(stream);
+        let s = dev.raw_stream()?;
+        // SAFETY: x holds n elements of its type, amax `groups` zeroed floats; every group
+        // index the map produces for i < n is below `groups`.
+        unsafe { sdpa_sys::ffi::absmax(x, x_is_f32, code, n as i64, map, ap, groups as i64, s)? };
+    }
+    let scales = scales_from_amax(&stream.clone_dtoh(&amax)?)?;
+    let dev_scales = stream.clone_htod(&scales)?;
+    let mut codes = stream.alloc_zeros::<u8>(n)?;
+    {
+        let (yp, _gy) = codes.device_ptr_mut(stream);
+        let (sp, _gs) = dev_scales.device_ptr(stream);
+        let s = dev.raw_stream()?;
+        // SAFETY: as above; `codes` holds n bytes, `dev_scales` one float per group.
+        unsafe { sdpa_sys::ffi::e4m3_quantize(x, x_is_f32, code, yp, n as i64, map, sp, s)? };
+    }
+    Ok(Tensor {
+        buf: Buf::Byte(codes),
+        dtype: DType::E4m3,
+        fp8: Some(Fp8Scales {
+            host: scales,
+            dev: dev_scales,
+            shape,
+            scaling,
+        }),
+    })
 }
 
 /// Largest finite E4M3 magnitude.

@@ -46,7 +46,9 @@ pub use backend::Backend;
 pub use backend::cpu::reference;
 pub use device::{Device, Tensor, decode, driver_present, encode};
 pub use error::{Error, Result};
-pub use problem::{DType, Layout, NAMED_PROBLEMS, Problem, Strides, named_problem};
+pub use problem::{
+    DType, Layout, NAMED_PROBLEMS, Problem, Scaling, Strides, TensorShape, named_problem,
+};
 
 use error::invalid;
 use sdpa_sys::ffi::Kernel;
@@ -68,11 +70,14 @@ pub fn forward(
     check_args(dev, p, q, k, v, out)?;
     let backend = backend.resolve(Some(dev), p)?;
     backend.supports(Some(dev), p)?;
+    if p.dtype == DType::E4m3 && !backend.native_fp8() {
+        return fp8_simulated(dev, p, backend, q, k, v, out);
+    }
     match backend {
         Backend::Cpu => {
             let o = reference(p, &q.to_f64(dev)?, &k.to_f64(dev)?, &v.to_f64(dev)?)?;
             let o32: Vec<f32> = o.iter().map(|&x| x as f32).collect();
-            out.write_bits(dev, &encode(p.dtype, &o32))
+            out.write_bits(dev, &encode(p.output_dtype(), &o32))
         }
         Backend::Scalar => backend::fused::forward(Kernel::Scalar, dev, p, q, k, v, out),
         Backend::Wmma => backend::fused::forward(Kernel::Wmma, dev, p, q, k, v, out),
@@ -81,6 +86,27 @@ pub fn forward(
         Backend::CutlassSm80 => backend::fused::forward(Kernel::CutlassSm80, dev, p, q, k, v, out),
         Backend::Auto => unreachable!("resolve() returns a concrete backend"),
     }
+}
+
+/// The simulated FP8 path: Q, K, V dequantized to the output dtype (code · scale, rounded
+/// once), then the backend's f16/bf16 kernel on the same problem.
+fn fp8_simulated(
+    dev: &Device,
+    p: &Problem,
+    backend: Backend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &mut Tensor,
+) -> Result<()> {
+    let dtype = p.output_dtype();
+    let p16 = p.as_dequantized();
+    let (q, k, v) = (
+        q.dequantize(dev, dtype)?,
+        k.dequantize(dev, dtype)?,
+        v.dequantize(dev, dtype)?,
+    );
+    forward(dev, &p16, backend, &q, &k, &v, out)
 }
 
 fn check_args(
@@ -93,13 +119,34 @@ fn check_args(
 ) -> Result<()> {
     p.validate()?;
     let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
-    for (name, t, need) in [("q", q, ql), ("k", k, kl), ("v", v, kl), ("out", out, ql)] {
-        if t.dtype() != p.dtype {
-            return Err(invalid!(
-                "{name} is {}, the problem says {}",
-                t.dtype(),
-                p.dtype
-            ));
+    let (qs, ks) = (p.q_shape(), p.kv_shape());
+    for (name, t, need, shape) in [
+        ("q", q, ql, qs),
+        ("k", k, kl, ks),
+        ("v", v, kl, ks),
+        ("out", out, ql, qs),
+    ] {
+        let want = if name == "out" {
+            p.output_dtype()
+        } else {
+            p.dtype
+        };
+        if t.dtype() != want {
+            return Err(invalid!("{name} is {}, the problem says {want}", t.dtype()));
+        }
+        if let Some((scaling, s)) = t.fp8_layout() {
+            if scaling != p.fp8_scaling {
+                return Err(invalid!(
+                    "{name} has {} scales, the problem says {}",
+                    scaling.name(),
+                    p.fp8_scaling.name()
+                ));
+            }
+            if s != shape {
+                return Err(invalid!(
+                    "{name} was quantized with shape {s}, the problem's {name} is {shape}"
+                ));
+            }
         }
         if t.len() < need {
             return Err(invalid!(
@@ -126,6 +173,7 @@ pub(crate) fn ffi_args(
     out: &mut Tensor,
 ) -> sdpa_sys::ffi::FwdArgs {
     let (qs, ks) = (p.q_strides().as_i64(), p.kv_strides().as_i64());
+    let fp8 = p.dtype == DType::E4m3;
     sdpa_sys::ffi::FwdArgs {
         q: q.ptr(dev),
         k: k.ptr(dev),
@@ -144,11 +192,11 @@ pub(crate) fn ffi_args(
         scale: p.scale(),
         causal: p.causal,
         dtype: backend::fused::dtype_code(p.dtype),
-        out_dtype: backend::fused::dtype_code(p.dtype),
-        q_scale: 0,
-        k_scale: 0,
-        v_scale: 0,
-        per_head_scales: false,
+        out_dtype: backend::fused::dtype_code(p.output_dtype()),
+        q_scale: q.scales_ptr(dev),
+        k_scale: k.scales_ptr(dev),
+        v_scale: v.scales_ptr(dev),
+        per_head_scales: fp8 && p.fp8_scaling == Scaling::PerHead,
         workspace: 0,
     }
 }

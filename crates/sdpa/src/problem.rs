@@ -12,29 +12,133 @@ pub enum DType {
     F16,
     /// bfloat16.
     Bf16,
+    /// FP8 E4M3 codes with dequantization scales ([`crate::fp8`]): an input type only; the
+    /// output of an e4m3 problem is f16 or bf16 ([`Problem::output_dtype`]).
+    E4m3,
 }
 
 impl DType {
     /// Bytes per element.
     pub fn size(self) -> usize {
-        2
+        match self {
+            DType::F16 | DType::Bf16 => 2,
+            DType::E4m3 => 1,
+        }
     }
     /// Name as the CLI and bench records spell it.
     pub fn name(self) -> &'static str {
         match self {
             DType::F16 => "f16",
             DType::Bf16 => "bf16",
+            DType::E4m3 => "e4m3",
         }
     }
-    /// Unit roundoff (half the spacing of values near 1): 2^-11 for f16, 2^-8 for bf16.
+    /// Unit roundoff (half the spacing of values near 1): 2^-11 for f16, 2^-8 for bf16, 2^-4
+    /// for e4m3.
     pub fn unit_roundoff(self) -> f64 {
         match self {
             DType::F16 => 2f64.powi(-11),
             DType::Bf16 => 2f64.powi(-8),
+            DType::E4m3 => 2f64.powi(-4),
         }
     }
-    /// All dtypes, in the order tables list them.
+    /// The 16-bit float dtypes (every backend's native types, and the output types).
     pub const ALL: [DType; 2] = [DType::F16, DType::Bf16];
+    /// Every input dtype, in the order tables list them.
+    pub const INPUTS: [DType; 3] = [DType::F16, DType::Bf16, DType::E4m3];
+}
+
+/// How an e4m3 tensor's dequantization scales are laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Scaling {
+    /// One scale for the whole tensor.
+    PerTensor,
+    /// One scale per (batch, head) pair: outlier heads do not cost the others their precision.
+    #[default]
+    PerHead,
+}
+
+impl Scaling {
+    /// Name as the CLI spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scaling::PerTensor => "tensor",
+            Scaling::PerHead => "head",
+        }
+    }
+}
+
+impl FromStr for Scaling {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "tensor" | "per-tensor" => Ok(Scaling::PerTensor),
+            "head" | "per-head" => Ok(Scaling::PerHead),
+            _ => Err(invalid!(
+                "unknown fp8 scaling {s:?} (expected tensor or head)"
+            )),
+        }
+    }
+}
+
+/// The logical shape of one 4-D tensor: [batch, heads, seq, head_dim] stored in `layout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TensorShape {
+    /// Batch size.
+    pub batch: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Memory layout.
+    pub layout: Layout,
+}
+
+impl TensorShape {
+    /// Number of elements (`None` on overflow).
+    pub fn len(&self) -> Option<usize> {
+        self.batch
+            .checked_mul(self.heads)?
+            .checked_mul(self.seq)?
+            .checked_mul(self.head_dim)
+    }
+    /// Whether any dimension is zero.
+    pub fn is_empty(&self) -> bool {
+        self.len() == Some(0)
+    }
+    /// (batch, head) pairs: the number of per-head scales.
+    pub fn heads_total(&self) -> usize {
+        self.batch * self.heads
+    }
+    /// Elements between consecutive heads of one sequence position's group: the `inner` of
+    /// the scale map (seq·head_dim in BHSD, head_dim in BSHD).
+    pub(crate) fn head_inner(&self) -> usize {
+        match self.layout {
+            Layout::Bhsd => self.seq * self.head_dim,
+            Layout::Bshd => self.head_dim,
+        }
+    }
+    /// Which (batch, head) pair element `i` belongs to.
+    pub fn head_of(&self, i: usize) -> usize {
+        let per_batch = self.heads * self.seq * self.head_dim;
+        (i / per_batch) * self.heads + (i / self.head_inner()) % self.heads
+    }
+}
+
+impl fmt::Display for TensorShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let l = match self.layout {
+            Layout::Bhsd => "bhsd",
+            Layout::Bshd => "bshd",
+        };
+        write!(
+            f,
+            "[{}, {}, {}, {}] {l}",
+            self.batch, self.heads, self.seq, self.head_dim
+        )
+    }
 }
 
 impl fmt::Display for DType {
@@ -49,7 +153,8 @@ impl FromStr for DType {
         match s.to_ascii_lowercase().as_str() {
             "f16" | "fp16" | "half" | "float16" => Ok(DType::F16),
             "bf16" | "bfloat16" => Ok(DType::Bf16),
-            _ => Err(invalid!("unknown dtype {s:?} (expected f16 or bf16)")),
+            "e4m3" | "fp8" | "float8_e4m3fn" => Ok(DType::E4m3),
+            _ => Err(invalid!("unknown dtype {s:?} (expected f16, bf16 or e4m3)")),
         }
     }
 }
@@ -119,8 +224,12 @@ pub struct Problem {
     pub causal: bool,
     /// Softmax scale; `None` means 1/sqrt(head_dim).
     pub scale: Option<f32>,
-    /// Element type of inputs and output.
+    /// Element type of Q, K and V.
     pub dtype: DType,
+    /// Element type of the output; `None` means the input dtype (f16 for e4m3 inputs).
+    pub out_dtype: Option<DType>,
+    /// How the scales of e4m3 inputs are laid out (ignored for f16/bf16).
+    pub fp8_scaling: Scaling,
     /// Memory layout of all four tensors.
     pub layout: Layout,
 }
@@ -142,6 +251,8 @@ impl Problem {
             causal: false,
             scale: None,
             dtype: DType::F16,
+            out_dtype: None,
+            fp8_scaling: Scaling::PerHead,
             layout: Layout::Bhsd,
         }
     }
@@ -164,6 +275,50 @@ impl Problem {
     pub fn with_dtype(mut self, dtype: DType) -> Self {
         self.dtype = dtype;
         self
+    }
+    /// Sets the output element type (only e4m3 problems may differ from the input type).
+    pub fn with_out_dtype(mut self, dtype: DType) -> Self {
+        self.out_dtype = Some(dtype);
+        self
+    }
+    /// Sets the scale layout of e4m3 inputs.
+    pub fn with_fp8_scaling(mut self, scaling: Scaling) -> Self {
+        self.fp8_scaling = scaling;
+        self
+    }
+    /// The output's element type.
+    pub fn output_dtype(&self) -> DType {
+        self.out_dtype.unwrap_or(match self.dtype {
+            DType::E4m3 => DType::F16,
+            d => d,
+        })
+    }
+    /// The f16/bf16 problem an e4m3 problem becomes once its inputs are dequantized to the
+    /// output dtype (the simulated FP8 path); other problems unchanged.
+    pub fn as_dequantized(&self) -> Problem {
+        Problem {
+            dtype: self.output_dtype(),
+            out_dtype: None,
+            ..*self
+        }
+    }
+    /// Shape of Q (and of the output).
+    pub fn q_shape(&self) -> TensorShape {
+        TensorShape {
+            batch: self.batch,
+            heads: self.heads,
+            seq: self.seq_q,
+            head_dim: self.head_dim,
+            layout: self.layout,
+        }
+    }
+    /// Shape of K (and of V).
+    pub fn kv_shape(&self) -> TensorShape {
+        TensorShape {
+            heads: self.kv_heads,
+            seq: self.seq_k,
+            ..self.q_shape()
+        }
     }
     /// Sets the memory layout.
     pub fn with_layout(mut self, layout: Layout) -> Self {
@@ -197,6 +352,21 @@ impl Problem {
                 self.heads,
                 self.kv_heads
             ));
+        }
+        match (self.dtype, self.output_dtype()) {
+            (_, DType::E4m3) => {
+                return Err(invalid!(
+                    "the output dtype must be f16 or bf16, got e4m3 (e4m3 is an input type)"
+                ));
+            }
+            (DType::E4m3, _) => {}
+            (i, o) if i != o => {
+                return Err(invalid!(
+                    "output dtype {o} differs from input dtype {i}: only e4m3 inputs may have \
+                     another output dtype"
+                ));
+            }
+            _ => {}
         }
         if let Some(s) = self.scale
             && !(s.is_finite() && s > 0.0)
@@ -301,6 +471,9 @@ impl fmt::Display for Problem {
             write!(f, " Sq{} Sk{}", self.seq_q, self.seq_k)?;
         }
         write!(f, " D{} {}", self.head_dim, self.dtype)?;
+        if self.dtype == DType::E4m3 {
+            write!(f, "/{}->{}", self.fp8_scaling.name(), self.output_dtype())?;
+        }
         if self.causal {
             f.write_str(" causal")?;
         }

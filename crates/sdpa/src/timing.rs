@@ -114,7 +114,7 @@ pub fn time_backend(
     }
     let dev = dev.expect("supports() requires a device for GPU backends");
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
-    let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap())?;
+    let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
     time_gpu(dev, budget_ms, || {
         crate::forward(dev, p, backend, &q, &k, &v, &mut out)
     })

@@ -1,11 +1,11 @@
 // Placeholder until the native FP8 kernel lands: the Rust layer reports the native path as
 // unsupported (crates/sdpa/src/backend/mod.rs), so this is never reached from the API.
 #if defined(SDPA_HAVE_CUTLASS)
-#include "sdpa/sdpa.h"
-
 #include <cuda_runtime.h>
 
 #include <vector>
+
+#include "sdpa/sdpa.h"
 
 namespace sdpa::cutlass_sm90 {
 void forward_e4m3_d64(const FwdArgs&, cudaStream_t) {

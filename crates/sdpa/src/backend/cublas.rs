@@ -77,6 +77,8 @@ fn data_type(d: DType) -> cb::cudaDataType {
     match d {
         DType::F16 => cb::cudaDataType::CUDA_R_16F,
         DType::Bf16 => cb::cudaDataType::CUDA_R_16BF,
+        // Never reached: e4m3 problems arrive here dequantized (the simulated FP8 path).
+        DType::E4m3 => cb::cudaDataType::CUDA_R_8F_E4M3,
     }
 }
 

@@ -4,6 +4,7 @@
 use crate::device::{Device, Tensor};
 use crate::error::Result;
 use crate::problem::{DType, Problem};
+use cudarc::driver::DevicePtrMut;
 use sdpa_sys::ffi::Kernel;
 
 /// Head dims with an instantiation in each fused backend's folder.
@@ -36,11 +37,22 @@ pub(crate) fn forward(
     v: &Tensor,
     out: &mut Tensor,
 ) -> Result<()> {
-    let args = crate::ffi_args(dev, p, q, k, v, out);
+    let mut args = crate::ffi_args(dev, p, q, k, v, out);
+    // Scratch the kernel asks for (the native e4m3 kernel's Vᵀ), freed in stream order after
+    // the launch that uses it.
+    let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &args)?;
+    let mut workspace = None;
+    if bytes > 0 {
+        let mut w = dev.stream().alloc_zeros::<u8>(bytes as usize)?;
+        args.workspace = w.device_ptr_mut(dev.stream()).0;
+        workspace = Some(w);
+    }
     let stream = dev.raw_stream()?;
     // SAFETY: `forward` validated shapes, dtypes, lengths and context of every buffer against
-    // `p`; the strides in `args` address only elements inside them.
+    // `p`; the strides in `args` address only elements inside them; the workspace holds the
+    // bytes the kernel asked for.
     unsafe { sdpa_sys::ffi::forward(kernel, &args, stream)? };
+    drop(workspace);
     Ok(())
 }
 
@@ -48,5 +60,6 @@ pub(crate) fn dtype_code(d: DType) -> i32 {
     match d {
         DType::F16 => 0,
         DType::Bf16 => 1,
+        DType::E4m3 => 2,
     }
 }

@@ -8,7 +8,10 @@ pub(crate) mod fused;
 
 use crate::device::Device;
 use crate::error::{Error, Result, invalid};
-use crate::problem::Problem;
+use crate::problem::{DType, Problem};
+
+/// Whether cpp/src/cutlass/sm90_fp8 holds the native e4m3 kernel (not its placeholder).
+const NATIVE_E4M3_BUILT: bool = false;
 use std::fmt;
 use std::str::FromStr;
 
@@ -66,6 +69,12 @@ impl Backend {
         }
     }
 
+    /// Whether this backend takes e4m3 inputs natively (FP8 tensor-core math). The others run
+    /// e4m3 problems on the simulated path: inputs dequantized to the output dtype first.
+    pub fn native_fp8(self) -> bool {
+        self == Backend::Cutlass
+    }
+
     /// Whether this backend can run `p` on `dev`; the error says precisely why not (an invalid
     /// problem gets its validation error).
     pub fn supports(self, dev: Option<&Device>, p: &Problem) -> Result<()> {
@@ -74,6 +83,18 @@ impl Backend {
             backend: self.name(),
             reason,
         };
+        if p.dtype == DType::E4m3 && self != Backend::Auto {
+            if !self.native_fp8() {
+                return self.supports(dev, &p.as_dequantized());
+            }
+            if !NATIVE_E4M3_BUILT {
+                return Err(unsupported(
+                    "the native e4m3 kernel is not built yet; e4m3 runs on the simulated path \
+                     of scalar, wmma, cublas and cutlass-sm80"
+                        .into(),
+                ));
+            }
+        }
         match self {
             Backend::Cpu => Ok(()),
             Backend::Scalar | Backend::Wmma => {
