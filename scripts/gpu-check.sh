@@ -10,7 +10,7 @@
 set -uo pipefail
 out=${1:-${OUT:-/tmp/gpu-check}}
 mkdir -p "$out"
-steps=${STEPS:-"tests info validate sanitize bench criterion"}
+steps=${STEPS:-"tests info sass validate sanitize bench criterion"}
 export SDPA_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 run=".gpu/run"
 summary=()
@@ -23,9 +23,24 @@ if has tests; then
 fi
 bin=/tmp/gpu-bundle/bin/sdpa  # unpacked by the first .gpu/run call
 has info && { bash $run bin sdpa info > "$out/info.txt" 2>&1; note "info: rc=$?"; }
+if has sass; then
+  # Tensor-core instructions per kernel in the SASS (HGMMA = wgmma f16/bf16 and fp8 on sm_90a,
+  # HMMA = mma.sync): proof that each backend runs on the instructions it claims.
+  [ -x $bin ] || bash $run bin sdpa --version > /dev/null
+  od=$(command -v cuobjdump || echo /usr/local/cuda-13.0/bin/cuobjdump)
+  "$od" -sass "$bin" 2>/dev/null | awk '/Function :/ {f=$3} /HGMMA|HMMA|QGMMA/ {for (i=1;i<=NF;i++) if ($i ~ /^(HGMMA|HMMA|QGMMA)/) {split($i,a,"."); c[f" "a[1]]++}} END {for (k in c) print c[k], k}' \
+    | sort -k2 > "$out/sass.txt"
+  note "sass: $(wc -l < "$out/sass.txt") (kernel, instruction) pairs; $(grep -c HGMMA "$out/sass.txt") with HGMMA"
+fi
 if has validate; then
   timeout 300 bash $run bin sdpa validate > "$out/validate.txt" 2>&1; rc=$?
   note "validate: rc=$rc, $(tail -1 "$out/validate.txt")"
+  # e4m3 inputs: per-head scales to f16, per-tensor scales to bf16 (each backend's fp8 path).
+  timeout 200 bash $run bin sdpa validate --dtype e4m3 --problem mission,s1k-d64 \
+    > "$out/validate-fp8.txt" 2>&1; rc=$?
+  timeout 200 bash $run bin sdpa validate --dtype e4m3 --scaling tensor --out-dtype bf16 \
+    --shape 1,4,77,130,128 --kv-heads 2 >> "$out/validate-fp8.txt" 2>&1; rc2=$?
+  note "validate e4m3: rc=$rc/$rc2, $(grep -c ' pass' "$out/validate-fp8.txt") pass, $(grep -c FAIL "$out/validate-fp8.txt") FAIL"
 fi
 if has sanitize; then
   [ -x $bin ] || bash $run bin sdpa --version > /dev/null
@@ -42,6 +57,11 @@ if has bench; then
   timeout 200 bash $run anchor --shapes mission,mission-causal,s1k-d64,s2k-d128 --backends math \
     --json "$out/torch-math.json" > "$out/anchor-math.txt" 2>&1
   bash $run compare "$out/ours.json" "$out/torch.json" > "$out/compare.txt" 2>&1
+  # e4m3 inputs next to the f16 rows above (native kernel where built, else simulated).
+  timeout 200 bash $run bin sdpa bench --budget-ms 300 --dtype e4m3 \
+    --problem mission,s2k-d128,s8k-d128,s16k-d128-causal --backend cutlass,cutlass-sm80,wmma \
+    --json "$out/fp8.json" > "$out/bench-fp8.txt" 2>&1
+  note "bench e4m3: rc=$?"
   note "anchor: $(head -1 "$out/anchor.txt")"
 fi
 if has criterion; then

@@ -126,3 +126,23 @@ fn tensor_mismatches_are_rejected_before_launch() {
     // Nothing was written: the output is still all NaN.
     assert!(out.to_f32(&dev).unwrap().iter().all(|x| x.is_nan()));
 }
+
+/// A launch the driver refuses (an empty grid) comes back as `Err(Error::Cuda)` carrying
+/// CUDA's own error name and string, through the path every kernel launch uses (C++ check ->
+/// exception -> cxx -> Rust); no abort, and the device stays usable afterwards.
+#[test]
+fn launch_failure_is_an_error_with_the_cuda_string() {
+    let Some(dev) = common::device("launch failure") else {
+        return;
+    };
+    let e = sdpa::timing::launch_floor(&dev, 0).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, Error::Cuda(_)), "{e:?}");
+    assert!(
+        msg.contains("empty kernel launch") && msg.contains("cudaErrorInvalidConfiguration"),
+        "{msg}"
+    );
+    let p = Problem::new(1, 2, 40, 40, 64);
+    let r = sdpa::check::check_backend(Some(&dev), &p, Backend::Auto, 3).unwrap();
+    assert!(r.pass(), "after a failed launch: {r:?}");
+}

@@ -179,8 +179,21 @@ pub(crate) fn forward(
     let st = guard.as_mut().unwrap();
     if st.workspace.as_ref().is_none_or(|w| w.len() < need) {
         st.workspace = None; // free the old one before asking for the larger
-        // SAFETY: the workspace is written by the GEMM before anything reads it.
-        st.workspace = Some(unsafe { dev.stream().alloc::<u8>(need)? });
+        // SAFETY: filled right below, before any use.
+        let mut w = unsafe { dev.stream().alloc::<u8>(need)? };
+        // All bytes 0xFF: NaN as f32 and as f16/bf16. The GEMM writes every score the softmax
+        // reads, so a fresh workspace never shows through; if it ever did, the NaN would reach
+        // the (validated) output instead of a plausible stale value. It also tells
+        // compute-sanitizer's initcheck the memory is defined: initcheck does not see cuBLAS's
+        // stores and flagged the softmax's reads of S (docs/perf.md, compute-sanitizer).
+        {
+            let (wp, _g) = w.device_ptr_mut(dev.stream());
+            // SAFETY: `wp` addresses the `need` bytes just allocated on this stream's context.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(wp, 0xFF, need, dev.stream().cu_stream())?
+            };
+        }
+        st.workspace = Some(w);
     }
     let ws = st.workspace.as_mut().unwrap();
     let (s_ptr, _g) = ws.device_ptr_mut(dev.stream());
