@@ -223,3 +223,37 @@ fn e4m3_outlier_channels_report() {
         assert!(end.rel_err.is_finite());
     }
 }
+
+/// The simulated path feeds code·scale to a 16-bit kernel, exact only where that dtype holds
+/// it: values beyond f16's range are refused for f16 output (typed error, nothing written)
+/// and run exactly with bf16 output.
+#[test]
+fn simulated_path_refuses_what_f16_cannot_hold() {
+    let Some(dev) = common::device("fp8 f16 range") else {
+        return;
+    };
+    let p = Problem::new(1, 1, 16, 16, 64).with_dtype(DType::E4m3);
+    let n = p.q_len().unwrap();
+    let big: Vec<f32> = normals(n, 5).iter().map(|x| x * 3e4).collect();
+    for out in [DType::F16, DType::Bf16] {
+        let p = p.with_out_dtype(out);
+        let inputs = Inputs::quantized(&p, &big, &big, &big).unwrap();
+        let r = sdpa::check::run_backend(Some(&dev), &p, Backend::Wmma, &inputs, None);
+        match out {
+            DType::F16 => {
+                let e = r.unwrap_err();
+                assert!(
+                    matches!(e, sdpa::Error::Unsupported { .. })
+                        && e.to_string().contains("needs bf16 output"),
+                    "{e}"
+                );
+            }
+            _ => {
+                let [q, k, v] = &inputs.values;
+                let want = sdpa::reference(&p, q, k, v).unwrap();
+                let rep = compare(&r.unwrap(), &want, p.dtype, 5);
+                assert!(rep.pass(), "{rep:?}");
+            }
+        }
+    }
+}

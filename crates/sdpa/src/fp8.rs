@@ -72,8 +72,17 @@ pub fn absmax_host(x: &[f32], shape: &TensorShape, scaling: Scaling) -> Vec<f32>
     amax
 }
 
-/// Scales that map each group's largest magnitude onto E4M3's largest finite value:
-/// `amax / 448`; an all-zero group gets 1. An infinite amax has no finite scale: error.
+/// Each group's scale: the power of two at or above `amax / 448`, so the largest magnitude
+/// lands in E4M3's top binade, (224, 448]; an all-zero group gets 1; an infinite (or NaN)
+/// amax has no finite scale: error.
+///
+/// Why a power of two rather than `amax / 448` itself: E4M3's relative precision is the same in
+/// every normal binade, so the codes lose nothing, and `code · scale` is then exact in f32 and
+/// in bf16 (and in f16 within its range). Dividing by the scale is exact too, so quantizing
+/// rounds once. The simulated path depends on it: it feeds `code · scale` to a 16-bit kernel,
+/// and with outlier channels (logits in the thousands) one extra rounding of Q or K there
+/// moved the softmax by more than the e4m3 tolerance (measured: max error 0.9 at amax-exact
+/// scales; docs/perf.md). The OCP MX formats use power-of-two scales for the same reason.
 pub fn scales_from_amax(amax: &[f32]) -> Result<Vec<f32>> {
     amax.iter()
         .enumerate()
@@ -85,11 +94,23 @@ pub fn scales_from_amax(amax: &[f32]) -> Result<Vec<f32>> {
             } else if a == 0.0 {
                 Ok(1.0)
             } else {
-                // Tiny amax (f32 subnormals) would give a zero scale; keep it a normal float.
-                Ok((a / E4M3_MAX).max(f32::MIN_POSITIVE))
+                Ok(pow2_at_or_above(a / E4M3_MAX))
             }
         })
         .collect()
+}
+
+/// The smallest power of two >= `x` (x finite and positive), at least the smallest normal f32.
+fn pow2_at_or_above(x: f32) -> f32 {
+    let x = x.max(f32::MIN_POSITIVE);
+    let bits = x.to_bits();
+    let exp_bits = bits & 0x7F80_0000;
+    if bits & 0x007F_FFFF == 0 {
+        x // already a power of two
+    } else {
+        // Next binade up; amax <= f32::MAX gives at most 2^119 here, no overflow.
+        f32::from_bits(exp_bits + 0x0080_0000)
+    }
 }
 
 /// Quantizes on the host exactly as [`Tensor::quantize`] does on the GPU: codes
@@ -176,7 +197,7 @@ impl Tensor {
     }
 
     /// Quantizes an f16/bf16 device tensor of `shape` to e4m3 on the GPU, choosing each
-    /// group's scale from its absmax (`amax / 448`). Synchronizes the stream once (the scales
+    /// group's scale from its absmax (see [`scales_from_amax`]). Synchronizes the stream once (the scales
     /// are read back: the reference and `to_f64` need them on the host). A group holding an
     /// infinity is an error; NaNs become NaN codes.
     pub fn quantize(
@@ -382,6 +403,19 @@ pub fn e4m3_from_f32(x: f32) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scales_are_powers_of_two_covering_amax() {
+        let s = scales_from_amax(&[448.0, 449.0, 1.0, 0.0, 3e38, 1e-40]).unwrap();
+        assert_eq!(s[..4], [1.0, 2.0, 2f32.powi(-8), 1.0]);
+        for (a, s) in [(448.0f32, s[0]), (449.0, s[1]), (1.0, s[2]), (3e38, s[4])] {
+            assert_eq!(s.to_bits() & 0x007F_FFFF, 0, "{s} is a power of two");
+            assert!(a / s <= E4M3_MAX && a / s > E4M3_MAX / 2.0, "{a} / {s}");
+        }
+        assert_eq!(s[5], f32::MIN_POSITIVE);
+        assert!(scales_from_amax(&[f32::INFINITY]).is_err());
+        assert!(scales_from_amax(&[f32::NAN]).is_err());
+    }
 
     #[test]
     fn decode_known_values() {

@@ -100,6 +100,28 @@ fn fp8_simulated(
     out: &mut Tensor,
 ) -> Result<()> {
     let dtype = p.output_dtype();
+    // With power-of-two scales, code·scale is exact in bf16 always and in f16 for scales in
+    // [2^-15, 2^7] (the codes' 2^-9 granularity stays on f16's subnormal grid, 448·2^7 below
+    // 65504). Outside that, the 16-bit kernel would not see the inputs the reference sees.
+    if dtype == DType::F16 {
+        let range = 2f32.powi(-15)..=2f32.powi(7);
+        for (name, t) in [("q", q), ("k", k), ("v", v)] {
+            if let Some(s) = t
+                .scales()
+                .unwrap_or(&[])
+                .iter()
+                .find(|s| !range.contains(s))
+            {
+                return Err(Error::Unsupported {
+                    backend: backend.name(),
+                    reason: format!(
+                        "{name}'s e4m3 scale {s:e} puts its values outside what f16 holds \
+                         exactly (scales 2^-15..2^7); the simulated path needs bf16 output here"
+                    ),
+                });
+            }
+        }
+    }
     let p16 = p.as_dequantized();
     let (q, k, v) = (
         q.dequantize(dev, dtype)?,
