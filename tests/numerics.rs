@@ -87,6 +87,31 @@ fn rows_without_visible_keys_are_exact_zeros() {
     check(&dev, &p, &inputs, "masked rows");
 }
 
+/// Logits of 1e8-1e10 (entries of 1e4-1e5): far past any trained model, but finite inputs must
+/// give finite outputs. Found by the e4m3 tests: a max rounded to nearest, folded into one FMA
+/// per score, left exponents of up to +half an ulp of 1e9 (2^64 and beyond: inf, NaN rows).
+#[test]
+fn scores_of_1e9_keep_the_softmax_finite() {
+    let Some(dev) = common::device("huge scores") else {
+        return;
+    };
+    for dtype in DType::ALL {
+        for causal in [false, true] {
+            let p = Problem::new(1, 2, 80, 80, 64)
+                .with_causal(causal)
+                .with_dtype(dtype);
+            let base = random_inputs(&p, fresh_seed());
+            let [q, k, v] = base.values.clone().map(|x| f32s(&x));
+            // f16 holds up to 65504: entries of ~1e4 (logits ~1e8, exponents up to +32, and P
+            // overflows f16); bf16 entries of ~1e5 (logits ~1e10, exponents past +128).
+            let f = if dtype == DType::F16 { 1e4 } else { 1e5 };
+            let big = |x: &[f32]| x.iter().map(|v| v * f).collect::<Vec<_>>();
+            let inputs = Inputs::from_f32(dtype, &big(&q), &big(&k), &v);
+            check(&dev, &p, &inputs, "scores of 1e9");
+        }
+    }
+}
+
 #[test]
 fn scores_of_1e4_keep_the_softmax_finite() {
     let Some(dev) = common::device("large scores") else {

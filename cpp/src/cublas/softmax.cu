@@ -55,7 +55,9 @@ __global__ void __launch_bounds__(kThreads)
   float m = -INFINITY;
   for (int64_t j = threadIdx.x; j < n; j += kThreads) m = fmaxf(m, srow[j]);
   m = block_reduce(m, [](float a, float b) { return fmaxf(a, b); }, scratch);
-  const float base = m == -INFINITY ? 0.f : m * kLog2e;  // no visible key: all p = 0
+  // No visible key: all p = 0. Rounded up, so that the contracted fma(s, log2e, -base) below
+  // is never positive (to nearest, huge logits give exp2(>= 128) = inf; wmma_fwd.cuh).
+  const float base = m == -INFINITY ? 0.f : __fmul_ru(m, kLog2e);
   float sum = 0.f;
   for (int64_t j = threadIdx.x; j < n; j += kThreads) sum += exp2f(srow[j] * kLog2e - base);
   sum = block_reduce(sum, [](float a, float b) { return a + b; }, scratch);

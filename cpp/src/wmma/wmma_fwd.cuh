@@ -342,7 +342,10 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
     float m = fmaxf(fmaxf(fmaxf(mx[0], mx[4]), fmaxf(mx[1], mx[5])),
                     fmaxf(fmaxf(mx[2], mx[6]), fmaxf(mx[3], mx[7])));
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    const float m_new = fmaxf(m_run, m * p.scale_log2);
+    // Rounded up: every exponent fmaf(x, scale, -m_new) below is then <= 0. Rounded to nearest,
+    // the fmaf's exact residual reaches half an ulp of m·scale, and at logits past ~2^30 that
+    // is exp2(>= 128) = inf and a NaN row (tests/numerics.rs, scores of 1e9).
+    const float m_new = fmaxf(m_run, __fmul_ru(m, p.scale_log2));
     // A row with nothing visible yet keeps m = -inf; subtracting 0 then keeps p = 0, not NaN.
     const float base = m_new == -INFINITY ? 0.f : m_new;
     const float alpha = fast_exp2(m_run - base);

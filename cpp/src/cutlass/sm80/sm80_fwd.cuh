@@ -379,7 +379,9 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           // A row with nothing visible yet keeps m = -inf; subtracting 0 keeps p = 0, not NaN.
-          const float base = mx == -INFINITY ? 0.f : mx * sl2;
+          // Rounded up so that no exponent below is positive (see wmma_fwd.cuh: at logits past
+          // ~2^30 a round-to-nearest base gives exp2(>= 128) = inf).
+          const float base = mx == -INFINITY ? 0.f : __fmul_ru(mx, sl2);
           // Exactly 1 when the max did not move (also for -inf == -inf: O and l are still 0).
           alpha[r] = mx == m_run[mt][r] ? 1.f : exp2f(fmaf(m_run[mt][r], sl2, -base));
           m_run[mt][r] = mx;
