@@ -71,7 +71,9 @@
 #include <string>
 #include <vector>
 
+#include "common/attributes.cuh"
 #include "common/check.cuh"
+#include "common/launch.cuh"
 #include "cutlass/dtype.cuh"
 
 // The kernel bodies exist in every device pass from sm_80 on (sm_80 and sm_90a in the default
@@ -504,15 +506,9 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   int dev = 0;
   SDPA_CUDA_CHECK(cudaGetDevice(&dev));
   check_device<kSmem>(dev);
-  // Dynamic shared memory above 48 KB needs an opt-in, per function and per device.
   if constexpr (kSmem > 48 * 1024) {
     static std::atomic<uint64_t> configured{0};
-    const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-    if (bit == 0 || !(configured.load(std::memory_order_relaxed) & bit)) {
-      SDPA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel<T, D, CAUSAL, W, MT>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-      configured.fetch_or(bit, std::memory_order_relaxed);
-    }
+    opt_in_smem(reinterpret_cast<const void*>(fwd_kernel<T, D, CAUSAL, W, MT>), kSmem, configured);
   }
   Params<T> p{};
   p.q = static_cast<const T*>(a.q);
@@ -580,18 +576,9 @@ void forward(const FwdArgs& a, cudaStream_t stream) {
 
 template <typename T, int D, int W>
 void attributes_of(std::vector<KernelAttr>& out) {
-  const void* fns[2] = {reinterpret_cast<const void*>(fwd_kernel<T, D, false, W, 1>),
-                        reinterpret_cast<const void*>(fwd_kernel<T, D, true, W, 1>)};
-  for (int c = 0; c < 2; ++c) {
-    cudaFuncAttributes fa;
-    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, fns[c]));
-    // sharedSizeBytes counts static shared memory only; this kernel's is all dynamic.
-    out.push_back(
-        {"cutlass-sm80",
-         std::string("fwd_") + dtype_name<T>() + "_d" + std::to_string(D) + (c ? "_causal" : ""),
-         fa.numRegs, int32_t(fa.sharedSizeBytes), Cfg<T, D, W, 1>::kSmemBytes,
-         int32_t(fa.localSizeBytes), fa.maxThreadsPerBlock});
-  }
+  const void* const fns[2] = {reinterpret_cast<const void*>(fwd_kernel<T, D, false, W, 1>),
+                              reinterpret_cast<const void*>(fwd_kernel<T, D, true, W, 1>)};
+  push_attributes(out, "cutlass-sm80", dtype_name<T>(), D, fns, Cfg<T, D, W, 1>::kSmemBytes);
 }
 
 // The kernels forward() launches on the current device.
