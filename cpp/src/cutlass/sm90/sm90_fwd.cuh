@@ -55,7 +55,9 @@
 #include <cutlass/numeric_types.h>
 // clang-format on
 
+#include "common/attributes.cuh"
 #include "common/check.cuh"
+#include "common/launch.cuh"
 #include "cutlass/dtype.cuh"
 
 // The kernel bodies exist only in the sm_90a device pass; other passes (sm_80 in the default
@@ -739,14 +741,8 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   int dev = 0;
   SDPA_CUDA_CHECK(cudaGetDevice(&dev));
   if (!is_sm90(dev)) throw Error("cutlass-sm90: needs an sm_90 (Hopper) GPU");
-  // Dynamic shared memory above 48 KB needs an opt-in, per function and per device.
   static std::atomic<uint64_t> configured{0};
-  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-  if (bit == 0 || !(configured.load(std::memory_order_relaxed) & bit)) {
-    SDPA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel<T, D, CAUSAL>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    configured.fetch_or(bit, std::memory_order_relaxed);
-  }
+  opt_in_smem(reinterpret_cast<const void*>(fwd_kernel<T, D, CAUSAL>), kSmem, configured);
   check_tma_operand(a.q, a.q_stride, "q");
   check_tma_operand(a.k, a.k_stride, "k");
   check_tma_operand(a.v, a.v_stride, "v");
@@ -759,8 +755,17 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   SDPA_LAUNCH_CHECK("cutlass-sm90 fwd_kernel launch");
 }
 
+// The small-problem path at D = 64 (sm90_small.cuh, instantiated in fwd_small_<dtype>_d64.cu):
+// launches and returns true where it applies.
+template <typename T, int D>
+bool small_forward(const FwdArgs& a, cudaStream_t stream);
+template <typename T, int D>
+void small_attributes(std::vector<KernelAttr>& out);
+
 template <typename T, int D>
 void forward(const FwdArgs& a, cudaStream_t stream) {
+  if constexpr (D == 64)
+    if (small_forward<T, D>(a, stream)) return;
   if (a.causal)
     launch<T, D, true>(a, stream);
   else
@@ -769,18 +774,10 @@ void forward(const FwdArgs& a, cudaStream_t stream) {
 
 template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out) {
-  const void* fns[2] = {reinterpret_cast<const void*>(fwd_kernel<T, D, false>),
-                        reinterpret_cast<const void*>(fwd_kernel<T, D, true>)};
-  for (int c = 0; c < 2; ++c) {
-    cudaFuncAttributes fa;
-    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, fns[c]));
-    // sharedSizeBytes counts static shared memory only; this kernel's is all dynamic.
-    out.push_back(
-        {"cutlass-sm90",
-         std::string("fwd_") + dtype_name<T>() + "_d" + std::to_string(D) + (c ? "_causal" : ""),
-         fa.numRegs, int32_t(fa.sharedSizeBytes), Cfg<T, D>::kSmemBytes, int32_t(fa.localSizeBytes),
-         fa.maxThreadsPerBlock});
-  }
+  const void* const fns[2] = {reinterpret_cast<const void*>(fwd_kernel<T, D, false>),
+                              reinterpret_cast<const void*>(fwd_kernel<T, D, true>)};
+  push_attributes(out, "cutlass-sm90", dtype_name<T>(), D, fns, Cfg<T, D>::kSmemBytes);
+  if constexpr (D == 64) small_attributes<T, D>(out);
 }
 
 }  // namespace sdpa::cutlass_sm90

@@ -1,0 +1,9 @@
+// One instantiation per file (see fwd_f16_d64.cu): the small-problem path of forward_bf16_d64.
+#if defined(SDPA_HAVE_CUTLASS)
+#include "cutlass/sm90/sm90_small.cuh"
+
+namespace sdpa::cutlass_sm90 {
+template bool small_forward<cute::bfloat16_t, 64>(const FwdArgs&, cudaStream_t);
+template void small_attributes<cute::bfloat16_t, 64>(std::vector<KernelAttr>&);
+}  // namespace sdpa::cutlass_sm90
+#endif

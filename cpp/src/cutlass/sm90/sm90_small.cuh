@@ -1,0 +1,489 @@
+// Small-problem path of the sm_90a backend: the keys split across a thread-block cluster, one
+// pass per CTA, the partial results merged through distributed shared memory. Same assumptions
+// as sm90_fwd.cuh (validated arguments, 16-byte aligned rows and strides).
+//
+// Where the main kernel's grid leaves most SMs idle (B=2, H=8, S=256 at D=64: 64 CTAs of 64
+// query rows, each walking 2 key tiles in turn), its time is latency: the first loads, a chain
+// of wgmma/softmax rounds, the epilogue. Here a CTA of one warpgroup (128 threads) takes 64
+// query rows and one slice of KN keys; the C = ceil(seq_k / KN) slices of a query tile are the
+// C CTAs of one cluster (grid C x query tiles x batch·heads), so the grid is C times larger and
+// each CTA loads 1/C of the K/V bytes. Per CTA:
+//   load      Q [64][D], K and V [KN][D] at once by TMA (zero fill past the sequences) into
+//             128-byte-swizzled smem;
+//   S = Q·Kᵀ  one wgmma SS chain; mask; softmax of the whole slice in registers (f32, log2
+//             domain); O = P·V one wgmma RS chain (P from the S registers, as in sm90_fwd.cuh);
+//   exchange  O (unnormalized, f32), the row max m and row sum l are staged in smem (over the
+//             dead Q/K/V) as 64 rows; rank r of the cluster owns rows [rR, rR + R), R =
+//             ceil(64 / C), and every CTA sends each peer that peer's rows with one bulk copy
+//             into the peer's smem (cp.async.bulk shared::cta -> shared::cluster, counted by the
+//             peer's mbarrier);
+//   merge     each CTA combines the C partials of its own rows, O = Σ 2^(m_j - M) O_j /
+//             Σ 2^(m_j - M) l_j, and writes them with 16-byte stores.
+// Causal slices that no row of the tile sees load nothing and send empty partials (m = -inf,
+// l = 0, O = 0). No second launch and no global workspace.
+//
+// Measured on an H200 (graph replay, mission problem f16, causal or not, us per call; main
+// kernel 4.55-4.86): exchanges by one bulk copy per peer 4.11-4.37, by 8-byte
+// st.shared::cluster stores and a cluster barrier 4.38-4.68, by remote loads of the peers'
+// stages 4.48-4.91, by 8-byte st.async stores each counted by the owner's mbarrier ~6.4 (with
+// 64-key slices). Diagnostic variants
+// (64-key slices, 256 CTAs): an empty cluster launch 0.69, loads and the store path alone 2.47,
+// plus the compute 3.50, plus the bulk exchange 4.69: the exchange and the chain of waits, not
+// bandwidth, hold it above 3 us.
+#pragma once
+
+#include "common/attributes.cuh"
+#include "common/launch.cuh"
+#include "cutlass/sm90/sm90_fwd.cuh"
+
+namespace sdpa::cutlass_sm90 {
+
+// The cluster-wide barrier in two halves; every thread of every CTA arrives once per phase.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+}
+// Address `addr` of this CTA's shared memory -> the same offset in cluster CTA `rank`'s.
+__device__ __forceinline__ uint32_t map_rank(uint32_t addr, int rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+// `bytes` (a multiple of 16) of this CTA's smem at `src` to cluster smem `dst`; the mbarrier
+// `bar` (of dst's CTA) counts them.
+__device__ __forceinline__ void bulk_to_peer(uint32_t dst, uint32_t src, uint32_t bytes,
+                                             uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+      "[%3];" ::"r"(dst),
+      "r"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void st_shared2(uint32_t addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ float4 ld_shared4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ float2 ld_shared2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+template <typename T, int D, int KN>
+struct SmallCfg {
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static_assert(KN == 64 || KN == 128, "key slice of 64 or 128");
+  static constexpr int kThreads = 128;   // one warpgroup: one wgmma M = 64 query rows
+  static constexpr int kMaxCluster = 8;  // the portable cluster size limit
+  using HD = Int<D>;
+  using KNt = Int<KN>;
+
+  using MmaQK =
+      decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, KNt, HD>,
+                                                         GMMA::Major::K, GMMA::Major::K>()));
+  using MmaPV =
+      decltype(make_tiled_mma(SM90::GMMA::rs_op_selector<T, T, float, Shape<_64, HD, KNt>,
+                                                         GMMA::Major::K, GMMA::Major::MN>()));
+  using LayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<_64, HD>{}));
+  using LayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<KNt, HD>{}));
+  using LayoutVt =
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{}, Shape<HD, KNt>{}, Step<_2, _1>{}));
+  using LayoutV =
+      decltype(composition(LayoutVt{}, make_layout(Shape<KNt, HD>{}, Stride<HD, _1>{})));
+  // P over the S registers as the A operand of P·V (see Cfg::LayoutP).
+  using LayoutP =
+      Layout<Shape<Shape<_2, _2, _2>, _1, Int<KN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+
+  using GTensor = typename Cfg<T, D>::GTensor;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensor>(), LayoutQ{},
+                                      Shape<_64, HD>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensor>(), LayoutK{},
+                                       Shape<KNt, HD>{}, _1{}));
+
+  // A partial row: D floats of O, then m and l, padded to D + 8 floats. The padding keeps the
+  // rows 16-byte multiples (bulk copies) and shifts consecutive rows by 8 banks, so a warp's
+  // quad-strided float2 stores fill two wavefronts, not eight.
+  static constexpr int kRow = D + 8;
+  struct Smem {
+    union {
+      struct {
+        alignas(1024) T q[64 * D];
+        alignas(1024) T k[KN * D];
+        alignas(1024) T v[KN * D];
+      } in;
+      alignas(16) float stage[64 * kRow];  // this CTA's partials, once Q, K, V are dead
+    };
+    // Peers' partials of this CTA's rows: slot j * R + r for rank j, row r (own slots unused).
+    alignas(16) float recv[(64 + kMaxCluster) * kRow];
+    alignas(8) uint64_t bar_qk, bar_v;
+    uint64_t bar_x;  // completes once every peer's partials of this CTA's rows have arrived
+  };
+  static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;  // + the 1024-byte alignment
+};
+
+template <typename T, int D, int KN>
+struct SmallParams {
+  using C = SmallCfg<T, D, KN>;
+  typename C::TmaQ tma_q;
+  typename C::TmaKV tma_k, tma_v;
+  T* o;
+  Strides os;
+  int seq_q, seq_k, heads, kv_heads, batch;
+  float scale_log2;
+  int rows;  // R = ceil(64 / C): query rows of the tile each cluster rank merges and writes
+  FastDiv div_heads, div_group;
+};
+
+template <typename T, int D, int KN, bool CAUSAL>
+__global__ void __launch_bounds__(128, 1)
+    small_kernel(const __grid_constant__ SmallParams<T, D, KN> p) {
+#ifdef SDPA_SM90_DEVICE
+  using C = SmallCfg<T, D, KN>;
+  using Bar = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int kRow = C::kRow;
+  auto& sm = smem_storage<typename C::Smem>();
+  const int tid = threadIdx.x;
+  const int rank = blockIdx.x, nrank = gridDim.x;  // the cluster spans grid x
+  const int R = p.rows;
+  const auto rows_of = [&](int r) { return min(R, 64 - r * R); };  // rows rank r merges
+  const int mine = rows_of(rank);
+  if (tid == 0) {
+    prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    mbar_init(&sm.bar_qk, 1);
+    mbar_init(&sm.bar_v, 1);
+    mbar_init(&sm.bar_x, 1);
+    Bar::arrive_and_expect_tx(&sm.bar_x, uint32_t((nrank - 1) * mine * kRow * 4));
+    cutlass::arch::fence_barrier_init();
+  }
+  // Phase 1 of the cluster barrier: peers copy into this CTA only once it has initialized bar_x
+  // (they wait for this phase just before their copies, by when it is long complete).
+  cluster_arrive_relaxed();
+  __syncthreads();  // the load barriers are initialized
+
+  const int m0 = blockIdx.y * 64;
+  const int bh = blockIdx.z;
+  const int b = p.div_heads.div(bh), h = bh - b * p.heads;
+  const int off = p.seq_k - p.seq_q;
+  const int k0 = rank * KN;
+  // Keys [k0, k_end) of this slice that some row of the tile sees.
+  int k_end = min(p.seq_k, k0 + KN);
+  if (CAUSAL) k_end = min(k_end, max(0, min(m0 + 64, p.seq_q) + off));
+  const bool active = k0 < k_end;
+
+  Tensor sQ = make_tensor(make_smem_ptr(sm.in.q), typename C::LayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(sm.in.k), typename C::LayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(sm.in.v), typename C::LayoutV{});
+  Tensor sVt = make_tensor(make_smem_ptr(sm.in.v), typename C::LayoutVt{});
+
+  if (tid == 0 && active) {
+    const int hk = p.div_group.div(h);
+    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seq_q, Int<D>{}, p.heads, p.batch));
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
+    Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
+    Tensor gQ = local_tile(mQ(_, _, h, b), Shape<_64, Int<D>>{}, make_coord(blockIdx.y, _0{}));
+    Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<KN>, Int<D>>{}, make_coord(rank, _0{}));
+    Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<KN>, Int<D>>{}, make_coord(rank, _0{}));
+    auto tQ = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                            group_modes<0, 2>(gQ));
+    auto tK = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                            group_modes<0, 2>(gK));
+    auto tV = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                            group_modes<0, 2>(gV));
+    // The copy engine counts the zero-filled bytes of partial boxes too.
+    Bar::arrive_and_expect_tx(&sm.bar_qk, uint32_t((64 + KN) * D * sizeof(T)));
+    copy(p.tma_q.with(sm.bar_qk), get<0>(tQ), get<1>(tQ));
+    copy(p.tma_k.with(sm.bar_qk), get<0>(tK), get<1>(tK));
+    Bar::arrive_and_expect_tx(&sm.bar_v, uint32_t(KN * D * sizeof(T)));
+    copy(p.tma_v.with(sm.bar_v), get<0>(tV), get<1>(tV));
+  }
+
+  typename C::MmaQK mma_qk;
+  typename C::MmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<_64, Int<D>>{});
+  Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<_64, Int<D>>{}));
+  Tensor cOrc = make_tensor(cO.data(), rowcol(cO.layout()));
+  constexpr int kRows = decltype(size<0>(O))::value;
+  static_assert(kRows == 2);
+  float m_row[kRows], l_row[kRows];
+
+  if (active) {
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, Int<KN>>{});
+    Tensor rP = make_tensor<T>(typename C::LayoutP{});
+    Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+    Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<_64, Int<KN>>{}));
+    Tensor cSrc = make_tensor(cS.data(), rowcol(cS.layout()));
+
+    Bar::wait(&sm.bar_qk, 0);
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+      cute::gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb), tSrS);
+      mma_qk.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+
+    // Mask keys past seq_k and, if causal, past each row's diagonal; only slices that cross
+    // either need it.
+    const float sl2 = p.scale_log2;
+    if (k0 + KN > p.seq_k || (CAUSAL && k0 + KN - 1 > m0 + off)) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = m0 + get<0>(cSrc(r, 0));
+        const int last = CAUSAL ? min(p.seq_k - 1, row + off) : p.seq_k - 1;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c)
+          if (k0 + get<1>(cSrc(r, c)) > last) S(r, c) = -INFINITY;
+      }
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float mx = -INFINITY;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(S); ++c) mx = fmaxf(mx, S(r, c));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a row lives in a quad
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float base = mx == -INFINITY ? 0.f : mx * sl2;  // no visible key: p = 0, not NaN
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(S); ++c) {
+        const float e = ex2(fmaf(S(r, c), sl2, -base));
+        S(r, c) = e;
+        sum += e;
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      m_row[r] = mx;
+      l_row[r] = sum;
+    }
+    convert_p<T>(rP, tSrS);
+
+    Bar::wait(&sm.bar_v, 0);
+    warpgroup_fence_operand(tOrO);
+    warpgroup_fence_operand(rP);
+    warpgroup_arrive();
+    mma_pv.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(rP); ++kb) {
+      cute::gemm(mma_pv, rP(_, _, kb), tOrV(_, _, kb), tOrO);
+      mma_pv.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    warpgroup_fence_operand(rP);
+  } else {
+    clear(tOrO);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      m_row[r] = -INFINITY;
+      l_row[r] = 0.f;
+    }
+  }
+
+  const uint32_t stage_s = uint32_t(__cvta_generic_to_shared(sm.stage));
+  const uint32_t recv_s = uint32_t(__cvta_generic_to_shared(sm.recv));
+  // Stage the partials over Q/K/V once every warp's wgmmas that read them are complete; the
+  // proxy fences order those async-proxy reads before these writes, and these writes before the
+  // bulk copies.
+  fence_proxy_async();
+  __syncthreads();
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const uint32_t st = stage_s + uint32_t(get<0>(cOrc(r, 0)) * kRow * 4);
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(O); c += 2)
+      st_shared2(st + uint32_t(get<1>(cOrc(r, c))) * 4u, O(r, c), O(r, c + 1));
+    if ((tid & 3) == 0) st_shared2(st + D * 4u, m_row[r], l_row[r]);
+  }
+  fence_proxy_async();
+  __syncthreads();
+  cluster_wait();                    // phase 1: every CTA of the cluster has initialized its bar_x
+  if (tid < nrank && tid != rank) {  // one thread per peer: its rows, into its slots for us
+    const uint32_t bar_s = uint32_t(__cvta_generic_to_shared(&sm.bar_x));
+    bulk_to_peer(map_rank(recv_s + uint32_t(rank * R * kRow * 4), tid),
+                 stage_s + uint32_t(tid * R * kRow * 4), uint32_t(rows_of(tid) * kRow * 4),
+                 map_rank(bar_s, tid));
+  }
+  Bar::wait(&sm.bar_x, 0);
+  // Phase 2: once every CTA has arrived, every copy out of this CTA's stage has landed, so it
+  // may exit (its smem must outlive the copies that read it).
+  cluster_arrive_relaxed();
+
+  // Merge this rank's rows: 8 columns (one 16-byte store) per item, all C partials' loads
+  // issued before any is used.
+  constexpr int CH = D / 8;
+  T* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head;
+  const float sl2 = p.scale_log2;
+  for (int i = tid; i < mine * CH; i += 128) {
+    const int lr = i / CH, c = (i % CH) * 8;
+    const int row = m0 + rank * R + lr;
+    if (row >= p.seq_q) continue;
+    float2 ml[C::kMaxCluster];
+    float4 x0[C::kMaxCluster], x1[C::kMaxCluster];
+    CUTE_UNROLL
+    for (int j = 0; j < C::kMaxCluster; ++j) {
+      if (j < nrank) {
+        // Rank j's partial of this row: this CTA's own in its stage, the peers' in recv.
+        const uint32_t src = j == rank ? stage_s + uint32_t((rank * R + lr) * kRow * 4)
+                                       : recv_s + uint32_t((j * R + lr) * kRow * 4);
+        ml[j] = ld_shared2(src + D * 4u);
+        x0[j] = ld_shared4(src + c * 4u);
+        x1[j] = ld_shared4(src + c * 4u + 16u);
+      }
+    }
+    float mx = -INFINITY;
+    CUTE_UNROLL
+    for (int j = 0; j < C::kMaxCluster; ++j)
+      if (j < nrank) mx = fmaxf(mx, ml[j].x);
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float l = 0.f;
+    if (mx != -INFINITY) {
+      CUTE_UNROLL
+      for (int j = 0; j < C::kMaxCluster; ++j) {
+        if (j < nrank) {
+          const float w = ex2((ml[j].x - mx) * sl2);  // 0 for an empty partial (m = -inf)
+          l += w * ml[j].y;
+          acc[0] += w * x0[j].x;
+          acc[1] += w * x0[j].y;
+          acc[2] += w * x0[j].z;
+          acc[3] += w * x0[j].w;
+          acc[4] += w * x1[j].x;
+          acc[5] += w * x1[j].y;
+          acc[6] += w * x1[j].z;
+          acc[7] += w * x1[j].w;
+        }
+      }
+    }
+    // l >= 1 when any key is visible (the max element contributes 2^0); a row that sees no key
+    // writes zeros.
+    const float inv = l > 0.f ? __fdividef(1.f, l) : 0.f;
+    uint4 out;
+    out.x = pack2<T>(acc[0] * inv, acc[1] * inv);
+    out.y = pack2<T>(acc[2] * inv, acc[3] * inv);
+    out.z = pack2<T>(acc[4] * inv, acc[5] * inv);
+    out.w = pack2<T>(acc[6] * inv, acc[7] * inv);
+    *reinterpret_cast<uint4*>(ob + int64_t(row) * p.os.seq + c) = out;
+  }
+  cluster_wait();  // phase 2
+#endif
+}
+
+// Host side ----------------------------------------------------------------------------------
+
+template <typename T, int D, int KN>
+SmallParams<T, D, KN> make_small_params(const FwdArgs& a, int cluster) {
+  using C = SmallCfg<T, D, KN>;
+  const auto gmem = [&](const void* ptr, int64_t seq, int64_t heads, const Strides& st) {
+    return make_tensor(make_gmem_ptr(static_cast<const T*>(ptr)),
+                       make_shape(int(seq), Int<D>{}, int(heads), int(a.batch)),
+                       make_stride(st.seq, _1{}, st.head, st.batch));
+  };
+  SmallParams<T, D, KN> p{};
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.q, a.seq_q, a.heads, a.q_stride),
+                          typename C::LayoutQ{}, Shape<_64, Int<D>>{}, _1{});
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.k, a.seq_k, a.kv_heads, a.k_stride),
+                          typename C::LayoutK{}, Shape<Int<KN>, Int<D>>{}, _1{});
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.seq_k, a.kv_heads, a.v_stride),
+                          typename C::LayoutV{}, Shape<Int<KN>, Int<D>>{}, _1{});
+  p.o = static_cast<T*>(a.o);
+  p.os = a.o_stride;
+  p.seq_q = int(a.seq_q);
+  p.seq_k = int(a.seq_k);
+  p.heads = int(a.heads);
+  p.kv_heads = int(a.kv_heads);
+  p.batch = int(a.batch);
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  p.rows = (64 + cluster - 1) / cluster;
+  p.div_heads = FastDiv(p.heads);
+  p.div_group = FastDiv(int(a.heads / a.kv_heads));
+  return p;
+}
+
+// Launches the small kernel with KN-key slices; false (nothing launched) where it does not
+// apply: more than kMaxCluster slices, or a grid over the hardware's y/z limits.
+template <typename T, int D, int KN, bool CAUSAL>
+bool small_launch(const FwdArgs& a, cudaStream_t stream) {
+  using C = SmallCfg<T, D, KN>;
+  const int64_t cluster = (a.seq_k + KN - 1) / KN;
+  const int64_t m_blocks = (a.seq_q + 63) / 64, bh = a.batch * a.heads;
+  if (cluster > C::kMaxCluster || m_blocks > 65535 || bh > 65535) return false;
+  const auto kernel = small_kernel<T, D, KN, CAUSAL>;
+  static std::atomic<uint64_t> configured{0};
+  opt_in_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, configured);
+  check_tma_operand(a.q, a.q_stride, "q");
+  check_tma_operand(a.k, a.k_stride, "k");
+  check_tma_operand(a.v, a.v_stride, "v");
+  const SmallParams<T, D, KN> p = make_small_params<T, D, KN>(a, int(cluster));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(cluster), unsigned(m_blocks), unsigned(bh));
+  cfg.blockDim = dim3(C::kThreads, 1, 1);
+  cfg.dynamicSmemBytes = C::kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  return true;
+}
+
+// 128-key slices: on the mission problem 4.11-4.37 us against 4.35-5.03 with 64-key slices
+// (256 CTAs, two to an SM, and 3 of 4 partials sent instead of 1 of 2); b1h8s512 5.41-5.57 us
+// against 7.17-7.73.
+constexpr int kSmallKeys = 128;
+
+// The small path at D = 64 where it measured faster than the main kernel (H200, graph replay,
+// us per call, main kernel -> small): B2 H8 S256 4.55-4.86 -> 4.11-4.37 (f16, bf16, causal or
+// not); B1 H8 S512 6.20 -> 5.57, causal 6.48 -> 5.41; B1 H4 S1024 9.61 -> 9.42, causal 9.97 ->
+// 9.01. That is: grids the main kernel would leave more than half empty (it then runs 64-row
+// tiles, one per CTA: make_params) and 2 to 8 key slices. With a single slice (S <= 128) it
+// measured slower (B2 H8 S128 3.43 -> 4.19, S64 3.54 -> 4.25); D = 128 at S256 measured even
+// (6.27 -> 6.26), so it stays on the main kernel.
+template <typename T, int D>
+bool small_forward(const FwdArgs& a, cudaStream_t stream) {
+  static_assert(D == 64, "the small path is built for head_dim 64 only");
+  int dev = 0;
+  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
+  if (!is_sm90(dev)) throw Error("cutlass-sm90: needs an sm_90 (Hopper) GPU");
+  const int64_t tiles128 = (a.seq_q + 127) / 128 * a.batch * a.heads;
+  if (a.seq_k <= kSmallKeys || 2 * tiles128 > sm_count(dev)) return false;
+  return a.causal ? small_launch<T, D, kSmallKeys, true>(a, stream)
+                  : small_launch<T, D, kSmallKeys, false>(a, stream);
+}
+
+template <typename T, int D>
+void small_attributes(std::vector<KernelAttr>& out) {
+  const void* const fns[2] = {reinterpret_cast<const void*>(small_kernel<T, D, kSmallKeys, false>),
+                              reinterpret_cast<const void*>(small_kernel<T, D, kSmallKeys, true>)};
+  push_attributes(out, "cutlass-sm90-small", dtype_name<T>(), D, fns,
+                  SmallCfg<T, D, kSmallKeys>::kSmemBytes);
+}
+
+}  // namespace sdpa::cutlass_sm90
