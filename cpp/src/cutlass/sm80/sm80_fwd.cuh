@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
           // ~2^30 a round-to-nearest base gives exp2(>= 128) = inf).
           const float base = mx == -INFINITY ? 0.f : __fmul_ru(mx, sl2);
           // Exactly 1 when the max did not move (also for -inf == -inf: O and l are still 0).
-          alpha[r] = mx == m_run[mt][r] ? 1.f : exp2f(fmaf(m_run[mt][r], sl2, -base));
+          alpha[r] = mx == m_run[mt][r] ? 1.f : exp2f(__fmul_ru(m_run[mt][r], sl2) - base);
           m_run[mt][r] = mx;
           float sum = 0.f;
 #pragma unroll

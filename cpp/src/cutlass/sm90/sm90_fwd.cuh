@@ -274,8 +274,11 @@ __device__ __forceinline__ void softmax_tile(TS& S, TC const& cSrc, float* m_run
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m_run[r], mx);
     // A row with nothing visible yet keeps m = -inf; subtracting 0 keeps p = 0, not NaN.
-    const float base = m_new == -INFINITY ? 0.f : m_new * sl2;
-    alpha[r] = ex2(m_run[r] * sl2 - base);
+    // Bases rounded up: no exponent below is positive (to nearest, the FMA's exact residual is
+    // up to half an ulp of m·scale: exp2(>= 128) = inf at logits past ~2^30), and alpha is the
+    // exact ratio of the previous base to this one.
+    const float base = m_new == -INFINITY ? 0.f : __fmul_ru(m_new, sl2);
+    alpha[r] = ex2(__fmul_ru(m_run[r], sl2) - base);
     m_run[r] = m_new;
     float sum = 0.f;
     CUTE_UNROLL

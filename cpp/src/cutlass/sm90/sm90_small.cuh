@@ -266,7 +266,9 @@ __global__ void __launch_bounds__(128, 1)
       for (int c = 0; c < size<1>(S); ++c) mx = fmaxf(mx, S(r, c));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a row lives in a quad
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == -INFINITY ? 0.f : mx * sl2;  // no visible key: p = 0, not NaN
+      // No visible key: p = 0, not NaN. Rounded up so no exponent below is positive (see
+      // softmax_tile in sm90_fwd.cuh); the merge uses the same rounded bases.
+      const float base = mx == -INFINITY ? 0.f : __fmul_ru(mx, sl2);
       float sum = 0.f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(S); ++c) {
@@ -365,7 +367,9 @@ __global__ void __launch_bounds__(128, 1)
       CUTE_UNROLL
       for (int j = 0; j < C::kMaxCluster; ++j) {
         if (j < nrank) {
-          const float w = ex2((ml[j].x - mx) * sl2);  // 0 for an empty partial (m = -inf)
+          // The ratio of the bases each partial was computed against (rounded up there too);
+          // 0 for an empty partial (m = -inf).
+          const float w = ex2(__fmul_ru(ml[j].x, sl2) - __fmul_ru(mx, sl2));
           l += w * ml[j].y;
           acc[0] += w * x0[j].x;
           acc[1] += w * x0[j].y;
