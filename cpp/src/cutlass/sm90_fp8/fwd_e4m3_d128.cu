@@ -1,17 +1,12 @@
-// Placeholder until the native FP8 kernel lands: the Rust layer reports the native path as
-// unsupported (crates/sdpa/src/backend/mod.rs), so this is never reached from the API.
+// One head dim per file so the build compiles them in parallel (both output types inside).
+// Without CUTLASS headers (SDPA_HAVE_CUTLASS unset) the file is empty and the backend is not
+// built.
 #if defined(SDPA_HAVE_CUTLASS)
-#include <cuda_runtime.h>
-
-#include <vector>
-
-#include "sdpa/sdpa.h"
+#include "cutlass/sm90_fp8/sm90_fp8_fwd.cuh"
 
 namespace sdpa::cutlass_sm90 {
-void forward_e4m3_d128(const FwdArgs&, cudaStream_t) {
-  throw Error("cutlass-sm90: the native e4m3 kernel (d128) is not built yet");
-}
-void attributes_e4m3_d128(std::vector<KernelAttr>&) {}
+void forward_e4m3_d128(const FwdArgs& a, cudaStream_t s) { fp8::forward_any<128>(a, s); }
+void attributes_e4m3_d128(std::vector<KernelAttr>& out) { fp8::attributes<128>(out); }
 
 }  // namespace sdpa::cutlass_sm90
 #endif
