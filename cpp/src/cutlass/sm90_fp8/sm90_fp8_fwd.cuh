@@ -305,10 +305,13 @@ __device__ __forceinline__ void softmax_tile(TS& S, TC const& cSrc, float* m_run
     const bool move =
         (m_run[r] == -INFINITY && mx[r] != -INFINITY) || (mx[r] - m_run[r]) * sl2 > slack;
     const float m_new = move ? mx[r] : m_run[r];
-    const float base = m_new == -INFINITY ? 0.f : m_new * sl2;
-    alpha[r] = move ? ex2(m_run[r] * sl2 - base) : 1.f;
+    // Base rounded up and the bias rounded down: no exponent below exceeds kPLog2, so P stays
+    // <= 2^kPLog2 < 448 even at huge logits (to nearest, the FMA's exact residual reaches half
+    // an ulp of m·scale: exp2(>= 128) = inf past ~2^30). alpha is the ratio of the two bases.
+    const float base = m_new == -INFINITY ? 0.f : __fmul_ru(m_new, sl2);
+    alpha[r] = move ? ex2(__fmul_ru(m_run[r], sl2) - base) : 1.f;
     m_run[r] = m_new;
-    const float bias = float(kPLog2) - base;
+    const float bias = __fsub_rd(float(kPLog2), base);
     float sum[4] = {0.f, 0.f, 0.f, 0.f};
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) {
