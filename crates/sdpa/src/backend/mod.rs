@@ -10,8 +10,8 @@ use crate::device::Device;
 use crate::error::{Error, Result, invalid};
 use crate::problem::{DType, Problem};
 
-/// Whether cpp/src/cutlass/sm90_fp8 holds the native e4m3 kernel (not its placeholder).
-const NATIVE_E4M3_BUILT: bool = false;
+/// Whether cpp/src/cutlass/sm90_fp8 holds the native e4m3 kernel (it does since session 3).
+const NATIVE_E4M3_BUILT: bool = true;
 use std::fmt;
 use std::str::FromStr;
 
@@ -27,7 +27,8 @@ pub enum Backend {
     /// Unfused: cuBLAS GEMM for S = Q·Kᵀ (f32), masked softmax kernel, cuBLAS GEMM for P·V.
     Cublas,
     /// CuTe on sm_90a (Hopper): TMA loads, wgmma, a producer warpgroup and two consumer
-    /// warpgroups (cpp/src/cutlass/sm90).
+    /// warpgroups (cpp/src/cutlass/sm90); e4m3 inputs natively on FP8 wgmma
+    /// (cpp/src/cutlass/sm90_fp8).
     Cutlass,
     /// CuTe on sm_80+ (A100, L4, ...): mma.sync, ldmatrix, cp.async pipeline
     /// (cpp/src/cutlass/sm80); on Hopper a fallback and a comparison point.
@@ -93,6 +94,17 @@ impl Backend {
                      of scalar, wmma, cublas and cutlass-sm80"
                         .into(),
                 ));
+            }
+            // The native kernel indexes rows and (batch, head) pairs with 32-bit integers.
+            let limit = i32::MAX as usize;
+            if p.seq_q > limit || p.seq_k > limit || p.batch * p.heads > limit {
+                return Err(unsupported(format!(
+                    "the native e4m3 kernel needs seq_q, seq_k and batch x heads below 2^31 \
+                     (got {}, {}, {})",
+                    p.seq_q,
+                    p.seq_k,
+                    p.batch * p.heads
+                )));
             }
         }
         match self {
