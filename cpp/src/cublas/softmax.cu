@@ -55,15 +55,16 @@ __global__ void __launch_bounds__(kThreads)
   float m = -INFINITY;
   for (int64_t j = threadIdx.x; j < n; j += kThreads) m = fmaxf(m, srow[j]);
   m = block_reduce(m, [](float a, float b) { return fmaxf(a, b); }, scratch);
-  // No visible key: all p = 0. Rounded up, so that the contracted fma(s, log2e, -base) below
-  // is never positive (to nearest, huge logits give exp2(>= 128) = inf; wmma_fwd.cuh).
-  const float base = m == -INFINITY ? 0.f : __fmul_ru(m, kLog2e);
+  // No visible key: all p = 0. Products rounded before the subtraction (no FMA contraction):
+  // the max's exponent is exactly 0 at any logit size (see wmma_fwd.cuh).
+  const float base = m == -INFINITY ? 0.f : __fmul_rn(m, kLog2e);
   float sum = 0.f;
-  for (int64_t j = threadIdx.x; j < n; j += kThreads) sum += exp2f(srow[j] * kLog2e - base);
+  for (int64_t j = threadIdx.x; j < n; j += kThreads)
+    sum += exp2f(__fmul_rn(srow[j], kLog2e) - base);
   sum = block_reduce(sum, [](float a, float b) { return a + b; }, scratch);
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   for (int64_t j = threadIdx.x; j < seq_k; j += kThreads)
-    prow[j] = to<T>(j < n ? exp2f(srow[j] * kLog2e - base) * inv : 0.f);
+    prow[j] = to<T>(j < n ? exp2f(__fmul_rn(srow[j], kLog2e) - base) * inv : 0.f);
 }
 
 }  // namespace

@@ -105,6 +105,14 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
+// Softmax exponents, exact at any logit size. The max's base is RN(m·scale); every exponent
+// is x·scale - base. Folded into one FMA (exact product, one rounding) the max's own exponent
+// is the rounding residual of its base, up to half an ulp of m·scale: harmless below 2^15
+// (|residual| <= 2^-9, p <= 1.0014), but past ~2^24 it reaches whole powers of two and p of
+// the max becomes 0 or inf (tests/numerics.rs, logits 1e8-1e10). There the product is
+// rounded first, RN(x·scale) - base: exactly 0 for the max, <= 0 for the rest (monotone).
+// The check is per row, outside the element loop, so ordinary logits keep the single FMA.
+
 // 2^x on the SFU alone. exp2f adds a denormal-range fix-up (a compare and two multiplies per
 // call); P values below 2^-126 are zero once rounded to f16/bf16 anyway.
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -342,19 +350,22 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
     float m = fmaxf(fmaxf(fmaxf(mx[0], mx[4]), fmaxf(mx[1], mx[5])),
                     fmaxf(fmaxf(mx[2], mx[6]), fmaxf(mx[3], mx[7])));
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    // Rounded up: every exponent fmaf(x, scale, -m_new) below is then <= 0. Rounded to nearest,
-    // the fmaf's exact residual reaches half an ulp of m·scale, and at logits past ~2^30 that
-    // is exp2(>= 128) = inf and a NaN row (tests/numerics.rs, scores of 1e9).
-    const float m_new = fmaxf(m_run, __fmul_ru(m, p.scale_log2));
+    const float m_new = fmaxf(m_run, __fmul_rn(m, p.scale_log2));
     // A row with nothing visible yet keeps m = -inf; subtracting 0 then keeps p = 0, not NaN.
     const float base = m_new == -INFINITY ? 0.f : m_new;
     const float alpha = fast_exp2(m_run - base);
     float part[4] = {0.f, 0.f, 0.f, 0.f};
+    const auto exps = [&](auto exponent) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      x[j] = fast_exp2(fmaf(x[j], p.scale_log2, -base));
-      part[j % 4] += x[j];
-    }
+      for (int j = 0; j < 32; ++j) {
+        x[j] = fast_exp2(exponent(x[j]));
+        part[j % 4] += x[j];
+      }
+    };
+    if (fabsf(base) < 32768.f)
+      exps([&](float v) { return fmaf(v, p.scale_log2, -base); });
+    else
+      exps([&](float v) { return __fmul_rn(v, p.scale_log2) - base; });
     l_run = l_run * alpha + ((part[0] + part[1]) + (part[2] + part[3]));
     m_run = m_new;
 

@@ -381,22 +381,27 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           // A row with nothing visible yet keeps m = -inf; subtracting 0 keeps p = 0, not NaN.
-          // Rounded up so that no exponent below is positive (see wmma_fwd.cuh: at logits past
-          // ~2^30 a round-to-nearest base gives exp2(>= 128) = inf).
-          const float base = mx == -INFINITY ? 0.f : __fmul_ru(mx, sl2);
+          // Exponents as in wmma_fwd.cuh (exact at any logit size).
+          const float base = mx == -INFINITY ? 0.f : __fmul_rn(mx, sl2);
           // Exactly 1 when the max did not move (also for -inf == -inf: O and l are still 0).
-          alpha[r] = mx == m_run[mt][r] ? 1.f : exp2f(__fmul_ru(m_run[mt][r], sl2) - base);
+          alpha[r] = mx == m_run[mt][r] ? 1.f : exp2f(__fmul_rn(m_run[mt][r], sl2) - base);
           m_run[mt][r] = mx;
           float sum = 0.f;
+          const auto exps = [&](auto exponent) {
 #pragma unroll
-          for (int j = 0; j < kSN; ++j) {
+            for (int j = 0; j < kSN; ++j) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float x = exp2f(fmaf(sacc[mt][j][2 * r + e], sl2, -base));
-              sacc[mt][j][2 * r + e] = x;
-              sum += x;
+              for (int e = 0; e < 2; ++e) {
+                const float x = exp2f(exponent(sacc[mt][j][2 * r + e]));
+                sacc[mt][j][2 * r + e] = x;
+                sum += x;
+              }
             }
-          }
+          };
+          if (fabsf(base) < 32768.f)
+            exps([&](float x) { return fmaf(x, sl2, -base); });
+          else
+            exps([&](float x) { return __fmul_rn(x, sl2) - base; });
           l_run[mt][r] = fmaf(l_run[mt][r], alpha[r], sum);  // this thread's part; quad-summed last
         }
         // O *= alpha, skipped (exactly) when no row max of the warp's strip moved.

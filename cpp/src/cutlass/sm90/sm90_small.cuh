@@ -266,16 +266,22 @@ __global__ void __launch_bounds__(128, 1)
       for (int c = 0; c < size<1>(S); ++c) mx = fmaxf(mx, S(r, c));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a row lives in a quad
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // No visible key: p = 0, not NaN. Rounded up so no exponent below is positive (see
-      // softmax_tile in sm90_fwd.cuh); the merge uses the same rounded bases.
-      const float base = mx == -INFINITY ? 0.f : __fmul_ru(mx, sl2);
+      // No visible key: p = 0, not NaN. Exponents as in softmax_tile (sm90_fwd.cuh); the
+      // merge takes ratios of the same bases.
+      const float base = mx == -INFINITY ? 0.f : __fmul_rn(mx, sl2);
       float sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(S); ++c) {
-        const float e = ex2(fmaf(S(r, c), sl2, -base));
-        S(r, c) = e;
-        sum += e;
-      }
+      const auto exps = [&](auto exponent) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          const float e = ex2(exponent(S(r, c)));
+          S(r, c) = e;
+          sum += e;
+        }
+      };
+      if (!large_logits(base))
+        exps([&](float x) { return fmaf(x, sl2, -base); });
+      else
+        exps([&](float x) { return __fmul_rn(x, sl2) - base; });
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       m_row[r] = mx;
@@ -367,9 +373,9 @@ __global__ void __launch_bounds__(128, 1)
       CUTE_UNROLL
       for (int j = 0; j < C::kMaxCluster; ++j) {
         if (j < nrank) {
-          // The ratio of the bases each partial was computed against (rounded up there too);
+          // The ratio of the bases each partial was computed against;
           // 0 for an empty partial (m = -inf).
-          const float w = ex2(__fmul_ru(ml[j].x, sl2) - __fmul_ru(mx, sl2));
+          const float w = ex2(__fmul_rn(ml[j].x, sl2) - __fmul_rn(mx, sl2));
           l += w * ml[j].y;
           acc[0] += w * x0[j].x;
           acc[1] += w * x0[j].y;
