@@ -18,6 +18,9 @@ pub struct Device {
     stream: Arc<CudaStream>,
     /// cuBLAS handle and workspace of this stream, made on first use by the cublas backend.
     blas: Arc<Mutex<Option<BlasState>>>,
+    /// Scratch the fused kernels ask for (the native e4m3 kernel's Vᵀ), grown on demand and
+    /// reused: work on one stream runs in order, so one buffer per stream suffices.
+    scratch: Arc<Mutex<Option<CudaSlice<u8>>>>,
 }
 
 /// Whether the CUDA driver library can be loaded at all. Without it cudarc would panic on
@@ -58,6 +61,7 @@ impl Device {
             ctx,
             stream,
             blas: Arc::default(),
+            scratch: Arc::default(),
         })
     }
 
@@ -67,6 +71,7 @@ impl Device {
             ctx: self.ctx.clone(),
             stream: self.ctx.new_stream()?,
             blas: Arc::default(),
+            scratch: Arc::default(),
         })
     }
 
@@ -100,6 +105,9 @@ impl Device {
     }
     pub(crate) fn blas_state(&self) -> &Mutex<Option<BlasState>> {
         &self.blas
+    }
+    pub(crate) fn scratch(&self) -> &Mutex<Option<CudaSlice<u8>>> {
+        &self.scratch
     }
     pub(crate) fn ctx(&self) -> &Arc<CudaContext> {
         &self.ctx

@@ -2,7 +2,7 @@
 //! whole attention with an online softmax. They share one argument block and one dispatch.
 
 use crate::device::{Device, Tensor};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::problem::{DType, Problem};
 use cudarc::driver::DevicePtrMut;
 use sdpa_sys::ffi::Kernel;
@@ -38,21 +38,29 @@ pub(crate) fn forward(
     out: &mut Tensor,
 ) -> Result<()> {
     let mut args = crate::ffi_args(dev, p, q, k, v, out);
-    // Scratch the kernel asks for (the native e4m3 kernel's Vᵀ), freed in stream order after
-    // the launch that uses it.
-    let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &args)?;
-    let mut workspace = None;
+    // Scratch the kernel asks for (the native e4m3 kernel's Vᵀ, written by its own pre-pass
+    // before any read): the device's buffer, grown when too small. The lock is held until the
+    // launch is enqueued, so a concurrent grow cannot free it under us; stream order does the
+    // rest.
+    let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &args)? as usize;
+    let mut guard = dev
+        .scratch()
+        .lock()
+        .map_err(|_| Error::Cuda("scratch buffer poisoned by a panic".into()))?;
     if bytes > 0 {
-        let mut w = dev.stream().alloc_zeros::<u8>(bytes as usize)?;
-        args.workspace = w.device_ptr_mut(dev.stream()).0;
-        workspace = Some(w);
+        if guard.as_ref().is_none_or(|w| w.len() < bytes) {
+            *guard = None; // free the old one before asking for the larger
+            // SAFETY: the kernel's pre-pass writes every byte it later reads.
+            *guard = Some(unsafe { dev.stream().alloc::<u8>(bytes)? });
+        }
+        args.workspace = guard.as_mut().unwrap().device_ptr_mut(dev.stream()).0;
     }
     let stream = dev.raw_stream()?;
     // SAFETY: `forward` validated shapes, dtypes, lengths and context of every buffer against
     // `p`; the strides in `args` address only elements inside them; the workspace holds the
     // bytes the kernel asked for.
     unsafe { sdpa_sys::ffi::forward(kernel, &args, stream)? };
-    drop(workspace);
+    drop(guard);
     Ok(())
 }
 
