@@ -32,4 +32,14 @@ echo "== memcheck (GQA)"
   --dtype f16 --causal both --seed 8 --shape 2,4,77,77,128 --kv-heads 1 > /tmp/sanitize-gqa.log 2>&1 \
   && grep -E "ERROR SUMMARY|checks passed" /tmp/sanitize-gqa.log | tail -2 \
   || { echo "sanitize: GQA memcheck failed"; tail -40 /tmp/sanitize-gqa.log; rc=1; }
+# e4m3 inputs: the native kernel (cutlass, with its Vᵀ pre-pass) and one simulated path.
+for tool in memcheck racecheck synccheck initcheck; do
+  echo "== $tool (e4m3)"
+  "$cs" --tool "$tool" --error-exitcode 99 "$sdpa" validate --backend cutlass,cutlass-sm80 \
+    --dtype e4m3 --causal both --seed 9 --shape 1,2,77,77,64 --shape 1,4,77,130,128 --kv-heads 2 \
+    > /tmp/sanitize-fp8-$tool.log 2>&1 \
+    && grep -E "ERROR SUMMARY|checks passed" /tmp/sanitize-fp8-$tool.log | tail -2 \
+    || { echo "sanitize: $tool on e4m3 failed"; grep -v "Host Frame" /tmp/sanitize-fp8-$tool.log \
+         | grep -m3 -A8 -E "^========= [A-Z]"; tail -5 /tmp/sanitize-fp8-$tool.log; rc=1; }
+done
 exit $rc
