@@ -146,3 +146,70 @@ fn launch_failure_is_an_error_with_the_cuda_string() {
     let r = sdpa::check::check_backend(Some(&dev), &p, Backend::Auto, 3).unwrap();
     assert!(r.pass(), "after a failed launch: {r:?}");
 }
+
+/// A tensor made on GPU 1 handed to a `Device` of GPU 0: a typed error naming the tensor,
+/// nothing launched, the output untouched. Needs two GPUs (skips with the reason otherwise;
+/// `SDPA_REQUIRE_MULTI_GPU=1` makes a missing second GPU fail instead).
+#[test]
+fn tensor_from_another_gpu_is_rejected() {
+    let Some(dev0) = common::device("another GPU") else {
+        return;
+    };
+    let dev1 = match sdpa::Device::new(1) {
+        Ok(d) => d,
+        Err(e) => {
+            if std::env::var("SDPA_REQUIRE_MULTI_GPU").is_ok_and(|v| v == "1") {
+                panic!("SDPA_REQUIRE_MULTI_GPU=1 but no second GPU: {e}");
+            }
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "another GPU: skipped, one GPU only ({e})"
+            );
+            return;
+        }
+    };
+    let p = Problem::new(1, 2, 16, 16, 64);
+    let n = p.q_len().unwrap();
+    let on0 = |dtype| Tensor::from_f32(&dev0, dtype, &vec![0.5; n]).unwrap();
+    let (q, k, v) = (on0(DType::F16), on0(DType::F16), on0(DType::F16));
+    let far = Tensor::from_f32(&dev1, DType::F16, &vec![0.5; n]).unwrap();
+    let mut out = Tensor::poisoned(&dev0, DType::F16, n).unwrap();
+    for backend in Backend::ALL {
+        for (name, r) in [
+            (
+                "q",
+                sdpa::forward(&dev0, &p, backend, &far, &k, &v, &mut out),
+            ),
+            (
+                "k",
+                sdpa::forward(&dev0, &p, backend, &q, &far, &v, &mut out),
+            ),
+            (
+                "v",
+                sdpa::forward(&dev0, &p, backend, &q, &k, &far, &mut out),
+            ),
+        ] {
+            let e = r.unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument(_)),
+                "{backend} {name}: {e:?}"
+            );
+            assert!(
+                e.to_string()
+                    .contains(&format!("{name} lives on another GPU")),
+                "{backend} {name}: {e}"
+            );
+        }
+        let mut far_out = Tensor::poisoned(&dev1, DType::F16, n).unwrap();
+        let e = sdpa::forward(&dev0, &p, backend, &q, &k, &v, &mut far_out).unwrap_err();
+        assert!(
+            e.to_string().contains("out lives on another GPU"),
+            "{backend}: {e}"
+        );
+    }
+    assert!(
+        out.to_f32(&dev0).unwrap().iter().all(|x| x.is_nan()),
+        "output written"
+    );
+}
