@@ -19,6 +19,13 @@
 //               {4c..4c+3, 16+4c..16+4c+3}), so instead of shuffling P between lanes the
 //               pre-pass stores the keys of each 32-key block of Vᵀ in the order the
 //               registers already have (see key_of): P is converted in place, no shuffles.
+//   P split     P = P_hi + P_lo, both e4m3 (Cfg::kSplitP), O += P_hi·V + P_lo·V: P as one
+//               e4m3 (3 mantissa bits) left ||o - ref|| / ||ref|| at 2.0-2.5e-2 on random
+//               data (one key tile already), over the 2e-2 bar; with the residual 0.6-4e-3.
+//   promotion   At D = 64 each key tile's P·V goes into a zeroed f32 accumulator added into O
+//               (Cfg::kPromote): FP8 wgmma accumulates with limited precision, which shows
+//               once P is split when V has a mean (V ~ N(1, 1), 1000 keys: 9.3e-3 -> 1.8e-3).
+//               D = 128 has no registers for it at 192-key tiles (see DefaultCfg).
 //   epilogue    O · v_scale / l, written as f16 or bf16.
 #pragma once
 
@@ -161,7 +168,7 @@ using KAtom = std::conditional_t<
 
 // Tile configuration: output type, head dim, keys per tile, and whether the softmax keeps a
 // stale row maximum while it is within kSlack of the true one (softmax_tile).
-template <typename TO, int D, int BN_, bool kLazy_>
+template <typename TO, int D, int BN_, bool kLazy_, bool kSplitP_ = true, bool kPromote_ = false>
 struct Cfg {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static_assert(BN_ % 32 == 0, "key tiles of whole 32-key wgmma steps");
@@ -172,13 +179,20 @@ struct Cfg {
   static constexpr bool kLazy = kLazy_;
   static constexpr int kPLog2 = 8;
   static constexpr float kSlack = kLazy ? 0.75f : 0.f;
+  // P·V of each key tile goes into a zeroed f32 accumulator that is then added into O (O =
+  // alpha·O + T): FP8 wgmma accumulates with limited precision, so O carried across all key
+  // tiles inside the wgmma accumulator loses accuracy with seq_k.
+  static constexpr bool kPromote = kPromote_;
+  // P = P_hi + P_lo, both e4m3 (P_lo the e4m3 residual, via f16), and O += P_hi·V + P_lo·V: a
+  // single e4m3 P (3 mantissa bits) leaves ~2% relative error in O on random data.
+  static constexpr bool kSplitP = kSplitP_;
   static constexpr int kWG = 2;  // consumer warpgroups at most, each 64 query rows
   static constexpr int kThreads = 128 * (kWG + 1);
   static constexpr int kBM = 64 * kWG;
   static constexpr int kBN = BN_;
   // e4m3 tiles are half the f16 bytes: as many K/V stages (up to 4) as fit next to Q and the
-  // O staging. D = 128, BN = 192: Q 16 + 3 x (K 24 + Vt 24) + O 32 = 192 KB; D = 64, BN = 256:
-  // Q 8 + 4 x (K 16 + Vt 16) + O 16 = 152 KB.
+  // O staging. D = 128, BN = 192: Q 16 + 3 x (K 24 + Vt 24) + O 32 = 192 KB; D = 64, BN = 128:
+  // Q 8 + 4 x (K 8 + Vt 8) + O 16 = 88 KB.
   static constexpr int kStages =
       std::min(4, (226 * 1024 - kBM * D * (1 + int(sizeof(TO))) - 256) / (2 * kBN * D));
   using BM = Int<kBM>;
@@ -338,6 +352,16 @@ __device__ __forceinline__ void rescale_o(TO_& O, const TA* alpha) {
   }
 }
 
+// O = alpha·O + T per row (the promoted P·V of one key tile, T, into the f32 O).
+template <class TO_, class TT>
+__device__ __forceinline__ void add_tile(TO_& O, TT const& T, const float* alpha) {
+  CUTE_UNROLL
+  for (int r = 0; r < decltype(size<0>(O))::value; ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(O); ++c) O(r, c) = fmaf(O(r, c), alpha[r], T(r, c));
+  }
+}
+
 // O *= v_scale / l; a row with no visible key has l = 0 and outputs zeros (l >= 2^kPLog2
 // otherwise: the row max contributes 2^kPLog2).
 template <class TO_>
@@ -357,6 +381,47 @@ __device__ __forceinline__ void normalize(TO_& O, const float* l_run, float v_sc
 // S values 16kb + {0,1,4,5} (row r, col groups 4kb, 4kb+1), {2,3,6,7} (row r+8), {8,9,12,13}
 // (row r, groups 4kb+2, 4kb+3), {10,11,14,15} (row r+8) become registers 4kb .. 4kb+3; key_of
 // is the matching order of Vᵀ's keys.
+// Four f32 -> e4m3 hi (as e4m3x4) and the e4m3 of the residual lo = x - hi, computed in f16
+// (x to f16 first: x - hi is then exact in f16 and hi + lo carries ~8 significant bits).
+__device__ __forceinline__ void e4m3x4_split(float a, float b, float c, float d, uint32_t& hi,
+                                             uint32_t& lo) {
+  asm("{\n\t.reg .b32 p0, p1, d0, d1;\n\t.reg .b16 h0, h1, l0, l1;\n\t"
+      "cvt.rn.f16x2.f32 p0, %3, %2;\n\t"
+      "cvt.rn.f16x2.f32 p1, %5, %4;\n\t"
+      "cvt.rn.satfinite.e4m3x2.f16x2 h0, p0;\n\t"
+      "cvt.rn.satfinite.e4m3x2.f16x2 h1, p1;\n\t"
+      "cvt.rn.f16x2.e4m3x2 d0, h0;\n\t"
+      "cvt.rn.f16x2.e4m3x2 d1, h1;\n\t"
+      "sub.rn.f16x2 d0, p0, d0;\n\t"
+      "sub.rn.f16x2 d1, p1, d1;\n\t"
+      "cvt.rn.satfinite.e4m3x2.f16x2 l0, d0;\n\t"
+      "cvt.rn.satfinite.e4m3x2.f16x2 l1, d1;\n\t"
+      "mov.b32 %0, {h0, h1};\n\t"
+      "mov.b32 %1, {l0, l1};\n\t}"
+      : "=r"(hi), "=r"(lo)
+      : "f"(a), "f"(b), "f"(c), "f"(d));
+}
+
+// convert_p with P split into hi and lo fragments (same register order).
+template <class TP, class TS>
+__device__ __forceinline__ void convert_p_split(TP& rP, TP& rPlo, TS const& tSrS) {
+  Tensor h32 = recast<uint32_t>(rP);
+  Tensor l32 = recast<uint32_t>(rPlo);
+  static_assert(decltype(size(h32))::value * 4 == decltype(size(tSrS))::value);
+  CUTE_UNROLL
+  for (int kb = 0; kb < size(h32) / 4; ++kb) {
+    const int s = 16 * kb;
+    e4m3x4_split(tSrS(s + 0), tSrS(s + 1), tSrS(s + 4), tSrS(s + 5), h32(4 * kb + 0),
+                 l32(4 * kb + 0));
+    e4m3x4_split(tSrS(s + 2), tSrS(s + 3), tSrS(s + 6), tSrS(s + 7), h32(4 * kb + 1),
+                 l32(4 * kb + 1));
+    e4m3x4_split(tSrS(s + 8), tSrS(s + 9), tSrS(s + 12), tSrS(s + 13), h32(4 * kb + 2),
+                 l32(4 * kb + 2));
+    e4m3x4_split(tSrS(s + 10), tSrS(s + 11), tSrS(s + 14), tSrS(s + 15), h32(4 * kb + 3),
+                 l32(4 * kb + 3));
+  }
+}
+
 template <class TP, class TS>
 __device__ __forceinline__ void convert_p(TP& rP, TS const& tSrS) {
   Tensor r32 = recast<uint32_t>(rP);
@@ -558,13 +623,16 @@ __global__ void __launch_bounds__(C::kThreads, 1) fwd_kernel(const __grid_consta
   Tensor tSrK = thr_qk.partition_fragment_B(sK);
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<D>>{});
+  Tensor tOrT = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<D>>{});  // kPromote: P·V of a tile
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
   Tensor rP = make_tensor<E>(typename C::LayoutP{});
+  Tensor rPlo = make_tensor<E>(typename C::LayoutP{});  // kSplitP: P's residual
 
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
   Tensor cSrc = make_tensor(cS.data(), rowcol(cS.layout()));
   Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
   Tensor Srow = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+  Tensor Trow = make_tensor(tOrT.data(), rowcol(tOrT.layout()));
   constexpr int kRows = decltype(size<0>(O))::value;
   static_assert(kRows == 2);
 
@@ -576,10 +644,33 @@ __global__ void __launch_bounds__(C::kThreads, 1) fwd_kernel(const __grid_consta
       mma_qk.accumulate_ = GMMA::ScaleOut::One;
     }
   };
+  // O += P·V (kPromote: T = P·V, each 32-key step after the first accumulating onto it).
+  const auto issue_pv = [&](int sv) {
+    if constexpr (C::kPromote) {
+      mma_pv.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(rP); ++kb) {
+        cute::gemm(mma_pv, rP(_, _, kb), tOrV(_, _, kb, sv), tOrT);
+        mma_pv.accumulate_ = GMMA::ScaleOut::One;
+      }
+      if constexpr (C::kSplitP) cute::gemm(mma_pv, rPlo, tOrV(_, _, _, sv), tOrT);
+    } else {
+      cute::gemm(mma_pv, rP, tOrV(_, _, _, sv), tOrO);
+      if constexpr (C::kSplitP) cute::gemm(mma_pv, rPlo, tOrV(_, _, _, sv), tOrO);
+    }
+  };
+  const auto to_p = [&]() {
+    if constexpr (C::kSplitP)
+      convert_p_split(rP, rPlo, tSrS);
+    else
+      convert_p(rP, tSrS);
+  };
   const auto fence_all = [&]() {
     warpgroup_fence_operand(tSrS);
     warpgroup_fence_operand(tOrO);
+    if constexpr (C::kPromote) warpgroup_fence_operand(tOrT);
     warpgroup_fence_operand(rP);
+    if constexpr (C::kSplitP) warpgroup_fence_operand(rPlo);
   };
 
   int it = 0, qi = 0;
@@ -596,7 +687,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) fwd_kernel(const __grid_consta
     const float v_scale = __ldg(p.v_scale + kvi);
 
     clear(tOrO);
-    float m_run[kRows], l_run[kRows], alpha[kRows];
+    float m_run[kRows], l_run[kRows], alpha[kRows], alpha_pv[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       m_run[r] = -INFINITY;
@@ -624,7 +715,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) fwd_kernel(const __grid_consta
         if (n_tiles == 1) Bar::arrive(&sm.empty_q);
         softmax_tile<CAUSAL, C::kPLog2>(Srow, cSrc, m_run, l_run, alpha, m0, 0, BN, p.seq_k, off,
                                         sl2, C::kSlack);
-        convert_p(rP, tSrS);
+        to_p();
       }
 
       for (int n = 1; n < n_tiles; ++n) {
@@ -637,10 +728,17 @@ __global__ void __launch_bounds__(C::kThreads, 1) fwd_kernel(const __grid_consta
         warpgroup_arrive();
         issue_s(sk);
         warpgroup_commit_batch();
-        if (n > 1) rescale_o(O, alpha);
-        warpgroup_fence_operand(tOrO);
+        if constexpr (C::kPromote) {
+          // alpha of tile n - 1 rescales O when T = P_{n-1}·V_{n-1} is added (softmax of
+          // tile n overwrites alpha meanwhile).
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) alpha_pv[r] = alpha[r];
+        } else {
+          if (n > 1) rescale_o(O, alpha);
+          warpgroup_fence_operand(tOrO);
+        }
         warpgroup_arrive();
-        cute::gemm(mma_pv, rP, tOrV(_, _, _, sv), tOrO);
+        issue_pv(sv);
         warpgroup_commit_batch();
         turn_arrive(wg ^ 1);
         warpgroup_wait<1>();
@@ -652,22 +750,24 @@ __global__ void __launch_bounds__(C::kThreads, 1) fwd_kernel(const __grid_consta
         warpgroup_wait<0>();
         fence_all();
         Bar::arrive(&sm.empty_v[sv]);
-        convert_p(rP, tSrS);
+        if constexpr (C::kPromote) add_tile(O, Trow, alpha_pv);
+        to_p();
       }
 
       {
         const int uv = it + n_tiles - 1, sv = uv % S;
         Bar::wait(&sm.full_v[sv], (uv / S) & 1);
         turn_sync(wg);
-        if (n_tiles > 1) rescale_o(O, alpha);
+        if (!C::kPromote && n_tiles > 1) rescale_o(O, alpha);
         fence_all();
         warpgroup_arrive();
-        cute::gemm(mma_pv, rP, tOrV(_, _, _, sv), tOrO);
+        issue_pv(sv);
         warpgroup_commit_batch();
         if (wg == 0) turn_arrive(1);
         warpgroup_wait<0>();
         fence_all();
         Bar::arrive(&sm.empty_v[sv]);
+        if constexpr (C::kPromote) add_tile(O, Trow, alpha);
       }
       it += n_tiles;
     } else {
@@ -855,11 +955,13 @@ void forward_cfg(const FwdArgs& a, cudaStream_t stream, const Tuning& tune) {
 }
 
 // The configuration each (output type, head dim) ships with. Measured on an H200 (graph replay,
-// .scratch-fp8 harness; exact running max): D = 128 with 192-key tiles (3 stages) against 128
-// (4 stages): s8k 627 vs 659 us, s16k-causal 1246 vs 1328, s2k 179 vs 183. D = 64 with 256-key
-// tiles: mission 4.94 vs 5.26 us, s1k-d64 40.0 vs 42.4 (both measured with the lazy maximum).
+// .scratch-fp8 harness; exact running max), all with P split: D = 128, 192-key tiles: s8k 837
+// us, s16k-causal 1649, s2k 234; with promotion and 128-key tiles (spills 60 B) 922, 1830, 248.
+// D = 64, 128-key tiles with promotion: mission 5.65 us, s1k-d64 46.7; without promotion 5.67,
+// 49.8; 256-key tiles without promotion (spills 96 B) 5.86, 59.3. The unsplit kernel ran s8k
+// 641, s16k-causal 1290, s2k 188, mission 4.96, s1k-d64 40.5 at 2.0-2.7e-2 error.
 template <typename TO, int D>
-using DefaultCfg = Cfg<TO, D, D == 128 ? 192 : 256, false>;
+using DefaultCfg = Cfg<TO, D, D == 128 ? 192 : 128, false, true, D == 64>;
 
 template <typename TO, int D>
 void forward(const FwdArgs& a, cudaStream_t stream, const Tuning& tune = {}) {
