@@ -319,19 +319,26 @@ __device__ __forceinline__ void softmax_tile(TS& S, TC const& cSrc, float* m_run
     const bool move =
         (m_run[r] == -INFINITY && mx[r] != -INFINITY) || (mx[r] - m_run[r]) * sl2 > slack;
     const float m_new = move ? mx[r] : m_run[r];
-    // Base rounded up and the bias rounded down: no exponent below exceeds kPLog2, so P stays
-    // <= 2^kPLog2 < 448 even at huge logits (to nearest, the FMA's exact residual reaches half
-    // an ulp of m·scale: exp2(>= 128) = inf past ~2^30). alpha is the ratio of the two bases.
-    const float base = m_new == -INFINITY ? 0.f : __fmul_ru(m_new, sl2);
-    alpha[r] = move ? ex2(__fmul_ru(m_run[r], sl2) - base) : 1.f;
+    // Exponents exact at any logit size, as in softmax_tile of sm90_fwd.cuh: one FMA with the
+    // bias while |m·scale| < 2^15 (residuals <= 2^-8: P <= 257 < 448), else the rounded product
+    // minus the base, so the max's exponent is exactly kPLog2. alpha: ratio of the two bases.
+    const float base = m_new == -INFINITY ? 0.f : __fmul_rn(m_new, sl2);
+    alpha[r] = move ? ex2(__fmul_rn(m_run[r], sl2) - base) : 1.f;
     m_run[r] = m_new;
-    const float bias = __fsub_rd(float(kPLog2), base);
     float sum[4] = {0.f, 0.f, 0.f, 0.f};
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) {
-      const float e = ex2(fmaf(S(r, c), sl2, bias));
-      S(r, c) = e;
-      sum[c & 3] += e;
+    const auto exps = [&](auto exponent) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        const float e = ex2(exponent(S(r, c)));
+        S(r, c) = e;
+        sum[c & 3] += e;
+      }
+    };
+    if (fabsf(base) < 32768.f) {
+      const float bias = float(kPLog2) - base;
+      exps([&](float x) { return fmaf(x, sl2, bias); });
+    } else {
+      exps([&](float x) { return (__fmul_rn(x, sl2) - base) + float(kPLog2); });
     }
     // This thread's partial sum; the quad adds at the end.
     l_run[r] = l_run[r] * alpha[r] + ((sum[0] + sum[1]) + (sum[2] + sum[3]));
