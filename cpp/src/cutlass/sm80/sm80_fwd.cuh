@@ -380,28 +380,26 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
             mx = fmaxf(mx, fmaxf(sacc[mt][j][2 * r], sacc[mt][j][2 * r + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // A row with nothing visible yet keeps m = -inf; subtracting 0 keeps p = 0, not NaN.
-          // Exponents as in wmma_fwd.cuh (exact at any logit size).
-          const float base = mx == -INFINITY ? 0.f : __fmul_rn(mx, sl2);
+          // A row with nothing visible yet keeps m = -inf: exponents stay -inf, p = 0, not NaN.
+          // mx·sl2 carried as hi + lo (rounded product and its exact residual): every exponent
+          // fma(x, sl2, -hi) - lo is exact enough at any logit size, the max's exactly 0. A
+          // single FMA with a rounded base leaves the max the base's rounding residual: past
+          // ~2^24 whole powers of two, p = 0 or inf (tests/numerics.rs, logits 1e8-1e10).
+          const float hi = mx == -INFINITY ? 0.f : __fmul_rn(mx, sl2);
+          const float lo = mx == -INFINITY ? 0.f : fmaf(mx, sl2, -hi);
           // Exactly 1 when the max did not move (also for -inf == -inf: O and l are still 0).
-          alpha[r] = mx == m_run[mt][r] ? 1.f : exp2f(__fmul_rn(m_run[mt][r], sl2) - base);
+          alpha[r] = mx == m_run[mt][r] ? 1.f : exp2f(fmaf(m_run[mt][r], sl2, -hi) - lo);
           m_run[mt][r] = mx;
           float sum = 0.f;
-          const auto exps = [&](auto exponent) {
 #pragma unroll
-            for (int j = 0; j < kSN; ++j) {
+          for (int j = 0; j < kSN; ++j) {
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const float x = exp2f(exponent(sacc[mt][j][2 * r + e]));
-                sacc[mt][j][2 * r + e] = x;
-                sum += x;
-              }
+            for (int e = 0; e < 2; ++e) {
+              const float x = exp2f(fmaf(sacc[mt][j][2 * r + e], sl2, -hi) - lo);
+              sacc[mt][j][2 * r + e] = x;
+              sum += x;
             }
-          };
-          if (fabsf(base) < 32768.f)
-            exps([&](float x) { return fmaf(x, sl2, -base); });
-          else
-            exps([&](float x) { return __fmul_rn(x, sl2) - base; });
+          }
           l_run[mt][r] = fmaf(l_run[mt][r], alpha[r], sum);  // this thread's part; quad-summed last
         }
         // O *= alpha, skipped (exactly) when no row max of the warp's strip moved.

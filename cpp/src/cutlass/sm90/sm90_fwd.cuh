@@ -243,14 +243,24 @@ __device__ __forceinline__ constexpr auto rowcol(L const& l) {
                      make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
 }
 
-// Softmax exponents, exact at any logit size. The max's base is RN(m·scale); every exponent
-// is x·scale - base. Folded into one FMA (exact product, one rounding) the max's own exponent
-// is the rounding residual of its base, up to half an ulp of m·scale: harmless below 2^15
-// (|residual| <= 2^-9, p <= 1.0014), but past ~2^24 it reaches whole powers of two and p of
-// the max becomes 0 or inf (tests/numerics.rs, logits 1e8-1e10). There the product is
-// rounded first, RN(x·scale) - base: exactly 0 for the max, <= 0 for the rest (monotone).
-// The check is per row, outside the element loop, so ordinary logits keep the single FMA.
-__device__ __forceinline__ bool large_logits(float base) { return !(fabsf(base) < 32768.f); }
+// Softmax exponents, exact at any logit size: the max's m·scale is carried as hi + lo (hi
+// rounded, lo the exact residual, one FMA), and each exponent is fma(x, scale, -hi) - lo. The
+// max's own exponent is then exactly 0 and every other one <= 0. Folding m·scale into one FMA
+// with a rounded base instead leaves the max with the base's rounding residual, harmless for
+// ordinary logits but past ~2^24 whole powers of two: p of the max becomes 0 or inf
+// (tests/numerics.rs, logits 1e8-1e10). The cost is one FADD per score, no branch.
+struct ScaledMax {
+  float hi, lo;
+  __device__ __forceinline__ ScaledMax(float m, float scale) {
+    // A row with nothing visible yet keeps m = -inf: exponents stay -inf, p = 0, not NaN.
+    hi = m == -INFINITY ? 0.f : __fmul_rn(m, scale);
+    lo = m == -INFINITY ? 0.f : fmaf(m, scale, -hi);
+  }
+  // x·scale - m·scale, for x <= m.
+  __device__ __forceinline__ float exponent(float x, float scale) const {
+    return fmaf(x, scale, -hi) - lo;
+  }
+};
 
 // One tile of the online softmax, in place on S (row/col view of the accumulator): mask, new
 // running max, S <- exp2(S·scale_log2 - max·scale_log2), row sums, and per row the factor
@@ -282,24 +292,16 @@ __device__ __forceinline__ void softmax_tile(TS& S, TC const& cSrc, float* m_run
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a row lives in a quad
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m_run[r], mx);
-    // A row with nothing visible yet keeps m = -inf; subtracting 0 keeps p = 0, not NaN.
-    // alpha is the exact ratio of the previous base to this one (see large_logits below).
-    const float base = m_new == -INFINITY ? 0.f : __fmul_rn(m_new, sl2);
-    alpha[r] = ex2(__fmul_rn(m_run[r], sl2) - base);
+    const ScaledMax base(m_new, sl2);
+    alpha[r] = ex2(base.exponent(m_run[r], sl2));  // 0 while m_run is -inf
     m_run[r] = m_new;
     float sum = 0.f;
-    const auto exps = [&](auto exponent) {
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(S); ++c) {
-        const float e = ex2(exponent(S(r, c)));
-        S(r, c) = e;
-        sum += e;
-      }
-    };
-    if (!large_logits(base))
-      exps([&](float x) { return fmaf(x, sl2, -base); });
-    else
-      exps([&](float x) { return __fmul_rn(x, sl2) - base; });
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(S); ++c) {
+      const float e = ex2(base.exponent(S(r, c), sl2));
+      S(r, c) = e;
+      sum += e;
+    }
     l_run[r] = l_run[r] * alpha[r] + sum;  // this thread's partial sum; the quad adds at the end
   }
 }
