@@ -243,24 +243,20 @@ __device__ __forceinline__ constexpr auto rowcol(L const& l) {
                      make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
 }
 
-// Softmax exponents, exact at any logit size: the max's m·scale is carried as hi + lo (hi
-// rounded, lo the exact residual, one FMA), and each exponent is fma(x, scale, -hi) - lo. The
-// max's own exponent is then exactly 0 and every other one <= 0. Folding m·scale into one FMA
-// with a rounded base instead leaves the max with the base's rounding residual, harmless for
-// ordinary logits but past ~2^24 whole powers of two: p of the max becomes 0 or inf
-// (tests/numerics.rs, logits 1e8-1e10). The cost is one FADD per score, no branch.
-struct ScaledMax {
-  float hi, lo;
-  __device__ __forceinline__ ScaledMax(float m, float scale) {
-    // A row with nothing visible yet keeps m = -inf: exponents stay -inf, p = 0, not NaN.
-    hi = m == -INFINITY ? 0.f : __fmul_rn(m, scale);
-    lo = m == -INFINITY ? 0.f : fmaf(m, scale, -hi);
-  }
-  // x·scale - m·scale, for x <= m.
-  __device__ __forceinline__ float exponent(float x, float scale) const {
-    return fmaf(x, scale, -hi) - lo;
-  }
-};
+// Softmax exponents at any logit size. Each row's base is RN(m·scale) and every exponent is
+// taken against it. The fast form folds the scale into one FMA, fma(x, scale, -base): its
+// exact product leaves the max the base's rounding residual as exponent, at most 2^-9 while
+// |base| < 2^15, but past ~2^24 whole powers of two (p of the max 0 or inf: tests/numerics.rs,
+// logits 1e8-1e10). Beyond 2^15 the exact form RN(x·scale) - base is used instead: the max's
+// exponent exactly 0, the others <= 0. The choice is one vote per warp and tile, so ordinary
+// logits run exactly the single-FMA code (an extra FADD per score, or a branch per row, cost
+// the sm90 kernel 3-10% and cutlass-sm80 up to 75%: measured, docs/perf.md).
+constexpr float kFoldLimit = 32768.f;
+
+__device__ __forceinline__ float scaled_base(float m, float scale) {
+  // A row with nothing visible yet keeps m = -inf: base 0 keeps p = 0, not NaN.
+  return m == -INFINITY ? 0.f : __fmul_rn(m, scale);
+}
 
 // One tile of the online softmax, in place on S (row/col view of the accumulator): mask, new
 // running max, S <- exp2(S·scale_log2 - max·scale_log2), row sums, and per row the factor
@@ -284,6 +280,8 @@ __device__ __forceinline__ void softmax_tile(TS& S, TC const& cSrc, float* m_run
         if (n0 + get<1>(cSrc(r, c)) > last) S(r, c) = -INFINITY;
     }
   }
+  float base[kRows];
+  bool large = false;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     float mx = -INFINITY;
@@ -292,18 +290,28 @@ __device__ __forceinline__ void softmax_tile(TS& S, TC const& cSrc, float* m_run
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a row lives in a quad
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m_run[r], mx);
-    const ScaledMax base(m_new, sl2);
-    alpha[r] = ex2(base.exponent(m_run[r], sl2));  // 0 while m_run is -inf
+    base[r] = scaled_base(m_new, sl2);
+    large |= !(fabsf(base[r]) < kFoldLimit);
+    alpha[r] = ex2(__fmul_rn(m_run[r], sl2) - base[r]);  // ratio of the bases; 0 from -inf
     m_run[r] = m_new;
-    float sum = 0.f;
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(S); ++c) {
-      const float e = ex2(base.exponent(S(r, c), sl2));
-      S(r, c) = e;
-      sum += e;
-    }
-    l_run[r] = l_run[r] * alpha[r] + sum;  // this thread's partial sum; the quad adds at the end
   }
+  const auto exps = [&](auto exponent) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(S); ++c) {
+        const float e = ex2(exponent(S(r, c), base[r]));
+        S(r, c) = e;
+        sum += e;
+      }
+      l_run[r] = l_run[r] * alpha[r] + sum;  // this thread's partial sum; the quad adds last
+    }
+  };
+  if (!__any_sync(0xffffffffu, large))
+    exps([&](float x, float b) { return fmaf(x, sl2, -b); });
+  else
+    exps([&](float x, float b) { return __fmul_rn(x, sl2) - b; });
 }
 
 // O *= alpha per row, skipped when no row of the warp moved its max (alpha is then exactly 1):

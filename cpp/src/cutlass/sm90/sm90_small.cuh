@@ -266,15 +266,22 @@ __global__ void __launch_bounds__(128, 1)
       for (int c = 0; c < size<1>(S); ++c) mx = fmaxf(mx, S(r, c));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a row lives in a quad
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // No visible key: p = 0, not NaN. Exponents exact as in softmax_tile (sm90_fwd.cuh).
-      const ScaledMax base(mx, sl2);
+      // Exponents as in softmax_tile (sm90_fwd.cuh); one pass per CTA, so the branch is
+      // per row here.
+      const float base = scaled_base(mx, sl2);
       float sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(S); ++c) {
-        const float e = ex2(base.exponent(S(r, c), sl2));
-        S(r, c) = e;
-        sum += e;
-      }
+      const auto exps = [&](auto exponent) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          const float e = ex2(exponent(S(r, c)));
+          S(r, c) = e;
+          sum += e;
+        }
+      };
+      if (!__any_sync(0xffffffffu, !(fabsf(base) < kFoldLimit)))
+        exps([&](float x) { return fmaf(x, sl2, -base); });
+      else
+        exps([&](float x) { return __fmul_rn(x, sl2) - base; });
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       m_row[r] = mx;
@@ -362,14 +369,14 @@ __global__ void __launch_bounds__(128, 1)
       if (j < nrank) mx = fmaxf(mx, ml[j].x);
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     float l = 0.f;
-    const ScaledMax top(mx, sl2);
+    const float top = scaled_base(mx, sl2);
     if (mx != -INFINITY) {
       CUTE_UNROLL
       for (int j = 0; j < C::kMaxCluster; ++j) {
         if (j < nrank) {
           // The ratio of the bases each partial was computed against;
           // 0 for an empty partial (m = -inf).
-          const float w = ex2(top.exponent(ml[j].x, sl2));
+          const float w = ex2(__fmul_rn(ml[j].x, sl2) - top);
           l += w * ml[j].y;
           acc[0] += w * x0[j].x;
           acc[1] += w * x0[j].y;
