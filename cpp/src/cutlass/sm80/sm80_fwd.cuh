@@ -371,8 +371,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
             }
           }
         }
-        float alpha[2], base[2];
-        bool large = false;
+        float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           float mx = m_run[mt][r];
@@ -381,36 +380,30 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
             mx = fmaxf(mx, fmaxf(sacc[mt][j][2 * r], sacc[mt][j][2 * r + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // A row with nothing visible yet keeps m = -inf; base 0 keeps p = 0, not NaN.
-          base[r] = mx == -INFINITY ? 0.f : __fmul_rn(mx, sl2);
-          large |= !(fabsf(base[r]) < 32768.f);
+          // A row with nothing visible yet keeps m = -inf: exponents stay -inf, p = 0, not NaN.
+          // mx·sl2 carried as hi + lo (rounded product and its exact residual): every exponent
+          // fma(x, sl2, -hi) - lo is exact enough at any logit size, the max's exactly 0. A
+          // single FMA with a rounded base leaves the max the base's rounding residual: past
+          // ~2^24 whole powers of two, p = 0 or inf (tests/numerics.rs, logits 1e8-1e10).
+          // Measured on s8k (H200): this extra FADD +3-4%; sm90's form (single FMA unless a
+          // warp votes for the exact one) +50% here, and a branch per row +75%.
+          const float hi = mx == -INFINITY ? 0.f : __fmul_rn(mx, sl2);
+          const float lo = mx == -INFINITY ? 0.f : fmaf(mx, sl2, -hi);
           // Exactly 1 when the max did not move (also for -inf == -inf: O and l are still 0).
-          alpha[r] = mx == m_run[mt][r] ? 1.f : exp2f(__fmul_rn(m_run[mt][r], sl2) - base[r]);
+          alpha[r] = mx == m_run[mt][r] ? 1.f : exp2f(fmaf(m_run[mt][r], sl2, -hi) - lo);
           m_run[mt][r] = mx;
-        }
-        // One FMA per score while |base| < 2^15; past that the max's exponent would be the
-        // base's rounding residual (whole powers of two past ~2^24), so the product is rounded
-        // first. One vote per warp: ordinary logits run the single-FMA code (sm90_fwd.cuh).
-        const auto exps = [&](auto exponent) {
+          float sum = 0.f;
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float sum = 0.f;
+          for (int j = 0; j < kSN; ++j) {
 #pragma unroll
-            for (int j = 0; j < kSN; ++j) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const float x = exp2f(exponent(sacc[mt][j][2 * r + e], base[r]));
-                sacc[mt][j][2 * r + e] = x;
-                sum += x;
-              }
+            for (int e = 0; e < 2; ++e) {
+              const float x = exp2f(fmaf(sacc[mt][j][2 * r + e], sl2, -hi) - lo);
+              sacc[mt][j][2 * r + e] = x;
+              sum += x;
             }
-            l_run[mt][r] = fmaf(l_run[mt][r], alpha[r], sum);  // this thread's part
           }
-        };
-        if (!__any_sync(0xffffffffu, large))
-          exps([&](float x, float b) { return fmaf(x, sl2, -b); });
-        else
-          exps([&](float x, float b) { return __fmul_rn(x, sl2) - b; });
+          l_run[mt][r] = fmaf(l_run[mt][r], alpha[r], sum);  // this thread's part; quad-summed last
+        }
         // O *= alpha, skipped (exactly) when no row max of the warp's strip moved.
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
