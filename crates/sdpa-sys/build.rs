@@ -58,6 +58,16 @@ fn main() {
     if let Some(inc) = &tc.cutlass_include {
         cfg.define("SDPA_CUTLASS_INCLUDE", inc);
     }
+    // CMake's build tree lives beside cargo's profile folder, not in OUT_DIR: `cargo test` and
+    // `cargo clippy` run this script with different OUT_DIRs, and with a tree of their own each
+    // the whole CUDA core compiled twice (CI's 2 cores paid ~10 minutes for it). One tree per
+    // (toolchain, CUTLASS, archs) lets the second run find every object up to date. Cargo's
+    // lock on the target folder keeps two builds from sharing it at once.
+    let out = PathBuf::from(env::var("OUT_DIR").unwrap());
+    if let Some(profile_dir) = out.ancestors().nth(3) {
+        let key = format!("{}\n{:?}\n{archs}", nvcc.display(), tc.cutlass_include);
+        cfg.out_dir(profile_dir.join(format!("sdpa-core-{:016x}", fnv1a(key.as_bytes()))));
+    }
     let dst = cfg.build();
     let build = dst.join("build");
 
