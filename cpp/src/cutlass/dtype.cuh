@@ -1,4 +1,5 @@
-// Names of the CuTe element types, for the kernel reports of both CUTLASS backends.
+// The CuTe element types both CUTLASS backends instantiate: their names (kernel reports) and
+// the packing of two f32 into one register of them.
 #pragma once
 
 #include <cutlass/numeric_types.h>
@@ -14,6 +15,20 @@ constexpr const char* dtype_name<cute::half_t>() {
 template <>
 constexpr const char* dtype_name<cute::bfloat16_t>() {
   return "bf16";
+}
+
+// Two f32 -> one packed pair of T (low half = a), round to nearest.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<cute::half_t>(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<cute::bfloat16_t>(float a, float b) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
 }
 
 }  // namespace sdpa

@@ -95,20 +95,6 @@ struct MmaOp<cute::bfloat16_t> {
   using type = cute::SM80_16x8x16_F32BF16BF16F32_TN;
 };
 
-// Two f32 -> one packed pair of T (low half = a), round to nearest.
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b);
-template <>
-__device__ __forceinline__ uint32_t pack2<cute::half_t>(float a, float b) {
-  __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<cute::bfloat16_t>(float a, float b) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-
 // d += a·b on one m16n8k16 tile (f32 accumulators in place).
 template <typename T>
 __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,

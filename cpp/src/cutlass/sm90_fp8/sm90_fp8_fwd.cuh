@@ -53,6 +53,7 @@
 #include "common/check.cuh"
 #include "common/launch.cuh"
 #include "cutlass/dtype.cuh"
+#include "cutlass/sm90/primitives.cuh"
 
 // The kernel bodies exist only in the sm_90a device pass; other passes (sm_80 in the default
 // "80;90a" build) compile them empty, and the host side refuses to launch off sm_90.
@@ -91,74 +92,6 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
       : "f"(a), "f"(b), "f"(c), "f"(d));
   return r;
 }
-
-// Two f32 -> one packed pair of T (low half = a), round to nearest.
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b);
-template <>
-__device__ __forceinline__ uint32_t pack2<cute::half_t>(float a, float b) {
-  __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<cute::bfloat16_t>(float a, float b) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-
-// 2^x on the SFU, denormal results flushed to zero (see the f16 kernel: 3 instructions a score
-// cheaper than exp2f).
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-// mbarrier.init with a run-time count, without CUTLASS's assert (a call: it makes ptxas
-// serialize every wgmma).
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile(
-      "mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(uint32_t(__cvta_generic_to_shared(bar))),
-      "r"(count));
-}
-
-__device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint4 ld_shared_128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
-}
-
-// n / d for a divisor fixed per launch, 0 <= n < 2^31, by multiply-high and shift (exact: see
-// the f16 kernel).
-struct FastDiv {
-  int d = 1;
-  uint32_t mul = 0, shr = 0;
-  FastDiv() = default;
-  explicit FastDiv(int divisor) : d(divisor) {
-    uint32_t p = 0;
-    while ((int64_t(1) << p) < divisor) ++p;
-    if (d > 1) {
-      mul = uint32_t(((uint64_t(1) << (31 + p)) + uint64_t(d) - 1) / uint64_t(d));
-      shr = p - 1;
-    }
-  }
-  __device__ __forceinline__ int div(int n) const {
-    return d == 1 ? n : int(__umulhi(uint32_t(n), mul) >> shr);
-  }
-};
 
 // The widest GMMA swizzle whose row (128, 64 or 32 bytes) divides `bytes`.
 template <int kBytes>
@@ -322,7 +255,7 @@ __device__ __forceinline__ void softmax_tile(TS& S, TC const& cSrc, float* m_run
     // Exponents exact at any logit size, as in softmax_tile of sm90_fwd.cuh: one FMA with the
     // bias while |m·scale| < 2^15 (residuals <= 2^-8: P <= 257 < 448), else the rounded product
     // minus the base, so the max's exponent is exactly kPLog2. alpha: ratio of the two bases.
-    const float base = m_new == -INFINITY ? 0.f : __fmul_rn(m_new, sl2);
+    const float base = scaled_base(m_new, sl2);
     alpha[r] = move ? ex2(__fmul_rn(m_run[r], sl2) - base) : 1.f;
     m_run[r] = m_new;
     float sum[4] = {0.f, 0.f, 0.f, 0.f};
@@ -334,7 +267,7 @@ __device__ __forceinline__ void softmax_tile(TS& S, TC const& cSrc, float* m_run
         sum[c & 3] += e;
       }
     };
-    if (fabsf(base) < 32768.f) {
+    if (fabsf(base) < kFoldLimit) {
       const float bias = float(kPLog2) - base;
       exps([&](float x) { return fmaf(x, sl2, bias); });
     } else {

@@ -43,17 +43,20 @@ pub(crate) fn forward(
     // launch is enqueued, so a concurrent grow cannot free it under us; stream order does the
     // rest.
     let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &args)? as usize;
-    let mut guard = dev
-        .scratch()
-        .lock()
-        .map_err(|_| Error::Cuda("scratch buffer poisoned by a panic".into()))?;
+    // Only kernels that asked for scratch take the lock (the 16-bit ones never do).
+    let mut guard = None;
     if bytes > 0 {
-        if guard.as_ref().is_none_or(|w| w.len() < bytes) {
-            *guard = None; // free the old one before asking for the larger
+        let scratch = guard.insert(
+            dev.scratch()
+                .lock()
+                .map_err(|_| Error::Cuda("scratch buffer poisoned by a panic".into()))?,
+        );
+        if scratch.as_ref().is_none_or(|w| w.len() < bytes) {
+            **scratch = None; // free the old one before asking for the larger
             // SAFETY: the kernel's pre-pass writes every byte it later reads.
-            *guard = Some(unsafe { dev.stream().alloc::<u8>(bytes)? });
+            **scratch = Some(unsafe { dev.stream().alloc::<u8>(bytes)? });
         }
-        args.workspace = guard.as_mut().unwrap().device_ptr_mut(dev.stream()).0;
+        args.workspace = scratch.as_mut().unwrap().device_ptr_mut(dev.stream()).0;
     }
     let stream = dev.raw_stream()?;
     // SAFETY: `forward` validated shapes, dtypes, lengths and context of every buffer against

@@ -1,0 +1,88 @@
+// Device primitives the sm_90a kernels share (cutlass_sm90 f16/bf16, its small-problem path
+// and the native e4m3 kernel): SFU exp2, named and mbarriers, 32-bit shared-memory access, a
+// division by a per-launch constant, and the softmax base every kernel takes its exponents
+// against.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace sdpa::cutlass_sm90 {
+
+// 2^x on the SFU with denormal results flushed to zero. exp2f (no fast-math) spends a compare
+// and two predicated multiplies per call on denormals: 3 extra instructions per score.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Named barriers (id 0 is __syncthreads): bar.sync waits, bar.arrive only counts.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// mbarrier.init with a run-time count (cutlass's Barrier::init asserts the count is non-zero; a
+// run-time assert is a function call, and a call anywhere in the kernel makes ptxas serialize
+// every wgmma).
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile(
+      "mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(uint32_t(__cvta_generic_to_shared(bar))),
+      "r"(count));
+}
+
+// Shared memory by 32-bit address: a generic pointer costs 64-bit address arithmetic and
+// generic ST/LD instructions.
+__device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// n / d for a divisor fixed per launch, 0 <= n < 2^31: a multiply-high and a shift instead of
+// the ~20-instruction integer division (the tile decode sits on the critical path of the first
+// TMA issue). m = ceil(2^(31+p) / d) with p = ceil(log2 d) keeps the error of n·m / 2^(31+p)
+// under 2^-p <= 1/d, so the floor is exact.
+struct FastDiv {
+  int d = 1;
+  uint32_t mul = 0, shr = 0;
+  FastDiv() = default;
+  explicit FastDiv(int divisor) : d(divisor) {
+    uint32_t p = 0;
+    while ((int64_t(1) << p) < divisor) ++p;
+    if (d > 1) {
+      mul = uint32_t(((uint64_t(1) << (31 + p)) + uint64_t(d) - 1) / uint64_t(d));
+      shr = p - 1;
+    }
+  }
+  __device__ __forceinline__ int div(int n) const {
+    return d == 1 ? n : int(__umulhi(uint32_t(n), mul) >> shr);
+  }
+};
+
+// Softmax exponents at any logit size. Each row's base is RN(m·scale) and every exponent is
+// taken against it. The fast form folds the scale into one FMA, fma(x, scale, -base): its
+// exact product leaves the max the base's rounding residual as exponent, at most 2^-9 while
+// |base| < 2^15, but past ~2^24 whole powers of two (p of the max 0 or inf: tests/numerics.rs,
+// logits 1e8-1e10). Beyond 2^15 the exact form RN(x·scale) - base is used instead: the max's
+// exponent exactly 0, the others <= 0. The choice is one vote per warp and tile, so ordinary
+// logits run exactly the single-FMA code (an extra FADD per score, or a branch per row, cost
+// the sm90 kernel 3-10% and cutlass-sm80 up to 75%: measured, docs/perf.md).
+constexpr float kFoldLimit = 32768.f;
+
+__device__ __forceinline__ float scaled_base(float m, float scale) {
+  // A row with nothing visible yet keeps m = -inf: base 0 keeps p = 0, not NaN.
+  return m == -INFINITY ? 0.f : __fmul_rn(m, scale);
+}
+
+}  // namespace sdpa::cutlass_sm90
