@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 
 #include "common/check.cuh"
 #include "sdpa/sdpa.h"
@@ -49,6 +50,28 @@ inline void opt_in_smem(const void* kernel, int bytes, std::atomic<uint64_t>& co
   if (bit != 0 && (configured.load(std::memory_order_relaxed) & bit)) return;
   SDPA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   configured.fetch_or(bit, std::memory_order_relaxed);
+}
+
+// Programmatic dependent launch for the kernels that wait for it (griddepcontrol.wait before
+// their first global access): the launch, the CTAs' start-up (barrier setup, descriptor
+// prefetch) and, where SMs are free, their residency overlap the tail of the grid before them
+// on the stream. SDPA_PDL=0 in the environment turns it off (read once), for A/B measurement.
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("SDPA_PDL");
+    return !(e != nullptr && e[0] == '0');
+  }();
+  return on;
+}
+
+// Appends the programmatic-serialization attribute to `cfg` (whose attrs point into `attrs`,
+// room for one more) when PDL is enabled.
+inline void add_pdl(cudaLaunchConfig_t& cfg, cudaLaunchAttribute* attrs) {
+  if (!pdl_enabled()) return;
+  cudaLaunchAttribute& at = attrs[cfg.numAttrs++];
+  at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attrs;
 }
 
 }  // namespace sdpa

@@ -173,6 +173,8 @@ __global__ void __launch_bounds__(128, 1)
   // (they wait for this phase just before their copies, by when it is long complete).
   cluster_arrive_relaxed();
   __syncthreads();  // the load barriers are initialized
+  pdl_wait();       // programmatic launch (small_launch): no global access before this
+  pdl_launch_dependents();
 
   const int m0 = blockIdx.y * 64;
   const int bh = blockIdx.z;
@@ -454,13 +456,14 @@ bool small_launch(const FwdArgs& a, cudaStream_t stream) {
   cfg.blockDim = dim3(C::kThreads, 1, 1);
   cfg.dynamicSmemBytes = C::kSmemBytes;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = unsigned(cluster);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
+  add_pdl(cfg, attr);
   SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
   return true;
 }
