@@ -290,3 +290,64 @@ fn e4m3_native_long_rows_with_biased_v() {
         assert!(r.pass(), "d{d}: {r:?}");
     }
 }
+
+/// Per-head scales that really differ (N(0,1) heads would mostly share one power-of-two
+/// scale): head h of V is ×4^h, of K ×2^h and of Q ×2^-h, so each (batch, head) group has its
+/// own scale and a kernel or dequantize pass that reads the wrong group's scale is off by
+/// powers of two. Both layouts, GQA, every backend (native and simulated).
+#[test]
+fn e4m3_per_head_scales_that_differ() {
+    let Some(dev) = common::device("fp8 per-head scales") else {
+        return;
+    };
+    let mut ran = 0;
+    for layout in [Layout::Bhsd, Layout::Bshd] {
+        for d in [64, 128] {
+            let p = Problem::new(2, 4, 70, 150, d)
+                .with_kv_heads(2)
+                .with_layout(layout)
+                .with_causal(layout == Layout::Bshd)
+                .with_dtype(DType::E4m3)
+                .with_fp8_scaling(Scaling::PerHead)
+                .with_out_dtype(DType::Bf16);
+            let seed = sdpa::check::fresh_seed();
+            let base = random_inputs(&p.as_dequantized(), seed);
+            // The head of element i: BHSD [b][h][s][d], BSHD [b][s][h][d].
+            let head = |i: usize, heads: usize, seq: usize| match layout {
+                Layout::Bhsd => (i / (seq * d)) % heads,
+                Layout::Bshd => (i / d) % heads,
+            };
+            let spread = |x: &[f64], heads: usize, seq: usize, f: f32| -> Vec<f32> {
+                x.iter()
+                    .enumerate()
+                    .map(|(i, &a)| a as f32 * f.powi(head(i, heads, seq) as i32))
+                    .collect()
+            };
+            let [q, k, v] = &base.values;
+            let q = spread(q, p.heads, p.seq_q, 0.5);
+            let k = spread(k, p.kv_heads, p.seq_k, 2.0);
+            let v = spread(v, p.kv_heads, p.seq_k, 4.0);
+            let inputs = Inputs::quantized(&p, &q, &k, &v).unwrap();
+            let scales = &inputs.fp8.as_ref().unwrap().scales;
+            assert!(
+                scales[2][0] != scales[2][1],
+                "V's head scales should differ: {:?}",
+                scales[2]
+            );
+            let [qv, kv, vv] = &inputs.values;
+            let want = sdpa::reference(&p, qv, kv, vv).unwrap();
+            for backend in Backend::GPU {
+                if let Err(e) = backend.supports(Some(&dev), &p) {
+                    eprintln!("{backend} {p}: skipped ({e})");
+                    continue;
+                }
+                let got = sdpa::check::run_backend(Some(&dev), &p, backend, &inputs, None).unwrap();
+                let r = compare(&got, &want, p.dtype, seed);
+                eprintln!("{backend} {p} per-head scales: rel_err {:.2e}", r.rel_err);
+                assert!(r.pass(), "{backend} {p}: {r:?}");
+                ran += 1;
+            }
+        }
+    }
+    assert!(ran >= 4 * 4, "only {ran} runs");
+}

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "common/check.cuh"
+#include "fp8/simulated.h"
 #include "sdpa/sdpa.h"
 
 // Each backend folder defines forward_<dtype>_d<D> and attributes_<dtype>_d<D> per
@@ -27,8 +28,8 @@ SDPA_DECLARE_INSTANTIATIONS(wmma_backend)
 SDPA_DECLARE_INSTANTIATIONS(cutlass_sm90)
 SDPA_DECLARE_INSTANTIATIONS(cutlass_sm80)
 // The native FP8 kernels (cpp/src/cutlass/sm90_fp8): E4M3 Q, K, V with scales, output
-// args.out_dtype. Every other kernel takes E4M3 inputs only after the Rust layer has
-// dequantized them (the simulated path), so it never sees Dtype::E4M3.
+// args.out_dtype. Every other fused kernel takes E4M3 inputs through the simulated path
+// (dequantized into the workspace first, fp8/simulated.cu).
 namespace cutlass_sm90 {
 void forward_e4m3_d64(const FwdArgs&, cudaStream_t);
 void forward_e4m3_d128(const FwdArgs&, cudaStream_t);
@@ -57,9 +58,15 @@ void dispatch(const char* name, const FwdArgs& a, cudaStream_t s) {
                   " not instantiated");
   }
 }
+
+// Kernels without FP8 math take E4M3 inputs through the simulated path (fp8/simulated.cu).
+bool simulated(Kernel kernel, const FwdArgs& a) {
+  return a.dtype == Dtype::E4M3 && kernel != Kernel::CutlassSm90;
+}
 }  // namespace
 
 void forward(Kernel kernel, const FwdArgs& a, void* stream) {
+  if (simulated(kernel, a)) return simulated_forward(kernel, a, stream);
   const auto s = static_cast<cudaStream_t>(stream);
   switch (kernel) {
     case Kernel::Scalar:
@@ -96,6 +103,7 @@ void forward(Kernel kernel, const FwdArgs& a, void* stream) {
 }
 
 int64_t workspace_bytes(Kernel kernel, const FwdArgs& a) {
+  if (simulated(kernel, a)) return simulated_workspace_bytes(a);
 #if defined(SDPA_HAVE_CUTLASS)
   if (kernel == Kernel::CutlassSm90 && a.dtype == Dtype::E4M3)
     return cutlass_sm90::workspace_e4m3(a);

@@ -122,6 +122,17 @@ fn fp8_simulated(
             }
         }
     }
+    // The fused kernels dequantize into the device's scratch in one launch (C++ side,
+    // cpp/src/fp8/simulated.cu); cublas and cpu take dequantized tensors.
+    let fused = match backend {
+        Backend::Scalar => Some(Kernel::Scalar),
+        Backend::Wmma => Some(Kernel::Wmma),
+        Backend::CutlassSm80 => Some(Kernel::CutlassSm80),
+        _ => None,
+    };
+    if let Some(kernel) = fused {
+        return backend::fused::forward(kernel, dev, p, q, k, v, out);
+    }
     let p16 = p.as_dequantized();
     let (q, k, v) = (
         q.dequantize(dev, dtype)?,

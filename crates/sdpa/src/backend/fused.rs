@@ -38,8 +38,8 @@ pub(crate) fn forward(
     out: &mut Tensor,
 ) -> Result<()> {
     let mut args = crate::ffi_args(dev, p, q, k, v, out);
-    // Scratch the kernel asks for (the native e4m3 kernel's Vᵀ, written by its own pre-pass
-    // before any read): the device's buffer, grown when too small. The lock is held until the
+    // Scratch the kernel asks for (e4m3 inputs: the native kernel's V copy, the simulated
+    // path's 16-bit Q, K, V; each written by a pre-pass of the same call before any read): the device's buffer, grown when too small. The lock is held until the
     // launch is enqueued, so a concurrent grow cannot free it under us; stream order does the
     // rest.
     let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &args)? as usize;

@@ -1,0 +1,147 @@
+// The simulated FP8 path of the fused kernels without FP8 math (scalar, wmma, cutlass-sm80):
+// Q, K and V dequantized to the output dtype in one launch into the caller's workspace, then
+// the kernel's 16-bit instantiation on those copies. The copies keep the e4m3 tensors' element
+// positions, so the strides carry over unchanged. One launch and no allocation per call: the
+// Rust layer's former path (a dequantize launch and a fresh buffer per tensor) cost the
+// mission problem 7 us over the f16 kernel.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <string>
+
+#include "common/check.cuh"
+#include "fp8/simulated.h"
+
+namespace sdpa {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kAlign = 256;  // bytes; every kernel's loads want at most 16
+
+struct Segment {
+  const uint8_t* x;  // codes
+  int64_t n;         // elements, from element 0 to the last the strides address
+  ScaleMap map;
+  const float* scale;
+};
+
+// Elements from 0 through the last one a (batch, head, seq, head_dim) tensor addresses.
+int64_t extent(int64_t batch, int64_t heads, int64_t seq, int64_t d, const Strides& s) {
+  return (batch - 1) * s.batch + (heads - 1) * s.head + (seq - 1) * s.seq + d;
+}
+
+// Scale groups as FwdArgs defines them: one per tensor, or one per (batch, head) pair, found
+// from the element index through the batch and head strides.
+ScaleMap scale_map(bool per_head, int64_t heads, int64_t n, const Strides& s) {
+  if (!per_head) return {1, n, n};
+  return {heads, s.head, s.batch};
+}
+
+int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+__device__ __forceinline__ float decode(uint8_t b) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3)));
+}
+template <typename Out>
+__device__ __forceinline__ Out from_float(float v);
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// y_t[i] = code_t[i] * scale_t[group(i)], rounded once, for the three tensors t = blockIdx.y
+// in one grid (grid-stride along x). Elements between heads that the strides skip are
+// converted too: harmless bytes of the copies, never read by the kernel. The segment's fields
+// are picked by value: a pointer to one of the by-value parameters made ptxas copy all three to
+// a 104-byte stack frame in every thread (measured: the mission problem's dequantize 13 us
+// slower than three separate launches).
+template <typename Out>
+__global__ void __launch_bounds__(kThreads)
+    dequantize3(Segment s0, Segment s1, Segment s2, Out* y0, Out* y1, Out* y2) {
+  const int t = blockIdx.y;
+  const uint8_t* __restrict__ x = t == 0 ? s0.x : t == 1 ? s1.x : s2.x;
+  const float* __restrict__ scale = t == 0 ? s0.scale : t == 1 ? s1.scale : s2.scale;
+  Out* __restrict__ y = t == 0 ? y0 : t == 1 ? y1 : y2;
+  const int64_t n = t == 0 ? s0.n : t == 1 ? s1.n : s2.n;
+  const int64_t heads = t == 0 ? s0.map.heads : t == 1 ? s1.map.heads : s2.map.heads;
+  const int64_t inner = t == 0 ? s0.map.inner : t == 1 ? s1.map.inner : s2.map.inner;
+  const int64_t per_batch = t == 0   ? s0.map.per_batch
+                            : t == 1 ? s1.map.per_batch
+                                     : s2.map.per_batch;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += stride)
+    y[j] = from_float<Out>(decode(x[j]) * scale[(j / per_batch) * heads + (j / inner) % heads]);
+}
+
+struct Plan {
+  Segment seg[3];
+  int64_t offset[3];  // byte offsets of the copies in the workspace
+  int64_t bytes;
+};
+
+Plan plan(const FwdArgs& a) {
+  Plan p{};
+  const int64_t nq = extent(a.batch, a.heads, a.seq_q, a.head_dim, a.q_stride);
+  const int64_t nk = extent(a.batch, a.kv_heads, a.seq_k, a.head_dim, a.k_stride);
+  const int64_t nv = extent(a.batch, a.kv_heads, a.seq_k, a.head_dim, a.v_stride);
+  p.seg[0] = {static_cast<const uint8_t*>(a.q), nq,
+              scale_map(a.per_head_scales, a.heads, nq, a.q_stride), a.q_scale};
+  p.seg[1] = {static_cast<const uint8_t*>(a.k), nk,
+              scale_map(a.per_head_scales, a.kv_heads, nk, a.k_stride), a.k_scale};
+  p.seg[2] = {static_cast<const uint8_t*>(a.v), nv,
+              scale_map(a.per_head_scales, a.kv_heads, nv, a.v_stride), a.v_scale};
+  int64_t at = 0;
+  for (int t = 0; t < 3; ++t) {
+    p.offset[t] = at;
+    at += aligned(p.seg[t].n * 2);  // f16 or bf16
+  }
+  p.bytes = at;
+  return p;
+}
+
+}  // namespace
+
+int64_t simulated_workspace_bytes(const FwdArgs& a) { return plan(a).bytes; }
+
+void simulated_forward(Kernel kernel, const FwdArgs& a, void* stream) {
+  if (a.out_dtype != Dtype::F16 && a.out_dtype != Dtype::BF16)
+    throw Error("e4m3 (simulated): out_dtype must be f16 or bf16");
+  if (!a.q_scale || !a.k_scale || !a.v_scale)
+    throw Error("e4m3 (simulated): q, k and v scales are required");
+  const Plan p = plan(a);
+  if (a.workspace == nullptr)
+    throw Error("e4m3 (simulated): needs a workspace of workspace_bytes() = " +
+                std::to_string(p.bytes) + " bytes");
+  auto* ws = static_cast<uint8_t*>(a.workspace);
+  void* y[3] = {ws + p.offset[0], ws + p.offset[1], ws + p.offset[2]};
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int64_t most = std::max(p.seg[0].n, std::max(p.seg[1].n, p.seg[2].n));
+  const int64_t blocks = (most + kThreads - 1) / kThreads;
+  const dim3 grid(unsigned(blocks < 2048 ? blocks : 2048), 3);  // grid-stride beyond
+  if (a.out_dtype == Dtype::F16)
+    dequantize3<__half>
+        <<<grid, kThreads, 0, s>>>(p.seg[0], p.seg[1], p.seg[2], static_cast<__half*>(y[0]),
+                                   static_cast<__half*>(y[1]), static_cast<__half*>(y[2]));
+  else
+    dequantize3<__nv_bfloat16><<<grid, kThreads, 0, s>>>(
+        p.seg[0], p.seg[1], p.seg[2], static_cast<__nv_bfloat16*>(y[0]),
+        static_cast<__nv_bfloat16*>(y[1]), static_cast<__nv_bfloat16*>(y[2]));
+  SDPA_LAUNCH_CHECK("e4m3 (simulated) dequantize launch");
+  FwdArgs b = a;
+  b.q = y[0];
+  b.k = y[1];
+  b.v = y[2];
+  b.dtype = a.out_dtype;
+  b.q_scale = b.k_scale = b.v_scale = nullptr;
+  b.per_head_scales = false;
+  b.workspace = nullptr;
+  forward(kernel, b, stream);
+}
+
+}  // namespace sdpa
