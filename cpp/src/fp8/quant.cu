@@ -7,6 +7,7 @@
 #include <cuda_fp8.h>
 
 #include "common/check.cuh"
+#include "fp8/codec.cuh"
 #include "sdpa/sdpa.h"
 
 namespace sdpa {
@@ -61,21 +62,8 @@ __global__ void __launch_bounds__(kThreads)
         __nv_cvt_float_to_fp8(load<T>(x, i) / scale[group_of(i, map)], __NV_SATFINITE, __NV_E4M3);
 }
 
-__device__ __forceinline__ float decode(uint8_t b) {
-  const __half_raw h = __nv_cvt_fp8_to_halfraw(b, __NV_E4M3);
-  return __half2float(__half(h));
-}
-
-template <typename Out>
-__device__ __forceinline__ Out from_float(float v);
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+using fp8::decode;
+using fp8::from_float;
 
 template <typename Out>
 __global__ void __launch_bounds__(kThreads)

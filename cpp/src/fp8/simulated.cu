@@ -12,6 +12,7 @@
 #include <string>
 
 #include "common/check.cuh"
+#include "fp8/codec.cuh"
 #include "fp8/simulated.h"
 
 namespace sdpa {
@@ -41,19 +42,8 @@ ScaleMap scale_map(bool per_head, int64_t heads, int64_t n, const Strides& s) {
 
 int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
-__device__ __forceinline__ float decode(uint8_t b) {
-  return __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3)));
-}
-template <typename Out>
-__device__ __forceinline__ Out from_float(float v);
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+using fp8::decode;
+using fp8::from_float;
 
 // y_t[i] = code_t[i] * scale_t[group(i)], rounded once, for the three tensors t = blockIdx.y
 // in one grid (grid-stride along x). Elements between heads that the strides skip are
