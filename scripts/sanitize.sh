@@ -32,7 +32,7 @@ echo "== memcheck (GQA)"
   --dtype f16 --causal both --seed 8 --shape 2,4,77,77,128 --kv-heads 1 > /tmp/sanitize-gqa.log 2>&1 \
   && grep -E "ERROR SUMMARY|checks passed" /tmp/sanitize-gqa.log | tail -2 \
   || { echo "sanitize: GQA memcheck failed"; tail -40 /tmp/sanitize-gqa.log; rc=1; }
-# e4m3 inputs: the native kernel (cutlass, with its Vᵀ pre-pass) and one simulated path.
+# e4m3 inputs: the native kernel (cutlass, with its f16 V pre-pass) and one simulated path.
 for tool in memcheck racecheck synccheck initcheck; do
   echo "== $tool (e4m3)"
   "$cs" --tool "$tool" --error-exitcode 99 "$sdpa" validate --backend cutlass,cutlass-sm80 \

@@ -27,7 +27,7 @@ SDPA_DECLARE_INSTANTIATIONS(wmma_backend)
 #if defined(SDPA_HAVE_CUTLASS)
 SDPA_DECLARE_INSTANTIATIONS(cutlass_sm90)
 SDPA_DECLARE_INSTANTIATIONS(cutlass_sm80)
-// The native FP8 kernels (cpp/src/cutlass/sm90_fp8): E4M3 Q, K, V with scales, output
+// The native FP8 kernels (cpp/src/cutlass/sm90/fwd_e4m3_d*.cu): E4M3 Q, K, V with scales, output
 // args.out_dtype. Every other fused kernel takes E4M3 inputs through the simulated path
 // (dequantized into the workspace first, fp8/simulated.cu).
 namespace cutlass_sm90 {

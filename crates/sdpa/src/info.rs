@@ -118,15 +118,7 @@ ptxas info    : Used 122 registers, used 1 barriers, 36992 bytes smem\n";
             assert!(found.len() >= 8 * archs, "{ns}: {ks:#?}");
             for k in found {
                 assert!(k.registers > 0, "{k:?}");
-                // One documented exception: the native e4m3 kernel at D = 128 keeps a second
-                // f32 accumulator per key tile (P·V promotion: FP8 tensor cores lose precision
-                // accumulating over thousands of keys) and spills 56-68 B for it; its measured
-                // speed includes that (docs/perf.md). Any other spill fails.
-                let allowed = if k.kernel.contains("::fp8::") { 96 } else { 0 };
-                assert!(
-                    k.spill_stores <= allowed && k.spill_loads <= allowed,
-                    "{k:?}"
-                );
+                assert!(k.spill_stores == 0 && k.spill_loads == 0, "{k:?}");
             }
         }
     }

@@ -33,14 +33,25 @@
 // producer loads the next tile's Q and first K/V while the consumers finish the current one.
 // Causal grids launch one CTA per tile, heavy tiles first (see decode_tile), and leave the
 // balancing to the hardware's CTA scheduler.
+//
+// E4M3 inputs (Elems<e4m3, f16, out>) run the same kernel with S = Q·Kᵀ on e4m3 wgmma (both
+// operands K-major as FP8 wgmma requires; 64-byte swizzle at D = 64, where a row is 64 bytes)
+// and P·V on f16 wgmma exactly as above: V's codes are exact in f16, and P rounded to f16 keeps
+// the error near 1e-3, where an e4m3 P (3 mantissa bits) alone gave ~2% (docs/perf.md, session
+// 3). A pre-pass (convert_v) writes V as f16 into the caller's workspace; the attention grid,
+// launched programmatically behind it, loads Q and K and computes the first S while it runs, and
+// waits for it only before its first V load. q_scale·k_scale fold into the softmax scale and
+// v_scale into the final normalization, per tensor or per (batch, head).
 #pragma once
 
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -71,17 +82,52 @@ namespace sdpa::cutlass_sm90 {
 
 using namespace cute;
 
-// Tile configuration.
+// Element types of one instantiation: QK for Q and K (the operands of S = Q·Kᵀ), PV for V and
+// P in shared memory and registers (the operands of O = P·V), Out for O. The 16-bit kernels
+// use one type throughout (Same<T>).
+template <typename QK_, typename PV_, typename Out_>
+struct Elems {
+  using QK = QK_;
+  using PV = PV_;
+  using Out = Out_;
+  // E4M3: dequantization scales, and V converted to PV by a pre-pass the attention grid
+  // overlaps (programmatic launch; it waits before its first V load instead of at the start).
+  static constexpr bool kFp8 = std::is_same_v<QK, cute::float_e4m3_t>;
+  static_assert(sizeof(PV) == 2 && sizeof(Out) == 2, "P·V and O in a 16-bit type");
+};
+template <typename T>
+using Same = Elems<T, T, T>;
+
+// The widest GMMA K-major swizzle atom whose row (128, 64 or 32 bytes) divides a row of D
+// elements of T: 128 bytes for the 16-bit types and e4m3 at D = 128, 64 bytes for e4m3 at
+// D = 64.
 template <typename T, int D>
+using KAtom =
+    std::conditional_t<D * sizeof(T) % 128 == 0, GMMA::Layout_K_SW128_Atom<T>,
+                       std::conditional_t<D * sizeof(T) % 64 == 0, GMMA::Layout_K_SW64_Atom<T>,
+                                          GMMA::Layout_K_SW32_Atom<T>>>;
+
+// Global tensors as TMA sees them: (seq, d, head, batch), d contiguous.
+template <typename T, int D>
+using GTensorOf = decltype(make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)),
+                                       std::declval<Shape<int, Int<D>, int, int>>(),
+                                       std::declval<Stride<int64_t, _1, int64_t, int64_t>>()));
+
+// Tile configuration.
+template <class E, int D>
 struct Cfg {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  using QK = typename E::QK;
+  using PV = typename E::PV;
+  using Out = typename E::Out;
   static constexpr int kWG = 2;  // consumer warpgroups at most, each 64 query rows
   static constexpr int kThreads = 128 * (kWG + 1);  // + the producer warpgroup
   static constexpr int kBM = 64 * kWG;
   static constexpr int kBN = 128;
   // D = 128: Q 32 + O 32 + 2 x (K 32 + V 32) = 192 KB; a third stage would not fit (and a third
   // stage with O written straight from registers measured no faster: K/V latency is hidden).
-  static constexpr int kStages = D == 64 ? 3 : 2;
+  // E4M3 at D = 128: Q 16 + O 32 + 3 x (K 16 + V 32) = 192 KB.
+  static constexpr int kStages = D == 64 || E::kFp8 ? 3 : 2;
   // Whether the two consumers may take turns issuing (Params::turns decides per launch).
   // Measured on an H200 (graph replay): at D = 128 the turns cost more than the ordering gains
   // everywhere that matters (with them: s2k and s8k 3.5-4.5% slower, s16k-causal 2-3% slower,
@@ -95,45 +141,44 @@ struct Cfg {
   using Stages = Int<kStages>;
 
   // The warpgroups tile M: warpgroup w owns rows [64w, 64w + 64) of S and O.
-  using MmaQK = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, BN, HD>, GMMA::Major::K, GMMA::Major::K>(),
-      Layout<Shape<Int<kWG>, _1, _1>>{}));
+  using MmaQK =
+      decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<QK, QK, float, Shape<_64, BN, HD>,
+                                                         GMMA::Major::K, GMMA::Major::K>(),
+                              Layout<Shape<Int<kWG>, _1, _1>>{}));
   using MmaPV =
-      decltype(make_tiled_mma(SM90::GMMA::rs_op_selector<T, T, float, Shape<_64, HD, BN>,
+      decltype(make_tiled_mma(SM90::GMMA::rs_op_selector<PV, PV, float, Shape<_64, HD, BN>,
                                                          GMMA::Major::K, GMMA::Major::MN>(),
                               Layout<Shape<Int<kWG>, _1, _1>>{}));
 
-  // Shared memory layouts: rows of 64 elements (128 bytes) with the 128-byte swizzle, stacked
-  // 8 rows to an atom. K and V tiles are laid out alike ([key][d], d contiguous); Vt is the
-  // same bytes seen as [d][key] for the MN-major B operand of P·V.
-  using LayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<BM, HD>{}));
-  using LayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<BN, HD, Stages>{}));
-  using LayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{}, Shape<HD, BN, Stages>{},
+  // Shared memory layouts: Q and K rows of D elements in swizzle atoms of 8 rows (KAtom). V
+  // rows of 64 16-bit elements (128 bytes) with the 128-byte swizzle, stacked 8 rows to an atom;
+  // Vt is the same bytes seen as [d][key] for the MN-major B operand of P·V.
+  using LayoutQ = decltype(tile_to_shape(KAtom<QK, D>{}, Shape<BM, HD>{}));
+  using LayoutK = decltype(tile_to_shape(KAtom<QK, D>{}, Shape<BN, HD, Stages>{}));
+  using LayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<PV>{}, Shape<HD, BN, Stages>{},
                                           Step<_2, _1, _3>{}));
   using LayoutV = decltype(composition(
       LayoutVt{}, make_layout(Shape<BN, HD, Stages>{}, Stride<HD, _1, Int<D * kBN>>{})));
 
   // P as the A operand of P·V, over the registers of the S accumulator. S per thread is
-  // ((2 cols, 2 rows, BN/8 col groups), 1, 1), compact; the A fragment of one 16-key step is
-  // ((2 cols, 2 rows, 2 col groups)), so key step kb takes col groups 2kb and 2kb + 1.
+  // ((2 cols, 2 rows, BN/8 col groups), 1, 1), compact, whatever QK is; the A fragment of one
+  // 16-key step is ((2 cols, 2 rows, 2 col groups)), so key step kb takes col groups 2kb and
+  // 2kb + 1.
   using LayoutP =
       Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
 
-  // Global tensors as TMA sees them: (seq, d, head, batch), d contiguous.
-  using GShape = Shape<int, HD, int, int>;
-  using GStride = Stride<int64_t, _1, int64_t, int64_t>;
-  using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)),
-                                       std::declval<GShape>(), std::declval<GStride>()));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensor>(), LayoutQ{},
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(), LayoutQ{},
                                       Shape<BM, HD>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensor>(),
-                                       take<0, 2>(LayoutK{}), Shape<BN, HD>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(),
+                                      take<0, 2>(LayoutK{}), Shape<BN, HD>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<PV, D>>(),
+                                      take<0, 2>(LayoutV{}), Shape<BN, HD>{}, _1{}));
 
   struct Smem {
-    alignas(1024) T q[kBM * D];
-    alignas(1024) T k[kStages * kBN * D];
-    alignas(1024) T v[kStages * kBN * D];
-    alignas(1024) T o[kBM * D];  // output staging, 64 rows per consumer warpgroup
+    alignas(1024) QK q[kBM * D];
+    alignas(1024) QK k[kStages * kBN * D];
+    alignas(1024) PV v[kStages * kBN * D];
+    alignas(1024) Out o[kBM * D];  // output staging, 64 rows per consumer warpgroup
     alignas(8) uint64_t bar_q;
     uint64_t empty_q;
     uint64_t full_k[kStages];
@@ -146,11 +191,12 @@ struct Cfg {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit");
 };
 
-template <typename T, int D>
+template <class E, int D>
 struct Params {
-  typename Cfg<T, D>::TmaQ tma_q;
-  typename Cfg<T, D>::TmaKV tma_k, tma_v;
-  T* o;
+  typename Cfg<E, D>::TmaQ tma_q;
+  typename Cfg<E, D>::TmaK tma_k;
+  typename Cfg<E, D>::TmaV tma_v;
+  typename E::Out* o;
   Strides os;
   int seq_q, seq_k, heads, kv_heads, batch;
   float scale_log2;  // scale * log2(e)
@@ -160,6 +206,9 @@ struct Params {
   int tiles;         // m_blocks * heads * batch
   int tail_bh;       // causal: the first (batch, head) pair of the interleaved tail group
   FastDiv div_m_blocks, div_heads, div_group, div_tail;  // div_tail: by bh - tail_bh
+  // E4M3 only: dequantization scales, one per tensor or one per (batch, head) (per_head).
+  const float *q_scale, *k_scale, *v_scale;
+  int per_head;
 };
 
 // ((2, 2, N/8), M, N) accumulator layout -> ((2 rows, M), (2 cols, N/8, N)) row/column view.
@@ -259,16 +308,17 @@ __device__ __forceinline__ void rescale_o(TO& O, const float* alpha) {
   }
 }
 
-// O /= row sum; a row with no visible key has l = 0 and outputs zeros. l >= 1 otherwise (the
-// max element contributes exp2(0)), so the approximate reciprocal is safe.
+// O *= f / row sum (f: 1, or V's dequantization scale); a row with no visible key has l = 0
+// and outputs zeros. l >= 1 otherwise (the max element contributes exp2(0)), so the
+// approximate reciprocal is safe.
 template <class TO>
-__device__ __forceinline__ void normalize(TO& O, const float* l_run) {
+__device__ __forceinline__ void normalize(TO& O, const float* l_run, float f) {
   CUTE_UNROLL
   for (int r = 0; r < decltype(size<0>(O))::value; ++r) {
     float l = l_run[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.f ? __fdividef(1.f, l) : 0.f;
+    const float inv = l > 0.f ? __fdividef(f, l) : 0.f;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(O); ++c) O(r, c) *= inv;
   }
@@ -315,11 +365,14 @@ __device__ __forceinline__ void decode_tile(const P& p, int t, int& m_block, int
   h = bh - b * p.heads;
 }
 
-template <typename T, int D, bool CAUSAL>
-__global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
-    fwd_kernel(const __grid_constant__ Params<T, D> p) {
+template <class E, int D, bool CAUSAL>
+__global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
+    fwd_kernel(const __grid_constant__ Params<E, D> p) {
 #ifdef SDPA_SM90_DEVICE
-  using C = Cfg<T, D>;
+  using C = Cfg<E, D>;
+  using QK = typename E::QK;
+  using PV = typename E::PV;
+  using Out = typename E::Out;
   using Bar = cutlass::arch::ClusterTransactionBarrier;
   constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages;
   constexpr int kTurn = 1;      // named barriers kTurn + w: consumer warpgroup w may issue
@@ -353,8 +406,10 @@ __global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
   }
   __syncthreads();  // the last CTA-wide barrier: the roles part here
   // Programmatic launch (launch()): everything above overlapped the previous grid; nothing
-  // global is read or written before this.
-  pdl_wait();
+  // global is read or written before this. E4M3: the grid before is convert_v, itself launched
+  // the ordinary way (everything before it has completed), and only V depends on it: the
+  // producer waits before its first V load instead.
+  if constexpr (!E::kFp8) pdl_wait();
   pdl_launch_dependents();
 
   Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQ{});    // (BM, D)
@@ -373,8 +428,9 @@ __global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seq_q, Int<D>{}, p.heads, p.batch));
     Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
     Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
-    constexpr uint32_t kQBytes = BM * D * sizeof(T);
-    constexpr uint32_t kKVBytes = BN * D * sizeof(T);
+    constexpr uint32_t kQBytes = BM * D * sizeof(QK);
+    constexpr uint32_t kKBytes = BN * D * sizeof(QK);
+    constexpr uint32_t kVBytes = BN * D * sizeof(PV);
     int it = 0, qi = 0;
     for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ++qi) {
       int m_block, h, b;
@@ -401,11 +457,13 @@ __global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
         const int s = it % S;
         const uint32_t phase = ((it / S) + 1) & 1;  // the release of ring use it - S
         if (it >= S) Bar::wait(&sm.empty_k[s], phase);
-        Bar::arrive_and_expect_tx(&sm.full_k[s], kKVBytes);
+        Bar::arrive_and_expect_tx(&sm.full_k[s], kKBytes);
         copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, n), get<1>(tK)(_, s));
         if (n == 0) load_q();  // after K_0: the previous tile frees both at about the same time
+        if constexpr (E::kFp8)
+          if (it == 0) pdl_wait();  // V comes from convert_v
         if (it >= S) Bar::wait(&sm.empty_v[s], phase);
-        Bar::arrive_and_expect_tx(&sm.full_v[s], kKVBytes);
+        Bar::arrive_and_expect_tx(&sm.full_v[s], kVBytes);
         copy(p.tma_v.with(sm.full_v[s]), get<0>(tV)(_, n), get<1>(tV)(_, s));
       }
       if (n_tiles == 0) load_q();  // nothing visible: the consumers still wait for (and free) Q
@@ -434,7 +492,7 @@ __global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<D>>{});
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
-  Tensor rP = make_tensor<T>(typename C::LayoutP{});
+  Tensor rP = make_tensor<PV>(typename C::LayoutP{});
 
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
   Tensor cSrc = make_tensor(cS.data(), rowcol(cS.layout()));
@@ -463,6 +521,15 @@ __global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
     decode_tile<CAUSAL>(p, t, m_block, h, b);
     const int m0 = m_block * bm;
     const int n_tiles = key_tiles(m_block);
+    // E4M3: q·k dequantization scales into the softmax scale, v's into the normalization.
+    float sl2 = p.scale_log2, o_scale = 1.f;
+    if constexpr (E::kFp8) {
+      const int hk = p.div_group.div(h);
+      const int qsi = p.per_head ? b * p.heads + h : 0;
+      const int kvi = p.per_head ? b * p.kv_heads + hk : 0;
+      sl2 *= __ldg(p.q_scale + qsi) * __ldg(p.k_scale + kvi);
+      o_scale = __ldg(p.v_scale + kvi);
+    }
 
     clear(tOrO);
     float m_run[kRows], l_run[kRows], alpha[kRows];
@@ -502,8 +569,8 @@ __global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
         Bar::arrive(&sm.empty_k[sk]);
         if (n_tiles == 1) Bar::arrive(&sm.empty_q);
         softmax_tile<CAUSAL, D == 128>(Srow, cSrc, m_run, l_run, alpha, m0, 0, BN, p.seq_k, off,
-                                       p.scale_log2);
-        convert_p<T>(rP, tSrS);  // O is still zero: no rescale
+                                       sl2);
+        convert_p<PV>(rP, tSrS);  // O is still zero: no rescale
       }
 
       for (int n = 1; n < n_tiles; ++n) {
@@ -529,11 +596,11 @@ __global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
         Bar::arrive(&sm.empty_k[sk]);
         if (n == n_tiles - 1) Bar::arrive(&sm.empty_q);
         softmax_tile<CAUSAL, D == 128>(Srow, cSrc, m_run, l_run, alpha, m0, n * BN, BN, p.seq_k,
-                                       off, p.scale_log2);
+                                       off, sl2);
         warpgroup_wait<0>();
         fence_all();
         Bar::arrive(&sm.empty_v[sv]);
-        convert_p<T>(rP, tSrS);
+        convert_p<PV>(rP, tSrS);
       }
 
       // Round N.
@@ -557,7 +624,7 @@ __global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
       Bar::arrive(&sm.empty_q);
     }
 
-    normalize(O, l_run);
+    normalize(O, l_run, o_scale);
 
     // Output through this warpgroup's 64-row staging area: row r, 16-byte chunk j lives at
     // chunk j ^ (r % 8), so the quad-strided 4-byte writes and the row-contiguous 16-byte
@@ -569,7 +636,7 @@ __global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
     int etid = ctid;
     asm volatile("" : "+r"(etid));
     const uint32_t so =
-        uint32_t(__cvta_generic_to_shared(sm.o)) + uint32_t(wg * 64 * D * sizeof(T));
+        uint32_t(__cvta_generic_to_shared(sm.o)) + uint32_t(wg * 64 * D * sizeof(Out));
     if (qi > 0) named_sync(kEpilogue + wg, 128);
     {
       Tensor cO =
@@ -578,11 +645,11 @@ __global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
       for (int i = 0; i < size(tOrO); i += 2) {
         const int r = get<0>(cO(i)) - 64 * wg, c = get<1>(cO(i));  // element i + 1: (r, c + 1)
         const int phys = r * D + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
-        st_shared(so + phys * sizeof(T), pack2<T>(tOrO(i), tOrO(i + 1)));
+        st_shared(so + phys * sizeof(Out), pack2<Out>(tOrO(i), tOrO(i + 1)));
       }
     }
     named_sync(kEpilogue + wg, 128);
-    T* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head;
+    Out* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head;
     constexpr int CH = D / 8;  // 16-byte chunks per row
     const int wtid = etid % 128;
     CUTE_UNROLL
@@ -591,8 +658,38 @@ __global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
       const int row = m0 + 64 * wg + r;
       if (row < p.seq_q)
         *reinterpret_cast<uint4*>(ob + int64_t(row) * p.os.seq + j * 8) =
-            ld_shared_128(so + (r * D + ((j ^ (r & 7)) << 3)) * sizeof(T));
+            ld_shared_128(so + (r * D + ((j ^ (r & 7)) << 3)) * sizeof(Out));
     }
+  }
+#endif
+}
+
+// Two e4m3 codes (a in the low byte) -> two f16 in one register, exactly.
+__device__ __forceinline__ uint32_t f16x2_of_e4m3x2(uint32_t codes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3);
+  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+
+// The E4M3 kernel's pre-pass: V's codes as f16 (exact) into the workspace, packed
+// [batch][kv_head][seq_k][D]. 16 codes a thread and step: one 16-byte load, two 16-byte stores.
+template <int D>
+__global__ void __launch_bounds__(256)
+    convert_v(const uint8_t* __restrict__ v, Strides vs, int seq_k, int kv_heads, int64_t chunks,
+              uint4* __restrict__ out) {
+#ifdef SDPA_SM90_DEVICE
+  // The attention grid may launch now: it waits (griddepcontrol.wait) before its first V load.
+  pdl_launch_dependents();
+  constexpr int kChunks = D / 16;  // 16-code chunks per row
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks; i += step) {
+    const int64_t row = i / kChunks, bk = row / seq_k;  // bk = b * kv_heads + hk
+    const int64_t key = row - bk * seq_k, b = bk / kv_heads, hk = bk - b * kv_heads;
+    const uint4 x = *reinterpret_cast<const uint4*>(v + b * vs.batch + hk * vs.head + key * vs.seq +
+                                                    16 * (i % kChunks));
+    out[2 * i] = make_uint4(f16x2_of_e4m3x2(x.x), f16x2_of_e4m3x2(x.x >> 16), f16x2_of_e4m3x2(x.y),
+                            f16x2_of_e4m3x2(x.y >> 16));
+    out[2 * i + 1] = make_uint4(f16x2_of_e4m3x2(x.z), f16x2_of_e4m3x2(x.z >> 16),
+                                f16x2_of_e4m3x2(x.w), f16x2_of_e4m3x2(x.w >> 16));
   }
 #endif
 }
@@ -601,9 +698,10 @@ __global__ void __launch_bounds__(Cfg<T, D>::kThreads, 1)
 
 // TMA needs a 16-byte aligned base and 16-byte multiple strides below 2^40 bytes; the Rust
 // layer guarantees both, this only turns a broken promise into an error instead of a fault.
-inline void check_tma_operand(const void* ptr, const Strides& s, const char* what) {
-  const auto ok = [](int64_t st) {
-    return st >= 0 && (st * 2) % 16 == 0 && st * 2 < (int64_t(1) << 40);
+inline void check_tma_operand(const void* ptr, const Strides& s, const char* what,
+                              int elem_bytes = 2) {
+  const auto ok = [&](int64_t st) {
+    return st >= 0 && (st * elem_bytes) % 16 == 0 && st * elem_bytes < (int64_t(1) << 40);
   };
   if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0 || !ok(s.batch) || !ok(s.head) || !ok(s.seq))
     throw Error(std::string("cutlass-sm90: ") + what +
@@ -637,24 +735,38 @@ inline int sm_count(int dev) {
   return n;
 }
 
+// E4M3: the packed f16 V that convert_v writes into the workspace, and its size.
+inline Strides packed_v_strides(const FwdArgs& a) {
+  return {a.kv_heads * a.seq_k * a.head_dim, a.seq_k * a.head_dim, a.head_dim};
+}
+inline int64_t workspace_e4m3_bytes(const FwdArgs& a) {
+  return a.batch * a.kv_heads * a.seq_k * a.head_dim * int64_t(sizeof(cute::half_t));
+}
+
 // The kernel parameters: a TMA descriptor per operand (make_tma_copy encodes it on the host;
 // it travels in the __grid_constant__ parameter block) and the scalars.
-template <typename T, int D>
-Params<T, D> make_params(const FwdArgs& a, int sms, bool causal) {
-  using C = Cfg<T, D>;
-  const auto gmem = [&](const void* ptr, int64_t seq, int64_t heads, const Strides& st) {
-    return make_tensor(make_gmem_ptr(static_cast<const T*>(ptr)),
-                       make_shape(int(seq), Int<D>{}, int(heads), int(a.batch)),
+template <class E, int D>
+Params<E, D> make_params(const FwdArgs& a, int sms, bool causal) {
+  using C = Cfg<E, D>;
+  using QK = typename E::QK;
+  using PV = typename E::PV;
+  const auto gmem = [&](auto const* ptr, int64_t seq, int64_t heads, const Strides& st) {
+    return make_tensor(make_gmem_ptr(ptr), make_shape(int(seq), Int<D>{}, int(heads), int(a.batch)),
                        make_stride(st.seq, _1{}, st.head, st.batch));
   };
-  Params<T, D> p{};
-  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.q, a.seq_q, a.heads, a.q_stride),
+  // E4M3: V is convert_v's f16 copy in the workspace.
+  const void* v = E::kFp8 ? a.workspace : a.v;
+  const Strides vs = E::kFp8 ? packed_v_strides(a) : a.v_stride;
+  Params<E, D> p{};
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{},
+                          gmem(static_cast<const QK*>(a.q), a.seq_q, a.heads, a.q_stride),
                           typename C::LayoutQ{}, Shape<Int<C::kBM>, Int<D>>{}, _1{});
-  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.k, a.seq_k, a.kv_heads, a.k_stride),
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{},
+                          gmem(static_cast<const QK*>(a.k), a.seq_k, a.kv_heads, a.k_stride),
                           take<0, 2>(typename C::LayoutK{}), Shape<Int<C::kBN>, Int<D>>{}, _1{});
-  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.seq_k, a.kv_heads, a.v_stride),
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(static_cast<const PV*>(v), a.seq_k, a.kv_heads, vs),
                           take<0, 2>(typename C::LayoutV{}), Shape<Int<C::kBN>, Int<D>>{}, _1{});
-  p.o = static_cast<T*>(a.o);
+  p.o = static_cast<typename E::Out*>(a.o);
   p.os = a.o_stride;
   p.seq_q = int(a.seq_q);
   p.seq_k = int(a.seq_k);
@@ -691,23 +803,43 @@ Params<T, D> make_params(const FwdArgs& a, int sms, bool causal) {
   p.div_heads = FastDiv(p.heads);
   p.div_group = FastDiv(int(a.heads / a.kv_heads));
   p.div_tail = FastDiv(std::max(1, tail));
+  p.q_scale = a.q_scale;
+  p.k_scale = a.k_scale;
+  p.v_scale = a.v_scale;
+  p.per_head = a.per_head_scales ? 1 : 0;
   return p;
 }
 
-template <typename T, int D, bool CAUSAL>
+template <class E, int D, bool CAUSAL>
 void launch(const FwdArgs& a, cudaStream_t stream) {
-  using C = Cfg<T, D>;
+  using C = Cfg<E, D>;
   constexpr int kSmem = C::kSmemBytes;
   int dev = 0;
   SDPA_CUDA_CHECK(cudaGetDevice(&dev));
   if (!is_sm90(dev)) throw Error("cutlass-sm90: needs an sm_90 (Hopper) GPU");
   static std::atomic<uint64_t> configured{0};
-  opt_in_smem(reinterpret_cast<const void*>(fwd_kernel<T, D, CAUSAL>), kSmem, configured);
-  check_tma_operand(a.q, a.q_stride, "q");
-  check_tma_operand(a.k, a.k_stride, "k");
-  check_tma_operand(a.v, a.v_stride, "v");
+  opt_in_smem(reinterpret_cast<const void*>(fwd_kernel<E, D, CAUSAL>), kSmem, configured);
+  constexpr int kIn = sizeof(typename E::QK);
+  check_tma_operand(a.q, a.q_stride, "q", kIn);
+  check_tma_operand(a.k, a.k_stride, "k", kIn);
+  check_tma_operand(a.v, a.v_stride, "v", kIn);
   const int sms = sm_count(dev);
-  const Params<T, D> p = make_params<T, D>(a, sms, CAUSAL);
+  if constexpr (E::kFp8) {
+    if (a.workspace == nullptr || reinterpret_cast<uintptr_t>(a.workspace) % 16 != 0)
+      throw Error("cutlass-sm90 e4m3: needs a 16-byte aligned workspace of workspace_bytes()");
+    if (!a.q_scale || !a.k_scale || !a.v_scale)
+      throw Error("cutlass-sm90 e4m3: q, k and v scales are required");
+    // Launched the ordinary way: it starts once everything before it on the stream is done,
+    // which is what lets the attention grid read Q and K before its own wait.
+    const int64_t chunks = a.batch * a.kv_heads * a.seq_k * (D / 16);
+    // At most 8 CTAs of 256 threads per SM (the SM's 2048 threads), a stride loop beyond.
+    const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, 8 * int64_t(sms));
+    convert_v<D><<<unsigned(blocks), 256, 0, stream>>>(static_cast<const uint8_t*>(a.v), a.v_stride,
+                                                       int(a.seq_k), int(a.kv_heads), chunks,
+                                                       static_cast<uint4*>(a.workspace));
+    SDPA_LAUNCH_CHECK("cutlass-sm90 e4m3 convert_v launch");
+  }
+  const Params<E, D> p = make_params<E, D>(a, sms, CAUSAL);
   // Non-causal: persistent, one CTA per SM (measured 10% faster on s1k-d64, 1-3% on d128).
   // Causal: one CTA per tile; a static persistent split of the uneven tiles lost 3-8%.
   cudaLaunchConfig_t cfg = {};
@@ -717,7 +849,7 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   cfg.stream = stream;
   cudaLaunchAttribute attrs[1];
   add_pdl(cfg, attrs);
-  SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, fwd_kernel<T, D, CAUSAL>, p));
+  SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, fwd_kernel<E, D, CAUSAL>, p));
 }
 
 // The small-problem path at D = 64 (sm90_small.cuh, instantiated in fwd_small_<dtype>_d64.cu):
@@ -727,22 +859,50 @@ bool small_forward(const FwdArgs& a, cudaStream_t stream);
 template <typename T, int D>
 void small_attributes(std::vector<KernelAttr>& out);
 
+template <class E, int D>
+void forward_elems(const FwdArgs& a, cudaStream_t stream) {
+  if (a.causal)
+    launch<E, D, true>(a, stream);
+  else
+    launch<E, D, false>(a, stream);
+}
+
 template <typename T, int D>
 void forward(const FwdArgs& a, cudaStream_t stream) {
   if constexpr (D == 64)
     if (small_forward<T, D>(a, stream)) return;
-  if (a.causal)
-    launch<T, D, true>(a, stream);
-  else
-    launch<T, D, false>(a, stream);
+  forward_elems<Same<T>, D>(a, stream);
+}
+
+// E4M3 Q, K, V; O in a.out_dtype. P·V runs in f16 for either output type (P rounded to f16
+// keeps 3 more bits than bf16; V's codes are exact in both).
+using E4m3F16 = Elems<cute::float_e4m3_t, cute::half_t, cute::half_t>;
+using E4m3Bf16 = Elems<cute::float_e4m3_t, cute::half_t, cute::bfloat16_t>;
+
+template <int D>
+void forward_e4m3(const FwdArgs& a, cudaStream_t stream) {
+  if (a.out_dtype == Dtype::F16) return forward_elems<E4m3F16, D>(a, stream);
+  if (a.out_dtype == Dtype::BF16) return forward_elems<E4m3Bf16, D>(a, stream);
+  throw Error("cutlass-sm90 e4m3: out_dtype must be f16 or bf16");
+}
+
+template <class E, int D>
+void push_elems_attributes(std::vector<KernelAttr>& out, const char* name) {
+  const void* const fns[2] = {reinterpret_cast<const void*>(fwd_kernel<E, D, false>),
+                              reinterpret_cast<const void*>(fwd_kernel<E, D, true>)};
+  push_attributes(out, "cutlass-sm90", name, D, fns, Cfg<E, D>::kSmemBytes);
 }
 
 template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out) {
-  const void* const fns[2] = {reinterpret_cast<const void*>(fwd_kernel<T, D, false>),
-                              reinterpret_cast<const void*>(fwd_kernel<T, D, true>)};
-  push_attributes(out, "cutlass-sm90", dtype_name<T>(), D, fns, Cfg<T, D>::kSmemBytes);
+  push_elems_attributes<Same<T>, D>(out, dtype_name<T>());
   if constexpr (D == 64) small_attributes<T, D>(out);
+}
+
+template <int D>
+void attributes_e4m3(std::vector<KernelAttr>& out) {
+  push_elems_attributes<E4m3F16, D>(out, "e4m3_f16");
+  push_elems_attributes<E4m3Bf16, D>(out, "e4m3_bf16");
 }
 
 }  // namespace sdpa::cutlass_sm90

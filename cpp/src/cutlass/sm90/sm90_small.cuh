@@ -106,7 +106,7 @@ struct SmallCfg {
   using LayoutP =
       Layout<Shape<Shape<_2, _2, _2>, _1, Int<KN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
 
-  using GTensor = typename Cfg<T, D>::GTensor;
+  using GTensor = GTensorOf<T, D>;
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensor>(), LayoutQ{},
                                       Shape<_64, HD>{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensor>(), LayoutK{},

@@ -10,7 +10,7 @@ use crate::device::Device;
 use crate::error::{Error, Result, invalid};
 use crate::problem::{DType, Problem};
 
-/// Whether cpp/src/cutlass/sm90_fp8 holds the native e4m3 kernel (it does since session 3).
+/// Whether the native e4m3 kernel is built (cpp/src/cutlass/sm90/fwd_e4m3_d*.cu; since session 3).
 const NATIVE_E4M3_BUILT: bool = true;
 use std::fmt;
 use std::str::FromStr;
@@ -27,8 +27,8 @@ pub enum Backend {
     /// Unfused: cuBLAS GEMM for S = Q·Kᵀ (f32), masked softmax kernel, cuBLAS GEMM for P·V.
     Cublas,
     /// CuTe on sm_90a (Hopper): TMA loads, wgmma, a producer warpgroup and two consumer
-    /// warpgroups (cpp/src/cutlass/sm90); e4m3 inputs natively on FP8 wgmma
-    /// (cpp/src/cutlass/sm90_fp8).
+    /// warpgroups (cpp/src/cutlass/sm90); e4m3 inputs natively, Q·Kᵀ on FP8 wgmma and P·V on
+    /// f16 wgmma (same kernel, cpp/src/cutlass/sm90/fwd_e4m3_d*.cu).
     Cutlass,
     /// CuTe on sm_80+ (A100, L4, ...): mma.sync, ldmatrix, cp.async pipeline
     /// (cpp/src/cutlass/sm80); on Hopper a fallback and a comparison point.
