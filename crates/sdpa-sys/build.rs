@@ -71,7 +71,7 @@ fn main() {
     let dst = cfg.build();
     let build = dst.join("build");
 
-    write_ptxas_report(&build, &PathBuf::from(env::var("OUT_DIR").unwrap()));
+    write_ptxas_report(&build, &cpp, &PathBuf::from(env::var("OUT_DIR").unwrap()));
 
     cxx_build::bridge("src/lib.rs")
         .file("src/bridge.cc")
@@ -269,8 +269,9 @@ fn fix_up_toolkit(cuda: &Path) -> Result<(), String> {
 }
 
 /// Concatenates the per-object ptxas reports (cmake/ptxas-log.sh) into one file for
-/// `sdpa_sys::PTXAS_REPORT`.
-fn write_ptxas_report(build: &Path, out_dir: &Path) {
+/// `sdpa_sys::PTXAS_REPORT`. A report whose source file is gone (deleted or moved since this
+/// build tree compiled it) is left out: CMake leaves its object and report behind.
+fn write_ptxas_report(build: &Path, cpp: &Path, out_dir: &Path) {
     let mut files = Vec::new();
     let mut stack = vec![build.to_path_buf()];
     while let Some(dir) = stack.pop() {
@@ -281,7 +282,7 @@ fn write_ptxas_report(build: &Path, out_dir: &Path) {
             let p = e.path();
             if p.is_dir() {
                 stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "ptxas") {
+            } else if p.extension().is_some_and(|x| x == "ptxas") && source_exists(&p, cpp) {
                 files.push(p);
             }
         }
@@ -298,4 +299,14 @@ fn write_ptxas_report(build: &Path, out_dir: &Path) {
         report.push_str(&fs::read_to_string(&f).unwrap_or_default());
     }
     fs::write(out_dir.join("ptxas.txt"), report).unwrap();
+}
+
+/// Whether the source of `.../sdpa_core.dir/src/<path>.cu.o.ptxas` still exists as
+/// `cpp/src/<path>.cu` (true when the path does not have that shape).
+fn source_exists(report: &Path, cpp: &Path) -> bool {
+    let text = report.to_string_lossy();
+    match text.split_once("sdpa_core.dir/") {
+        Some((_, rel)) => cpp.join(rel.trim_end_matches(".o.ptxas")).exists(),
+        None => true,
+    }
 }

@@ -7,7 +7,7 @@
 namespace sdpa::cutlass_sm90 {
 void forward_e4m3_d64(const FwdArgs& a, cudaStream_t s) { forward_e4m3<64>(a, s); }
 void attributes_e4m3_d64(std::vector<KernelAttr>& out) { attributes_e4m3<64>(out); }
-// V as f16 (convert_v); the same for both head dims.
+// V as f16 for the D = 128 pre-pass (none at D = 64); for both head dims.
 int64_t workspace_e4m3(const FwdArgs& a) { return workspace_e4m3_bytes(a); }
 }  // namespace sdpa::cutlass_sm90
 #endif

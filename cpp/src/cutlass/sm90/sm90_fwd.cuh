@@ -38,10 +38,13 @@
 // operands K-major as FP8 wgmma requires; 64-byte swizzle at D = 64, where a row is 64 bytes)
 // and P·V on f16 wgmma exactly as above: V's codes are exact in f16, and P rounded to f16 keeps
 // the error near 1e-3, where an e4m3 P (3 mantissa bits) alone gave ~2% (docs/perf.md, session
-// 3). A pre-pass (convert_v) writes V as f16 into the caller's workspace; the attention grid,
-// launched programmatically behind it, loads Q and K and computes the first S while it runs, and
-// waits for it only before its first V load. q_scale·k_scale fold into the softmax scale and
-// v_scale into the final normalization, per tensor or per (batch, head).
+// 3). V's codes become f16 in one of two ways (E4m3 says which where, and why): at D = 128 a
+// pre-pass (convert_v) writes V as f16 into the caller's workspace, and the attention grid,
+// launched programmatically behind it, loads Q and K and computes the first S while it runs,
+// waiting for it only before its first V load; at D = 64 V's e4m3 tiles come by TMA into a
+// ring of their own and the producer warpgroup's three idle warps convert them into the f16 V
+// stages (kConvertV). q_scale·k_scale fold into the softmax scale and v_scale into the final
+// normalization, per tensor or per (batch, head).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -85,18 +88,30 @@ using namespace cute;
 // Element types of one instantiation: QK for Q and K (the operands of S = Q·Kᵀ), PV for V and
 // P in shared memory and registers (the operands of O = P·V), Out for O. The 16-bit kernels
 // use one type throughout (Same<T>).
-template <typename QK_, typename PV_, typename Out_>
+template <typename QK_, typename PV_, typename Out_, bool kConvertV_ = false>
 struct Elems {
   using QK = QK_;
   using PV = PV_;
   using Out = Out_;
-  // E4M3: dequantization scales, and V converted to PV by a pre-pass the attention grid
-  // overlaps (programmatic launch; it waits before its first V load instead of at the start).
+  // E4M3: dequantization scales, and V converted to PV either by a pre-pass the attention grid
+  // overlaps (kPrepass: programmatic launch, the grid waits before its first V load instead of
+  // at the start), or in shared memory by the producer warpgroup's spare warps (kConvertV).
   static constexpr bool kFp8 = std::is_same_v<QK, cute::float_e4m3_t>;
+  static constexpr bool kConvertV = kFp8 && kConvertV_;
+  static constexpr bool kPrepass = kFp8 && !kConvertV_;
   static_assert(sizeof(PV) == 2 && sizeof(Out) == 2, "P·V and O in a 16-bit type");
 };
 template <typename T>
 using Same = Elems<T, T, T>;
+
+// E4M3 Q, K, V, O in Out. P·V in f16 for either output type (P rounded to f16 keeps 3 more
+// bits than bf16; V's codes are exact in both). V converted in shared memory at D = 64, by the
+// pre-pass at D = 128. Measured (H200, same call, session 4): in shared memory mission 4.14 us
+// against 5.19, s1k-d64 47.2 against 50.2; with the pre-pass s2k-d128 208.7 against 215.2, s8k
+// 743 against 799, s16k-causal 1497 against 1605 (the converting warps take issue slots and
+// shared-memory bandwidth from the consumers, which D = 128 keeps busier).
+template <typename Out, int D>
+using E4m3 = Elems<cute::float_e4m3_t, cute::half_t, Out, D == 64>;
 
 // The widest GMMA K-major swizzle atom whose row (128, 64 or 32 bytes) divides a row of D
 // elements of T: 128 bytes for the 16-bit types and e4m3 at D = 128, 64 bytes for e4m3 at
@@ -128,6 +143,14 @@ struct Cfg {
   // stage with O written straight from registers measured no faster: K/V latency is hidden).
   // E4M3 at D = 128: Q 16 + O 32 + 3 x (K 16 + V 32) = 192 KB.
   static constexpr int kStages = D == 64 || E::kFp8 ? 3 : 2;
+  // kConvertV: e4m3 V tiles land by TMA in a ring of their own, unswizzled rows of D bytes, for
+  // the converting warps to read. D = 64: 96 KB above + 2 x 8 KB (D = 128 would fit too: 224).
+  static constexpr int kV8Stages = 2;
+  static constexpr int kConverters = 96;  // producer warps 1-3 (warp 0 issues the TMA loads)
+  // Registers of a producer thread: 24, what the consumers' 240 leave of the 168 x 384 the
+  // CTA launches with (2 x 128 x (240 - 168) = 128 x (168 - 24)); more makes the consumers'
+  // setmaxnreg wait forever. The converting warps fit in them too.
+  static constexpr int kProducerRegs = 24;
   // Whether the two consumers may take turns issuing (Params::turns decides per launch).
   // Measured on an H200 (graph replay): at D = 128 the turns cost more than the ordering gains
   // everywhere that matters (with them: s2k and s8k 3.5-4.5% slower, s16k-causal 2-3% slower,
@@ -171,10 +194,21 @@ struct Cfg {
                                       Shape<BM, HD>{}, _1{}));
   using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(),
                                       take<0, 2>(LayoutK{}), Shape<BN, HD>{}, _1{}));
-  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<PV, D>>(),
-                                      take<0, 2>(LayoutV{}), Shape<BN, HD>{}, _1{}));
+  using LayoutV8 =
+      Layout<Shape<BN, HD, Int<kV8Stages>>, Stride<HD, _1, Int<kBN * D>>>;  // kConvertV's ring
+  using TmaV =
+      std::conditional_t<E::kConvertV,
+                         decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(),
+                                                take<0, 2>(LayoutV8{}), Shape<BN, HD>{}, _1{})),
+                         decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<PV, D>>(),
+                                                take<0, 2>(LayoutV{}), Shape<BN, HD>{}, _1{}))>;
 
-  struct Smem {
+  // kConvertV's e4m3 V ring, a base of Smem (empty, so of no size, in the other kernels).
+  struct V8Ring {
+    alignas(1024) QK v8[kV8Stages * kBN * D];
+  };
+  struct NoRing {};
+  struct Smem : std::conditional_t<E::kConvertV, V8Ring, NoRing> {
     alignas(1024) QK q[kBM * D];
     alignas(1024) QK k[kStages * kBN * D];
     alignas(1024) PV v[kStages * kBN * D];
@@ -185,6 +219,8 @@ struct Cfg {
     uint64_t full_v[kStages];
     uint64_t empty_k[kStages];
     uint64_t empty_v[kStages];
+    uint64_t full_v8[kV8Stages];  // kConvertV only (within the struct's alignment padding)
+    uint64_t empty_v8[kV8Stages];
   };
   // +1 KB: the kernel aligns the dynamic smem base up to 1024 bytes (128-byte swizzle atoms).
   static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;
@@ -365,6 +401,12 @@ __device__ __forceinline__ void decode_tile(const P& p, int t, int& m_block, int
   h = bh - b * p.heads;
 }
 
+// Two e4m3 codes (a in the low byte) -> two f16 in one register, exactly.
+__device__ __forceinline__ uint32_t f16x2_of_e4m3x2(uint32_t codes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3);
+  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+
 template <class E, int D, bool CAUSAL>
 __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
     fwd_kernel(const __grid_constant__ Params<E, D> p) {
@@ -398,18 +440,24 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
     mbar_init(&sm.empty_q, consumers);
     for (int s = 0; s < S; ++s) {
       mbar_init(&sm.full_k[s], 1);
-      mbar_init(&sm.full_v[s], 1);
+      mbar_init(&sm.full_v[s], E::kConvertV ? C::kConverters : 1);
       mbar_init(&sm.empty_k[s], consumers);  // every consumer thread releases
       mbar_init(&sm.empty_v[s], consumers);
+    }
+    if constexpr (E::kConvertV) {
+      for (int s = 0; s < C::kV8Stages; ++s) {
+        mbar_init(&sm.full_v8[s], 1);
+        mbar_init(&sm.empty_v8[s], C::kConverters);
+      }
     }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();  // the last CTA-wide barrier: the roles part here
   // Programmatic launch (launch()): everything above overlapped the previous grid; nothing
-  // global is read or written before this. E4M3: the grid before is convert_v, itself launched
-  // the ordinary way (everything before it has completed), and only V depends on it: the
-  // producer waits before its first V load instead.
-  if constexpr (!E::kFp8) pdl_wait();
+  // global is read or written before this. E4M3 with the pre-pass: the grid before is
+  // convert_v, itself launched the ordinary way (everything before it has completed), and only
+  // V depends on it: the producer waits before its first V load instead.
+  if constexpr (!E::kPrepass) pdl_wait();
   pdl_launch_dependents();
 
   Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQ{});    // (BM, D)
@@ -423,16 +471,63 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
   // from tile to tile.
   if (tid < 128) {
     // Producer warpgroup: 24 registers a thread are plenty to issue TMA.
-    cutlass::arch::warpgroup_reg_dealloc<24>();
+    cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
+    if constexpr (E::kConvertV) {
+      // Warps 1-3: each e4m3 V tile of the ring, 8 codes a thread and step (8-byte reads along
+      // the unswizzled rows, 16-byte writes into the swizzled f16 tile: both free of bank
+      // conflicts), into the f16 V stage the consumers read, in the order the TMA thread loads.
+      if (tid >= 32) {
+        const int ct = tid - 32;
+        const uint32_t v8 = uint32_t(__cvta_generic_to_shared(sm.v8));
+        const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
+        // CuTe's GMMA atoms keep their swizzle apart from the element layout and apply it to
+        // the shared-memory byte address (1024-aligned base), as done here in 32 bits.
+        constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
+        constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
+        // A thread keeps its 8 columns and steps over rows (no index division in the loop).
+        constexpr int S8 = C::kV8Stages, kPerRow = D / 8, kStep = C::kConverters / kPerRow;
+        static_assert(C::kConverters % kPerRow == 0);
+        const int d = ct % kPerRow * 8, key0 = ct / kPerRow;
+        int it = 0;
+        for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+          int m_block, h, b;
+          decode_tile<CAUSAL>(p, t, m_block, h, b);
+          const int n_tiles = key_tiles(m_block);
+          for (int n = 0; n < n_tiles; ++n, ++it) {
+            const int s = it % S, s8 = it % S8;
+            Bar::wait(&sm.full_v8[s8], (it / S8) & 1);
+            if (it >= S) Bar::wait(&sm.empty_v[s], ((it / S) + 1) & 1);
+            for (int key = key0; key < BN; key += kStep) {
+              const uint2 x = ld_shared_64(v8 + uint32_t(s8 * BN * D + key * D + d));
+              st_shared_128(kSwizzle(v16 + uint32_t(kFlatV(key, d, s) * sizeof(PV))),
+                            make_uint4(f16x2_of_e4m3x2(x.x), f16x2_of_e4m3x2(x.x >> 16),
+                                       f16x2_of_e4m3x2(x.y), f16x2_of_e4m3x2(x.y >> 16)));
+            }
+            // These generic-proxy writes must be visible to the wgmmas (async proxy).
+            cutlass::arch::fence_view_async_shared();
+            Bar::arrive(&sm.empty_v8[s8]);
+            Bar::arrive(&sm.full_v[s]);
+          }
+        }
+        return;
+      }
+    }
     if (tid != 0) return;
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seq_q, Int<D>{}, p.heads, p.batch));
     Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
     Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
     constexpr uint32_t kQBytes = BM * D * sizeof(QK);
     constexpr uint32_t kKBytes = BN * D * sizeof(QK);
-    constexpr uint32_t kVBytes = BN * D * sizeof(PV);
+    constexpr uint32_t kVBytes = BN * D * (E::kConvertV ? sizeof(QK) : sizeof(PV));
     int it = 0, qi = 0;
-    for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ++qi) {
+    // kConvertV: the grid stride re-read each tile; held in a register across the loop it is
+    // the one value ptxas spills at 24 registers (4-8 bytes).
+    const auto stride = [] {
+      uint32_t n = gridDim.x;
+      if constexpr (E::kConvertV) asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+      return int(n);
+    };
+    for (int t = blockIdx.x; t < p.tiles; t += stride(), ++qi) {
       int m_block, h, b;
       decode_tile<CAUSAL>(p, t, m_block, h, b);
       const int hk = p.div_group.div(h);
@@ -446,13 +541,23 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
                               group_modes<0, 2>(gQ));
       auto tK = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
                               group_modes<0, 2>(gK));
-      auto tV = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                              group_modes<0, 2>(gV));
+      // kConvertV: V's e4m3 tiles go to their own ring.
+      auto tV = [&]() {
+        if constexpr (E::kConvertV) {
+          Tensor sV8 = make_tensor(make_smem_ptr(sm.v8), typename C::LayoutV8{});
+          return tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV8),
+                               group_modes<0, 2>(gV));
+        } else {
+          return tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                               group_modes<0, 2>(gV));
+        }
+      }();
       const auto load_q = [&]() {  // once the consumers are done with the previous Q
         if (qi > 0) Bar::wait(&sm.empty_q, (qi - 1) & 1);
         Bar::arrive_and_expect_tx(&sm.bar_q, kQBytes);
         copy(p.tma_q.with(sm.bar_q), get<0>(tQ), get<1>(tQ));
       };
+      if (n_tiles == 0) load_q();  // nothing visible: the consumers still wait for (and free) Q
       for (int n = 0; n < n_tiles; ++n, ++it) {
         const int s = it % S;
         const uint32_t phase = ((it / S) + 1) & 1;  // the release of ring use it - S
@@ -460,13 +565,20 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
         Bar::arrive_and_expect_tx(&sm.full_k[s], kKBytes);
         copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, n), get<1>(tK)(_, s));
         if (n == 0) load_q();  // after K_0: the previous tile frees both at about the same time
-        if constexpr (E::kFp8)
-          if (it == 0) pdl_wait();  // V comes from convert_v
-        if (it >= S) Bar::wait(&sm.empty_v[s], phase);
-        Bar::arrive_and_expect_tx(&sm.full_v[s], kVBytes);
-        copy(p.tma_v.with(sm.full_v[s]), get<0>(tV)(_, n), get<1>(tV)(_, s));
+        if constexpr (E::kConvertV) {
+          constexpr int S8 = C::kV8Stages;
+          const int s8 = it % S8;
+          if (it >= S8) Bar::wait(&sm.empty_v8[s8], ((it / S8) + 1) & 1);
+          Bar::arrive_and_expect_tx(&sm.full_v8[s8], kVBytes);
+          copy(p.tma_v.with(sm.full_v8[s8]), get<0>(tV)(_, n), get<1>(tV)(_, s8));
+        } else {
+          if constexpr (E::kPrepass)
+            if (it == 0) pdl_wait();  // V comes from convert_v
+          if (it >= S) Bar::wait(&sm.empty_v[s], phase);
+          Bar::arrive_and_expect_tx(&sm.full_v[s], kVBytes);
+          copy(p.tma_v.with(sm.full_v[s]), get<0>(tV)(_, n), get<1>(tV)(_, s));
+        }
       }
-      if (n_tiles == 0) load_q();  // nothing visible: the consumers still wait for (and free) Q
     }
     return;
   }
@@ -664,12 +776,6 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
 #endif
 }
 
-// Two e4m3 codes (a in the low byte) -> two f16 in one register, exactly.
-__device__ __forceinline__ uint32_t f16x2_of_e4m3x2(uint32_t codes) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3);
-  return uint32_t(h.x) | (uint32_t(h.y) << 16);
-}
-
 // The E4M3 kernel's pre-pass: V's codes as f16 (exact) into the workspace, packed
 // [batch][kv_head][seq_k][D]. 16 codes a thread and step: one 16-byte load, two 16-byte stores.
 template <int D>
@@ -735,12 +841,15 @@ inline int sm_count(int dev) {
   return n;
 }
 
-// E4M3: the packed f16 V that convert_v writes into the workspace, and its size.
+// E4M3 with the pre-pass: the packed f16 V that convert_v writes into the workspace, and its
+// size (none where V is converted in shared memory).
 inline Strides packed_v_strides(const FwdArgs& a) {
   return {a.kv_heads * a.seq_k * a.head_dim, a.seq_k * a.head_dim, a.head_dim};
 }
 inline int64_t workspace_e4m3_bytes(const FwdArgs& a) {
-  return a.batch * a.kv_heads * a.seq_k * a.head_dim * int64_t(sizeof(cute::half_t));
+  const bool prepass =
+      a.head_dim == 64 ? E4m3<cute::half_t, 64>::kPrepass : E4m3<cute::half_t, 128>::kPrepass;
+  return prepass ? a.batch * a.kv_heads * a.seq_k * a.head_dim * int64_t(sizeof(cute::half_t)) : 0;
 }
 
 // The kernel parameters: a TMA descriptor per operand (make_tma_copy encodes it on the host;
@@ -754,9 +863,9 @@ Params<E, D> make_params(const FwdArgs& a, int sms, bool causal) {
     return make_tensor(make_gmem_ptr(ptr), make_shape(int(seq), Int<D>{}, int(heads), int(a.batch)),
                        make_stride(st.seq, _1{}, st.head, st.batch));
   };
-  // E4M3: V is convert_v's f16 copy in the workspace.
-  const void* v = E::kFp8 ? a.workspace : a.v;
-  const Strides vs = E::kFp8 ? packed_v_strides(a) : a.v_stride;
+  // E4M3 with the pre-pass: V is convert_v's f16 copy in the workspace.
+  const void* v = E::kPrepass ? a.workspace : a.v;
+  const Strides vs = E::kPrepass ? packed_v_strides(a) : a.v_stride;
   Params<E, D> p{};
   p.tma_q = make_tma_copy(SM90_TMA_LOAD{},
                           gmem(static_cast<const QK*>(a.q), a.seq_q, a.heads, a.q_stride),
@@ -764,8 +873,14 @@ Params<E, D> make_params(const FwdArgs& a, int sms, bool causal) {
   p.tma_k = make_tma_copy(SM90_TMA_LOAD{},
                           gmem(static_cast<const QK*>(a.k), a.seq_k, a.kv_heads, a.k_stride),
                           take<0, 2>(typename C::LayoutK{}), Shape<Int<C::kBN>, Int<D>>{}, _1{});
-  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(static_cast<const PV*>(v), a.seq_k, a.kv_heads, vs),
-                          take<0, 2>(typename C::LayoutV{}), Shape<Int<C::kBN>, Int<D>>{}, _1{});
+  if constexpr (E::kConvertV)
+    p.tma_v =
+        make_tma_copy(SM90_TMA_LOAD{}, gmem(static_cast<const QK*>(v), a.seq_k, a.kv_heads, vs),
+                      take<0, 2>(typename C::LayoutV8{}), Shape<Int<C::kBN>, Int<D>>{}, _1{});
+  else
+    p.tma_v =
+        make_tma_copy(SM90_TMA_LOAD{}, gmem(static_cast<const PV*>(v), a.seq_k, a.kv_heads, vs),
+                      take<0, 2>(typename C::LayoutV{}), Shape<Int<C::kBN>, Int<D>>{}, _1{});
   p.o = static_cast<typename E::Out*>(a.o);
   p.os = a.o_stride;
   p.seq_q = int(a.seq_q);
@@ -825,10 +940,12 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   check_tma_operand(a.v, a.v_stride, "v", kIn);
   const int sms = sm_count(dev);
   if constexpr (E::kFp8) {
-    if (a.workspace == nullptr || reinterpret_cast<uintptr_t>(a.workspace) % 16 != 0)
-      throw Error("cutlass-sm90 e4m3: needs a 16-byte aligned workspace of workspace_bytes()");
     if (!a.q_scale || !a.k_scale || !a.v_scale)
       throw Error("cutlass-sm90 e4m3: q, k and v scales are required");
+  }
+  if constexpr (E::kPrepass) {
+    if (a.workspace == nullptr || reinterpret_cast<uintptr_t>(a.workspace) % 16 != 0)
+      throw Error("cutlass-sm90 e4m3: needs a 16-byte aligned workspace of workspace_bytes()");
     // Launched the ordinary way: it starts once everything before it on the stream is done,
     // which is what lets the attention grid read Q and K before its own wait.
     const int64_t chunks = a.batch * a.kv_heads * a.seq_k * (D / 16);
@@ -874,15 +991,11 @@ void forward(const FwdArgs& a, cudaStream_t stream) {
   forward_elems<Same<T>, D>(a, stream);
 }
 
-// E4M3 Q, K, V; O in a.out_dtype. P·V runs in f16 for either output type (P rounded to f16
-// keeps 3 more bits than bf16; V's codes are exact in both).
-using E4m3F16 = Elems<cute::float_e4m3_t, cute::half_t, cute::half_t>;
-using E4m3Bf16 = Elems<cute::float_e4m3_t, cute::half_t, cute::bfloat16_t>;
-
+// E4M3 Q, K, V; O in a.out_dtype.
 template <int D>
 void forward_e4m3(const FwdArgs& a, cudaStream_t stream) {
-  if (a.out_dtype == Dtype::F16) return forward_elems<E4m3F16, D>(a, stream);
-  if (a.out_dtype == Dtype::BF16) return forward_elems<E4m3Bf16, D>(a, stream);
+  if (a.out_dtype == Dtype::F16) return forward_elems<E4m3<cute::half_t, D>, D>(a, stream);
+  if (a.out_dtype == Dtype::BF16) return forward_elems<E4m3<cute::bfloat16_t, D>, D>(a, stream);
   throw Error("cutlass-sm90 e4m3: out_dtype must be f16 or bf16");
 }
 
@@ -901,8 +1014,8 @@ void attributes(std::vector<KernelAttr>& out) {
 
 template <int D>
 void attributes_e4m3(std::vector<KernelAttr>& out) {
-  push_elems_attributes<E4m3F16, D>(out, "e4m3_f16");
-  push_elems_attributes<E4m3Bf16, D>(out, "e4m3_bf16");
+  push_elems_attributes<E4m3<cute::half_t, D>, D>(out, "e4m3_f16");
+  push_elems_attributes<E4m3<cute::bfloat16_t, D>, D>(out, "e4m3_bf16");
 }
 
 }  // namespace sdpa::cutlass_sm90
