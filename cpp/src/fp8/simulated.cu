@@ -9,6 +9,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "common/check.cuh"
@@ -53,7 +54,7 @@ using fp8::from_float;
 // slower than three separate launches).
 template <typename Out>
 __global__ void __launch_bounds__(kThreads)
-    dequantize3(Segment s0, Segment s1, Segment s2, Out* y0, Out* y1, Out* y2) {
+    dequantize3(Segment s0, Segment s1, Segment s2, Out* y0, Out* y1, Out* y2, bool vec) {
   const int t = blockIdx.y;
   const uint8_t* __restrict__ x = t == 0 ? s0.x : t == 1 ? s1.x : s2.x;
   const float* __restrict__ scale = t == 0 ? s0.scale : t == 1 ? s1.scale : s2.scale;
@@ -65,8 +66,24 @@ __global__ void __launch_bounds__(kThreads)
                             : t == 1 ? s1.map.per_batch
                                      : s2.map.per_batch;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const auto group = [&](int64_t j) { return (j / per_batch) * heads + (j / inner) % heads; };
+  if (vec) {
+    // 8 codes a thread: one 8-byte load, one 16-byte store, and one scale lookup (its 64-bit
+    // divisions cost more than the memory traffic when done per element).
+    for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < n / 8; c += stride) {
+      const int64_t j = c * 8;
+      const float sc = scale[group(j)];
+      const uint2 codes = *reinterpret_cast<const uint2*>(x + j);
+      alignas(16) Out o[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        o[k] = from_float<Out>(decode(uint8_t((k < 4 ? codes.x : codes.y) >> (8 * (k & 3)))) * sc);
+      *reinterpret_cast<uint4*>(y + j) = *reinterpret_cast<const uint4*>(o);
+    }
+    return;
+  }
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += stride)
-    y[j] = from_float<Out>(decode(x[j]) * scale[(j / per_batch) * heads + (j / inner) % heads]);
+    y[j] = from_float<Out>(decode(x[j]) * scale[group(j)]);
 }
 
 struct Plan {
@@ -111,17 +128,25 @@ void simulated_forward(Kernel kernel, const FwdArgs& a, void* stream) {
   auto* ws = static_cast<uint8_t*>(a.workspace);
   void* y[3] = {ws + p.offset[0], ws + p.offset[1], ws + p.offset[2]};
   const auto s = static_cast<cudaStream_t>(stream);
-  const int64_t most = std::max(p.seg[0].n, std::max(p.seg[1].n, p.seg[2].n));
+  // Whole 8-code chunks share one scale group where the group boundaries (multiples of inner
+  // and per_batch), the lengths and the addresses all fall on multiples of 8.
+  bool vec = true;
+  for (int t = 0; t < 3; ++t) {
+    const Segment& g = p.seg[t];
+    vec = vec && g.n % 8 == 0 && g.map.inner % 8 == 0 && g.map.per_batch % 8 == 0 &&
+          reinterpret_cast<uintptr_t>(g.x) % 8 == 0 && reinterpret_cast<uintptr_t>(y[t]) % 16 == 0;
+  }
+  const int64_t most = std::max(p.seg[0].n, std::max(p.seg[1].n, p.seg[2].n)) / (vec ? 8 : 1);
   const int64_t blocks = (most + kThreads - 1) / kThreads;
   const dim3 grid(unsigned(blocks < 2048 ? blocks : 2048), 3);  // grid-stride beyond
   if (a.out_dtype == Dtype::F16)
     dequantize3<__half>
         <<<grid, kThreads, 0, s>>>(p.seg[0], p.seg[1], p.seg[2], static_cast<__half*>(y[0]),
-                                   static_cast<__half*>(y[1]), static_cast<__half*>(y[2]));
+                                   static_cast<__half*>(y[1]), static_cast<__half*>(y[2]), vec);
   else
     dequantize3<__nv_bfloat16><<<grid, kThreads, 0, s>>>(
         p.seg[0], p.seg[1], p.seg[2], static_cast<__nv_bfloat16*>(y[0]),
-        static_cast<__nv_bfloat16*>(y[1]), static_cast<__nv_bfloat16*>(y[2]));
+        static_cast<__nv_bfloat16*>(y[1]), static_cast<__nv_bfloat16*>(y[2]), vec);
   SDPA_LAUNCH_CHECK("e4m3 (simulated) dequantize launch");
   FwdArgs b = a;
   b.q = y[0];
