@@ -71,6 +71,23 @@ __device__ __forceinline__ uint4 ld_shared_128(uint32_t addr) {
   return v;
 }
 
+__device__ __forceinline__ void st_shared2(uint32_t addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ float4 ld_shared4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ float2 ld_shared2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
 // n / d for a divisor fixed per launch, 0 <= n < 2^31: a multiply-high and a shift instead of
 // the ~20-instruction integer division (the tile decode sits on the critical path of the first
 // TMA issue). m = ceil(2^(31+p) / d) with p = ceil(log2 d) keeps the error of n·m / 2^(31+p)

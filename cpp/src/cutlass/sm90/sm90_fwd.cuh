@@ -260,23 +260,29 @@ __device__ __forceinline__ constexpr auto rowcol(L const& l) {
 // alpha by which O must be rescaled (rescale_o; kept apart: O is still being accumulated by
 // P_{n-1}·V_{n-1}, and gets the factor just before P_n·V_n is issued). cSrc gives each S
 // element's (row, col) within the CTA tile. m_run is in raw score units.
+// Scores of keys >= seq_k and, if causal, of keys past each row's bottom-right diagonal set
+// to -inf, for the bn keys from n0 of rows from m0 (S in the row/col view, cSrc as below).
+// Only the last key tile and causal tiles crossing the rows' diagonal need it.
+template <bool CAUSAL, class TS, class TC>
+__device__ __forceinline__ void mask_keys(TS& S, TC const& cSrc, int m0, int n0, int bn, int seq_k,
+                                          int off) {
+  if (!(n0 + bn > seq_k || (CAUSAL && n0 + bn - 1 > m0 + off))) return;
+  CUTE_UNROLL
+  for (int r = 0; r < decltype(size<0>(S))::value; ++r) {
+    const int row = m0 + get<0>(cSrc(r, 0));
+    const int last = CAUSAL ? min(seq_k - 1, row + off) : seq_k - 1;  // last key it sees
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(S); ++c)
+      if (n0 + get<1>(cSrc(r, c)) > last) S(r, c) = -INFINITY;
+  }
+}
+
 template <bool CAUSAL, bool kOneLoop, class TS, class TC>
 __device__ __forceinline__ void softmax_tile(TS& S, TC const& cSrc, float* m_run, float* l_run,
                                              float* alpha, int m0, int n0, int bn, int seq_k,
                                              int off, float sl2) {
   constexpr int kRows = decltype(size<0>(S))::value;
-  // Only the last tile (keys >= seq_k) and causal tiles crossing the CTA's diagonal need it.
-  const bool edge = n0 + bn > seq_k || (CAUSAL && n0 + bn - 1 > m0 + off);
-  if (edge) {
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const int row = m0 + get<0>(cSrc(r, 0));
-      const int last = CAUSAL ? min(seq_k - 1, row + off) : seq_k - 1;  // last key it sees
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(S); ++c)
-        if (n0 + get<1>(cSrc(r, c)) > last) S(r, c) = -INFINITY;
-    }
-  }
+  mask_keys<CAUSAL>(S, cSrc, m0, n0, bn, seq_k, off);
   float base[kRows];
   bool large = false;
   CUTE_UNROLL

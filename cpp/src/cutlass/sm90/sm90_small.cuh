@@ -61,22 +61,6 @@ __device__ __forceinline__ void bulk_to_peer(uint32_t dst, uint32_t src, uint32_
       "r"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
-__device__ __forceinline__ void st_shared2(uint32_t addr, float a, float b) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
-}
-__device__ __forceinline__ float4 ld_shared4(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
-}
-__device__ __forceinline__ float2 ld_shared2(uint32_t addr) {
-  float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
-  return v;
-}
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
@@ -248,19 +232,8 @@ __global__ void __launch_bounds__(128, 1)
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
 
-    // Mask keys past seq_k and, if causal, past each row's diagonal; only slices that cross
-    // either need it.
     const float sl2 = p.scale_log2;
-    if (k0 + KN > p.seq_k || (CAUSAL && k0 + KN - 1 > m0 + off)) {
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const int row = m0 + get<0>(cSrc(r, 0));
-        const int last = CAUSAL ? min(p.seq_k - 1, row + off) : p.seq_k - 1;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(S); ++c)
-          if (k0 + get<1>(cSrc(r, c)) > last) S(r, c) = -INFINITY;
-      }
-    }
+    mask_keys<CAUSAL>(S, cSrc, m0, k0, KN, p.seq_k, off);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float mx = -INFINITY;
