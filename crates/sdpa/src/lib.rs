@@ -51,7 +51,6 @@ pub use problem::{
 };
 
 use error::invalid;
-use sdpa_sys::ffi::Kernel;
 
 /// Runs attention for `p` on `dev`'s stream: `out = softmax(scale·Q·Kᵀ + mask)·V`.
 ///
@@ -73,18 +72,18 @@ pub fn forward(
     if p.dtype == DType::E4m3 && !backend.native_fp8() {
         return fp8_simulated(dev, p, backend, q, k, v, out);
     }
+    if let Some(kernel) = backend.fused_kernel() {
+        return backend::fused::forward(kernel, dev, p, q, k, v, out);
+    }
     match backend {
         Backend::Cpu => {
             let o = reference(p, &q.to_f64(dev)?, &k.to_f64(dev)?, &v.to_f64(dev)?)?;
             let o32: Vec<f32> = o.iter().map(|&x| x as f32).collect();
             out.write_bits(dev, &encode(p.output_dtype(), &o32))
         }
-        Backend::Scalar => backend::fused::forward(Kernel::Scalar, dev, p, q, k, v, out),
-        Backend::Wmma => backend::fused::forward(Kernel::Wmma, dev, p, q, k, v, out),
         Backend::Cublas => backend::cublas::forward(dev, p, q, k, v, out),
-        Backend::Cutlass => backend::fused::forward(Kernel::CutlassSm90, dev, p, q, k, v, out),
-        Backend::CutlassSm80 => backend::fused::forward(Kernel::CutlassSm80, dev, p, q, k, v, out),
         Backend::Auto => unreachable!("resolve() returns a concrete backend"),
+        _ => unreachable!("fused backends returned above"),
     }
 }
 
@@ -124,13 +123,7 @@ fn fp8_simulated(
     }
     // The fused kernels dequantize into the device's scratch in one launch (C++ side,
     // cpp/src/fp8/simulated.cu); cublas and cpu take dequantized tensors.
-    let fused = match backend {
-        Backend::Scalar => Some(Kernel::Scalar),
-        Backend::Wmma => Some(Kernel::Wmma),
-        Backend::CutlassSm80 => Some(Kernel::CutlassSm80),
-        _ => None,
-    };
-    if let Some(kernel) = fused {
+    if let Some(kernel) = backend.fused_kernel() {
         return backend::fused::forward(kernel, dev, p, q, k, v, out);
     }
     let p16 = p.as_dequantized();

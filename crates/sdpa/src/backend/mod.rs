@@ -70,6 +70,19 @@ impl Backend {
         }
     }
 
+    /// The C++ core's fused kernel behind this backend (None: cpu, cublas, auto). The core
+    /// also runs e4m3 inputs on the kernels without FP8 math (its simulated path).
+    pub(crate) fn fused_kernel(self) -> Option<sdpa_sys::ffi::Kernel> {
+        use sdpa_sys::ffi::Kernel;
+        match self {
+            Backend::Scalar => Some(Kernel::Scalar),
+            Backend::Wmma => Some(Kernel::Wmma),
+            Backend::Cutlass => Some(Kernel::CutlassSm90),
+            Backend::CutlassSm80 => Some(Kernel::CutlassSm80),
+            Backend::Cpu | Backend::Cublas | Backend::Auto => None,
+        }
+    }
+
     /// Whether this backend takes e4m3 inputs natively (FP8 tensor-core math). The others run
     /// e4m3 problems on the simulated path: inputs dequantized to the output dtype first.
     pub fn native_fp8(self) -> bool {
