@@ -143,3 +143,67 @@ fn scores_of_1e4_keep_the_softmax_finite() {
         }
     }
 }
+
+/// NaN, +Inf and -Inf in V at keys some causal rows see and others do not (issue 6): the rows
+/// past each key get what the reference gives them (NaN, ±Inf in that column), the rows before
+/// it stay finite. The keys sit inside the key tiles that cross the diagonal (the tensor-core
+/// kernels multiply masked keys by P = 0 there, and 0 · NaN is NaN), on every kernel family:
+/// one tile and several, seq_q < seq_k, seq_q > seq_k (rows with no visible key stay zeros),
+/// D = 64 and 128 (the sm90 small-problem path takes the D = 64 ones of 129-1024 keys), GQA,
+/// f16, bf16 and e4m3 (NaN codes only: e4m3 has no infinities).
+#[test]
+fn nonfinite_v_at_masked_keys_stays_out_of_rows_that_do_not_see_it() {
+    let Some(dev) = common::device("nonfinite v at masked keys") else {
+        return;
+    };
+    // (heads, kv_heads, seq_q, seq_k, head_dim)
+    let shapes = [
+        (2, 2, 70, 70, 64),
+        (2, 1, 200, 200, 64),
+        (2, 2, 100, 230, 128),
+        (2, 2, 300, 150, 128),
+        (1, 1, 256, 256, 64),
+        (1, 1, 384, 384, 128),
+    ];
+    for dtype in DType::INPUTS {
+        for &(h, hk, sq, sk, d) in &shapes {
+            let p = Problem::new(1, h, sq, sk, d)
+                .with_kv_heads(hk)
+                .with_causal(true)
+                .with_dtype(dtype);
+            let mut inputs = random_inputs(&p, fresh_seed());
+            // Keys spread over the diagonal's range, so that every kernel's tiles have some.
+            let keys = [sk / 5, sk / 2, sk - sk / 4, sk - 2];
+            let kinds = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, f64::NAN];
+            for (i, (&key, &x)) in keys.iter().zip(&kinds).enumerate() {
+                // Columns 3 and 3 + 8i: the first shared by all four keys (NaN from both
+                // infinities, or from the NaN), the second one key's alone. Every kv head.
+                for hv in 0..hk {
+                    for col in [3, 3 + 8 * i] {
+                        let at = (hv * sk + key) * d + col;
+                        let x = if dtype == DType::E4m3 && x.is_infinite() { f64::NAN } else { x };
+                        inputs.values[2][at] = x;
+                        inputs.bits[2][at] = match dtype {
+                            DType::E4m3 => 0x7f,
+                            DType::F16 => half::f16::from_f64(x).to_bits(),
+                            DType::Bf16 => half::bf16::from_f64(x).to_bits(),
+                        };
+                    }
+                }
+            }
+            let [q, k, v] = &inputs.values;
+            let want = sdpa::reference(&p, q, k, v).unwrap();
+            // The inputs are what the test means: the last key's own column is finite in the
+            // rows before it and NaN in the rows that see it.
+            assert!(want[(sq - 3) * d + 27].is_finite() && want[(sq - 1) * d + 27].is_nan());
+            for b in Backend::GPU {
+                if b.supports(Some(&dev), &p).is_err() {
+                    continue;
+                }
+                let got = run_backend(Some(&dev), &p, b, &inputs, Some(&want)).unwrap();
+                let r = compare(&got, &want, dtype, 0);
+                assert!(r.pass(), "{b} nonfinite v at masked keys on {p}: {r:?}");
+            }
+        }
+    }
+}

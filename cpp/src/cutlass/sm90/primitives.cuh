@@ -37,6 +37,17 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// bar.sync that also ORs `pred` over the participating threads and returns it to each.
+__device__ __forceinline__ bool named_or(int id, int threads, bool pred) {
+  uint32_t r;
+  asm volatile(
+      "{ .reg .pred p, q; setp.ne.u32 p, %1, 0; bar.red.or.pred q, %2, %3, p; selp.u32 %0, 1, 0, "
+      "q; }"
+      : "=r"(r)
+      : "r"(uint32_t(pred)), "r"(id), "r"(threads)
+      : "memory");
+  return r != 0;
+}
 
 // mbarrier.init with a run-time count (cutlass's Barrier::init asserts the count is non-zero; a
 // run-time assert is a function call, and a call anywhere in the kernel makes ptxas serialize
@@ -56,6 +67,22 @@ __device__ __forceinline__ void st_shared_128(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w)
                : "memory");
+}
+__device__ __forceinline__ void st_shared_8(uint32_t addr, uint8_t v) {
+  asm volatile("st.shared.b8 [%0], %1;" ::"r"(addr), "h"(uint16_t(v)) : "memory");
+}
+__device__ __forceinline__ uint8_t ld_shared_8(uint32_t addr) {
+  uint16_t v;
+  asm volatile("ld.shared.b8 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
+  return uint8_t(v);
+}
+__device__ __forceinline__ void st_shared_16(uint32_t addr, uint16_t v) {
+  asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
+}
+__device__ __forceinline__ uint16_t ld_shared_16(uint32_t addr) {
+  uint16_t v;
+  asm volatile("ld.shared.b16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
+  return v;
 }
 __device__ __forceinline__ uint2 ld_shared_64(uint32_t addr) {
   uint2 v;

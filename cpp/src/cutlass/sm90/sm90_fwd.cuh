@@ -72,6 +72,7 @@
 #include "common/attributes.cuh"
 #include "common/check.cuh"
 #include "common/launch.cuh"
+#include "common/nonfinite.cuh"
 #include "cutlass/dtype.cuh"
 #include "cutlass/sm90/primitives.cuh"
 
@@ -221,6 +222,12 @@ struct Cfg {
     uint64_t empty_v[kStages];
     uint64_t full_v8[kV8Stages];  // kConvertV only (within the struct's alignment padding)
     uint64_t empty_v8[kV8Stages];
+    // Issue 6, causal kernels: V tiles crossing the diagonal are checked for non-finite values
+    // by the producer's spare warps (check_v_tile), which then arrive on checked_v (kConvertV:
+    // on full_v, after converting). nf_any: whether the stage's tile had any, nf what it had.
+    uint64_t checked_v[kStages];
+    uint32_t nf_any[kStages];
+    NonFiniteCols<D> nf[kStages];
   };
   // +1 KB: the kernel aligns the dynamic smem base up to 1024 bytes (128-byte swizzle atoms).
   static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;
@@ -374,6 +381,56 @@ __device__ __forceinline__ void convert_p(TP& rP, TS const& tSrS) {
   for (int i = 0; i < size(rP32); ++i) rP32(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
 }
 
+// Issue 6 (common/nonfinite.cuh), for a V tile of BN keys x D columns crossing the causal
+// diagonal, run by threads i of n. First whether this thread's share of the tile (BN * D
+// contiguous 16-bit values from shared address `tile`, in any order) holds a non-finite value;
+// once some thread's does (an OR over the n threads), the rare path: one thread a column
+// records into nf (shared address of a NonFiniteCols<D>) the first NaN, +Inf and -Inf of its
+// column and zeroes them. addr(key, col): the shared address of one value. The zeros are
+// generic-proxy writes: the caller fences them before any wgmma reads the tile. Everything in
+// 32-bit shared addresses: the producer's spare warps run it in 24 registers.
+template <typename T, int BN, int D>
+__device__ __forceinline__ bool scan_nonfinite(uint32_t tile, int i, int n) {
+  constexpr bool kBf16 = std::is_same_v<T, cute::bfloat16_t>;
+  bool hit = false;
+  for (int o = i * 16; o < BN * D * 2; o += n * 16) {
+    const uint4 x = ld_shared_128(tile + uint32_t(o));
+    hit |= nonfinite2<kBf16>(x.x) | nonfinite2<kBf16>(x.y) | nonfinite2<kBf16>(x.z) |
+           nonfinite2<kBf16>(x.w);
+  }
+  return hit;
+}
+template <typename T, int BN, int D, class Addr>
+__device__ __forceinline__ void record_nonfinite_cols(uint32_t nf, Addr addr, int i, int n) {
+  constexpr bool kBf16 = std::is_same_v<T, cute::bfloat16_t>;
+  static_assert(sizeof(T) == 2 && BN < kNoKey && sizeof(NonFiniteCols<D>) == 3 * D);
+  for (int col = i; col < D; col += n) {
+    for (int j = 0; j < 3; ++j) st_shared_8(nf + uint32_t(j * D + col), kNoKey);
+    for (int key = 0; key < BN; ++key) {
+      const uint32_t a = addr(key, col);
+      const int kind = nonfinite_kind<kBf16>(ld_shared_16(a));
+      if (kind == 0) continue;
+      const uint32_t f = nf + uint32_t((kind - 1) * D + col);
+      if (ld_shared_8(f) == kNoKey) st_shared_8(f, uint8_t(key));
+      st_shared_16(a, 0);
+    }
+  }
+}
+
+// After P·V of a tile checked above (keys from n0): every O element adds the reference's term
+// of the non-finite values its row sees there. cO: O's (row, col) coordinates in the row/col
+// view, rows from m0.
+template <int D, class TO, class TC>
+__device__ __forceinline__ void add_nonfinite_terms(TO& O, TC const& cO, const NonFiniteCols<D>& nf,
+                                                    int m0, int n0, int seq_k, int off) {
+  CUTE_UNROLL
+  for (int r = 0; r < decltype(size<0>(O))::value; ++r) {
+    const int last = min(seq_k - 1, m0 + int(get<0>(cO(r, 0))) + off) - n0;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(O); ++c) O(r, c) += nonfinite_term(nf, get<1>(cO(r, c)), last);
+  }
+}
+
 // Aligns the dynamic shared memory base up to 1024 bytes.
 template <class Smem>
 __device__ __forceinline__ Smem& smem_storage() {
@@ -407,6 +464,16 @@ __device__ __forceinline__ void decode_tile(const P& p, int t, int& m_block, int
   h = bh - b * p.heads;
 }
 
+// Whether one of the 8 e4m3 codes in x is a NaN (S.1111.111): a zero byte of
+// (x & 0x7f..) ^ 0x7f.., found by the borrow trick (exact for bytes below 0x80).
+__device__ __forceinline__ bool e4m3_nan8(uint2 x) {
+  const auto zero_byte = [](uint32_t w) {
+    const uint32_t t = (w & 0x7f7f7f7fu) ^ 0x7f7f7f7fu;
+    return (t - 0x01010101u) & ~t & 0x80808080u;
+  };
+  return (zero_byte(x.x) | zero_byte(x.y)) != 0;
+}
+
 // Two e4m3 codes (a in the low byte) -> two f16 in one register, exactly.
 __device__ __forceinline__ uint32_t f16x2_of_e4m3x2(uint32_t codes) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3);
@@ -425,12 +492,17 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
   constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages;
   constexpr int kTurn = 1;      // named barriers kTurn + w: consumer warpgroup w may issue
   constexpr int kEpilogue = 3;  // named barriers kEpilogue + w: warpgroup w's output staging
+  constexpr int kCheck = 5;     // named barrier of the producer's spare warps (issue 6)
   auto& sm = smem_storage<typename C::Smem>();
 
   const int tid = threadIdx.x;
   const int consumers = 128 * p.wgs;
   const int bm = 64 * p.wgs;  // query rows per tile (the Q buffer always holds BM = 128)
   const int off = p.seq_k - p.seq_q;
+  // Whether key tile n holds keys that some row of query tile m does not see (causal).
+  const auto crosses_diagonal = [&](int m_block, int n) {
+    return CAUSAL && n * BN + BN - 1 > m_block * bm + off;
+  };
   // Key tiles that query tile m sees.
   const auto key_tiles = [&](int m_block) {
     int n_end = p.seq_k;
@@ -449,6 +521,7 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
       mbar_init(&sm.full_v[s], E::kConvertV ? C::kConverters : 1);
       mbar_init(&sm.empty_k[s], consumers);  // every consumer thread releases
       mbar_init(&sm.empty_v[s], consumers);
+      mbar_init(&sm.checked_v[s], C::kConverters);
     }
     if constexpr (E::kConvertV) {
       for (int s = 0; s < C::kV8Stages; ++s) {
@@ -493,97 +566,157 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
         // A thread keeps its 8 columns and steps over rows (no index division in the loop).
         constexpr int S8 = C::kV8Stages, kPerRow = D / 8, kStep = C::kConverters / kPerRow;
         static_assert(C::kConverters % kPerRow == 0);
-        const int d = ct % kPerRow * 8, key0 = ct / kPerRow;
         int it = 0;
         for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
           int m_block, h, b;
           decode_tile<CAUSAL>(p, t, m_block, h, b);
           const int n_tiles = key_tiles(m_block);
+          // Issue 6: key tiles from n_first on cross the causal diagonal.
+          const int n_first = CAUSAL ? max(0, (m_block * bm + off + 1) / BN) : n_tiles;
           for (int n = 0; n < n_tiles; ++n, ++it) {
             const int s = it % S, s8 = it % S8;
             Bar::wait(&sm.full_v8[s8], (it / S8) & 1);
             if (it >= S) Bar::wait(&sm.empty_v[s], ((it / S) + 1) & 1);
+            bool nan8 = false;  // issue 6: a NaN code among this thread's (no infinities)
+            // Recomputed per tile from an opaque index: fewer registers held across the loop.
+            int ci = ct;
+            asm volatile("" : "+r"(ci));
+            const int d = ci % kPerRow * 8, key0 = ci / kPerRow;
             for (int key = key0; key < BN; key += kStep) {
               const uint2 x = ld_shared_64(v8 + uint32_t(s8 * BN * D + key * D + d));
+              nan8 |= e4m3_nan8(x);
               st_shared_128(kSwizzle(v16 + uint32_t(kFlatV(key, d, s) * sizeof(PV))),
                             make_uint4(f16x2_of_e4m3x2(x.x), f16x2_of_e4m3x2(x.x >> 16),
                                        f16x2_of_e4m3x2(x.y), f16x2_of_e4m3x2(x.y >> 16)));
+            }
+            if (n >= n_first) {  // issue 6, on the converted tile
+              // (also the barrier after which every converted value is visible to all)
+              const bool any = named_or(kCheck, C::kConverters, nan8);
+              if (any)
+                record_nonfinite_cols<PV, BN, D>(
+                    uint32_t(__cvta_generic_to_shared(&sm.nf[s])),
+                    [&](int key, int col) {
+                      return kSwizzle(v16 + uint32_t(kFlatV(key, col, s) * sizeof(PV)));
+                    },
+                    ct, C::kConverters);
+              if (ct == 0) sm.nf_any[s] = any;
             }
             // These generic-proxy writes must be visible to the wgmmas (async proxy).
             cutlass::arch::fence_view_async_shared();
             Bar::arrive(&sm.empty_v8[s8]);
             Bar::arrive(&sm.full_v[s]);
           }
+          if constexpr (CAUSAL) break;  // causal grids run one tile a CTA (launch)
         }
         return;
       }
     }
-    if (tid != 0) return;
-    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seq_q, Int<D>{}, p.heads, p.batch));
-    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
-    Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
-    constexpr uint32_t kQBytes = BM * D * sizeof(QK);
-    constexpr uint32_t kKBytes = BN * D * sizeof(QK);
-    constexpr uint32_t kVBytes = BN * D * (E::kConvertV ? sizeof(QK) : sizeof(PV));
-    int it = 0, qi = 0;
-    // kConvertV: the grid stride re-read each tile; held in a register across the loop it is
-    // the one value ptxas spills at 24 registers (4-8 bytes).
-    const auto stride = [] {
-      uint32_t n = gridDim.x;
-      if constexpr (E::kConvertV) asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
-      return int(n);
-    };
-    for (int t = blockIdx.x; t < p.tiles; t += stride(), ++qi) {
-      int m_block, h, b;
-      decode_tile<CAUSAL>(p, t, m_block, h, b);
-      const int hk = p.div_group.div(h);
-      const int n_tiles = key_tiles(m_block);
-      // BM rows from row m_block * bm (with 64-row tiles the upper half goes unused).
-      Tensor gQ = local_tile(domain_offset(make_coord(m_block * bm, _0{}), mQ(_, _, h, b)),
-                             Shape<Int<BM>, Int<D>>{}, make_coord(_0{}, _0{}));
-      Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
-      Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
-      auto tQ = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                              group_modes<0, 2>(gQ));
-      auto tK = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                              group_modes<0, 2>(gK));
-      // kConvertV: V's e4m3 tiles go to their own ring.
-      auto tV = [&]() {
-        if constexpr (E::kConvertV) {
-          Tensor sV8 = make_tensor(make_smem_ptr(sm.v8), typename C::LayoutV8{});
-          return tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV8),
-                               group_modes<0, 2>(gV));
-        } else {
-          return tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                               group_modes<0, 2>(gV));
-        }
-      }();
-      const auto load_q = [&]() {  // once the consumers are done with the previous Q
-        if (qi > 0) Bar::wait(&sm.empty_q, (qi - 1) & 1);
-        Bar::arrive_and_expect_tx(&sm.bar_q, kQBytes);
-        copy(p.tma_q.with(sm.bar_q), get<0>(tQ), get<1>(tQ));
+    if (tid == 0) {
+      Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seq_q, Int<D>{}, p.heads, p.batch));
+      Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
+      Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
+      constexpr uint32_t kQBytes = BM * D * sizeof(QK);
+      constexpr uint32_t kKBytes = BN * D * sizeof(QK);
+      constexpr uint32_t kVBytes = BN * D * (E::kConvertV ? sizeof(QK) : sizeof(PV));
+      int it = 0, qi = 0;
+      // kConvertV: the grid stride re-read each tile; held in a register across the loop it is
+      // the one value ptxas spills at 24 registers (4-8 bytes).
+      const auto stride = [] {
+        uint32_t n = gridDim.x;
+        if constexpr (E::kConvertV) asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+        return int(n);
       };
-      if (n_tiles == 0) load_q();  // nothing visible: the consumers still wait for (and free) Q
-      for (int n = 0; n < n_tiles; ++n, ++it) {
-        const int s = it % S;
-        const uint32_t phase = ((it / S) + 1) & 1;  // the release of ring use it - S
-        if (it >= S) Bar::wait(&sm.empty_k[s], phase);
-        Bar::arrive_and_expect_tx(&sm.full_k[s], kKBytes);
-        copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, n), get<1>(tK)(_, s));
-        if (n == 0) load_q();  // after K_0: the previous tile frees both at about the same time
-        if constexpr (E::kConvertV) {
-          constexpr int S8 = C::kV8Stages;
-          const int s8 = it % S8;
-          if (it >= S8) Bar::wait(&sm.empty_v8[s8], ((it / S8) + 1) & 1);
-          Bar::arrive_and_expect_tx(&sm.full_v8[s8], kVBytes);
-          copy(p.tma_v.with(sm.full_v8[s8]), get<0>(tV)(_, n), get<1>(tV)(_, s8));
-        } else {
-          if constexpr (E::kPrepass)
-            if (it == 0) pdl_wait();  // V comes from convert_v
-          if (it >= S) Bar::wait(&sm.empty_v[s], phase);
-          Bar::arrive_and_expect_tx(&sm.full_v[s], kVBytes);
-          copy(p.tma_v.with(sm.full_v[s]), get<0>(tV)(_, n), get<1>(tV)(_, s));
+      for (int t = blockIdx.x; t < p.tiles; t += stride(), ++qi) {
+        int m_block, h, b;
+        decode_tile<CAUSAL>(p, t, m_block, h, b);
+        const int hk = p.div_group.div(h);
+        const int n_tiles = key_tiles(m_block);
+        // BM rows from row m_block * bm (with 64-row tiles the upper half goes unused).
+        Tensor gQ = local_tile(domain_offset(make_coord(m_block * bm, _0{}), mQ(_, _, h, b)),
+                               Shape<Int<BM>, Int<D>>{}, make_coord(_0{}, _0{}));
+        Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+        Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+        auto tQ = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                group_modes<0, 2>(gQ));
+        auto tK = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                group_modes<0, 2>(gK));
+        // kConvertV: V's e4m3 tiles go to their own ring.
+        auto tV = [&]() {
+          if constexpr (E::kConvertV) {
+            Tensor sV8 = make_tensor(make_smem_ptr(sm.v8), typename C::LayoutV8{});
+            return tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV8),
+                                 group_modes<0, 2>(gV));
+          } else {
+            return tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                 group_modes<0, 2>(gV));
+          }
+        }();
+        const auto load_q = [&]() {  // once the consumers are done with the previous Q
+          if (qi > 0) Bar::wait(&sm.empty_q, (qi - 1) & 1);
+          Bar::arrive_and_expect_tx(&sm.bar_q, kQBytes);
+          copy(p.tma_q.with(sm.bar_q), get<0>(tQ), get<1>(tQ));
+        };
+        if (n_tiles == 0) load_q();  // nothing visible: the consumers still wait for (and free) Q
+        for (int n = 0; n < n_tiles; ++n, ++it) {
+          const int s = it % S;
+          const uint32_t phase = ((it / S) + 1) & 1;  // the release of ring use it - S
+          if (it >= S) Bar::wait(&sm.empty_k[s], phase);
+          Bar::arrive_and_expect_tx(&sm.full_k[s], kKBytes);
+          copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, n), get<1>(tK)(_, s));
+          if (n == 0) load_q();  // after K_0: the previous tile frees both at about the same time
+          if constexpr (E::kConvertV) {
+            constexpr int S8 = C::kV8Stages;
+            const int s8 = it % S8;
+            if (it >= S8) Bar::wait(&sm.empty_v8[s8], ((it / S8) + 1) & 1);
+            Bar::arrive_and_expect_tx(&sm.full_v8[s8], kVBytes);
+            copy(p.tma_v.with(sm.full_v8[s8]), get<0>(tV)(_, n), get<1>(tV)(_, s8));
+          } else {
+            if constexpr (E::kPrepass)
+              if (it == 0) pdl_wait();  // V comes from convert_v
+            if (it >= S) Bar::wait(&sm.empty_v[s], phase);
+            Bar::arrive_and_expect_tx(&sm.full_v[s], kVBytes);
+            copy(p.tma_v.with(sm.full_v[s]), get<0>(tV)(_, n), get<1>(tV)(_, s));
+          }
         }
+        if constexpr (CAUSAL) break;  // causal grids run one tile a CTA (launch)
+      }
+      return;
+    }
+    if constexpr (CAUSAL && !E::kConvertV) {
+      // Warps 1-3: issue 6's check of each V tile crossing the diagonal, once TMA has landed
+      // it, before the consumers' P·V (they wait on checked_v for those tiles).
+      if (tid >= 32) {
+        const int ct = tid - 32;
+        const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
+        constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
+        constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
+        // Causal grids run one tile a CTA (launch), so ring use n is key tile n; the tiles
+        // crossing the diagonal are the last ones, from n_first on.
+        int m_block, h, b, t = blockIdx.x;
+        asm volatile("" : "+r"(t));  // opaque: nothing shared with the TMA thread's registers
+        decode_tile<CAUSAL>(p, t, m_block, h, b);
+        const int rows = 64 * p.wgs, diag = m_block * rows + p.seq_k - p.seq_q;
+        const int n_end =
+            min(p.seq_k, max(0, min(m_block * rows + rows, p.seq_q) + p.seq_k - p.seq_q));
+        const int n_tiles = (n_end + BN - 1) / BN;  // key_tiles(m_block)
+        for (int n = max(0, (diag + 1) / BN); n < n_tiles; ++n) {
+          const int s = n % S;
+          Bar::wait(&sm.full_v[s], (n / S) & 1);
+          const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
+          const bool any =
+              named_or(kCheck, C::kConverters, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters));
+          if (any)
+            record_nonfinite_cols<PV, BN, D>(
+                uint32_t(__cvta_generic_to_shared(&sm.nf[s])),
+                [&](int key, int col) {
+                  return kSwizzle(v16 + uint32_t(kFlatV(key, col, s) * sizeof(PV)));
+                },
+                ct, C::kConverters);
+          if (ct == 0) sm.nf_any[s] = any;
+          if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
+          Bar::arrive(&sm.checked_v[s]);
+        }
+        return;
       }
     }
     return;
@@ -634,11 +767,32 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
   };
 
   int it = 0, qi = 0;
+  uint32_t checked = 0;  // bit s: parity of stage s's next checked_v phase
   for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ++qi) {
     int m_block, h, b;
     decode_tile<CAUSAL>(p, t, m_block, h, b);
     const int m0 = m_block * bm;
     const int n_tiles = key_tiles(m_block);
+    // V of key tile j, ring use u, stage sv: landed, and checked if it crosses the diagonal.
+    const auto wait_v = [&](int j, int u, int sv) {
+      Bar::wait(&sm.full_v[sv], (u / S) & 1);
+      if constexpr (CAUSAL && !E::kConvertV) {
+        if (crosses_diagonal(m_block, j)) {
+          Bar::wait(&sm.checked_v[sv], (checked >> sv) & 1);
+          checked ^= 1u << sv;
+        }
+      }
+    };
+    // Once P·V of key tile j (stage sv) is in O: the non-finite values the check took out.
+    const auto add_nonfinite = [&](int j, int sv) {
+      if (!crosses_diagonal(m_block, j) || !sm.nf_any[sv]) return;
+      int etid = ctid;  // opaque: keeps the coordinates out of the main loop's registers
+      asm volatile("" : "+r"(etid));
+      Tensor cO =
+          mma_pv.get_thread_slice(etid).partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+      add_nonfinite_terms(O, make_tensor(cO.data(), rowcol(cO.layout())), sm.nf[sv], m0, j * BN,
+                          p.seq_k, off);
+    };
     // E4M3: q·k dequantization scales into the softmax scale, v's into the normalization.
     float sl2 = p.scale_log2, o_scale = 1.f;
     if constexpr (E::kFp8) {
@@ -695,7 +849,7 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
         const int uk = it + n, uv = it + n - 1;  // ring uses of K_n and V_{n-1}
         const int sk = uk % S, sv = uv % S;
         Bar::wait(&sm.full_k[sk], (uk / S) & 1);
-        Bar::wait(&sm.full_v[sv], (uv / S) & 1);
+        wait_v(n - 1, uv, sv);
         turn_sync(wg);
         fence_all();
         warpgroup_arrive();
@@ -717,6 +871,7 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
                                        off, sl2);
         warpgroup_wait<0>();
         fence_all();
+        add_nonfinite(n - 1, sv);
         Bar::arrive(&sm.empty_v[sv]);
         convert_p<PV>(rP, tSrS);
       }
@@ -724,7 +879,7 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
       // Round N.
       {
         const int uv = it + n_tiles - 1, sv = uv % S;
-        Bar::wait(&sm.full_v[sv], (uv / S) & 1);
+        wait_v(n_tiles - 1, uv, sv);
         turn_sync(wg);
         if (n_tiles > 1) rescale_o(O, alpha);
         fence_all();
@@ -734,6 +889,7 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
         if (wg == 0) turn_arrive(1);
         warpgroup_wait<0>();
         fence_all();
+        add_nonfinite(n_tiles - 1, sv);
         Bar::arrive(&sm.empty_v[sv]);
       }
       it += n_tiles;

@@ -112,7 +112,8 @@ struct SmallCfg {
     // Peers' partials of this CTA's rows: slot j * R + r for rank j, row r (own slots unused).
     alignas(16) float recv[(64 + kMaxCluster) * kRow];
     alignas(8) uint64_t bar_qk, bar_v;
-    uint64_t bar_x;  // completes once every peer's partials of this CTA's rows have arrived
+    uint64_t bar_x;       // completes once every peer's partials of this CTA's rows have arrived
+    NonFiniteCols<D> nf;  // issue 6: V's non-finite values (check_v_tile), when it has any
   };
   static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;  // + the 1024-byte alignment
 };
@@ -229,6 +230,24 @@ __global__ void __launch_bounds__(128, 1)
       mma_qk.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
+    // Issue 6: V of a slice crossing the diagonal is checked for non-finite values (and, if it
+    // has any, zeroed there and recorded) while S runs.
+    bool nonfinite = false;
+    if (CAUSAL && k0 + KN - 1 > m0 + off) {
+      constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
+      constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
+      const uint32_t v = uint32_t(__cvta_generic_to_shared(sm.in.v));
+      Bar::wait(&sm.bar_v, 0);
+      nonfinite = __syncthreads_or(scan_nonfinite<T, KN, D>(v, tid, 128)) != 0;
+      if (nonfinite) {
+        record_nonfinite_cols<T, KN, D>(
+            uint32_t(__cvta_generic_to_shared(&sm.nf)),
+            [&](int key, int col) { return kSwizzle(v + uint32_t(kFlatV(key, col) * sizeof(T))); },
+            tid, 128);
+        cutlass::arch::fence_view_async_shared();  // the zeros, before P·V's wgmmas read V
+        __syncthreads();
+      }
+    }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
 
@@ -278,6 +297,7 @@ __global__ void __launch_bounds__(128, 1)
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     warpgroup_fence_operand(rP);
+    if (nonfinite) add_nonfinite_terms(O, cOrc, sm.nf, m0, k0, p.seq_k, off);
   } else {
     clear(tOrO);
     CUTE_UNROLL

@@ -1,0 +1,92 @@
+// Non-finite values of V at keys a causal row does not see (issue 6).
+//
+// The reference skips masked keys. A tensor-core P·V multiplies them by P = 0 instead, and
+// 0 · NaN = 0 · Inf = NaN, so a NaN or an infinity in V at a key past a row's diagonal, inside
+// a key tile the row shares with keys it does see, would turn that row's output into NaN. The
+// fused kernels therefore treat each V tile that crosses the causal diagonal like this:
+//   1. scan the tile's 16-bit values for non-finite ones (cheap: a few loads a thread, once per
+//      diagonal tile; the common case stops here);
+//   2. if there are any: per column, record the first key (tile-relative) holding a NaN, a
+//      +Inf and a -Inf, and set those values to 0 in shared memory, so that P·V is finite;
+//   3. after that tile's P·V, every O element adds what its row's visible keys of the tile
+//      contribute in the reference: NaN if one of them is NaN or both infinities are there,
+//      ±Inf if one infinity is, nothing otherwise (nonfinite_term). Added, not assigned, so
+//      that it composes with what earlier tiles left in O (Inf + -Inf = NaN, as in f64).
+// Whether a key is visible is decided by the causal mask alone, as in the reference (which
+// multiplies even an underflowed weight by the value).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace sdpa {
+
+// Tile-relative key index meaning "none": tiles hold at most 255 keys.
+constexpr uint8_t kNoKey = 0xff;
+
+// Exponent bits of a 16-bit float type: all set means Inf or NaN. f16 has 5, bf16 8.
+template <bool kBf16>
+constexpr uint32_t kExp16 = kBf16 ? 0x7f80u : 0x7c00u;
+
+// Whether either 16-bit half of w is Inf or NaN.
+template <bool kBf16>
+__device__ __forceinline__ bool nonfinite2(uint32_t w) {
+  constexpr uint32_t m = kExp16<kBf16>;
+  return (w & m) == m || ((w >> 16) & m) == m;
+}
+
+// nonfinite2 for OR-ing over many words, branch-free (3 instructions a word): bit 15 or 31 of
+// the result is set iff the low or high half of w is Inf or NaN; the other bits are junk, so
+// test the OR of the results with kNonFinite2Bits. t's halves are below 0x8000, and t - 1 sets
+// bit 15 of a half only where that half is 0 (a borrow into the high half happens only then).
+constexpr uint32_t kNonFinite2Bits = 0x80008000u;
+template <bool kBf16>
+__device__ __forceinline__ uint32_t nonfinite2_bits(uint32_t w) {
+  constexpr uint32_t m = kExp16<kBf16> * 0x10001u;
+  const uint32_t t = ~w & m;  // a half is 0 iff its exponent bits are all set
+  return (t - 0x10001u) & ~t;
+}
+
+// One 16-bit value's kind: 0 finite, 1 NaN, 2 +Inf, 3 -Inf.
+template <bool kBf16>
+__device__ __forceinline__ int nonfinite_kind(uint32_t h) {
+  constexpr uint32_t m = kExp16<kBf16>;
+  if ((h & m) != m) return 0;
+  if (h & (0x7fffu & ~m)) return 1;  // mantissa bits set: NaN
+  return (h & 0x8000u) ? 3 : 2;
+}
+
+// Per column of one V tile: the first key holding a NaN, a +Inf and a -Inf (kNoKey if none).
+template <int D>
+struct NonFiniteCols {
+  uint8_t first[3][D];  // [NaN, +Inf, -Inf][column]
+};
+
+// Records value h of (key, col) into c (a tile scanned key by key in increasing order per
+// column, by one thread per column) and says whether it must be zeroed.
+template <bool kBf16, int D>
+__device__ __forceinline__ bool record_nonfinite(NonFiniteCols<D>& c, int key, int col,
+                                                 uint32_t h) {
+  const int kind = nonfinite_kind<kBf16>(h);
+  if (kind == 0) return false;
+  uint8_t& f = c.first[kind - 1][col];
+  if (f == kNoKey) f = uint8_t(key);
+  return true;
+}
+
+// What the keys [0, last] of the tile (tile-relative; last < 0: none) add to column col of a
+// row in the reference, given the tile's recorded columns: NaN, +Inf, -Inf or 0.
+template <int D>
+__device__ __forceinline__ float nonfinite_term(const NonFiniteCols<D>& c, int col, int last) {
+  last = min(last, int(kNoKey) - 1);
+  const bool nan = int(c.first[0][col]) <= last;
+  const bool pos = int(c.first[1][col]) <= last;
+  const bool neg = int(c.first[2][col]) <= last;
+  if (nan || (pos && neg)) return __int_as_float(0x7fc00000);
+  if (pos) return __int_as_float(0x7f800000);
+  if (neg) return __int_as_float(0xff800000);
+  return 0.f;
+}
+
+}  // namespace sdpa
