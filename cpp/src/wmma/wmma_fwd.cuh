@@ -9,6 +9,9 @@
 // the same strip and accumulates P·V into O fragments kept in registers. K/V tiles arrive by
 // cp.async, double-buffered: tile n+1 is in flight while tile n is computed.
 //
+// Causal: a V tile that crosses the CTA's diagonal is checked for Inf/NaN at the tile's barrier
+// and, in the rare case it has some, handled as common/nonfinite.cuh describes (issue 6).
+//
 // Every tuning choice below names the variant of the measurement log (docs/perf.md,
 // "wmma tuning", H200, CUDA-graph timings) that chose it.
 #pragma once
@@ -18,12 +21,14 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "common/attributes.cuh"
 #include "common/check.cuh"
 #include "common/dtype.cuh"
 #include "common/launch.cuh"
+#include "common/nonfinite.cuh"
 
 namespace sdpa::wmma_backend {
 
@@ -71,12 +76,15 @@ struct Layout {
   static constexpr int kV = kK + kStages * kTile;      // V tiles [kStages][kBN][kLd]
   static constexpr int kS = kV + kStages * kTile;      // S/P strips [kWarps][16][kSLd]; Q staging
   static constexpr int kAlpha = kS + kWarps * kStrip;  // per-row factors [kWarps][16]
-  static constexpr int kBytes = kAlpha + kWarps * 16 * 4;
+  // Issue 6's columns of the current V tile (rare path). A region of its own: it must live from
+  // before the first warp's P·V to after the last one's, and all else is busy then.
+  static constexpr int kNf = kAlpha + kWarps * 16 * 4;
+  static constexpr int kBytes = kNf + int(sizeof(NonFiniteCols<D>));
   static_assert(kTile % 128 == 0 && kStrip % 128 == 0, "regions must stay 128-byte aligned");
   static_assert(kBM * kLd * 2 <= kWarps * kStrip, "Q staging must fit in the S strips");
   static_assert(16 * kPLd * 2 <= kStrip, "P must fit in its warp's S strip");
-  // Within the 99 KB per-CTA opt-in limit of sm_86/sm_89. D = 128 (86.3 KB): two CTAs per SM
-  // on sm_90 (228 KB), one on sm_80 (164 KB). D = 64 (54.3 KB): four on sm_90, two on sm_80.
+  // Within the 99 KB per-CTA opt-in limit of sm_86/sm_89. D = 128 (86.6 KB): two CTAs per SM
+  // on sm_90 (228 KB), one on sm_80 (164 KB). D = 64 (54.4 KB): four on sm_90, two on sm_80.
   static_assert(kBytes <= 99 * 1024, "shared memory over budget");
 };
 
@@ -103,6 +111,14 @@ __device__ __forceinline__ void cp_async_commit() {
 }
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+__device__ __forceinline__ uint4 ld_shared16(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a)
+               : "memory");
+  return v;
 }
 
 // Softmax exponents, exact at any logit size. The max's base is RN(m·scale); every exponent
@@ -184,8 +200,43 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const uint8_t* g, int64_
   }
 }
 
+// Issue 6, step 1, before the tile's barrier: whether the 16-byte chunks of one V tile that
+// load_tile made this thread copy (from `dst`, as there) hold an Inf or a NaN. cp.async's
+// wait_group makes a thread's own copies visible to it, so the check needs no barrier of its
+// own: the tile's barrier ORs it over the CTA. Rows past seq_k are zero-filled: finite.
+template <typename T, int D>
+__device__ __forceinline__ bool own_chunks_nonfinite(uint32_t dst) {
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  constexpr int CH = D / 8, RS = kThreads / CH;
+  constexpr int kRowBytes = Layout<D>::kLd * 2;
+  uint32_t bits = 0;
+#pragma unroll
+  for (int i = 0; i < kBN / RS; ++i) {
+    const uint4 w = ld_shared16(dst + i * RS * kRowBytes);
+    bits |= nonfinite2_bits<kBf16>(w.x) | nonfinite2_bits<kBf16>(w.y) |
+            nonfinite2_bits<kBf16>(w.z) | nonfinite2_bits<kBf16>(w.w);
+  }
+  return (bits & kNonFinite2Bits) != 0;
+}
+
+// Issue 6, step 2 (rare path, some thread found a non-finite value): one thread per column
+// records the first NaN, +Inf and -Inf of its column of V tile `v` into c and zeroes them.
+template <typename T, int D>
+__device__ __forceinline__ void record_and_zero(uint16_t* v, NonFiniteCols<D>& c, int tid) {
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  static_assert(kBN < kNoKey, "tile-relative keys must fit NonFiniteCols");
+  for (int col = tid; col < D; col += kThreads) {
+    c.first[0][col] = c.first[1][col] = c.first[2][col] = kNoKey;
+#pragma unroll 1
+    for (int key = 0; key < kBN; ++key) {
+      uint16_t& x = v[key * Layout<D>::kLd + col];
+      if (record_nonfinite<kBf16, D>(c, key, col, x)) x = 0;
+    }
+  }
+}
+
 // CTAs per SM that __launch_bounds__ asks for at D = 64. On sm_90, 4 fit in shared memory
-// (4 x 54.3 KB) and 4 caps registers at 128; without the cap ptxas takes 142-160 and only 3
+// (4 x 54.4 KB) and 4 caps registers at 128; without the cap ptxas takes 142-160 and only 3
 // CTAs fit (a 3-CTA configuration, "st3", measured 6% slower there). On sm_80 shared memory
 // admits only 2, and the 128 cap would spill there, so it asks for 2. D = 128 holds 2 CTAs per
 // SM on sm_90 and 1 on sm_80 (shared memory) at any register count, so it asks for 1.
@@ -211,6 +262,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
   float* sS = reinterpret_cast<float*>(smem + L::kS + warp * L::kStrip);  // this warp's strip
   T* sP = reinterpret_cast<T*>(sS);
   float* sAlpha = reinterpret_cast<float*>(smem + L::kAlpha) + warp * 16;
+  NonFiniteCols<D>& nf = *reinterpret_cast<NonFiniteCols<D>*>(smem + L::kNf);
 
   const int64_t m0 = int64_t(blockIdx.x) * kBM;
   const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
@@ -224,6 +276,11 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
   int64_t n_end = p.seq_k;
   if (CAUSAL) n_end = min(p.seq_k, max(int64_t(0), min(m0 + kBM, p.seq_q) + off));
   const int n_tiles = int((n_end + kBN - 1) / kBN);
+  // Causal: the first tile that holds a key (< seq_k) the CTA's first row does not see, i.e.
+  // that crosses the diagonal of some row (issue 6); n_tiles if none. The tiles from it on
+  // are the last one or two.
+  int t_diag = n_tiles;
+  if (CAUSAL && p.seq_k - 1 > m0 + off) t_diag = int(max(int64_t(0), m0 + off + 1) / kBN);
 
   // Loader addresses: this thread's chunk of a tile, advanced by whole tiles.
   constexpr int CH = D / 8, RS = kThreads / CH;
@@ -231,6 +288,15 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
   const uint32_t s_chunk = smem_addr(smem) + (lrow * L::kLd + lcol) * 2;
   const uint8_t* kg = kb + 2 * (lrow * p.ks.seq + lcol);
   const uint8_t* vg = vb + 2 * (lrow * p.vs.seq + lcol);
+  // The block barrier of tile t < n_tiles, in buffer buf, once this thread's cp.async copies of
+  // it have landed: on a tile crossing the diagonal it also says whether V holds an Inf or a
+  // NaN (CTA-uniform), elsewhere false.
+  const auto tile_barrier = [&](int t, int buf) {
+    if (CAUSAL && t >= t_diag)
+      return __syncthreads_or(own_chunks_nonfinite<T, D>(s_chunk + L::kV + buf * L::kTile)) != 0;
+    __syncthreads();
+    return false;
+  };
   auto load_kv = [&](int tile, int buf) {
     const int rows_left = int(min(p.seq_k - int64_t(tile) * kBN, int64_t(kBN)));
     load_tile<D>(s_chunk + L::kK + buf * L::kTile, kg + tile * 2 * kBN * p.ks.seq,
@@ -254,7 +320,12 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
 #pragma unroll
     for (int k = 0; k < KD; ++k) load_frag(qf[k], sQ + k * 16, L::kLd);
   }
-  __syncthreads();  // the S strips are about to overwrite other warps' Q rows
+  // The S strips are about to overwrite other warps' Q rows. Doubles as tile 0's barrier.
+  bool nonfinite = false;
+  if (CAUSAL && n_tiles > 0)
+    nonfinite = tile_barrier(0, 0);
+  else
+    __syncthreads();
 
   // O lives in accumulator fragments, whose element -> (row, col) mapping wmma leaves
   // unspecified. The per-row rescale only needs each element's row, so read it off a fragment
@@ -291,11 +362,15 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
       cp_async_wait_all();
       // Tile t is visible to all, and every warp is done with tile t - 1, whose buffer the
       // prefetch below reuses. One barrier per tile.
-      __syncthreads();
+      nonfinite = tile_barrier(t, buf);
     }
     if (t + 1 < n_tiles) {
       load_kv(t + 1, buf ^ 1);
       cp_async_commit();
+    }
+    if (CAUSAL && nonfinite) {  // rare; CTA-uniform
+      record_and_zero<T, D>(reinterpret_cast<uint16_t*>(smem + L::kV + buf * L::kTile), nf, tid);
+      __syncthreads();  // V is finite again before any P·V reads it; nf is complete
     }
 
     // S = Q·Kᵀ: the row-major K tile read as a col-major matrix_b is Kᵀ. Four independent
@@ -400,6 +475,32 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
         wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::row_major> vf;
         load_frag(vf, vt + kk * 16 * L::kLd + f * 16, L::kLd);
         wm::mma_sync(o[f], pf, vf, o[f]);
+      }
+    }
+
+    // Issue 6, step 3 (rare): every O element adds what its row's visible keys of the tile
+    // held before they were zeroed. Through this warp's strip (P is consumed), 64 columns at
+    // a time, since the fragments' element -> column mapping is unspecified.
+    if (CAUSAL && nonfinite) {
+#pragma unroll
+      for (int c0 = 0; c0 < D; c0 += 64) {
+        __syncwarp();  // every lane is past its P loads, or the previous block's loads
+#pragma unroll
+        for (int f = 0; f < 4; ++f)
+          wm::store_matrix_sync(sS + f * 16, o[c0 / 16 + f], kSLd, wm::mem_row_major);
+        __syncwarp();
+#pragma unroll 1
+        for (int i = lane; i < 16 * 64; i += 32) {
+          const int rr = i / 64, cc = i % 64;
+          // The row's last visible key, tile-relative: < 0 none, >= kBN - 1 all.
+          const int64_t seen = min(p.seq_k - 1, wrow0 + rr + off) - n0;
+          const int last = int(max(int64_t(-1), min(seen, int64_t(kBN))));
+          sS[rr * kSLd + cc] += nonfinite_term(nf, c0 + cc, last);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int f = 0; f < 4; ++f)
+          wm::load_matrix_sync(o[c0 / 16 + f], sS + f * 16, kSLd, wm::mem_row_major);
       }
     }
   }
