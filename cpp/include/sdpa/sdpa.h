@@ -53,6 +53,33 @@ struct SoftmaxArgs {
   Dtype dtype;
 };
 
+// Non-finite V at causally masked keys, for the unfused cuBLAS backend (issue 6). Its P·V GEMM
+// spans every key with P = 0 at masked ones, and 0 · NaN = 0 · Inf = NaN, so a NaN or an
+// infinity anywhere in V would reach rows that do not see its key. Causal calls therefore run
+// the GEMM on a finite copy of V and add the reference's non-finite terms to O afterwards.
+struct NonFiniteVArgs {
+  const void* v;  // V as given, [batch][kv_heads][seq_k][head_dim] with v_stride
+  Strides v_stride;
+  // Out: V with its non-finite values set to 0, dense [batch][kv_heads][seq_k][head_dim].
+  void* v_finite;
+  // Scratch of uint32 [batch * kv_heads][1 + 3 * head_dim], written by sanitize_v, read by
+  // add_nonfinite_v: per kv head, the first key holding any non-finite value, then the first
+  // key holding a NaN, a +Inf, a -Inf in each column ([kind][column]); all bits set: none.
+  void* first_keys;
+  void* o;  // O = P · v_finite, [batch][heads][seq_q][head_dim] with o_stride
+  Strides o_stride;
+  int64_t batch, heads, kv_heads, seq_q, seq_k, head_dim;
+  Dtype dtype;  // of V and O: F16 or BF16
+};
+
+// Before the P·V GEMM: writes v_finite and first_keys.
+void sanitize_v(const NonFiniteVArgs& args, void* stream);
+
+// After it: adds to each O element (row r, column d) what V's non-finite values contribute in
+// the reference over the keys k <= r + seq_k - seq_q: NaN (a NaN, or both infinities), +Inf or
+// -Inf. Rows that see no key keep their zeros.
+void add_nonfinite_v(const NonFiniteVArgs& args, void* stream);
+
 // Resource use of one compiled kernel on the current device (cudaFuncGetAttributes).
 struct KernelAttr {
   std::string backend, name;

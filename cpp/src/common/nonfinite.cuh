@@ -89,4 +89,26 @@ __device__ __forceinline__ float nonfinite_term(const NonFiniteCols<D>& c, int c
   return 0.f;
 }
 
+// The term a row's visible keys add, from whether they hold a NaN, a +Inf, a -Inf.
+__device__ __forceinline__ float nonfinite_value(bool nan, bool pos, bool neg) {
+  if (nan || (pos && neg)) return __int_as_float(0x7fc00000);
+  if (pos) return __int_as_float(0x7f800000);
+  if (neg) return __int_as_float(0xff800000);
+  return 0.f;
+}
+
+// Key index meaning "none" over a whole sequence (the unfused backend's per-head records,
+// cpp/src/cublas/nonfinite_v.cu): above every key, what atomicMin lowers, and what a 0xff byte
+// memset writes.
+constexpr uint32_t kNoKey32 = 0xffffffffu;
+
+// nonfinite_term over a whole sequence: the first keys holding a NaN, a +Inf, a -Inf in the
+// column (kNoKey32: none) and the last key the row sees (negative: none).
+__device__ __forceinline__ float nonfinite_term(uint32_t first_nan, uint32_t first_pos,
+                                                uint32_t first_neg, int64_t last) {
+  if (last < 0) return 0.f;
+  const uint64_t l = uint64_t(last);
+  return nonfinite_value(first_nan <= l, first_pos <= l, first_neg <= l);
+}
+
 }  // namespace sdpa

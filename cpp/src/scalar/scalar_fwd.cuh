@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "common/attributes.cuh"
@@ -146,26 +147,38 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
     __syncwarp();
 
     // O += P·V; lane owns column pairs lane, lane + 32, ...
-#pragma unroll 2
-    for (int jj = 0; jj < kBN; jj += 4) {
-      float2 v[4][CPL];
-#pragma unroll
-      for (int t = 0; t < 4; ++t)
-#pragma unroll
-        for (int c = 0; c < CPL; ++c) v[t][c] = P2::to_float2(sV[jj + t][lane + 32 * c]);
-#pragma unroll
-      for (int r = 0; r < kRPW; ++r) {
-        const float4 pr = *reinterpret_cast<const float4*>(&sP[warp][r][jj]);
-        const float pv[4] = {pr.x, pr.y, pr.z, pr.w};
+    // Keys a row does not see are skipped, not multiplied by their P = 0: 0 · NaN and 0 · Inf
+    // are NaN (issue 6). Only a tile crossing this warp's diagonal has any.
+    const auto accumulate = [&](auto masked) {
+      // Unrolled by 2 only without the mask: with it, sm_80 spilled 8 bytes.
+      constexpr int kUnroll = decltype(masked)::value ? 1 : 2;
+#pragma unroll kUnroll
+      for (int jj = 0; jj < kBN; jj += 4) {
+        float2 v[4][CPL];
 #pragma unroll
         for (int t = 0; t < 4; ++t)
 #pragma unroll
-          for (int c = 0; c < CPL; ++c) {
-            acc[r][2 * c] = fmaf(pv[t], v[t][c].x, acc[r][2 * c]);
-            acc[r][2 * c + 1] = fmaf(pv[t], v[t][c].y, acc[r][2 * c + 1]);
+          for (int c = 0; c < CPL; ++c) v[t][c] = P2::to_float2(sV[jj + t][lane + 32 * c]);
+#pragma unroll
+        for (int r = 0; r < kRPW; ++r) {
+          const float4 pr = *reinterpret_cast<const float4*>(&sP[warp][r][jj]);
+          const float pv[4] = {pr.x, pr.y, pr.z, pr.w};
+#pragma unroll
+          for (int t = 0; t < 4; ++t) {
+            if (decltype(masked)::value && n0 + jj + t > row0 + r + off) continue;
+#pragma unroll
+            for (int c = 0; c < CPL; ++c) {
+              acc[r][2 * c] = fmaf(pv[t], v[t][c].x, acc[r][2 * c]);
+              acc[r][2 * c + 1] = fmaf(pv[t], v[t][c].y, acc[r][2 * c + 1]);
+            }
           }
+        }
       }
-    }
+    };
+    if (CAUSAL && n0 + kBN - 1 > row0 + off)
+      accumulate(std::true_type{});
+    else
+      accumulate(std::false_type{});
     __syncwarp();  // sP is rewritten next tile
   }
 

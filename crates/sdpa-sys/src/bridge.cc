@@ -35,6 +35,24 @@ sdpa::FwdArgs convert(const FwdArgs& a) {
   return r;
 }
 
+sdpa::NonFiniteVArgs convert(const NonFiniteVArgs& a) {
+  sdpa::NonFiniteVArgs r{};
+  r.v = reinterpret_cast<const void*>(a.v);
+  r.v_stride = strides(a.v_stride);
+  r.v_finite = reinterpret_cast<void*>(a.v_finite);
+  r.first_keys = reinterpret_cast<void*>(a.first_keys);
+  r.o = reinterpret_cast<void*>(a.o);
+  r.o_stride = strides(a.o_stride);
+  r.batch = a.batch;
+  r.heads = a.heads;
+  r.kv_heads = a.kv_heads;
+  r.seq_q = a.seq_q;
+  r.seq_k = a.seq_k;
+  r.head_dim = a.head_dim;
+  r.dtype = static_cast<sdpa::Dtype>(a.dtype);
+  return r;
+}
+
 sdpa::ScaleMap map(const ScaleMap& m) { return {m.heads, m.inner, m.per_batch}; }
 }  // namespace
 
@@ -75,6 +93,14 @@ void masked_softmax(const SoftmaxArgs& a, std::size_t stream) {
                             a.causal,
                             static_cast<sdpa::Dtype>(a.dtype)};
   sdpa::masked_softmax(r, reinterpret_cast<void*>(stream));
+}
+
+void sanitize_v(const NonFiniteVArgs& a, std::size_t stream) {
+  sdpa::sanitize_v(convert(a), reinterpret_cast<void*>(stream));
+}
+
+void add_nonfinite_v(const NonFiniteVArgs& a, std::size_t stream) {
+  sdpa::add_nonfinite_v(convert(a), reinterpret_cast<void*>(stream));
 }
 
 void e4m3_encode(uint64_t x, uint64_t y, int64_t n, float inv_scale, std::size_t stream) {

@@ -10,11 +10,14 @@ namespace sdpa_bridge {
 struct FwdArgs;
 struct KernelAttr;
 struct SoftmaxArgs;
+struct NonFiniteVArgs;
 struct ScaleMap;
 enum class Kernel : int32_t;
 
 void forward(Kernel kernel, const FwdArgs& args, std::size_t stream);
 void masked_softmax(const SoftmaxArgs& args, std::size_t stream);
+void sanitize_v(const NonFiniteVArgs& args, std::size_t stream);
+void add_nonfinite_v(const NonFiniteVArgs& args, std::size_t stream);
 void e4m3_encode(uint64_t x, uint64_t y, int64_t n, float inv_scale, std::size_t stream);
 int64_t workspace_bytes(Kernel kernel, const FwdArgs& args);
 void absmax(uint64_t x, bool x_is_f32, int32_t dtype, int64_t n, ScaleMap map, uint64_t amax,

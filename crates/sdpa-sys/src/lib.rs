@@ -65,6 +65,28 @@ pub mod ffi {
         pub dtype: i32,
     }
 
+    /// Mirrors `sdpa::NonFiniteVArgs`: the cuBLAS backend's finite copy of V for causal
+    /// problems and what it records (issue 6). Strides in elements: [batch, head, seq].
+    #[derive(Debug, Clone)]
+    pub struct NonFiniteVArgs {
+        pub v: u64,
+        pub v_stride: [i64; 3],
+        /// Dense [batch][kv_heads][seq_k][head_dim], of the dtype
+        pub v_finite: u64,
+        /// u32 [batch * kv_heads][1 + 3 * head_dim]
+        pub first_keys: u64,
+        pub o: u64,
+        pub o_stride: [i64; 3],
+        pub batch: i64,
+        pub heads: i64,
+        pub kv_heads: i64,
+        pub seq_q: i64,
+        pub seq_k: i64,
+        pub head_dim: i64,
+        /// Of v and o: 0 = f16, 1 = bf16
+        pub dtype: i32,
+    }
+
     /// Resource use of one kernel on the current device.
     #[derive(Debug, Clone)]
     pub struct KernelAttr {
@@ -101,6 +123,15 @@ pub mod ffi {
         /// `args.s` and `args.p` must be live device buffers of `rows * seq_k` elements (f32
         /// and the dtype) on the current context; `stream` a valid stream there.
         unsafe fn masked_softmax(args: &SoftmaxArgs, stream: usize) -> Result<()>;
+        /// # Safety
+        /// `args.v` must hold what its shape and strides address, `args.v_finite` and
+        /// `args.first_keys` the elements their comments give; all live device buffers of the
+        /// current context, `stream` a valid stream there.
+        unsafe fn sanitize_v(args: &NonFiniteVArgs, stream: usize) -> Result<()>;
+        /// # Safety
+        /// As `sanitize_v`, after it on the same stream; `args.o` must hold what its shape and
+        /// strides address.
+        unsafe fn add_nonfinite_v(args: &NonFiniteVArgs, stream: usize) -> Result<()>;
         /// # Safety
         /// `x` (f32) and `y` (bytes) must be live device buffers of `n` elements on the current
         /// context; `stream` a valid stream there.

@@ -222,9 +222,13 @@ struct Cfg {
     uint64_t empty_v[kStages];
     uint64_t full_v8[kV8Stages];  // kConvertV only (within the struct's alignment padding)
     uint64_t empty_v8[kV8Stages];
-    // Issue 6, causal kernels: V tiles crossing the diagonal are checked for non-finite values
-    // by the producer's spare warps (check_v_tile), which then arrive on checked_v (kConvertV:
-    // on full_v, after converting). nf_any: whether the stage's tile had any, nf what it had.
+    // Issue 6, causal kernels: V tiles crossing the diagonal land on full_vd instead of full_v,
+    // are checked for non-finite values by the producer's spare warps, which then arrive on
+    // checked_v, and the consumers wait for that (kConvertV: the converting warps check, full_v
+    // as for every tile). These are the last key tiles of a query tile: the n-th of them in a
+    // stage is phase n of both barriers, and full_v's phases stay those of the others. nf_any:
+    // whether the stage's tile had any non-finite value, nf what it had.
+    uint64_t full_vd[kStages];
     uint64_t checked_v[kStages];
     uint32_t nf_any[kStages];
     NonFiniteCols<D> nf[kStages];
@@ -393,6 +397,7 @@ template <typename T, int BN, int D>
 __device__ __forceinline__ bool scan_nonfinite(uint32_t tile, int i, int n) {
   constexpr bool kBf16 = std::is_same_v<T, cute::bfloat16_t>;
   bool hit = false;
+#pragma unroll 1  // unrolled, the producer's spare warps spill at 24 registers (e4m3, D = 128)
   for (int o = i * 16; o < BN * D * 2; o += n * 16) {
     const uint4 x = ld_shared_128(tile + uint32_t(o));
     hit |= nonfinite2<kBf16>(x.x) | nonfinite2<kBf16>(x.y) | nonfinite2<kBf16>(x.z) |
@@ -499,10 +504,9 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
   const int consumers = 128 * p.wgs;
   const int bm = 64 * p.wgs;  // query rows per tile (the Q buffer always holds BM = 128)
   const int off = p.seq_k - p.seq_q;
-  // Whether key tile n holds keys that some row of query tile m does not see (causal).
-  const auto crosses_diagonal = [&](int m_block, int n) {
-    return CAUSAL && n * BN + BN - 1 > m_block * bm + off;
-  };
+  // Issue 6: the first key tile holding keys that some row of query tile m does not see
+  // (causal; the tiles from it on cross the diagonal).
+  const auto first_crossing = [&](int m_block) { return max(0, (m_block * bm + off + 1) / BN); };
   // Key tiles that query tile m sees.
   const auto key_tiles = [&](int m_block) {
     int n_end = p.seq_k;
@@ -521,6 +525,7 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
       mbar_init(&sm.full_v[s], E::kConvertV ? C::kConverters : 1);
       mbar_init(&sm.empty_k[s], consumers);  // every consumer thread releases
       mbar_init(&sm.empty_v[s], consumers);
+      mbar_init(&sm.full_vd[s], 1);
       mbar_init(&sm.checked_v[s], C::kConverters);
     }
     if constexpr (E::kConvertV) {
@@ -572,7 +577,7 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
           decode_tile<CAUSAL>(p, t, m_block, h, b);
           const int n_tiles = key_tiles(m_block);
           // Issue 6: key tiles from n_first on cross the causal diagonal.
-          const int n_first = CAUSAL ? max(0, (m_block * bm + off + 1) / BN) : n_tiles;
+          const int n_first = CAUSAL ? first_crossing(m_block) : n_tiles;
           for (int n = 0; n < n_tiles; ++n, ++it) {
             const int s = it % S, s8 = it % S8;
             Bar::wait(&sm.full_v8[s8], (it / S8) & 1);
@@ -658,24 +663,28 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
         };
         if (n_tiles == 0) load_q();  // nothing visible: the consumers still wait for (and free) Q
         for (int n = 0; n < n_tiles; ++n, ++it) {
-          const int s = it % S;
-          const uint32_t phase = ((it / S) + 1) & 1;  // the release of ring use it - S
-          if (it >= S) Bar::wait(&sm.empty_k[s], phase);
+          // Ring use: `it`, which is n in a causal grid (one tile a CTA; one register less).
+          const int u = CAUSAL ? n : it;
+          const int s = u % S;
+          const uint32_t phase = ((u / S) + 1) & 1;  // the release of ring use u - S
+          if (u >= S) Bar::wait(&sm.empty_k[s], phase);
           Bar::arrive_and_expect_tx(&sm.full_k[s], kKBytes);
           copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, n), get<1>(tK)(_, s));
           if (n == 0) load_q();  // after K_0: the previous tile frees both at about the same time
           if constexpr (E::kConvertV) {
             constexpr int S8 = C::kV8Stages;
-            const int s8 = it % S8;
-            if (it >= S8) Bar::wait(&sm.empty_v8[s8], ((it / S8) + 1) & 1);
+            const int s8 = u % S8;
+            if (u >= S8) Bar::wait(&sm.empty_v8[s8], ((u / S8) + 1) & 1);
             Bar::arrive_and_expect_tx(&sm.full_v8[s8], kVBytes);
             copy(p.tma_v.with(sm.full_v8[s8]), get<0>(tV)(_, n), get<1>(tV)(_, s8));
           } else {
             if constexpr (E::kPrepass)
-              if (it == 0) pdl_wait();  // V comes from convert_v
-            if (it >= S) Bar::wait(&sm.empty_v[s], phase);
-            Bar::arrive_and_expect_tx(&sm.full_v[s], kVBytes);
-            copy(p.tma_v.with(sm.full_v[s]), get<0>(tV)(_, n), get<1>(tV)(_, s));
+              if (u == 0) pdl_wait();  // V comes from convert_v
+            if (u >= S) Bar::wait(&sm.empty_v[s], phase);
+            // Issue 6: tiles crossing the diagonal land on full_vd (the check waits for them).
+            uint64_t& full = CAUSAL && n >= first_crossing(m_block) ? sm.full_vd[s] : sm.full_v[s];
+            Bar::arrive_and_expect_tx(&full, kVBytes);
+            copy(p.tma_v.with(full), get<0>(tV)(_, n), get<1>(tV)(_, s));
           }
         }
         if constexpr (CAUSAL) break;  // causal grids run one tile a CTA (launch)
@@ -698,10 +707,13 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
         const int rows = 64 * p.wgs, diag = m_block * rows + p.seq_k - p.seq_q;
         const int n_end =
             min(p.seq_k, max(0, min(m_block * rows + rows, p.seq_q) + p.seq_k - p.seq_q));
-        const int n_tiles = (n_end + BN - 1) / BN;  // key_tiles(m_block)
-        for (int n = max(0, (diag + 1) / BN); n < n_tiles; ++n) {
-          const int s = n % S;
-          Bar::wait(&sm.full_v[s], (n / S) & 1);
+        const int n_tiles = (n_end + BN - 1) / BN;    // key_tiles(m_block)
+        const int n_first = max(0, (diag + 1) / BN);  // first_crossing(m_block)
+        // Stage s of ring use n, and the parity of full_vd[s]'s phase: stepped, not divided.
+        int s = n_first % S, k = 0;
+        uint32_t parity = 0;
+        for (int n = n_first; n < n_tiles; ++n) {
+          Bar::wait(&sm.full_vd[s], parity);
           const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
           const bool any =
               named_or(kCheck, C::kConverters, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters));
@@ -715,6 +727,8 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
           if (ct == 0) sm.nf_any[s] = any;
           if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
           Bar::arrive(&sm.checked_v[s]);
+          if (++s == S) s = 0;
+          if (++k == S) k = 0, parity ^= 1;
         }
         return;
       }
@@ -767,32 +781,20 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
   };
 
   int it = 0, qi = 0;
-  uint32_t checked = 0;  // bit s: parity of stage s's next checked_v phase
   for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ++qi) {
     int m_block, h, b;
     decode_tile<CAUSAL>(p, t, m_block, h, b);
     const int m0 = m_block * bm;
     const int n_tiles = key_tiles(m_block);
+    const int n_first = CAUSAL ? first_crossing(m_block) : n_tiles;
     // V of key tile j, ring use u, stage sv: landed, and checked if it crosses the diagonal.
     const auto wait_v = [&](int j, int u, int sv) {
-      Bar::wait(&sm.full_v[sv], (u / S) & 1);
-      if constexpr (CAUSAL && !E::kConvertV) {
-        if (crosses_diagonal(m_block, j)) {
-          Bar::wait(&sm.checked_v[sv], (checked >> sv) & 1);
-          checked ^= 1u << sv;
-        }
-      }
+      if (CAUSAL && !E::kConvertV && j >= n_first)
+        Bar::wait(&sm.checked_v[sv], ((j - n_first) / S) & 1);
+      else
+        Bar::wait(&sm.full_v[sv], (u / S) & 1);
     };
-    // Once P·V of key tile j (stage sv) is in O: the non-finite values the check took out.
-    const auto add_nonfinite = [&](int j, int sv) {
-      if (!crosses_diagonal(m_block, j) || !sm.nf_any[sv]) return;
-      int etid = ctid;  // opaque: keeps the coordinates out of the main loop's registers
-      asm volatile("" : "+r"(etid));
-      Tensor cO =
-          mma_pv.get_thread_slice(etid).partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
-      add_nonfinite_terms(O, make_tensor(cO.data(), rowcol(cO.layout())), sm.nf[sv], m0, j * BN,
-                          p.seq_k, off);
-    };
+
     // E4M3: q·k dequantization scales into the softmax scale, v's into the normalization.
     float sl2 = p.scale_log2, o_scale = 1.f;
     if constexpr (E::kFp8) {
@@ -871,7 +873,6 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
                                        off, sl2);
         warpgroup_wait<0>();
         fence_all();
-        add_nonfinite(n - 1, sv);
         Bar::arrive(&sm.empty_v[sv]);
         convert_p<PV>(rP, tSrS);
       }
@@ -889,7 +890,6 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
         if (wg == 0) turn_arrive(1);
         warpgroup_wait<0>();
         fence_all();
-        add_nonfinite(n_tiles - 1, sv);
         Bar::arrive(&sm.empty_v[sv]);
       }
       it += n_tiles;
@@ -898,6 +898,23 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
       Bar::arrive(&sm.empty_q);
     }
 
+    // Issue 6: the non-finite values the check took out of the tiles crossing the diagonal,
+    // added once after the last P·V rather than after each tile's (the terms are NaN or ±Inf,
+    // which the rescaling in between keeps as they are; nothing of it in the main loop). Those
+    // tiles are the last ones and each has its own
+    // stage (at most 2 of them, S >= 2), so their records are all still there.
+    if constexpr (CAUSAL) {
+      for (int j = n_first; j < n_tiles; ++j) {
+        const int sv = (it - n_tiles + j) % S;  // `it` has moved past this tile's uses
+        if (!sm.nf_any[sv]) continue;
+        int etid = ctid;  // opaque: keeps the coordinates out of the main loop's registers
+        asm volatile("" : "+r"(etid));
+        Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
+            make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+        add_nonfinite_terms(O, make_tensor(cO.data(), rowcol(cO.layout())), sm.nf[sv], m0, j * BN,
+                            p.seq_k, off);
+      }
+    }
     normalize(O, l_run, o_scale);
 
     // Output through this warpgroup's 64-row staging area: row r, 16-byte chunk j lives at

@@ -230,24 +230,6 @@ __global__ void __launch_bounds__(128, 1)
       mma_qk.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    // Issue 6: V of a slice crossing the diagonal is checked for non-finite values (and, if it
-    // has any, zeroed there and recorded) while S runs.
-    bool nonfinite = false;
-    if (CAUSAL && k0 + KN - 1 > m0 + off) {
-      constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
-      constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
-      const uint32_t v = uint32_t(__cvta_generic_to_shared(sm.in.v));
-      Bar::wait(&sm.bar_v, 0);
-      nonfinite = __syncthreads_or(scan_nonfinite<T, KN, D>(v, tid, 128)) != 0;
-      if (nonfinite) {
-        record_nonfinite_cols<T, KN, D>(
-            uint32_t(__cvta_generic_to_shared(&sm.nf)),
-            [&](int key, int col) { return kSwizzle(v + uint32_t(kFlatV(key, col) * sizeof(T))); },
-            tid, 128);
-        cutlass::arch::fence_view_async_shared();  // the zeros, before P·V's wgmmas read V
-        __syncthreads();
-      }
-    }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
 
@@ -284,6 +266,25 @@ __global__ void __launch_bounds__(128, 1)
     convert_p<T>(rP, tSrS);
 
     Bar::wait(&sm.bar_v, 0);
+    // Issue 6: V of a slice crossing the diagonal is checked for non-finite values (and, if it
+    // has any, zeroed there and recorded) before P·V. (Checked while S runs instead, the wait
+    // for V moved ahead of the softmax: mission-causal +0.57 us.)
+    bool nonfinite = false;
+    if (CAUSAL && k0 + KN - 1 > m0 + off) {
+      constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
+      constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
+      const uint32_t v = uint32_t(__cvta_generic_to_shared(sm.in.v));
+      Bar::wait(&sm.bar_v, 0);
+      nonfinite = __syncthreads_or(scan_nonfinite<T, KN, D>(v, tid, 128)) != 0;
+      if (nonfinite) {
+        record_nonfinite_cols<T, KN, D>(
+            uint32_t(__cvta_generic_to_shared(&sm.nf)),
+            [&](int key, int col) { return kSwizzle(v + uint32_t(kFlatV(key, col) * sizeof(T))); },
+            tid, 128);
+        cutlass::arch::fence_view_async_shared();  // the zeros, before P·V's wgmmas read V
+        __syncthreads();
+      }
+    }
     warpgroup_fence_operand(tOrO);
     warpgroup_fence_operand(rP);
     warpgroup_arrive();

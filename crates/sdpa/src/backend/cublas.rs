@@ -2,6 +2,12 @@
 //! scores), P = masked row softmax of S (our kernel, cpp/src/cublas/softmax.cu), O = P·V
 //! (second GEMM, written straight into the output's layout).
 //!
+//! Causal problems (issue 6): the P·V GEMM spans every key with P = 0 at masked ones, and
+//! 0 · NaN = 0 · Inf = NaN, so it reads a finite copy of V instead (one extra read and write
+//! of V, which also records where V's NaN and Inf were), and a last kernel adds their
+//! reference terms to the rows that see them, near-free when V is finite
+//! (cpp/src/cublas/nonfinite_v.cu).
+//!
 //! Scores are f32, not f16: a score of 40 in f16 carries an absolute error of 0.02, which
 //! becomes a 2% error in exp(); f32 costs 2 bytes more per score and nothing in GEMM speed
 //! (f32 accumulation either way). P is rounded to the input dtype, as the fused kernels do.
@@ -11,25 +17,58 @@
 
 use crate::device::{Device, Tensor};
 use crate::error::{Error, Result};
-use crate::problem::{DType, Problem};
+use crate::problem::{DType, Problem, Strides};
 use cudarc::cublas::{CudaBlas, sys as cb};
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 
-/// The cuBLAS handle and the S/P workspace of one `Device` (one stream), reused across calls
-/// and grown when a larger problem arrives.
+/// The cuBLAS handle and the workspace (S, P, causal: V's finite copy) of one `Device` (one
+/// stream), reused across calls and grown when a larger problem arrives.
 pub(crate) struct BlasState {
     blas: CudaBlas,
     workspace: Option<CudaSlice<u8>>,
 }
 
-/// Workspace bytes: f32 scores plus P in the dtype, for every (batch, head).
-pub(crate) fn workspace_bytes(p: &Problem) -> Option<usize> {
+/// Byte offsets into the workspace. S (f32 scores) and P (dtype) for every (batch, head);
+/// causal problems add V's finite copy and its first-key records (`NonFiniteVArgs`), each
+/// 256-byte aligned.
+struct WorkspaceLayout {
+    p: usize,
+    v_finite: usize,
+    first_keys: usize,
+    total: usize,
+}
+
+fn workspace_layout(p: &Problem) -> Option<WorkspaceLayout> {
     let scores = p
         .batch
         .checked_mul(p.heads)?
         .checked_mul(p.seq_q)?
         .checked_mul(p.seq_k)?;
-    scores.checked_mul(4 + p.dtype.size())
+    let s_bytes = scores.checked_mul(4)?;
+    let p_end = s_bytes.checked_add(scores.checked_mul(p.dtype.size())?)?;
+    if !p.causal {
+        return Some(WorkspaceLayout {
+            p: s_bytes,
+            v_finite: p_end,
+            first_keys: p_end,
+            total: p_end,
+        });
+    }
+    let align = |x: usize| x.checked_next_multiple_of(256);
+    let v_finite = align(p_end)?;
+    let first_keys = align(v_finite.checked_add(p.kv_len()?.checked_mul(p.dtype.size())?)?)?;
+    let records = (p.batch * p.kv_heads).checked_mul(1 + 3 * p.head_dim)?;
+    Some(WorkspaceLayout {
+        p: s_bytes,
+        v_finite,
+        first_keys,
+        total: first_keys.checked_add(records.checked_mul(4)?)?,
+    })
+}
+
+/// Workspace bytes (see `workspace_layout`).
+pub(crate) fn workspace_bytes(p: &Problem) -> Option<usize> {
+    workspace_layout(p).map(|l| l.total)
 }
 
 fn gib(bytes: usize) -> f64 {
@@ -65,8 +104,9 @@ pub(crate) fn supports(dev: &Device, p: &Problem) -> std::result::Result<(), Str
     let (free, _) = dev.mem_info().map_err(|e| e.to_string())?;
     if need > free + held.unwrap_or(0) {
         return Err(format!(
-            "needs {:.2} GiB of workspace for S and P, the GPU has {:.2} GiB free",
+            "needs {:.2} GiB of workspace for S and P{}, the GPU has {:.2} GiB free",
             gib(need),
+            if p.causal { " and V's finite copy" } else { "" },
             gib(free + held.unwrap_or(0))
         ));
     }
@@ -163,7 +203,8 @@ pub(crate) fn forward(
     v: &Tensor,
     out: &mut Tensor,
 ) -> Result<()> {
-    let need = workspace_bytes(p).expect("checked in supports()");
+    let layout = workspace_layout(p).expect("checked in supports()");
+    let need = layout.total;
     let state = dev.blas_state();
     let mut guard = state
         .lock()
@@ -198,7 +239,7 @@ pub(crate) fn forward(
     let ws = st.workspace.as_mut().unwrap();
     let (s_ptr, _g) = ws.device_ptr_mut(dev.stream());
     let scores = (p.batch * p.heads * p.seq_q * p.seq_k) as u64;
-    let p_ptr = s_ptr + 4 * scores;
+    let p_ptr = s_ptr + layout.p as u64;
 
     let (qs, ks) = (p.q_strides(), p.kv_strides());
     let g = p.heads / p.kv_heads;
@@ -260,10 +301,41 @@ pub(crate) fn forward(
     let stream = dev.raw_stream()?;
     // SAFETY: S and P both hold `scores` elements of the workspace allocated above.
     unsafe { sdpa_sys::ffi::masked_softmax(&args, stream)? };
+    // Causal: P = 0 at masked keys, and 0 · NaN = 0 · Inf = NaN inside the GEMM, so it reads a
+    // finite copy of V and the non-finite values are put back for the rows that see them.
+    let nonfinite = p.causal.then(|| sdpa_sys::ffi::NonFiniteVArgs {
+        v: vp,
+        v_stride: ks.as_i64(),
+        v_finite: s_ptr + layout.v_finite as u64,
+        first_keys: s_ptr + layout.first_keys as u64,
+        o: op,
+        o_stride: qs.as_i64(),
+        batch: p.batch as i64,
+        heads: p.heads as i64,
+        kv_heads: p.kv_heads as i64,
+        seq_q: sq,
+        seq_k: sk,
+        head_dim: d,
+        dtype: super::fused::dtype_code(p.dtype),
+    });
+    let (v_gemm, vs) = match &nonfinite {
+        Some(a) => {
+            // SAFETY: V holds what its validated strides address; the finite copy and the
+            // records are the workspace regions `workspace_layout` sized for this problem.
+            unsafe { sdpa_sys::ffi::sanitize_v(a, stream)? };
+            let dense = Strides {
+                batch: p.kv_heads * p.seq_k * p.head_dim,
+                head: p.seq_k * p.head_dim,
+                seq: p.head_dim,
+            };
+            (a.v_finite, dense)
+        }
+        None => (vp, ks),
+    };
     for b in 0..outer {
         for r in 0..g {
             let o_off = (b * qs.batch + r * qs.head) as u64;
-            let kv_off = (b * ks.batch) as u64;
+            let v_off = (b * vs.batch) as u64;
             let row0 = ((b * p.heads + r) as i64 * sq) as u64;
             // Oᵀ (d x sq, col-major) = V (d x sk) · P (sk x sq)  <=>  O = P·V row-major.
             Gemm {
@@ -272,10 +344,10 @@ pub(crate) fn forward(
                 n: sq as i32,
                 k: sk as i32,
                 alpha: 1.0,
-                a: vp + es * kv_off,
+                a: v_gemm + es * v_off,
                 a_type: ty,
-                lda: ks.seq as i64,
-                stride_a: ks.head as i64,
+                lda: vs.seq as i64,
+                stride_a: vs.head as i64,
                 b: p_ptr + es * row0 * sk as u64,
                 b_type: ty,
                 ldb: sk,
@@ -288,6 +360,11 @@ pub(crate) fn forward(
             }
             .run(blas)?;
         }
+    }
+    if let Some(a) = &nonfinite {
+        // SAFETY: as for sanitize_v, after it and the GEMM on this stream; O holds what its
+        // validated strides address.
+        unsafe { sdpa_sys::ffi::add_nonfinite_v(a, stream)? };
     }
     Ok(())
 }
