@@ -48,13 +48,19 @@
 // epilogue's 4-byte writes are all free of bank conflicts. Q is staged through the last stage's
 // buffer (it is in registers before that stage is first filled), so shared memory is
 // 3 x 2 x BN x D elements: 48 KB (D = 64) and 96 KB (D = 128), which still fits the 99 KB
-// per-block limit of sm_86 / sm_89. The output is staged through the same buffer.
+// per-block limit of sm_86 / sm_89 (causal adds 3·D bytes, issue 6's records below). The
+// output is staged through the same buffer.
 //
 // Partial tiles: cp.async with src-size 0 zero-fills rows past seq_q / seq_k (nothing is read
 // there); scores of keys >= seq_k and, if causal, of keys past the bottom-right diagonal are set
 // to -inf before the softmax; stores are predicated per row. Causal: CTAs skip key tiles past
 // their last row's diagonal, each warp also skips the tiles fully masked for its rows, and CTAs
 // are launched last query block first (the heaviest first). Offsets into Q/K/V/O are 64-bit.
+//
+// Causal, issue 6 (common/nonfinite.cuh): a V tile that crosses the diagonal of some row of the
+// CTA is checked for Inf/NaN by the threads that copied it, the OR folded into the tile's
+// barrier; in the rare case it has some, they are recorded per column and zeroed before any
+// P·V reads the tile, and after its P·V every O element adds its row's reference term.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -69,11 +75,13 @@
 #include <cute/arch/mma_sm80.hpp>
 #include <cute/swizzle.hpp>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/attributes.cuh"
 #include "common/check.cuh"
 #include "common/launch.cuh"
+#include "common/nonfinite.cuh"
 #include "cutlass/dtype.cuh"
 
 // The kernel bodies exist in every device pass from sm_80 on (sm_80 and sm_90a in the default
@@ -121,6 +129,17 @@ __device__ __forceinline__ void cp_async16(T* smem, const T* gmem, bool pred) {
       pred);
 }
 
+// 16 bytes of shared memory, ordered after the cp.async.wait_group before it (CuTe's wait has
+// no memory clobber; volatile asm statements keep their order).
+__device__ __forceinline__ uint4 lds16(const void* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p)))
+               : "memory");
+  return v;
+}
+
 // Tile configuration: W warps of MT m16 strips (16·MT query rows) each.
 template <typename T, int D, int W, int MT>
 struct Cfg {
@@ -151,6 +170,12 @@ struct Cfg {
   static constexpr int kSmemBytes =
       (kStages * kStageElems + (kQReg ? 0 : kBM * D)) * int(sizeof(T));
   static_assert(!kQReg || kBM * D <= kStageElems, "Q is staged in one K/V stage");
+  // Causal launches add issue 6's records of the current V tile after the stages (192 or 384
+  // bytes): they live from before the tile's first P·V to after its last, when every stage is
+  // busy. D = 128: 96.4 KB, still within sm_86 / sm_89's 99 KB.
+  static_assert(kBN < kNoKey, "tile-relative keys must fit NonFiniteCols");
+  static constexpr int kSmemBytesCausal = kSmemBytes + int(sizeof(NonFiniteCols<D>));
+  static_assert(kSmemBytesCausal <= 99 * 1024, "shared memory over sm_86 / sm_89's limit");
 
   static constexpr int kQK = D / 16;    // k-blocks of Q·Kᵀ
   static constexpr int kSN = kBN / 8;   // n8 tiles of S
@@ -164,6 +189,44 @@ struct Cfg {
   using Sw = cute::Swizzle<3, 3, D == 64 ? 3 : 4>;
   static __device__ __forceinline__ int off(int row, int col) { return Sw{}(row * D + col); }
 };
+
+// Issue 6, step 1, between the cp.async wait and the barrier of a V tile: whether the 16-byte
+// chunks of it that load_kv made this thread copy (the first at `v`, then every kPassRows rows)
+// hold an Inf or a NaN. wait_group makes a thread's own copies visible to it, so the check
+// needs no barrier of its own: the tile's barrier ORs it over the CTA. Rows past seq_k are
+// zero-filled: finite.
+template <typename T, int D, int W, int MT>
+__device__ __forceinline__ bool own_v_chunks_nonfinite(const T* v) {
+  using C = Cfg<T, D, W, MT>;
+  constexpr bool kBf16 = std::is_same_v<T, cute::bfloat16_t>;
+  uint32_t bits = 0;
+#pragma unroll
+  for (int i = 0; i < C::kBN / C::kPassRows; ++i) {
+    const uint4 w = lds16(v + i * C::kPassRows * D);
+    bits |= nonfinite2_bits<kBf16>(w.x) | nonfinite2_bits<kBf16>(w.y) |
+            nonfinite2_bits<kBf16>(w.z) | nonfinite2_bits<kBf16>(w.w);
+  }
+  return (bits & kNonFinite2Bits) != 0;
+}
+
+// Issue 6, step 2 (rare: some thread found a non-finite value in V tile `v`): one thread per
+// column records the first NaN, +Inf and -Inf of its column into c and zeroes them, reading
+// V[key][col] where load_kv put it (C::off).
+template <typename T, int D, int W, int MT>
+__device__ __forceinline__ void record_and_zero(T* v, NonFiniteCols<D>& c, int tid) {
+  using C = Cfg<T, D, W, MT>;
+  constexpr bool kBf16 = std::is_same_v<T, cute::bfloat16_t>;
+  uint16_t* const v16 = reinterpret_cast<uint16_t*>(v);
+#pragma unroll 1
+  for (int col = tid; col < D; col += C::kThreads) {
+    c.first[0][col] = c.first[1][col] = c.first[2][col] = kNoKey;
+#pragma unroll 1
+    for (int key = 0; key < C::kBN; ++key) {
+      uint16_t& x = v16[C::off(key, col)];
+      if (record_nonfinite<kBf16, D>(c, key, col, x)) x = 0;
+    }
+  }
+}
 
 template <typename T>
 struct Params {
@@ -279,11 +342,24 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
 
     uint32_t q[kQReg ? MT : 1][kQReg ? kQK : 1][4];  // Q fragments, for the whole sweep
     const float sl2 = p.scale_log2;
+    // Causal: the first key tile holding a key (< seq_k) that the CTA's first row does not see.
+    // It and the tiles after it cross the diagonal of some row of the CTA (issue 6; the last one
+    // or two tiles unless seq_q > seq_k); n_tiles if none. CTA-uniform.
+    int t_diag = n_tiles;
+    if (CAUSAL && p.seq_k - 1 > m0 + off) t_diag = max(0, m0 + off + 1) / BN;
+    NonFiniteCols<D>& nf = *reinterpret_cast<NonFiniteCols<D>*>(smem_raw + C::kSmemBytes);
 
     for (int n = 0; n < n_tiles; ++n) {
       const int s = n % S;
       cute::cp_async_wait<S - 2>();  // tile n (and Q) landed for this thread's copies ...
-      __syncthreads();               // ... and everyone's; stage (n - 1) % S is free again
+      // ... and everyone's (the barrier); stage (n - 1) % S is free again. On a diagonal tile
+      // the barrier also says whether V holds an Inf or a NaN (CTA-uniform).
+      bool nonfinite = false;
+      if (CAUSAL && n >= t_diag)
+        nonfinite = __syncthreads_or(own_v_chunks_nonfinite<T, D, W, MT>(
+                        smem + s * C::kStageElems + C::kTileElems + c_soff)) != 0;
+      else
+        __syncthreads();
       if constexpr (kQReg) {
         if (n == 0) {
 #pragma unroll
@@ -295,6 +371,10 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
       }
       if (n + S - 1 < n_tiles) load_kv(n + S - 1, (n + S - 1) % S);
       cute::cp_async_fence();
+      if (CAUSAL && nonfinite) {  // rare; CTA-uniform
+        record_and_zero<T, D, W, MT>(smem + s * C::kStageElems + C::kTileElems, nf, tid);
+        __syncthreads();  // V is finite before any P·V reads it; nf is complete
+      }
       if (n >= w_tiles) continue;  // fully masked for this warp's rows (causal / past seq_q)
 
       const T* const sK = smem + s * C::kStageElems;
@@ -431,6 +511,27 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
           }
         }
       }
+
+      // Issue 6, step 3 (rare): every O element adds what its row's visible keys of the tile
+      // held before they were zeroed; O's fragment map is the one the mask and the epilogue
+      // use. The next tiles' rescales and the final 1/l keep an Inf or a NaN as they are (the
+      // factors are positive). nf is rewritten only past the next tile's barrier, when every
+      // warp is through here.
+      if (CAUSAL && nonfinite) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            // The row's last visible key, tile-relative: < 0 none (nonfinite_term clamps).
+            const int last = min(p.seq_k - 1, mw0 + 16 * mt + g + 8 * r + off) - n0;
+#pragma unroll
+            for (int j = 0; j < kON; ++j) {
+              o[mt][j][2 * r] += nonfinite_term(nf, 8 * j + 2 * t, last);
+              o[mt][j][2 * r + 1] += nonfinite_term(nf, 8 * j + 2 * t + 1, last);
+            }
+          }
+        }
+      }
     }
     cute::cp_async_wait<0>();
     __syncthreads();  // every warp is done with every stage and with Q: sQ stages the output
@@ -493,7 +594,7 @@ inline void check_device(int dev) {
 template <typename T, int D, bool CAUSAL, int W, int MT>
 void launch(const FwdArgs& a, cudaStream_t stream) {
   using C = Cfg<T, D, W, MT>;
-  constexpr int kSmem = C::kSmemBytes;
+  constexpr int kSmem = CAUSAL ? C::kSmemBytesCausal : C::kSmemBytes;
   int dev = 0;
   SDPA_CUDA_CHECK(cudaGetDevice(&dev));
   check_device<kSmem>(dev);
@@ -542,7 +643,7 @@ inline int shipping_warps(int dev) {
   if constexpr (D == 64) {
     return 4;
   } else {
-    return smem_per_sm(dev) >= 2 * (Cfg<T, D, 4, 1>::kSmemBytes + 1024) ? 4 : 8;
+    return smem_per_sm(dev) >= 2 * (Cfg<T, D, 4, 1>::kSmemBytesCausal + 1024) ? 4 : 8;
   }
 }
 
@@ -570,6 +671,7 @@ void attributes_of(std::vector<KernelAttr>& out) {
   const void* const fns[2] = {reinterpret_cast<const void*>(fwd_kernel<T, D, false, W, 1>),
                               reinterpret_cast<const void*>(fwd_kernel<T, D, true, W, 1>)};
   push_attributes(out, "cutlass-sm80", dtype_name<T>(), D, fns, Cfg<T, D, W, 1>::kSmemBytes);
+  out.back().dynamic_smem = Cfg<T, D, W, 1>::kSmemBytesCausal;  // causal: + issue 6's records
 }
 
 // The kernels forward() launches on the current device.
