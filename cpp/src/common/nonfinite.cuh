@@ -75,26 +75,21 @@ __device__ __forceinline__ bool record_nonfinite(NonFiniteCols<D>& c, int key, i
   return true;
 }
 
-// What the keys [0, last] of the tile (tile-relative; last < 0: none) add to column col of a
-// row in the reference, given the tile's recorded columns: NaN, +Inf, -Inf or 0.
-template <int D>
-__device__ __forceinline__ float nonfinite_term(const NonFiniteCols<D>& c, int col, int last) {
-  last = min(last, int(kNoKey) - 1);
-  const bool nan = int(c.first[0][col]) <= last;
-  const bool pos = int(c.first[1][col]) <= last;
-  const bool neg = int(c.first[2][col]) <= last;
-  if (nan || (pos && neg)) return __int_as_float(0x7fc00000);
-  if (pos) return __int_as_float(0x7f800000);
-  if (neg) return __int_as_float(0xff800000);
-  return 0.f;
-}
-
 // The term a row's visible keys add, from whether they hold a NaN, a +Inf, a -Inf.
 __device__ __forceinline__ float nonfinite_value(bool nan, bool pos, bool neg) {
   if (nan || (pos && neg)) return __int_as_float(0x7fc00000);
   if (pos) return __int_as_float(0x7f800000);
   if (neg) return __int_as_float(0xff800000);
   return 0.f;
+}
+
+// What the keys [0, last] of the tile (tile-relative; last < 0: none) add to column col of a
+// row in the reference, given the tile's recorded columns: NaN, +Inf, -Inf or 0.
+template <int D>
+__device__ __forceinline__ float nonfinite_term(const NonFiniteCols<D>& c, int col, int last) {
+  last = min(last, int(kNoKey) - 1);
+  return nonfinite_value(int(c.first[0][col]) <= last, int(c.first[1][col]) <= last,
+                         int(c.first[2][col]) <= last);
 }
 
 // Key index meaning "none" over a whole sequence (the unfused backend's per-head records,
