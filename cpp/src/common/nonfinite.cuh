@@ -48,6 +48,20 @@ __device__ __forceinline__ uint32_t nonfinite2_bits(uint32_t w) {
   return (t - 0x10001u) & ~t;
 }
 
+// nonfinite2 for accumulating over many words in one instruction a word: acc + w * 0 in the
+// 16-bit type, two lanes at once. Finite halves add (+-)0 and leave a zero acc at +0; an Inf or
+// NaN half makes its lane NaN, which stays. Start from acc = 0; a non-finite value was seen iff
+// (acc & 0x7fff7fff) != 0 at the end. (sm_80 and later: fma.rn.bf16x2.)
+template <bool kBf16>
+__device__ __forceinline__ uint32_t nonfinite2_acc(uint32_t acc, uint32_t w) {
+  uint32_t r;
+  if constexpr (kBf16)
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(w), "r"(0u), "r"(acc));
+  else
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(w), "r"(0u), "r"(acc));
+  return r;
+}
+
 // One 16-bit value's kind: 0 finite, 1 NaN, 2 +Inf, 3 -Inf.
 template <bool kBf16>
 __device__ __forceinline__ int nonfinite_kind(uint32_t h) {

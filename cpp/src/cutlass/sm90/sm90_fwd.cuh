@@ -393,17 +393,19 @@ __device__ __forceinline__ void convert_p(TP& rP, TS const& tSrS) {
 // column and zeroes them. addr(key, col): the shared address of one value. The zeros are
 // generic-proxy writes: the caller fences them before any wgmma reads the tile. Everything in
 // 32-bit shared addresses: the producer's spare warps run it in 24 registers.
-template <typename T, int BN, int D>
+template <typename T, int BN, int D, int kUnroll = 1>
 __device__ __forceinline__ bool scan_nonfinite(uint32_t tile, int i, int n) {
   constexpr bool kBf16 = std::is_same_v<T, cute::bfloat16_t>;
-  bool hit = false;
-#pragma unroll 1  // unrolled, the producer's spare warps spill at 24 registers (e4m3, D = 128)
+  uint32_t acc[2] = {0u, 0u};  // nonfinite2_acc over every word, in two chains
+  // kUnroll 1 for the producer's spare warps (unrolled, they spill at 24 registers: e4m3,
+  // D = 128); the small kernel unrolls, its loads then overlap.
+#pragma unroll kUnroll
   for (int o = i * 16; o < BN * D * 2; o += n * 16) {
     const uint4 x = ld_shared_128(tile + uint32_t(o));
-    hit |= nonfinite2<kBf16>(x.x) | nonfinite2<kBf16>(x.y) | nonfinite2<kBf16>(x.z) |
-           nonfinite2<kBf16>(x.w);
+    acc[0] = nonfinite2_acc<kBf16>(nonfinite2_acc<kBf16>(acc[0], x.x), x.y);
+    acc[1] = nonfinite2_acc<kBf16>(nonfinite2_acc<kBf16>(acc[1], x.z), x.w);
   }
-  return hit;
+  return ((acc[0] | acc[1]) & 0x7fff7fffu) != 0;
 }
 template <typename T, int BN, int D, class Addr>
 __device__ __forceinline__ void record_nonfinite_cols(uint32_t nf, Addr addr, int i, int n) {
