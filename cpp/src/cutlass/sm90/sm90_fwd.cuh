@@ -225,9 +225,10 @@ struct Cfg {
     // Issue 6, causal kernels: V tiles crossing the diagonal land on full_vd instead of full_v,
     // are checked for non-finite values by the producer's spare warps, which then arrive on
     // checked_v, and the consumers wait for that (kConvertV: the converting warps check, full_v
-    // as for every tile). These are the last key tiles of a query tile: the n-th of them in a
-    // stage is phase n of both barriers, and full_v's phases stay those of the others. nf_any:
-    // whether the stage's tile had any non-finite value, nf what it had.
+    // as for every tile). Causal CTAs run one query tile and walk its keys diagonal first
+    // (key_tile in the kernel): these are ring uses 0 and 1, phase 0 of both barriers of
+    // stages 0 and 1, and full_v's phases on those stages run one behind. nf_any: whether the
+    // stage's tile had any non-finite value, nf what it had.
     uint64_t full_vd[kStages];
     uint64_t checked_v[kStages];
     uint32_t nf_any[kStages];
@@ -515,6 +516,13 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
     if (CAUSAL) n_end = min(p.seq_k, max(0, min(m_block * bm + bm, p.seq_q) + off));
     return (n_end + BN - 1) / BN;
   };
+  // The key tile of a query tile's i-th ring use (of n): causal query tiles walk their keys
+  // diagonal first, so that the (at most two) tiles crossing the diagonal, which issue 6's
+  // check holds back, come first, and their check runs while the consumers compute the first
+  // S = Q·Kᵀ and softmax instead of sitting between the last V load and the last P·V. (The
+  // online softmax does not depend on the order; rows that see nothing of the first tiles keep
+  // m = -inf and p = 0 until they do.)
+  const auto key_tile = [&](int i, int n) { return CAUSAL ? n - 1 - i : i; };
 
   if (tid == 0) {
     prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
@@ -596,7 +604,7 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
                             make_uint4(f16x2_of_e4m3x2(x.x), f16x2_of_e4m3x2(x.x >> 16),
                                        f16x2_of_e4m3x2(x.y), f16x2_of_e4m3x2(x.y >> 16)));
             }
-            if (n >= n_first) {  // issue 6, on the converted tile
+            if (key_tile(n, n_tiles) >= n_first) {  // issue 6, on the converted tile
               // (also the barrier after which every converted value is visible to all)
               const bool any = named_or(kCheck, C::kConverters, nan8);
               if (any)
@@ -671,22 +679,23 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
           const uint32_t phase = ((u / S) + 1) & 1;  // the release of ring use u - S
           if (u >= S) Bar::wait(&sm.empty_k[s], phase);
           Bar::arrive_and_expect_tx(&sm.full_k[s], kKBytes);
-          copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, n), get<1>(tK)(_, s));
+          const int kt = key_tile(n, n_tiles);
+          copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, kt), get<1>(tK)(_, s));
           if (n == 0) load_q();  // after K_0: the previous tile frees both at about the same time
           if constexpr (E::kConvertV) {
             constexpr int S8 = C::kV8Stages;
             const int s8 = u % S8;
             if (u >= S8) Bar::wait(&sm.empty_v8[s8], ((u / S8) + 1) & 1);
             Bar::arrive_and_expect_tx(&sm.full_v8[s8], kVBytes);
-            copy(p.tma_v.with(sm.full_v8[s8]), get<0>(tV)(_, n), get<1>(tV)(_, s8));
+            copy(p.tma_v.with(sm.full_v8[s8]), get<0>(tV)(_, kt), get<1>(tV)(_, s8));
           } else {
             if constexpr (E::kPrepass)
               if (u == 0) pdl_wait();  // V comes from convert_v
             if (u >= S) Bar::wait(&sm.empty_v[s], phase);
             // Issue 6: tiles crossing the diagonal land on full_vd (the check waits for them).
-            uint64_t& full = CAUSAL && n >= first_crossing(m_block) ? sm.full_vd[s] : sm.full_v[s];
+            uint64_t& full = CAUSAL && kt >= first_crossing(m_block) ? sm.full_vd[s] : sm.full_v[s];
             Bar::arrive_and_expect_tx(&full, kVBytes);
-            copy(p.tma_v.with(full), get<0>(tV)(_, n), get<1>(tV)(_, s));
+            copy(p.tma_v.with(full), get<0>(tV)(_, kt), get<1>(tV)(_, s));
           }
         }
         if constexpr (CAUSAL) break;  // causal grids run one tile a CTA (launch)
@@ -701,8 +710,8 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
         const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
         constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
         constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
-        // Causal grids run one tile a CTA (launch), so ring use n is key tile n; the tiles
-        // crossing the diagonal are the last ones, from n_first on.
+        // Causal grids run one tile a CTA (launch), and walk the key tiles diagonal first
+        // (key_tile): the n_tiles - n_first tiles crossing the diagonal are ring uses 0, 1.
         int m_block, h, b, t = blockIdx.x;
         asm volatile("" : "+r"(t));  // opaque: nothing shared with the TMA thread's registers
         decode_tile<CAUSAL>(p, t, m_block, h, b);
@@ -711,11 +720,10 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
             min(p.seq_k, max(0, min(m_block * rows + rows, p.seq_q) + p.seq_k - p.seq_q));
         const int n_tiles = (n_end + BN - 1) / BN;    // key_tiles(m_block)
         const int n_first = max(0, (diag + 1) / BN);  // first_crossing(m_block)
-        // Stage s of ring use n, and the parity of full_vd[s]'s phase: stepped, not divided.
-        int s = n_first % S, k = 0;
-        uint32_t parity = 0;
-        for (int n = n_first; n < n_tiles; ++n) {
-          Bar::wait(&sm.full_vd[s], parity);
+        // Ring use i is stage i (at most 2 crossing tiles, S >= 2): full_vd's first phase.
+        static_assert(S >= 2);
+        for (int s = 0; s < n_tiles - n_first; ++s) {
+          Bar::wait(&sm.full_vd[s], 0);
           const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
           const bool any =
               named_or(kCheck, C::kConverters, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters));
@@ -729,8 +737,6 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
           if (ct == 0) sm.nf_any[s] = any;
           if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
           Bar::arrive(&sm.checked_v[s]);
-          if (++s == S) s = 0;
-          if (++k == S) k = 0, parity ^= 1;
         }
         return;
       }
@@ -789,12 +795,21 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
     const int m0 = m_block * bm;
     const int n_tiles = key_tiles(m_block);
     const int n_first = CAUSAL ? first_crossing(m_block) : n_tiles;
-    // V of key tile j, ring use u, stage sv: landed, and checked if it crosses the diagonal.
-    const auto wait_v = [&](int j, int u, int sv) {
-      if (CAUSAL && !E::kConvertV && j >= n_first)
-        Bar::wait(&sm.checked_v[sv], ((j - n_first) / S) & 1);
-      else
+    // V of the tile's i-th ring use (u overall, stage sv): landed, and checked if it crosses
+    // the diagonal. Causal: one tile a CTA (u = i), the n_cross crossing tiles are uses
+    // 0 .. n_cross - 1 (key_tile), on stages 0 .. n_cross - 1, and complete full_vd and
+    // checked_v (first phase) instead of full_v, whose phase for a later use of stage sv is one
+    // behind where sv had a crossing tile.
+    const auto wait_v = [&](int i, int u, int sv) {
+      if constexpr (CAUSAL && !E::kConvertV) {
+        const int n_cross = max(0, n_tiles - n_first);
+        if (i < n_cross)
+          Bar::wait(&sm.checked_v[sv], 0);
+        else
+          Bar::wait(&sm.full_v[sv], ((u / S) - (sv < n_cross ? 1 : 0)) & 1);
+      } else {
         Bar::wait(&sm.full_v[sv], (u / S) & 1);
+      }
     };
 
     // E4M3: q·k dequantization scales into the softmax scale, v's into the normalization.
@@ -844,8 +859,8 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
         fence_all();
         Bar::arrive(&sm.empty_k[sk]);
         if (n_tiles == 1) Bar::arrive(&sm.empty_q);
-        softmax_tile<CAUSAL, D == 128>(Srow, cSrc, m_run, l_run, alpha, m0, 0, BN, p.seq_k, off,
-                                       sl2);
+        softmax_tile<CAUSAL, D == 128>(Srow, cSrc, m_run, l_run, alpha, m0,
+                                       key_tile(0, n_tiles) * BN, BN, p.seq_k, off, sl2);
         convert_p<PV>(rP, tSrS);  // O is still zero: no rescale
       }
 
@@ -871,8 +886,8 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
         warpgroup_fence_operand(tSrS);
         Bar::arrive(&sm.empty_k[sk]);
         if (n == n_tiles - 1) Bar::arrive(&sm.empty_q);
-        softmax_tile<CAUSAL, D == 128>(Srow, cSrc, m_run, l_run, alpha, m0, n * BN, BN, p.seq_k,
-                                       off, sl2);
+        softmax_tile<CAUSAL, D == 128>(Srow, cSrc, m_run, l_run, alpha, m0,
+                                       key_tile(n, n_tiles) * BN, BN, p.seq_k, off, sl2);
         warpgroup_wait<0>();
         fence_all();
         Bar::arrive(&sm.empty_v[sv]);
@@ -903,11 +918,12 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
     // Issue 6: the non-finite values the check took out of the tiles crossing the diagonal,
     // added once after the last P·V rather than after each tile's (the terms are NaN or ±Inf,
     // which the rescaling in between keeps as they are; nothing of it in the main loop). Those
-    // tiles are the last ones and each has its own
-    // stage (at most 2 of them, S >= 2), so their records are all still there.
+    // tiles were ring uses 0 and 1 (stages 0 and 1, S >= 2), and only they write records, so
+    // the records are all still there.
     if constexpr (CAUSAL) {
       for (int j = n_first; j < n_tiles; ++j) {
-        const int sv = (it - n_tiles + j) % S;  // `it` has moved past this tile's uses
+        // `it` has moved past this tile's uses; key tile j was use key_tile(j) (an involution)
+        const int sv = (it - n_tiles + key_tile(j, n_tiles)) % S;
         if (!sm.nf_any[sv]) continue;
         int etid = ctid;  // opaque: keeps the coordinates out of the main loop's registers
         asm volatile("" : "+r"(etid));
