@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over every GPU backend on
-# a small problem and odd-sized ones (seq 77, seq_q != seq_k, causal and not, GQA) and fails on
-# any report. Needs a GPU and compute-sanitizer (the GPU machine has both).
+# a small problem and odd-sized ones (seq 77, seq_q != seq_k, causal and not, GQA; 150 x 300 at
+# D = 64 takes cutlass's small-problem kernel, three key slices a cluster) and fails on any
+# report. Needs a GPU and compute-sanitizer (the GPU machine has both).
 #
 #   scripts/sanitize.sh [path/to/sdpa]      # default: target/release/sdpa
 # On the GPU machine with .gpu/ carried:  bash .gpu/run bin sdpa info >/dev/null;
@@ -11,7 +12,7 @@ sdpa=${1:-target/release/sdpa}
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 [ -x "$cs" ] || { echo "sanitize: compute-sanitizer not found" >&2; exit 2; }
 args=(validate --dtype f16,bf16 --causal both --seed 7
-      --shape 1,2,64,64,64 --shape 1,2,77,77,64 --shape 1,4,77,130,128)
+      --shape 1,2,64,64,64 --shape 1,2,77,77,64 --shape 1,4,77,130,128 --shape 1,2,150,300,64)
 rc=0
 for tool in memcheck racecheck synccheck initcheck; do
   for backend in scalar wmma cublas cutlass cutlass-sm80; do

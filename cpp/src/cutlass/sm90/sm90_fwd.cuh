@@ -566,6 +566,26 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
   if (tid < 128) {
     // Producer warpgroup: 24 registers a thread are plenty to issue TMA.
     cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
+    // Issue 6, by warps 1-3 (thread ct of kConverters) once they have checked the V tile of
+    // stage s crossing the diagonal (hit: this thread's share had a non-finite value): whether
+    // any share had one, and if so the tile's records and zeros (nf[s]; the caller fences the
+    // zeros for the wgmmas).
+    const auto settle_nonfinite = [&](int s, bool hit, int ct) {
+      const bool any = named_or(kCheck, C::kConverters, hit);
+      if (any) {
+        constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
+        constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
+        const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
+        record_nonfinite_cols<PV, BN, D>(
+            uint32_t(__cvta_generic_to_shared(&sm.nf[s])),
+            [&](int key, int col) {
+              return kSwizzle(v16 + uint32_t(kFlatV(key, col, s) * sizeof(PV)));
+            },
+            ct, C::kConverters);
+      }
+      if (ct == 0) sm.nf_any[s] = any;
+      return any;
+    };
     if constexpr (E::kConvertV) {
       // Warps 1-3: each e4m3 V tile of the ring, 8 codes a thread and step (8-byte reads along
       // the unswizzled rows, 16-byte writes into the swizzled f16 tile: both free of bank
@@ -604,18 +624,9 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
                             make_uint4(f16x2_of_e4m3x2(x.x), f16x2_of_e4m3x2(x.x >> 16),
                                        f16x2_of_e4m3x2(x.y), f16x2_of_e4m3x2(x.y >> 16)));
             }
-            if (key_tile(n, n_tiles) >= n_first) {  // issue 6, on the converted tile
-              // (also the barrier after which every converted value is visible to all)
-              const bool any = named_or(kCheck, C::kConverters, nan8);
-              if (any)
-                record_nonfinite_cols<PV, BN, D>(
-                    uint32_t(__cvta_generic_to_shared(&sm.nf[s])),
-                    [&](int key, int col) {
-                      return kSwizzle(v16 + uint32_t(kFlatV(key, col, s) * sizeof(PV)));
-                    },
-                    ct, C::kConverters);
-              if (ct == 0) sm.nf_any[s] = any;
-            }
+            // Issue 6, on the converted tile (its barrier is also the one after which every
+            // converted value is visible to all).
+            if (key_tile(n, n_tiles) >= n_first) settle_nonfinite(s, nan8, ct);
             // These generic-proxy writes must be visible to the wgmmas (async proxy).
             cutlass::arch::fence_view_async_shared();
             Bar::arrive(&sm.empty_v8[s8]);
@@ -708,8 +719,6 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
       if (tid >= 32) {
         const int ct = tid - 32;
         const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
-        constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
-        constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
         // Causal grids run one tile a CTA (launch), and walk the key tiles diagonal first
         // (key_tile): the n_tiles - n_first tiles crossing the diagonal are ring uses 0, 1.
         int m_block, h, b, t = blockIdx.x;
@@ -726,15 +735,7 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
           Bar::wait(&sm.full_vd[s], 0);
           const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
           const bool any =
-              named_or(kCheck, C::kConverters, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters));
-          if (any)
-            record_nonfinite_cols<PV, BN, D>(
-                uint32_t(__cvta_generic_to_shared(&sm.nf[s])),
-                [&](int key, int col) {
-                  return kSwizzle(v16 + uint32_t(kFlatV(key, col, s) * sizeof(PV)));
-                },
-                ct, C::kConverters);
-          if (ct == 0) sm.nf_any[s] = any;
+              settle_nonfinite(s, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters), ct);
           if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
           Bar::arrive(&sm.checked_v[s]);
         }
