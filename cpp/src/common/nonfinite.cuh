@@ -29,17 +29,11 @@ constexpr uint8_t kNoKey = 0xff;
 template <bool kBf16>
 constexpr uint32_t kExp16 = kBf16 ? 0x7f80u : 0x7c00u;
 
-// Whether either 16-bit half of w is Inf or NaN.
-template <bool kBf16>
-__device__ __forceinline__ bool nonfinite2(uint32_t w) {
-  constexpr uint32_t m = kExp16<kBf16>;
-  return (w & m) == m || ((w >> 16) & m) == m;
-}
-
-// nonfinite2 for OR-ing over many words, branch-free (3 instructions a word): bit 15 or 31 of
-// the result is set iff the low or high half of w is Inf or NaN; the other bits are junk, so
-// test the OR of the results with kNonFinite2Bits. t's halves are below 0x8000, and t - 1 sets
-// bit 15 of a half only where that half is 0 (a borrow into the high half happens only then).
+// Whether either 16-bit half of w is Inf or NaN, for OR-ing over many words, branch-free (3
+// instructions a word): bit 15 or 31 of the result is set iff the low or high half of w is Inf or
+// NaN; the other bits are junk, so test the OR of the results with kNonFinite2Bits. t's halves are
+// below 0x8000, and t - 1 sets bit 15 of a half only where that half is 0 (a borrow into the high
+// half happens only then).
 constexpr uint32_t kNonFinite2Bits = 0x80008000u;
 template <bool kBf16>
 __device__ __forceinline__ uint32_t nonfinite2_bits(uint32_t w) {
@@ -47,8 +41,14 @@ __device__ __forceinline__ uint32_t nonfinite2_bits(uint32_t w) {
   const uint32_t t = ~w & m;  // a half is 0 iff its exponent bits are all set
   return (t - 0x10001u) & ~t;
 }
+// nonfinite2_bits of the four words of a 16-byte load, OR-ed.
+template <bool kBf16>
+__device__ __forceinline__ uint32_t nonfinite8_bits(uint4 w) {
+  return nonfinite2_bits<kBf16>(w.x) | nonfinite2_bits<kBf16>(w.y) | nonfinite2_bits<kBf16>(w.z) |
+         nonfinite2_bits<kBf16>(w.w);
+}
 
-// nonfinite2 for accumulating over many words in one instruction a word: acc + w * 0 in the
+// The same test for accumulating over many words in one instruction a word: acc + w * 0 in the
 // 16-bit type, two lanes at once. Finite halves add (+-)0 and leave a zero acc at +0; an Inf or
 // NaN half makes its lane NaN, which stays. Start from acc = 0; a non-finite value was seen iff
 // (acc & 0x7fff7fff) != 0 at the end. (sm_80 and later: fma.rn.bf16x2.)

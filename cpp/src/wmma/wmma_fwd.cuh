@@ -29,6 +29,7 @@
 #include "common/dtype.cuh"
 #include "common/launch.cuh"
 #include "common/nonfinite.cuh"
+#include "common/smem.cuh"
 
 namespace sdpa::wmma_backend {
 
@@ -111,14 +112,6 @@ __device__ __forceinline__ void cp_async_commit() {
 }
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-__device__ __forceinline__ uint4 ld_shared16(uint32_t a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(a)
-               : "memory");
-  return v;
 }
 
 // Softmax exponents, exact at any logit size. The max's base is RN(m·scale); every exponent
@@ -212,9 +205,7 @@ __device__ __forceinline__ bool own_chunks_nonfinite(uint32_t dst) {
   uint32_t bits = 0;
 #pragma unroll
   for (int i = 0; i < kBN / RS; ++i) {
-    const uint4 w = ld_shared16(dst + i * RS * kRowBytes);
-    bits |= nonfinite2_bits<kBf16>(w.x) | nonfinite2_bits<kBf16>(w.y) |
-            nonfinite2_bits<kBf16>(w.z) | nonfinite2_bits<kBf16>(w.w);
+    bits |= nonfinite8_bits<kBf16>(ld_shared_128(dst + i * RS * kRowBytes));
   }
   return (bits & kNonFinite2Bits) != 0;
 }

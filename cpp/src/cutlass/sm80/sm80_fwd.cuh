@@ -82,6 +82,7 @@
 #include "common/check.cuh"
 #include "common/launch.cuh"
 #include "common/nonfinite.cuh"
+#include "common/smem.cuh"
 #include "cutlass/dtype.cuh"
 
 // The kernel bodies exist in every device pass from sm_80 on (sm_80 and sm_90a in the default
@@ -132,12 +133,7 @@ __device__ __forceinline__ void cp_async16(T* smem, const T* gmem, bool pred) {
 // 16 bytes of shared memory, ordered after the cp.async.wait_group before it (CuTe's wait has
 // no memory clobber; volatile asm statements keep their order).
 __device__ __forceinline__ uint4 lds16(const void* p) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p)))
-               : "memory");
-  return v;
+  return ld_shared_128(static_cast<uint32_t>(__cvta_generic_to_shared(p)));
 }
 
 // Tile configuration: W warps of MT m16 strips (16·MT query rows) each.
@@ -202,9 +198,7 @@ __device__ __forceinline__ bool own_v_chunks_nonfinite(const T* v) {
   uint32_t bits = 0;
 #pragma unroll
   for (int i = 0; i < C::kBN / C::kPassRows; ++i) {
-    const uint4 w = lds16(v + i * C::kPassRows * D);
-    bits |= nonfinite2_bits<kBf16>(w.x) | nonfinite2_bits<kBf16>(w.y) |
-            nonfinite2_bits<kBf16>(w.z) | nonfinite2_bits<kBf16>(w.w);
+    bits |= nonfinite8_bits<kBf16>(lds16(v + i * C::kPassRows * D));
   }
   return (bits & kNonFinite2Bits) != 0;
 }

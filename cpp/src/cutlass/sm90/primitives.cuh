@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "common/smem.cuh"  // ld_shared_128
+
 namespace sdpa::cutlass_sm90 {
 
 // 2^x on the SFU with denormal results flushed to zero. exp2f (no fast-math) spends a compare
@@ -87,14 +89,6 @@ __device__ __forceinline__ uint16_t ld_shared_16(uint32_t addr) {
 __device__ __forceinline__ uint2 ld_shared_64(uint32_t addr) {
   uint2 v;
   asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint4 ld_shared_128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
   return v;
 }
 

@@ -288,9 +288,9 @@ __global__ void __launch_bounds__(128, 1)
     // runs (both only read it). In the rare case it has any, they are recorded and zeroed and
     // P·V runs again. (Checked before P·V: mission-causal +0.33 us; before the softmax, the
     // V wait moved ahead of it: +0.57 us.)
+    const uint32_t v = uint32_t(__cvta_generic_to_shared(sm.in.v));
     bool nonfinite = false;
     if (CAUSAL && k0 + KN - 1 > m0 + off) {
-      const uint32_t v = uint32_t(__cvta_generic_to_shared(sm.in.v));
       nonfinite =
           __syncthreads_or(scan_nonfinite<T, KN, D, KN * D * 2 / (16 * 128)>(v, tid, 128)) != 0;
     }
@@ -298,7 +298,6 @@ __global__ void __launch_bounds__(128, 1)
     if (nonfinite) {
       constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
       constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
-      const uint32_t v = uint32_t(__cvta_generic_to_shared(sm.in.v));
       __syncthreads();  // every warp's part of P·V is done reading V
       record_nonfinite_cols<T, KN, D>(
           uint32_t(__cvta_generic_to_shared(&sm.nf)),
