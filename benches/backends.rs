@@ -19,7 +19,7 @@ fn gpu_benches(c: &mut Criterion, dev: &Device) {
             let p = base.with_dtype(dtype);
             // Throughput in "elements" = floating-point operations: criterion then prints FLOP/s.
             group.throughput(Throughput::Elements(p.flops() as u64));
-            let inputs = sdpa::check::random_inputs(&p, sdpa::check::fresh_seed());
+            let inputs = sdpa::check::random_inputs(&p, sdpa::check::fresh_seed()).unwrap();
             let [q, k, v] = inputs.upload(dev, dtype).unwrap();
             let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap()).unwrap();
             for backend in Backend::GPU {
@@ -57,7 +57,7 @@ fn gpu_time(
 
 fn cpu_benches(c: &mut Criterion) {
     let p = sdpa::named_problem("mission").unwrap();
-    let inputs = sdpa::check::random_inputs(&p, 1);
+    let inputs = sdpa::check::random_inputs(&p, 1).unwrap();
     let [q, k, v] = &inputs.values;
     let mut group = c.benchmark_group("mission");
     group

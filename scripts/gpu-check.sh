@@ -44,7 +44,8 @@ if has validate; then
 fi
 if has sanitize; then
   [ -x $bin ] || bash $run bin sdpa --version > /dev/null
-  timeout 400 bash scripts/sanitize.sh $bin > "$out/sanitize.txt" 2>&1; rc=$?
+  timeout 500 bash scripts/sanitize.sh $bin "$(ls /tmp/gpu-bundle/tests/concurrency-* | head -1)" \
+    > "$out/sanitize.txt" 2>&1; rc=$?
   note "sanitize: rc=$rc ($(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitize.txt") clean tool runs)"
 fi
 if has bench; then

@@ -4,11 +4,14 @@
 # D = 64 takes cutlass's small-problem kernel, three key slices a cluster) and fails on any
 # report. Needs a GPU and compute-sanitizer (the GPU machine has both).
 #
-#   scripts/sanitize.sh [path/to/sdpa]      # default: target/release/sdpa
+#   scripts/sanitize.sh [path/to/sdpa [path/to/concurrency-test]]   # default: target/release/sdpa
 # On the GPU machine with .gpu/ carried:  bash .gpu/run bin sdpa info >/dev/null;
-#   bash scripts/sanitize.sh /tmp/gpu-bundle/bin/sdpa
+#   bash scripts/sanitize.sh /tmp/gpu-bundle/bin/sdpa /tmp/gpu-bundle/tests/concurrency-*
+# With the concurrency test executable given, its cross-stream test (tensors made and freed on
+# one stream, used on another) runs under memcheck and racecheck too.
 set -uo pipefail
 sdpa=${1:-target/release/sdpa}
+concurrency=${2:-}
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 [ -x "$cs" ] || { echo "sanitize: compute-sanitizer not found" >&2; exit 2; }
 args=(validate --dtype f16,bf16 --causal both --seed 7
@@ -43,4 +46,13 @@ for tool in memcheck racecheck synccheck initcheck; do
     || { echo "sanitize: $tool on e4m3 failed"; grep -v "Host Frame" /tmp/sanitize-fp8-$tool.log \
          | grep -m3 -A8 -E "^========= [A-Z]"; tail -5 /tmp/sanitize-fp8-$tool.log; rc=1; }
 done
+if [ -n "$concurrency" ]; then
+  for tool in memcheck racecheck; do
+    echo "== $tool (tensors across streams)"
+    SDPA_REQUIRE_GPU=1 "$cs" --tool "$tool" --error-exitcode 99 "$concurrency" \
+      tensors_used_across_streams_stay_ordered > /tmp/sanitize-streams-$tool.log 2>&1 \
+      && grep -E "ERROR SUMMARY|test result" /tmp/sanitize-streams-$tool.log | tail -2 \
+      || { echo "sanitize: $tool on the cross-stream test failed"; tail -30 /tmp/sanitize-streams-$tool.log; rc=1; }
+  done
+fi
 exit $rc

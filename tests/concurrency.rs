@@ -6,8 +6,12 @@ mod common;
 use sdpa::check::{fresh_seed, random_inputs};
 use sdpa::{Backend, Device, Problem, Tensor};
 
+/// `b` on fresh inputs from `seed`, all on `dev`'s stream: the output's bits.
 fn run(dev: &Device, p: &Problem, b: Backend, seed: u64) -> Vec<u16> {
-    let [q, k, v] = random_inputs(p, seed).upload(dev, p.dtype).unwrap();
+    let [q, k, v] = random_inputs(p, seed)
+        .unwrap()
+        .upload(dev, p.dtype)
+        .unwrap();
     let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap()).unwrap();
     // Several calls back to back on this stream, so the threads' kernels overlap in time.
     for _ in 0..4 {
@@ -32,6 +36,10 @@ fn threads_on_separate_streams_match_serial_runs() {
         })
         .filter(|(p, b)| b.supports(Some(&dev), p).is_ok())
         .collect();
+    assert!(
+        !jobs.is_empty(),
+        "no GPU backend supports the test's problems"
+    );
     let serial: Vec<Vec<u16>> = jobs
         .iter()
         .enumerate()
@@ -80,6 +88,7 @@ fn chained_calls_match_synchronized_ones() {
                 continue;
             }
             let [q, k, v] = random_inputs(p, seed + i as u64)
+                .unwrap()
                 .upload(&dev, p.dtype)
                 .unwrap();
             let chain = |sync: bool| -> Vec<u16> {
@@ -112,4 +121,58 @@ fn chained_calls_match_synchronized_ones() {
         }
     }
     assert!(ran >= problems.len(), "only {ran} chains ran");
+}
+
+/// Tensors made and dropped on one handle's stream and used at once by `forward` on another
+/// handle's stream give the same bits as the same call made on one stream. Each round queues
+/// a long call on the first stream, then uploads Q, K, V there (so the uploads finish late),
+/// runs `forward` on the second stream, drops Q, K, V on the first and at once allocates and
+/// NaN-fills buffers of the same size there (the freed memory comes back to them). A call
+/// that started before the uploads finished, or a free that overtook the call, shows as a
+/// different output.
+#[test]
+fn tensors_used_across_streams_stay_ordered() {
+    let Some(a) = common::device("cross-stream") else {
+        return;
+    };
+    let b = a.fork().unwrap();
+    let seed = fresh_seed();
+    let p = Problem::new(2, 4, 512, 512, 128).with_causal(true);
+    let busy = Problem::new(1, 8, 2048, 2048, 128);
+    let mut ran = Vec::new();
+    for backend in Backend::GPU {
+        if backend.supports(Some(&a), &p).is_err() || backend.supports(Some(&a), &busy).is_err() {
+            continue;
+        }
+        let inputs = random_inputs(&p, seed).unwrap();
+        let want = run(&b, &p, backend, seed);
+        let [bq, bk, bv] = random_inputs(&busy, seed)
+            .unwrap()
+            .upload(&a, busy.dtype)
+            .unwrap();
+        let mut busy_out = Tensor::poisoned(&a, busy.dtype, busy.q_len().unwrap()).unwrap();
+        for round in 0..6 {
+            sdpa::forward(&a, &busy, backend, &bq, &bk, &bv, &mut busy_out).unwrap();
+            let [q, k, v] = inputs.upload(&a, p.dtype).unwrap();
+            // The output alternates between the streams: its own free must wait too.
+            let out_dev = if round % 2 == 0 { &a } else { &b };
+            let mut out = Tensor::poisoned(out_dev, p.dtype, p.q_len().unwrap()).unwrap();
+            for _ in 0..4 {
+                sdpa::forward(&b, &p, backend, &q, &k, &v, &mut out).unwrap();
+            }
+            drop((q, k, v));
+            let reuse: Vec<Tensor> = [p.q_len(), p.kv_len(), p.kv_len()]
+                .into_iter()
+                .map(|n| Tensor::poisoned(&a, p.dtype, n.unwrap()).unwrap())
+                .collect();
+            let got = out.to_bits(&b).unwrap();
+            drop(reuse);
+            assert!(
+                got == want,
+                "{backend} round {round}: output differs from the one-stream run"
+            );
+        }
+        ran.push(backend);
+    }
+    assert!(!ran.is_empty(), "no GPU backend ran the cross-stream test");
 }

@@ -212,4 +212,103 @@ fn tensor_from_another_gpu_is_rejected() {
         out.to_f32(&dev0).unwrap().iter().all(|x| x.is_nan()),
         "output written"
     );
+    // The tensor methods that take a handle check its GPU too.
+    let mut far = far;
+    for (what, r) in [
+        ("to_bits", far.to_bits(&dev0).map(drop)),
+        ("poison", far.poison(&dev0)),
+        ("write_bits", far.write_bits(&dev0, &[0; 4])),
+    ] {
+        let e = r.unwrap_err();
+        assert!(e.to_string().contains("another GPU"), "{what}: {e}");
+    }
+}
+
+/// The host functions of the public API return errors for inputs that do not fit the shape
+/// they are given, instead of indexing out of bounds or dividing by zero.
+#[test]
+fn host_functions_reject_inconsistent_arguments() {
+    use sdpa::fp8::{absmax_host, dequantize_host};
+    use sdpa::{Layout, Scaling, TensorShape};
+    let shape = TensorShape {
+        batch: 1,
+        heads: 2,
+        seq: 3,
+        head_dim: 4,
+        layout: Layout::Bhsd,
+    };
+    let scales = [1.0f32, 2.0];
+    let e = dequantize_host(&[0x38; 25], &scales, &shape, Scaling::PerHead).unwrap_err();
+    assert!(e.to_string().contains("25 values"), "{e}");
+    let e = dequantize_host(&[0x38; 24], &scales[..1], &shape, Scaling::PerHead).unwrap_err();
+    assert!(e.to_string().contains("1 scales given"), "{e}");
+    let ok = dequantize_host(&[0x38; 24], &scales, &shape, Scaling::PerHead).unwrap();
+    assert_eq!(
+        (ok[0], ok[23]),
+        (1.0, 2.0),
+        "code 0x38 is 1.0, times each head's scale"
+    );
+    let e = absmax_host(&[1.0; 30], &shape, Scaling::PerTensor).unwrap_err();
+    assert!(e.to_string().contains("30 values"), "{e}");
+    assert_eq!(
+        absmax_host(&[-3.0; 24], &shape, Scaling::PerHead).unwrap(),
+        [3.0, 3.0]
+    );
+
+    let headless = TensorShape { heads: 0, ..shape };
+    assert_eq!(headless.head_of(0), None);
+    assert_eq!(shape.head_of(23), Some(1));
+    assert_eq!(shape.head_of(24), None);
+    let huge = TensorShape {
+        batch: usize::MAX,
+        heads: 2,
+        ..shape
+    };
+    assert_eq!(huge.heads_total(), None);
+    assert_eq!(huge.head_of(5), None);
+}
+
+/// A problem that validates but whose inputs the host cannot hold is `Error::OutOfMemory`
+/// before anything is allocated (2^40 elements of Q alone are 8 TiB as f64).
+#[test]
+fn inputs_larger_than_memory_are_an_error() {
+    let p = Problem::new(1, 1, 1 << 20, 1 << 20, 1 << 20);
+    p.validate().unwrap();
+    let e = sdpa::check::random_inputs(&p, 1)
+        .err()
+        .expect("8 TiB of inputs");
+    assert!(
+        matches!(e, Error::OutOfMemory { needed, .. } if needed > 1 << 40),
+        "{e:?}"
+    );
+    assert!(e.to_string().starts_with("out of host memory"), "{e}");
+    let e = sdpa::check::check_backend(None, &p, Backend::Cpu, 1).unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory { .. }), "{e:?}");
+    // The reference checks its own output before allocating it.
+    let one = vec![0.0; 1];
+    let e = sdpa::reference(&Problem::new(1, 1, 1, 1, 1), &one, &one, &one).map(drop);
+    assert!(e.is_ok(), "{e:?}");
+}
+
+/// On the GPU: a tensor the device has no room for is `Error::OutOfMemory` naming the device.
+#[test]
+fn tensors_larger_than_the_gpu_are_an_error() {
+    let Some(dev) = common::device("device out of memory") else {
+        return;
+    };
+    let (_, total) = dev.mem_info().unwrap();
+    let e = Tensor::poisoned(&dev, DType::F16, total)
+        .map(drop)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::OutOfMemory {
+                kind: sdpa::memory::MemoryKind::Device,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().starts_with("out of device memory"), "{e}");
 }

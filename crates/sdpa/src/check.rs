@@ -157,7 +157,7 @@ impl Inputs {
         let mut scales: [Vec<f32>; 3] = Default::default();
         for (i, x) in [q, k, v].into_iter().enumerate() {
             let (codes, s) = fp8::quantize_host(x, &shapes[i], p.fp8_scaling)?;
-            values[i] = fp8::dequantize_host(&codes, &s, &shapes[i], p.fp8_scaling)
+            values[i] = fp8::dequantize_host(&codes, &s, &shapes[i], p.fp8_scaling)?
                 .into_iter()
                 .map(f64::from)
                 .collect();
@@ -200,20 +200,31 @@ impl Inputs {
 }
 
 /// Draws fresh N(0, 1) inputs from `seed`, rounded to `p.dtype` (e4m3: quantized with amax
-/// scales per `p.fp8_scaling`).
-pub fn random_inputs(p: &Problem, seed: u64) -> Inputs {
+/// scales per `p.fp8_scaling`). `p` must validate; inputs the host has no memory for are
+/// `Error::OutOfMemory` before anything is allocated.
+pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
+    p.validate()?;
+    let (ql, kl) = (p.q_len().unwrap_or(0), p.kv_len().unwrap_or(0));
+    // Per element: its bits, its f64 value, and the f32 draw they are made from (e4m3 inputs
+    // also keep the unquantized values and the codes as f32 while quantizing).
+    let per_element = if p.dtype == DType::E4m3 {
+        2 + 8 + 4 + 8 + 4
+    } else {
+        2 + 8 + 4
+    };
+    crate::memory::check_host(
+        kl.checked_mul(2)
+            .and_then(|k2| k2.checked_add(ql))
+            .and_then(|n| n.checked_mul(per_element)),
+    )?;
     if p.dtype == DType::E4m3 {
-        let f = random_inputs(&p.as_dequantized().with_dtype(DType::F16), seed);
+        let f = random_inputs(&p.as_dequantized().with_dtype(DType::F16), seed)?;
         let [q, k, v] = f
             .values
             .map(|x| x.into_iter().map(|a| a as f32).collect::<Vec<_>>());
-        // Shapes come from a validated problem and match the value counts.
-        if let Ok(i) = Inputs::quantized(p, &q, &k, &v) {
-            return i;
-        }
+        return Inputs::quantized(p, &q, &k, &v);
     }
     let mut rng = StdRng::seed_from_u64(seed);
-    let (ql, kl) = (p.q_len().unwrap_or(0), p.kv_len().unwrap_or(0));
     let mut draw = |n: usize| -> Vec<u16> {
         // Box–Muller, two normals per pair of uniforms.
         let mut v = Vec::with_capacity(n + 1);
@@ -234,11 +245,11 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Inputs {
         decode(p.dtype, &bits[1]),
         decode(p.dtype, &bits[2]),
     ];
-    Inputs {
+    Ok(Inputs {
         bits,
         values,
         fp8: None,
-    }
+    })
 }
 
 /// A seed that differs from run to run (time-based), for "fresh inputs every time".
@@ -296,7 +307,7 @@ pub fn check_backend(
 ) -> Result<Report> {
     p.validate()?;
     backend.supports(dev, p)?;
-    let inputs = random_inputs(p, seed);
+    let inputs = random_inputs(p, seed)?;
     let [q, k, v] = &inputs.values;
     let want = cpu::reference(p, q, k, v)?;
     let got = run_backend(dev, p, backend, &inputs, Some(&want))?;
@@ -348,7 +359,7 @@ mod tests {
                 .with_kv_heads(1)
                 .with_dtype(DType::E4m3)
                 .with_fp8_scaling(scaling);
-            let i = random_inputs(&p, 3);
+            let i = random_inputs(&p, 3).unwrap();
             let f = i.fp8.as_ref().expect("e4m3 inputs carry scales");
             for t in 0..3 {
                 assert_eq!(f.scales[t].len(), fp8::scale_count(&f.shapes[t], scaling));
@@ -373,7 +384,7 @@ mod tests {
     #[test]
     fn inputs_are_fresh_per_seed_and_normal() {
         let p = Problem::new(1, 1, 64, 64, 64);
-        let (a, b) = (random_inputs(&p, 1), random_inputs(&p, 2));
+        let (a, b) = (random_inputs(&p, 1).unwrap(), random_inputs(&p, 2).unwrap());
         assert_ne!(a.bits[0], b.bits[0]);
         let x = &a.values[0];
         let mean = x.iter().sum::<f64>() / x.len() as f64;

@@ -2,6 +2,7 @@
 
 use crate::backend::cublas::BlasState;
 use crate::error::{Error, Result, invalid};
+use crate::memory::{MemoryKind, bytes_of, host_vec, out_of_memory};
 use crate::problem::{DType, Scaling, TensorShape};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
 use half::{bf16, f16};
@@ -9,6 +10,14 @@ use std::sync::{Arc, Mutex};
 
 /// A GPU and one stream on it. Everything issued through one `Device` runs in order on its
 /// stream; [`Device::fork`] gives another stream on the same GPU for concurrent work.
+///
+/// Streams and tensors: a [`Tensor`] belongs to the stream of the handle that made it (its
+/// memory is freed on that stream when it is dropped). Using it through a handle with another
+/// stream of the same GPU is safe: the call first makes its stream wait for the work queued on
+/// the tensor's stream, and afterwards makes the tensor's stream wait for the call, so neither
+/// an unfinished upload nor a free can overtake the kernel. Work on one stream needs no such
+/// waits (and records no events: a call can be captured into a CUDA graph). A tensor of
+/// another GPU is rejected with `Error::InvalidArgument`.
 ///
 /// `Send + Sync`: the context and stream are reference-counted driver handles that the CUDA
 /// driver allows any thread to use; each call binds the context to the calling thread first.
@@ -51,9 +60,9 @@ impl Device {
             )));
         }
         let ctx = CudaContext::new(ordinal)?;
-        // We hand raw pointers to our own kernels on one stream per Device and capture CUDA
-        // graphs of forward calls; cudarc's per-slice event tracking would record events into
-        // those captures. Ordering across streams is the caller's, as with any CUDA stream.
+        // We hand raw pointers to our own kernels and capture CUDA graphs of forward calls;
+        // cudarc's per-slice event tracking would record events into those captures. Ordering
+        // across streams is kept by `StreamOrder` instead, only where a tensor crosses streams.
         // SAFETY: no other stream of this context exists yet.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
@@ -112,11 +121,106 @@ impl Device {
     pub(crate) fn ctx(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
+    /// `Err(OutOfMemory)` when `bytes` (`None`: overflowed) exceed the GPU's free memory.
+    pub(crate) fn check_free(&self, bytes: Option<usize>) -> Result<()> {
+        let (free, _) = self.mem_info()?;
+        match bytes {
+            Some(b) if b <= free => Ok(()),
+            b => Err(out_of_memory(
+                MemoryKind::Device,
+                b.unwrap_or(usize::MAX),
+                Some(free),
+            )),
+        }
+    }
+    /// `n` uninitialised elements on this stream, after checking the GPU has room for them.
+    ///
+    /// # Safety
+    /// The caller writes every element before anything reads it.
+    pub(crate) unsafe fn alloc<T: cudarc::driver::DeviceRepr>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>> {
+        self.check_free(bytes_of::<T>(n))?;
+        // SAFETY: forwarded to the caller.
+        Ok(unsafe { self.stream.alloc::<T>(n)? })
+    }
+    /// Uploads `data` to a new buffer on this stream, after checking the GPU has room for it.
+    pub(crate) fn upload<T: cudarc::driver::DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        self.check_free(bytes_of::<T>(data.len()))?;
+        Ok(self.stream.clone_htod(data)?)
+    }
+    /// Runs `call` (which queues work on this handle's stream using `tensors`) in order with
+    /// the other streams those tensors belong to (see [`StreamOrder`]).
+    pub(crate) fn ordered<R>(
+        &self,
+        tensors: &[&Tensor],
+        call: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let order = self.order_with(tensors)?;
+        order.finish(call())
+    }
+    /// Makes this stream wait for the work queued on the other streams `tensors` belong to;
+    /// [`StreamOrder::finish`] makes them wait for this stream in turn. A tensor of another
+    /// GPU is an error before anything is queued.
+    pub(crate) fn order_with(&self, tensors: &[&Tensor]) -> Result<StreamOrder> {
+        let mut foreign: Vec<Arc<CudaStream>> = Vec::new();
+        for t in tensors {
+            if !t.same_context(self) {
+                return Err(invalid!(
+                    "a tensor lives on another GPU than the device handle"
+                ));
+            }
+            for s in t.streams() {
+                if **s != *self.stream && !foreign.iter().any(|f| **f == **s) {
+                    foreign.push(s.clone());
+                }
+            }
+        }
+        for s in &foreign {
+            self.stream.join(s)?;
+        }
+        Ok(StreamOrder {
+            stream: self.stream.clone(),
+            foreign,
+        })
+    }
+    /// Downloads `b` into a new host vector, after checking the host has room for it.
+    pub(crate) fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        b: &CudaSlice<T>,
+    ) -> Result<Vec<T>> {
+        let mut host = host_vec(b.len(), T::default())?;
+        self.stream.memcpy_dtoh(b, &mut host)?;
+        self.stream.synchronize()?;
+        Ok(host)
+    }
     /// Raw stream handle for the C++ core; binds the context to this thread first, because
     /// the CUDA runtime inside the core launches on whatever context is current.
     pub(crate) fn raw_stream(&self) -> Result<usize> {
         self.ctx.bind_to_thread()?;
         Ok(self.stream.cu_stream() as usize)
+    }
+}
+
+/// Keeps a call on one stream in order with the other streams its tensors belong to: made
+/// (by [`Device::order_with`]) after those streams' queued work, and `finish`ed after the
+/// call's last launch, so that an upload still running on a tensor's stream cannot be
+/// overtaken by the call, nor the call by the tensor's free on its own stream. Tensors of
+/// the call's own stream add nothing: no events, nothing recorded into a graph capture.
+pub(crate) struct StreamOrder {
+    stream: Arc<CudaStream>,
+    foreign: Vec<Arc<CudaStream>>,
+}
+
+impl StreamOrder {
+    /// Makes every other stream wait for what the call queued, then passes `result` on. Runs
+    /// on failure too: part of the call's work may already be queued.
+    pub(crate) fn finish<R>(self, result: Result<R>) -> Result<R> {
+        for s in &self.foreign {
+            s.join(&self.stream)?;
+        }
+        result
     }
 }
 
@@ -149,7 +253,7 @@ impl Fp8Scales {
     pub(crate) fn of(&self, i: usize) -> f32 {
         match self.scaling {
             Scaling::PerTensor => self.host[0],
-            Scaling::PerHead => self.host[self.shape.head_of(i)],
+            Scaling::PerHead => self.host[self.shape.head_index(i)],
         }
     }
 }
@@ -213,28 +317,49 @@ impl Tensor {
             return Err(invalid!("a tensor needs at least one element"));
         }
         Ok(Tensor {
-            buf: Buf::Half(dev.stream.clone_htod(bits)?),
+            buf: Buf::Half(dev.upload(bits)?),
             dtype,
             fp8: None,
         })
     }
-    /// A tensor of `len` NaNs (f16 or bf16): anything a kernel fails to write stays NaN and
-    /// fails checks.
+    /// A tensor of `len` NaNs (f16 or bf16), filled on the GPU: anything a kernel fails to
+    /// write stays NaN and fails checks.
     pub fn poisoned(dev: &Device, dtype: DType, len: usize) -> Result<Tensor> {
         if dtype == DType::E4m3 {
             return Err(invalid!("outputs are f16 or bf16, not e4m3"));
         }
-        Self::from_bits(dev, dtype, &vec![nan_bits(dtype); len])
-    }
-    /// Refills the tensor with NaN.
-    pub fn poison(&mut self, dev: &Device) -> Result<()> {
-        match &mut self.buf {
-            Buf::Half(b) => dev
-                .stream
-                .memcpy_htod(&vec![nan_bits(self.dtype); b.len()], b)?,
-            Buf::Byte(b) => dev.stream.memcpy_htod(&vec![0x7Fu8; b.len()], b)?,
+        if len == 0 {
+            return Err(invalid!("a tensor needs at least one element"));
         }
-        Ok(())
+        // SAFETY: `poison` writes every element before the tensor is handed out.
+        let buf = unsafe { dev.alloc::<u16>(len)? };
+        let mut t = Tensor {
+            buf: Buf::Half(buf),
+            dtype,
+            fp8: None,
+        };
+        t.poison(dev)?;
+        Ok(t)
+    }
+    /// Refills the tensor with NaN (on the GPU, queued on `dev`'s stream).
+    pub fn poison(&mut self, dev: &Device) -> Result<()> {
+        let order = dev.order_with(&[&*self])?;
+        let (nan, len, byte_buf) = (
+            nan_bits(self.dtype),
+            self.len(),
+            matches!(self.buf, Buf::Byte(_)),
+        );
+        let ptr = self.ptr_mut(dev);
+        let stream = dev.raw_stream()? as sys::CUstream;
+        // SAFETY: `ptr` addresses the `len` elements of this tensor, of the width set here.
+        let filled = unsafe {
+            if byte_buf {
+                cudarc::driver::result::memset_d8_async(ptr, 0x7F, len, stream)
+            } else {
+                sys::cuMemsetD16Async(ptr, nan, len, stream).result()
+            }
+        };
+        order.finish(filled.map_err(Error::from))
     }
     /// Number of elements.
     pub fn len(&self) -> usize {
@@ -262,14 +387,11 @@ impl Tensor {
     }
     /// Downloads the raw bit patterns (e4m3: codes in the low byte; synchronizes the stream).
     pub fn to_bits(&self, dev: &Device) -> Result<Vec<u16>> {
-        Ok(match &self.buf {
-            Buf::Half(b) => dev.stream.clone_dtoh(b)?,
-            Buf::Byte(b) => dev
-                .stream
-                .clone_dtoh(b)?
-                .into_iter()
-                .map(u16::from)
-                .collect(),
+        dev.ordered(&[self], || {
+            Ok(match &self.buf {
+                Buf::Half(b) => dev.download(b)?,
+                Buf::Byte(b) => dev.download(b)?.into_iter().map(u16::from).collect(),
+            })
         })
     }
     /// Downloads as f64 (exact, e4m3 scaled by its scales; synchronizes the stream).
@@ -295,13 +417,15 @@ impl Tensor {
                 self.len()
             ));
         }
-        match &mut self.buf {
-            Buf::Half(b) => dev
-                .stream
-                .memcpy_htod(bits, &mut b.slice_mut(..bits.len()))?,
-            Buf::Byte(_) => return Err(needs_scales("Tensor::write_bits")),
+        if matches!(self.buf, Buf::Byte(_)) {
+            return Err(needs_scales("Tensor::write_bits"));
         }
-        Ok(())
+        let order = dev.order_with(&[&*self])?;
+        let copied = match &mut self.buf {
+            Buf::Half(b) => dev.stream.memcpy_htod(bits, &mut b.slice_mut(..bits.len())),
+            Buf::Byte(_) => Ok(()),
+        };
+        order.finish(copied.map_err(Error::from))
     }
     pub(crate) fn ptr(&self, dev: &Device) -> u64 {
         // Event tracking is off (Device::new), so the guard records nothing.
@@ -321,6 +445,14 @@ impl Tensor {
         self.fp8
             .as_ref()
             .map_or(0, |f| f.dev.device_ptr(&dev.stream).0)
+    }
+    /// The streams this tensor's buffers belong to (where they were made and will be freed).
+    fn streams(&self) -> impl Iterator<Item = &Arc<CudaStream>> {
+        let data = match &self.buf {
+            Buf::Half(b) => b.stream(),
+            Buf::Byte(b) => b.stream(),
+        };
+        std::iter::once(data).chain(self.fp8.as_ref().map(|f| f.dev.stream()))
     }
     pub(crate) fn same_context(&self, dev: &Device) -> bool {
         let ctx = match &self.buf {

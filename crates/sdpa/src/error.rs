@@ -24,6 +24,21 @@ pub enum Error {
     /// A CUDA call failed (driver API via cudarc, or inside the C++ core).
     #[error("CUDA error: {0}")]
     Cuda(String),
+    /// An allocation larger than the memory left: checked before allocating, so the process
+    /// never aborts on it.
+    #[error(
+        "out of {kind} memory: needs {} ({needed} bytes), {}",
+        human_bytes(*.needed),
+        .available.map_or("how much is available is unknown".to_string(), |a| format!("{} available", human_bytes(a)))
+    )]
+    OutOfMemory {
+        /// Host or device.
+        kind: crate::memory::MemoryKind,
+        /// Bytes the allocation needs (`usize::MAX` when the size overflows).
+        needed: usize,
+        /// Bytes available when it was checked, where known.
+        available: Option<usize>,
+    },
     /// Reading or writing a file.
     #[error("{path}: {msg}")]
     Io {
@@ -43,6 +58,21 @@ impl From<cudarc::driver::DriverError> for Error {
 impl From<cxx::Exception> for Error {
     fn from(e: cxx::Exception) -> Self {
         Error::Cuda(e.what().to_string())
+    }
+}
+
+/// `1536` -> `1.5 KiB`.
+fn human_bytes(b: usize) -> String {
+    let units = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let (mut x, mut u) = (b as f64, 0);
+    while x >= 1024.0 && u + 1 < units.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} bytes")
+    } else {
+        format!("{x:.1} {}", units[u])
     }
 }
 

@@ -17,7 +17,8 @@ pub fn encode_on_device(dev: &Device, x: &[f32], inv_scale: f32) -> Result<Vec<u
         return Ok(Vec::new());
     }
     let stream = dev.stream();
-    let xs = stream.clone_htod(x)?;
+    let xs = dev.upload(x)?;
+    dev.check_free(Some(x.len()))?;
     let mut ys = stream.alloc_zeros::<u8>(x.len())?;
     {
         let (xp, _gx) = xs.device_ptr(stream);
@@ -26,21 +27,23 @@ pub fn encode_on_device(dev: &Device, x: &[f32], inv_scale: f32) -> Result<Vec<u
         // SAFETY: both buffers hold x.len() elements on this device's context.
         unsafe { sdpa_sys::ffi::e4m3_encode(xp, yp, x.len() as i64, inv_scale, s)? };
     }
-    Ok(stream.clone_dtoh(&ys)?)
+    dev.download(&ys)
 }
 
-/// Number of scales a tensor of `shape` has under `scaling`.
+/// Number of scales a tensor of `shape` has under `scaling` (a shape whose size overflows has
+/// no per-head count: `usize::MAX`, which no scale vector matches).
 pub fn scale_count(shape: &TensorShape, scaling: Scaling) -> usize {
     match scaling {
         Scaling::PerTensor => 1,
-        Scaling::PerHead => shape.heads_total(),
+        Scaling::PerHead => shape.heads_total().unwrap_or(usize::MAX),
     }
 }
 
+/// The scale group of element `i` of a shape `check_len` accepted, with `i` inside it.
 fn group(shape: &TensorShape, scaling: Scaling, i: usize) -> usize {
     match scaling {
         Scaling::PerTensor => 0,
-        Scaling::PerHead => shape.head_of(i),
+        Scaling::PerHead => shape.head_index(i),
     }
 }
 
@@ -60,8 +63,10 @@ fn scale_map(shape: &TensorShape, scaling: Scaling) -> ScaleMap {
     }
 }
 
-/// Per-group max |x| (NaN ignored), the statistic the scales are chosen from.
-pub fn absmax_host(x: &[f32], shape: &TensorShape, scaling: Scaling) -> Vec<f32> {
+/// Per-group max |x| (NaN ignored), the statistic the scales are chosen from. `x` must hold
+/// exactly the elements of `shape`.
+pub fn absmax_host(x: &[f32], shape: &TensorShape, scaling: Scaling) -> Result<Vec<f32>> {
+    check_len(x.len(), shape, "absmax_host")?;
     let mut amax = vec![0f32; scale_count(shape, scaling)];
     for (i, &v) in x.iter().enumerate() {
         let g = &mut amax[group(shape, scaling, i)];
@@ -69,7 +74,7 @@ pub fn absmax_host(x: &[f32], shape: &TensorShape, scaling: Scaling) -> Vec<f32>
             *g = v.abs();
         }
     }
-    amax
+    Ok(amax)
 }
 
 /// Each group's scale: the power of two at or above `amax / 448`, so the largest magnitude
@@ -120,8 +125,7 @@ pub fn quantize_host(
     shape: &TensorShape,
     scaling: Scaling,
 ) -> Result<(Vec<u8>, Vec<f32>)> {
-    check_len(x.len(), shape, "quantize_host")?;
-    let scales = scales_from_amax(&absmax_host(x, shape, scaling))?;
+    let scales = scales_from_amax(&absmax_host(x, shape, scaling)?)?;
     let codes = x
         .iter()
         .enumerate()
@@ -131,18 +135,32 @@ pub fn quantize_host(
 }
 
 /// `code · scale` per element, in f32 (what the GPU's dequantize computes before rounding to
-/// its output dtype).
+/// its output dtype). `codes` must hold exactly the elements of `shape`, `scales` one scale
+/// per group of `scaling`.
 pub fn dequantize_host(
     codes: &[u8],
     scales: &[f32],
     shape: &TensorShape,
     scaling: Scaling,
-) -> Vec<f32> {
-    codes
+) -> Result<Vec<f32>> {
+    check_len(codes.len(), shape, "dequantize_host")?;
+    check_scale_count(scales.len(), shape, scaling, "dequantize_host")?;
+    Ok(codes
         .iter()
         .enumerate()
         .map(|(i, &c)| e4m3_to_f32(c) * scales[group(shape, scaling, i)])
-        .collect()
+        .collect())
+}
+
+fn check_scale_count(n: usize, shape: &TensorShape, scaling: Scaling, what: &str) -> Result<()> {
+    let want = scale_count(shape, scaling);
+    if n != want {
+        return Err(invalid!(
+            "{what}: {n} scales given, {} scaling of {shape} needs {want}",
+            scaling.name()
+        ));
+    }
+    Ok(())
 }
 
 fn check_len(n: usize, shape: &TensorShape, what: &str) -> Result<()> {
@@ -166,14 +184,7 @@ impl Tensor {
         scaling: Scaling,
     ) -> Result<Tensor> {
         check_len(codes.len(), &shape, "Tensor::from_e4m3")?;
-        let want = scale_count(&shape, scaling);
-        if scales.len() != want {
-            return Err(invalid!(
-                "Tensor::from_e4m3: {} scales given, {} scaling of {shape} needs {want}",
-                scales.len(),
-                scaling.name()
-            ));
-        }
+        check_scale_count(scales.len(), &shape, scaling, "Tensor::from_e4m3")?;
         if let Some((g, s)) = scales
             .iter()
             .enumerate()
@@ -183,13 +194,12 @@ impl Tensor {
                 "Tensor::from_e4m3: scale {g} is {s}; scales must be finite and positive"
             ));
         }
-        let stream = dev.stream();
         Ok(Tensor {
-            buf: Buf::Byte(stream.clone_htod(codes)?),
+            buf: Buf::Byte(dev.upload(codes)?),
             dtype: DType::E4m3,
             fp8: Some(Fp8Scales {
                 host: scales.to_vec(),
-                dev: stream.clone_htod(scales)?,
+                dev: dev.upload(scales)?,
                 shape,
                 scaling,
             }),
@@ -227,7 +237,9 @@ impl Tensor {
                 x.len()
             ));
         }
-        quantize_device(dev, x.ptr(dev), false, x.dtype, shape, scaling)
+        dev.ordered(&[x], || {
+            quantize_device(dev, x.ptr(dev), false, x.dtype, shape, scaling)
+        })
     }
 
     /// Uploads f32 values of `shape` and quantizes them on the GPU (see [`Tensor::quantize`]).
@@ -238,7 +250,7 @@ impl Tensor {
         scaling: Scaling,
     ) -> Result<Tensor> {
         check_len(x.len(), &shape, "Tensor::quantize_f32")?;
-        let xs = dev.stream().clone_htod(x)?;
+        let xs = dev.upload(x)?;
         let p = xs.device_ptr(dev.stream()).0;
         let t = quantize_device(dev, p, true, DType::F16, shape, scaling)?;
         drop(xs); // after the quantize pass (ordered on the stream)
@@ -264,9 +276,13 @@ impl Tensor {
                 "Tensor::dequantize: the tensor lives on another GPU than the device handle"
             ));
         }
+        dev.ordered(&[self], || self.dequantize_ordered(dev, f, dtype))
+    }
+
+    fn dequantize_ordered(&self, dev: &Device, f: &Fp8Scales, dtype: DType) -> Result<Tensor> {
         let n = self.len();
         // SAFETY: the dequantize kernel writes all n elements before anything reads them.
-        let mut out = unsafe { dev.stream().alloc::<u16>(n)? };
+        let mut out = unsafe { dev.alloc::<u16>(n)? };
         {
             let (yp, _g) = out.device_ptr_mut(dev.stream());
             let s = dev.raw_stream()?;
@@ -315,6 +331,7 @@ fn quantize_device(
     }
     let scales = scales_from_amax(&stream.clone_dtoh(&amax)?)?;
     let dev_scales = stream.clone_htod(&scales)?;
+    dev.check_free(Some(n))?;
     let mut codes = stream.alloc_zeros::<u8>(n)?;
     {
         let (yp, _gy) = codes.device_ptr_mut(stream);

@@ -39,6 +39,7 @@ mod device;
 mod error;
 pub mod fp8;
 pub mod info;
+pub mod memory;
 mod problem;
 pub mod timing;
 
@@ -57,6 +58,10 @@ use error::invalid;
 /// Every argument is checked before anything is launched: the problem itself, each tensor's
 /// dtype, length and device, and whether `backend` supports the problem on this GPU. Returns
 /// when the work is queued (GPU backends) or done (`Cpu`). Nothing is written to `out` on error.
+///
+/// The work is queued on `dev`'s stream. Tensors made through another handle of the same GPU
+/// (another stream) may be passed: the call is ordered after the work queued on their streams,
+/// and their streams after the call (see [`Device`]).
 pub fn forward(
     dev: &Device,
     p: &Problem,
@@ -69,6 +74,20 @@ pub fn forward(
     check_args(dev, p, q, k, v, out)?;
     let backend = backend.resolve(Some(dev), p)?;
     backend.supports(Some(dev), p)?;
+    let order = dev.order_with(&[q, k, v, &*out])?;
+    order.finish(forward_checked(dev, p, backend, q, k, v, out))
+}
+
+/// `forward` once its arguments are checked, `backend` resolved and the streams ordered.
+fn forward_checked(
+    dev: &Device,
+    p: &Problem,
+    backend: Backend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &mut Tensor,
+) -> Result<()> {
     if p.dtype == DType::E4m3 && !backend.native_fp8() {
         return fp8_simulated(dev, p, backend, q, k, v, out);
     }

@@ -108,9 +108,9 @@ impl TensorShape {
     pub fn is_empty(&self) -> bool {
         self.len() == Some(0)
     }
-    /// (batch, head) pairs: the number of per-head scales.
-    pub fn heads_total(&self) -> usize {
-        self.batch * self.heads
+    /// (batch, head) pairs: the number of per-head scales (`None` on overflow).
+    pub fn heads_total(&self) -> Option<usize> {
+        self.batch.checked_mul(self.heads)
     }
     /// Elements between consecutive heads of one sequence position's group: the `inner` of
     /// the scale map (seq·head_dim in BHSD, head_dim in BSHD).
@@ -120,8 +120,13 @@ impl TensorShape {
             Layout::Bshd => self.head_dim,
         }
     }
-    /// Which (batch, head) pair element `i` belongs to.
-    pub fn head_of(&self, i: usize) -> usize {
+    /// Which (batch, head) pair element `i` belongs to; `None` when the shape holds no element
+    /// `i` (`i` past its end, a zero dimension, or a size that overflows).
+    pub fn head_of(&self, i: usize) -> Option<usize> {
+        (i < self.len()?).then(|| self.head_index(i))
+    }
+    /// [`TensorShape::head_of`] for an `i` already known to lie inside a non-empty shape.
+    pub(crate) fn head_index(&self, i: usize) -> usize {
         let per_batch = self.heads * self.seq * self.head_dim;
         (i / per_batch) * self.heads + (i / self.head_inner()) % self.heads
     }

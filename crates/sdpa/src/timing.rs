@@ -96,7 +96,7 @@ pub fn time_backend(
 ) -> Result<Timing> {
     let backend = backend.resolve(dev, p)?;
     backend.supports(dev, p)?;
-    let inputs = crate::check::random_inputs(p, crate::check::fresh_seed());
+    let inputs = crate::check::random_inputs(p, crate::check::fresh_seed())?;
     if backend == Backend::Cpu {
         let [q, k, v] = &inputs.values;
         let mut ts = Vec::new();

@@ -17,6 +17,8 @@ pub fn reference(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Result<Vec<f64
             ));
         }
     }
+    // The per-head blocks and the output they are copied into.
+    crate::memory::check_host(ql.checked_mul(2 * std::mem::size_of::<f64>()))?;
     let (qs, ks) = (p.q_strides(), p.kv_strides());
     let (d, group, scale) = (p.head_dim, p.heads / p.kv_heads, f64::from(p.scale()));
 
