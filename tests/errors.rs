@@ -304,7 +304,7 @@ fn tensors_larger_than_the_gpu_are_an_error() {
         matches!(
             e,
             Error::OutOfMemory {
-                kind: sdpa::memory::MemoryKind::Device,
+                kind: sdpa::MemoryKind::Device,
                 ..
             }
         ),

@@ -1,8 +1,9 @@
 //! Device handles and device tensors, owned by Rust through cudarc.
 
 use crate::backend::cublas::BlasState;
+use crate::error::MemoryKind;
 use crate::error::{Error, Result, invalid};
-use crate::memory::{MemoryKind, bytes_of, host_vec, out_of_memory};
+use crate::memory::{bytes_of, host_vec, out_of_memory};
 use crate::problem::{DType, Scaling, TensorShape};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
 use half::{bf16, f16};

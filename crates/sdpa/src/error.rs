@@ -33,7 +33,7 @@ pub enum Error {
     )]
     OutOfMemory {
         /// Host or device.
-        kind: crate::memory::MemoryKind,
+        kind: MemoryKind,
         /// Bytes the allocation needs (`usize::MAX` when the size overflows).
         needed: usize,
         /// Bytes available when it was checked, where known.
@@ -47,6 +47,24 @@ pub enum Error {
         /// What went wrong.
         msg: String,
     },
+}
+
+/// Where an allocation lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// Host RAM.
+    Host,
+    /// GPU memory.
+    Device,
+}
+
+impl std::fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            MemoryKind::Host => "host",
+            MemoryKind::Device => "device",
+        })
+    }
 }
 
 impl From<cudarc::driver::DriverError> for Error {

@@ -46,7 +46,7 @@ pub mod timing;
 pub use backend::Backend;
 pub use backend::cpu::reference;
 pub use device::{Device, Tensor, decode, driver_present, encode};
-pub use error::{Error, Result};
+pub use error::{Error, MemoryKind, Result};
 pub use problem::{
     DType, Layout, NAMED_PROBLEMS, Problem, Scaling, Strides, TensorShape, named_problem,
 };

@@ -6,25 +6,7 @@
 //! are then reserved with `try_reserve_exact`, so a limit this check cannot see still ends in
 //! an error rather than an abort.
 
-use crate::error::{Error, Result};
-
-/// Where an allocation lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MemoryKind {
-    /// Host RAM.
-    Host,
-    /// GPU memory.
-    Device,
-}
-
-impl std::fmt::Display for MemoryKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            MemoryKind::Host => "host",
-            MemoryKind::Device => "device",
-        })
-    }
-}
+use crate::error::{Error, MemoryKind, Result};
 
 /// Bytes the host can still give this process, or `None` where nothing says.
 pub fn host_available() -> Option<usize> {
