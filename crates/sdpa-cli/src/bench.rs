@@ -1,12 +1,13 @@
 //! `sdpa bench`: named problems x backends, CUDA-event timing (`us_graph`, `us_event`),
 //! TFLOP/s, rel_err, and `--json` records in the format of shared/anchors/compare.py.
 
-use crate::open_device;
-use crate::validate::{ProblemArgs, backends};
+use crate::validate::{ProblemArgs, auto_note, backends, require_runnable};
+use crate::{CliResult, chosen_backend, device_for, npy, open_device};
 use sdpa::check::{compare, fresh_seed, random_inputs};
 use sdpa::timing::{launch_floor, tflops, time_backend, time_gpu};
 use sdpa::{Backend, Device, Problem, Result, Tensor};
 use serde_json::json;
+use std::io::Write;
 use std::process::ExitCode;
 
 /// Problems whose f64 reference costs more than this many flops get no rel_err in the bench
@@ -28,25 +29,31 @@ pub struct Args {
     budget_ms: f64,
 }
 
-pub fn main(a: Args) -> Result<ExitCode> {
-    let dev = open_device();
-    let all: Vec<&str> = sdpa::NAMED_PROBLEMS.iter().map(|p| p.0).collect();
-    let default: &[&str] = if dev.is_some() { &all } else { &["mission"] };
-    let problems = a.problems.problems(default, "named")?;
-    let backends: Vec<Backend> = if a.backend.is_empty() {
-        if dev.is_some() {
+pub fn main(a: Args) -> CliResult<ExitCode> {
+    let named = !a.backend.is_empty();
+    let (dev, backends) = if named {
+        let backends = backends(&a.backend)?;
+        (device_for(&backends, true)?, backends)
+    } else {
+        let dev = open_device();
+        let backends = if dev.is_some() {
             Backend::GPU.to_vec()
         } else {
             vec![Backend::Cpu]
-        }
-    } else {
-        backends(&a.backend)?
+        };
+        (dev, backends)
     };
+    let all: Vec<&str> = sdpa::NAMED_PROBLEMS.iter().map(|p| p.0).collect();
+    let default: &[&str] = if dev.is_some() { &all } else { &["mission"] };
+    let problems = a.problems.problems(default, "named")?;
+    if named {
+        require_runnable(dev.as_ref(), &backends, &problems)?;
+    }
 
     if let Some(d) = &dev {
         let sms = d.sm_count()? as i32;
         let (one, full) = (launch_floor(d, 1)?, launch_floor(d, 2 * sms)?);
-        println!(
+        outln!(
             "{} ({} SMs). launch floor (empty kernel): {:.2} us/call in a graph (1 CTA), {:.2} \
              ({} CTAs); {:.2} us one launch between events",
             d.name()?,
@@ -55,7 +62,7 @@ pub fn main(a: Args) -> Result<ExitCode> {
             full.us_graph,
             2 * sms,
             one.us_event
-        );
+        )?;
     }
     let (device, sm) = match &dev {
         Some(d) => {
@@ -68,8 +75,10 @@ pub fn main(a: Args) -> Result<ExitCode> {
     let mut failed = false;
     for (name, p) in &problems {
         for &b in &backends {
-            eprint!("bench {name} {} {} ... ", p.dtype, b.name());
-            match bench_one(dev.as_ref(), p, b, a.budget_ms) {
+            let chosen = chosen_backend(dev.as_ref(), p, b);
+            let note = chosen.as_ref().map_or(String::new(), |&c| auto_note(b, c));
+            eprint!("bench {name} {} {}{note} ... ", p.dtype, b.name());
+            match chosen.and_then(|c| bench_one(dev.as_ref(), p, c, a.budget_ms)) {
                 Ok((t, rel_err)) => {
                     eprintln!("{:.2} us", t.us_graph);
                     records.push(json!({
@@ -89,12 +98,18 @@ pub fn main(a: Args) -> Result<ExitCode> {
             }
         }
     }
-    println!(
+    outln!(
         "\n{:<18} {:<5} {:<8} {:>11} {:>11} {:>8} {:>10}",
-        "problem", "dtype", "backend", "us_graph", "us_event", "TFLOP/s", "rel_err"
-    );
+        "problem",
+        "dtype",
+        "backend",
+        "us_graph",
+        "us_event",
+        "TFLOP/s",
+        "rel_err"
+    )?;
     for r in &records {
-        println!(
+        outln!(
             "{:<18} {:<5} {:<8} {:>11.2} {:>11.2} {:>8.2} {:>10}",
             r["name"].as_str().unwrap_or(""),
             r["dtype"].as_str().unwrap_or(""),
@@ -105,15 +120,12 @@ pub fn main(a: Args) -> Result<ExitCode> {
             r["rel_err"]
                 .as_f64()
                 .map_or("-".into(), |x| format!("{x:.2e}")),
-        );
+        )?;
     }
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&records).expect("records serialize");
-        std::fs::write(path, text).map_err(|e| sdpa::Error::Io {
-            path: path.display().to_string(),
-            msg: e.to_string(),
-        })?;
-        println!("wrote {} records to {}", records.len(), path.display());
+        npy::write_atomically(path, |w| w.write_all(text.as_bytes()))?;
+        outln!("wrote {} records to {}", records.len(), path.display())?;
     }
     Ok(if failed {
         ExitCode::FAILURE
@@ -134,7 +146,7 @@ fn bench_one(
         return Ok((time_backend(dev, p, b, budget_ms)?, None));
     };
     let seed = fresh_seed();
-    let inputs = random_inputs(p, seed);
+    let inputs = random_inputs(p, seed)?;
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
     sdpa::forward(dev, p, b, &q, &k, &v, &mut out)?;

@@ -1,6 +1,14 @@
 //! `sdpa`: inspect the build and the GPU, validate backends against the f64 reference, time
 //! them on the named problems, and run attention on .npy files.
 
+/// `println!` for the commands: the same formatting, but a failed write to standard output comes
+/// back as `Err(Failure::Stdout)` for the caller's `?` instead of panicking.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::write_stdout(format_args!($($arg)*))
+    };
+}
+
 mod autotable;
 mod bench;
 mod npy;
@@ -8,7 +16,8 @@ mod run;
 mod validate;
 
 use clap::{Parser, Subcommand};
-use sdpa::{Backend, Device};
+use sdpa::{Backend, Device, Problem};
+use std::io::{self, Write};
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -36,17 +45,54 @@ enum Cmd {
     Autotable(autotable::Args),
 }
 
+/// Why a command failed: the library said so, or standard output refused a write.
+pub(crate) enum Failure {
+    Sdpa(sdpa::Error),
+    Stdout(io::Error),
+}
+
+impl From<sdpa::Error> for Failure {
+    fn from(e: sdpa::Error) -> Self {
+        Failure::Sdpa(e)
+    }
+}
+
+/// What the commands return.
+pub(crate) type CliResult<T> = std::result::Result<T, Failure>;
+
+/// One line (`args` and a newline) on standard output; see `outln!`.
+pub(crate) fn write_stdout(args: std::fmt::Arguments) -> CliResult<()> {
+    let mut out = io::stdout().lock();
+    out.write_fmt(args)
+        .and_then(|()| out.write_all(b"\n"))
+        .map_err(Failure::Stdout)
+}
+
+/// Exit status for a reader that closed standard output early (`sdpa info | head -1`): what a
+/// shell reports for a command ended by SIGPIPE, as `ls` and `cat` end there, without a message.
+const CLOSED_PIPE: u8 = 141;
+
 fn main() -> ExitCode {
     let result = match Cli::parse().cmd {
         Cmd::Info => info(),
         Cmd::Validate(a) => validate::main(a),
         Cmd::Bench(a) => bench::main(a),
         Cmd::Run(a) => run::main(a),
-        Cmd::Autotable(a) => autotable::main(a),
+        Cmd::Autotable(a) => autotable::main(a).map_err(Failure::from),
     };
+    // Whatever is still buffered must reach standard output too, or the run did not succeed.
+    let result =
+        result.and_then(|code| io::stdout().flush().map(|()| code).map_err(Failure::Stdout));
     match result {
         Ok(code) => code,
-        Err(e) => {
+        Err(Failure::Stdout(e)) if e.kind() == io::ErrorKind::BrokenPipe => {
+            ExitCode::from(CLOSED_PIPE)
+        }
+        Err(Failure::Stdout(e)) => {
+            eprintln!("sdpa: writing standard output: {e}");
+            ExitCode::FAILURE
+        }
+        Err(Failure::Sdpa(e)) => {
             eprintln!("sdpa: {e}");
             ExitCode::FAILURE
         }
@@ -64,30 +110,66 @@ pub(crate) fn open_device() -> Option<Device> {
     }
 }
 
-fn info() -> sdpa::Result<ExitCode> {
-    println!(
+/// The GPU for a command that will run `backends`, opened only if one of them can use it.
+/// `named`: the user listed the backends, so a GPU backend among them must get a GPU: without
+/// one that is an error naming the backend. Otherwise (defaults, `auto`, `cpu`) the command
+/// falls back to the CPU reference with `open_device`'s one line.
+pub(crate) fn device_for(backends: &[Backend], named: bool) -> sdpa::Result<Option<Device>> {
+    if backends.iter().all(|&b| b == Backend::Cpu) {
+        return Ok(None);
+    }
+    let needs_gpu = backends
+        .iter()
+        .find(|&&b| b != Backend::Cpu && b != Backend::Auto);
+    match needs_gpu {
+        Some(&b) if named => Device::new(0).map(Some).map_err(|e| {
+            let why = match e {
+                sdpa::Error::NoDevice(msg) => msg,
+                other => other.to_string(),
+            };
+            sdpa::Error::NoDevice(format!("{why}; --backend {b} needs one"))
+        }),
+        _ => Ok(open_device()),
+    }
+}
+
+/// The backend that runs `p` when `b` is asked for: `auto` picks the best GPU backend, or the
+/// CPU reference where there is no GPU; every other backend is itself.
+pub(crate) fn chosen_backend(
+    dev: Option<&Device>,
+    p: &Problem,
+    b: Backend,
+) -> sdpa::Result<Backend> {
+    match (b, dev) {
+        (Backend::Auto, None) => Ok(Backend::Cpu),
+        _ => b.resolve(dev, p),
+    }
+}
+
+fn info() -> CliResult<ExitCode> {
+    outln!(
         "sdpa {} (CUDA archs {})",
         env!("CARGO_PKG_VERSION"),
         sdpa::info::cuda_archs()
-    );
+    )?;
     let dev = open_device();
     if let Some(dev) = &dev {
         let (major, minor) = dev.compute_capability()?;
-        println!(
+        outln!(
             "device 0: {} (sm_{major}{minor}, {} SMs)",
             dev.name()?,
             dev.sm_count()?
-        );
+        )?;
     }
-    println!("\nbackends (on the mission problem, f16):");
+    outln!("\nbackends (on the mission problem, f16):")?;
     let probe = sdpa::named_problem("mission")?;
     for b in Backend::ALL {
         match b.supports(dev.as_ref(), &probe) {
             Ok(()) => match b.resolve(dev.as_ref(), &probe) {
-                Ok(r) if r != b => println!("  {:8} available (-> {r})", b.name()),
-                _ => println!("  {:8} available", b.name()),
+                Ok(r) if r != b => outln!("  {:8} available (-> {r})", b.name())?,
+                _ => outln!("  {:8} available", b.name())?,
             },
-            Err(e) => println!("  {:8} unavailable: {e}", b.name()),
+            Err(e) => outln!("  {:8} unavailable: {e}", b.name())?,
         }
     }
     let sm = match &dev {
@@ -97,13 +179,13 @@ fn info() -> sdpa::Result<ExitCode> {
         }
         None => None,
     };
-    println!("\nauto dispatch (measured by `sdpa bench`, crates/sdpa/src/backend/auto_table.rs):");
+    outln!("\nauto dispatch (measured by `sdpa bench`, crates/sdpa/src/backend/auto_table.rs):")?;
     for r in sdpa::backend::auto::table() {
         if sm.is_some_and(|s| s != r.sm) {
             continue;
         }
         let order: Vec<_> = r.order.iter().map(|b| b.name()).collect();
-        println!(
+        outln!(
             "  sm_{} {:<4} d{:<3} {:<10} {:<6} -> {}",
             r.sm,
             r.dtype,
@@ -111,15 +193,20 @@ fn info() -> sdpa::Result<ExitCode> {
             if r.causal { "causal" } else { "non-causal" },
             format!("{:?}", r.size),
             order.join(" > ")
-        );
+        )?;
     }
-    println!("\nkernels (ptxas report captured at build time):");
-    println!(
+    outln!("\nkernels (ptxas report captured at build time):")?;
+    outln!(
         "  {:<44} {:>7} {:>5} {:>6} {:>6} {:>7}",
-        "kernel", "arch", "regs", "smem", "stack", "spills"
-    );
+        "kernel",
+        "arch",
+        "regs",
+        "smem",
+        "stack",
+        "spills"
+    )?;
     for k in sdpa::info::kernels() {
-        println!(
+        outln!(
             "  {:<44} {:>7} {:>5} {:>6} {:>6} {:>7}",
             short_kernel_name(&k.kernel),
             k.arch,
@@ -127,19 +214,29 @@ fn info() -> sdpa::Result<ExitCode> {
             k.smem,
             k.stack,
             k.spill_stores + k.spill_loads
-        );
+        )?;
     }
     if let Some(dev) = &dev {
-        println!("\nkernels on this device (cudaFuncGetAttributes):");
-        println!(
+        outln!("\nkernels on this device (cudaFuncGetAttributes):")?;
+        outln!(
             "  {:<8} {:<24} {:>5} {:>7} {:>8} {:>6}",
-            "backend", "kernel", "regs", "smem", "dyn smem", "local"
-        );
+            "backend",
+            "kernel",
+            "regs",
+            "smem",
+            "dyn smem",
+            "local"
+        )?;
         for k in sdpa::info::device_kernels(dev)? {
-            println!(
+            outln!(
                 "  {:<8} {:<24} {:>5} {:>7} {:>8} {:>6}",
-                k.backend, k.name, k.registers, k.static_smem, k.dynamic_smem, k.local_bytes
-            );
+                k.backend,
+                k.name,
+                k.registers,
+                k.static_smem,
+                k.dynamic_smem,
+                k.local_bytes
+            )?;
         }
     }
     Ok(ExitCode::SUCCESS)

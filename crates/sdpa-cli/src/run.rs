@@ -1,9 +1,8 @@
 //! `sdpa run`: attention on .npy files, so PyTorch/NumPy users can check us.
 
-use crate::npy;
-use crate::open_device;
+use crate::{CliResult, chosen_backend, device_for, npy};
 use sdpa::{Backend, DType, Error, Layout, Problem, Result, Scaling, Tensor};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(clap::Args)]
@@ -24,9 +23,10 @@ pub struct Args {
     /// Causal mask (aligned bottom-right when Sq != Sk).
     #[arg(long)]
     causal: bool,
-    /// Backend; `cpu` is the float64 reference.
-    #[arg(long, default_value = "auto")]
-    backend: String,
+    /// Backend; `cpu` is the float64 reference. Default `auto`: the best GPU backend, or the
+    /// CPU reference where there is no GPU. A named backend that cannot run is an error.
+    #[arg(long)]
+    backend: Option<String>,
     /// Inputs are rounded to this type before any backend sees them: f16, bf16, or e4m3
     /// (quantized with amax scales, see --scaling).
     #[arg(long, default_value = "f16")]
@@ -55,12 +55,58 @@ fn dims4(shape: &[usize], what: &str) -> Result<[usize; 4]> {
     }
 }
 
-pub fn main(a: Args) -> Result<ExitCode> {
-    let backend: Backend = a.backend.parse()?;
+/// Whether `a` and `b` name the same file: the same device and inode where both exist (hard
+/// links, symlinks and any spelling of the path), else the same canonical path.
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => (x.dev(), x.ino()) == (y.dev(), y.ino()),
+        _ => canonical(a) == canonical(b),
+    }
+}
+
+/// `path` made absolute and resolved as far as it exists (its folder, for a file not yet
+/// written).
+fn canonical(path: &Path) -> PathBuf {
+    if let Ok(p) = std::fs::canonicalize(path) {
+        return p;
+    }
+    match (path.parent(), path.file_name()) {
+        (Some(dir), Some(name)) => canonical_dir(dir).join(name),
+        _ => path.to_path_buf(),
+    }
+}
+
+fn canonical_dir(dir: &Path) -> PathBuf {
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf())
+}
+
+/// Refuses an `--out` that names one of the inputs: the result would replace it.
+fn refuse_overwriting_inputs(a: &Args) -> Result<()> {
+    for (flag, input) in [("--q", &a.q), ("--k", &a.k), ("--v", &a.v)] {
+        if same_file(&a.out, input) {
+            return Err(Error::InvalidArgument(format!(
+                "--out {} is the same file as {flag} {}; refusing to overwrite an input",
+                a.out.display(),
+                input.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+pub fn main(a: Args) -> CliResult<ExitCode> {
+    let requested: Backend = a.backend.as_deref().unwrap_or("auto").parse()?;
     let dtype: DType = a.dtype.parse()?;
     let layout: Layout = a.layout.parse()?;
     let scaling: Scaling = a.scaling.parse()?;
     let out_dtype: DType = a.out_dtype.parse()?;
+    refuse_overwriting_inputs(&a)?;
     let (q, qshape) = npy::read(&a.q)?;
     let (k, kshape) = npy::read(&a.k)?;
     let (v, vshape) = npy::read(&a.v)?;
@@ -68,7 +114,8 @@ pub fn main(a: Args) -> Result<ExitCode> {
     if vshape != kshape {
         return Err(Error::InvalidArgument(format!(
             "v has shape {vshape:?} but k has {kshape:?}; they must match"
-        )));
+        ))
+        .into());
     }
     // Per layout: (batch, heads, seq, head_dim).
     let split = |d: [usize; 4]| match layout {
@@ -80,7 +127,8 @@ pub fn main(a: Args) -> Result<ExitCode> {
     if b != bk || dq != dk {
         return Err(Error::InvalidArgument(format!(
             "q {qshape:?} and k {kshape:?} disagree on batch or head_dim"
-        )));
+        ))
+        .into());
     }
     let mut p = Problem::new(b, h, sq, sk, dq)
         .with_kv_heads(hk)
@@ -97,12 +145,10 @@ pub fn main(a: Args) -> Result<ExitCode> {
     let od = p.output_dtype();
     let shapes = [p.q_shape(), p.kv_shape(), p.kv_shape()];
 
-    let dev = if backend == Backend::Cpu {
-        None
-    } else {
-        open_device()
-    };
-    let out: Vec<f32> = match &dev {
+    let dev = device_for(&[requested], a.backend.is_some())?;
+    let backend = chosen_backend(dev.as_ref(), &p, requested)?;
+    let gpu = dev.as_ref().filter(|_| backend != Backend::Cpu);
+    let out: Vec<f32> = match gpu {
         Some(dev) => {
             let up = |x: &[f32], i: usize| match dtype {
                 DType::E4m3 => Tensor::quantize_f32(dev, x, shapes[i], scaling),
@@ -118,7 +164,7 @@ pub fn main(a: Args) -> Result<ExitCode> {
                 Ok(match dtype {
                     DType::E4m3 => {
                         let (codes, s) = sdpa::fp8::quantize_host(x, &shapes[i], scaling)?;
-                        let d = sdpa::fp8::dequantize_host(&codes, &s, &shapes[i], scaling);
+                        let d = sdpa::fp8::dequantize_host(&codes, &s, &shapes[i], scaling)?;
                         d.into_iter().map(f64::from).collect()
                     }
                     _ => sdpa::decode(dtype, &sdpa::encode(dtype, x)),
@@ -129,10 +175,6 @@ pub fn main(a: Args) -> Result<ExitCode> {
         }
     };
     npy::write(&a.out, &out, &qshape)?;
-    let used = match &dev {
-        Some(d) => backend.resolve(Some(d), &p)?.name(),
-        None => "cpu",
-    };
-    println!("{p}: wrote {} ({} backend)", a.out.display(), used);
+    outln!("{p}: wrote {} ({backend} backend)", a.out.display())?;
     Ok(ExitCode::SUCCESS)
 }

@@ -1,8 +1,8 @@
 //! `sdpa validate`: backend x problem -> rel_err, max_err, pass/fail against the f64 reference.
 
-use crate::open_device;
+use crate::{CliResult, chosen_backend, device_for};
 use sdpa::check::{Inputs, compare, fresh_seed, random_inputs, run_backend};
-use sdpa::{Backend, DType, Layout, Problem, Result, Scaling};
+use sdpa::{Backend, DType, Device, Layout, Problem, Result, Scaling};
 use std::process::ExitCode;
 
 /// Arguments shared by `validate` and `bench`: which problems.
@@ -137,6 +137,43 @@ pub fn backends(names: &[String]) -> Result<Vec<Backend>> {
     names.iter().map(|n| n.parse()).collect()
 }
 
+/// Refuses a backend named on the command line that can run none of `problems` on `dev`: the
+/// error is its reason for the first problem. (One that can run some of them runs those, and
+/// the others are reported as skipped.)
+pub fn require_runnable(
+    dev: Option<&Device>,
+    backends: &[Backend],
+    problems: &[(String, Problem)],
+) -> Result<()> {
+    for &b in backends {
+        let mut first_reason = None;
+        for (_, p) in problems {
+            match chosen_backend(dev, p, b).and_then(|r| r.supports(dev, p)) {
+                Ok(()) => {
+                    first_reason = None;
+                    break;
+                }
+                Err(e) => {
+                    first_reason.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_reason {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// `auto`'s choice, for the line that reports a result: ` (auto chose X)`; empty otherwise.
+pub fn auto_note(requested: Backend, ran: Backend) -> String {
+    if requested == Backend::Auto {
+        format!(" (auto chose {ran})")
+    } else {
+        String::new()
+    }
+}
+
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
@@ -149,24 +186,33 @@ pub struct Args {
     seed: Option<u64>,
 }
 
-pub fn main(a: Args) -> Result<ExitCode> {
-    let dev = open_device();
+pub fn main(a: Args) -> CliResult<ExitCode> {
     let problems = a
         .problems
         .problems(&["mission", "s1k-d64", "s2k-d128"], "both")?;
+    let named = !a.backend.is_empty();
     let mut backends = backends(&a.backend)?;
-    if dev.is_none() {
+    let dev = device_for(&backends, named)?;
+    if named {
+        require_runnable(dev.as_ref(), &backends, &problems)?;
+    } else if dev.is_none() {
         backends.retain(|b| *b == Backend::Cpu);
     }
     let seed = a.seed.unwrap_or_else(fresh_seed);
-    println!("seed {seed}");
-    println!(
+    outln!("seed {seed}")?;
+    outln!(
         "{:<8} {:<22} {:<8} {:>10} {:>10} {:>10} {:>10}  result",
-        "backend", "problem", "dtype", "rel_err", "rel_tol", "max_err", "max_tol"
-    );
+        "backend",
+        "problem",
+        "dtype",
+        "rel_err",
+        "rel_tol",
+        "max_err",
+        "max_tol"
+    )?;
     let (mut failed, mut ran) = (0, 0);
     for (i, (name, p)) in problems.iter().enumerate() {
-        let inputs: Inputs = random_inputs(p, seed.wrapping_add(i as u64));
+        let inputs: Inputs = random_inputs(p, seed.wrapping_add(i as u64))?;
         let [q, k, v] = &inputs.values;
         let want = sdpa::reference(p, q, k, v)?;
         let e2e_want = match &inputs.fp8 {
@@ -178,12 +224,18 @@ pub fn main(a: Args) -> Result<ExitCode> {
         };
         for &b in &backends {
             let line = |r: &str| format!("{:<8} {:<22} {:<8} {r}", b.name(), name, dtype_label(p));
-            if let Err(e) = b.supports(dev.as_ref(), p) {
-                println!("{}", line(&format!("{:>43}  skipped: {e}", "")));
-                continue;
-            }
+            let chosen = chosen_backend(dev.as_ref(), p, b);
+            let runs = chosen.and_then(|c| c.supports(dev.as_ref(), p).map(|()| c));
+            let ran_as = match runs {
+                Ok(c) => c,
+                Err(e) => {
+                    outln!("{}", line(&format!("{:>43}  skipped: {e}", "")))?;
+                    continue;
+                }
+            };
+            let note = auto_note(b, ran_as);
             ran += 1;
-            match run_backend(dev.as_ref(), p, b, &inputs, Some(&want)) {
+            match run_backend(dev.as_ref(), p, ran_as, &inputs, Some(&want)) {
                 Ok(got) => {
                     let r = compare(&got, &want, p.dtype, seed);
                     // e4m3: also the error against the unquantized inputs (quantization included).
@@ -198,10 +250,10 @@ pub fn main(a: Args) -> Result<ExitCode> {
                     };
                     let verdict = if r.pass() { "pass" } else { "FAIL" };
                     failed += usize::from(!r.pass());
-                    println!(
+                    outln!(
                         "{}",
                         line(&format!(
-                            "{:>10.3e} {:>10.1e} {:>10.3e} {:>10.1e}  {verdict}{}",
+                            "{:>10.3e} {:>10.1e} {:>10.3e} {:>10.1e}  {verdict}{}{note}",
                             r.rel_err,
                             r.tol.rel,
                             r.max_err,
@@ -212,16 +264,16 @@ pub fn main(a: Args) -> Result<ExitCode> {
                                 e2e
                             }
                         ))
-                    );
+                    )?;
                 }
                 Err(e) => {
                     failed += 1;
-                    println!("{}", line(&format!("{:>43}  FAIL: {e}", "")));
+                    outln!("{}", line(&format!("{:>43}  FAIL: {e}{note}", "")))?;
                 }
             }
         }
     }
-    println!("{} of {ran} checks passed", ran - failed);
+    outln!("{} of {ran} checks passed", ran - failed)?;
     Ok(if failed == 0 && ran > 0 {
         ExitCode::SUCCESS
     } else {

@@ -118,6 +118,7 @@ fn run_e4m3_matches_the_reference_on_quantized_inputs() {
     let deq = |x: &[f32], s: sdpa::TensorShape| -> Vec<f64> {
         let (c, sc) = sdpa::fp8::quantize_host(x, &s, p.fp8_scaling).unwrap();
         sdpa::fp8::dequantize_host(&c, &sc, &s, p.fp8_scaling)
+            .unwrap()
             .into_iter()
             .map(f64::from)
             .collect()
@@ -332,6 +333,15 @@ fn run_on_the_gpu_matches_the_reference() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // The last line ends "(X backend)": X must be a GPU backend, not the CPU reference.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let used = stdout
+        .trim_end()
+        .rsplit_once('(')
+        .and_then(|(_, rest)| rest.strip_suffix(" backend)"))
+        .unwrap_or_else(|| panic!("no \"(X backend)\" in {stdout:?}"));
+    let used: sdpa::Backend = used.parse().unwrap();
+    assert!(sdpa::Backend::GPU.contains(&used), "ran on {used}");
     let bytes = std::fs::read(&paths[3]).unwrap();
     let got: Vec<f32> = npyz::NpyFile::new(&bytes[..]).unwrap().into_vec().unwrap();
     let p = sdpa::Problem::new(b, h, sq, sk, d)
@@ -342,4 +352,354 @@ fn run_on_the_gpu_matches_the_reference() {
     let got: Vec<f64> = got.iter().map(|&x| f64::from(x)).collect();
     let r = sdpa::check::compare(&got, &want, p.dtype, 0);
     assert!(r.pass(), "{r:?}");
+}
+
+/// The `sdpa` output of `cmd`, killed and reported as a failure when it runs past `limit`.
+fn output_within(cmd: &mut Command, limit: std::time::Duration) -> std::process::Output {
+    use std::process::Stdio;
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            child.kill().unwrap();
+            let _ = child.wait();
+            panic!("{cmd:?} still running after {limit:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Asserts a failed command: exit code 1, exactly one line on stderr containing `fragment`.
+fn assert_one_line_error(out: &std::process::Output, fragment: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err:?}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err:?}");
+    assert!(err.contains(fragment), "{err:?} lacks {fragment:?}");
+}
+
+/// A .npy file: the preamble of `version` (1, 2 or 3), `header_len` as its length field, then
+/// `rest` (header text and data) as given.
+fn raw_npy(version: u8, header_len: u32, rest: &[u8]) -> Vec<u8> {
+    let mut bytes = b"\x93NUMPY".to_vec();
+    bytes.extend([version, 0]);
+    match version {
+        1 => bytes.extend((header_len as u16).to_le_bytes()),
+        _ => bytes.extend(header_len.to_le_bytes()),
+    }
+    bytes.extend(rest);
+    bytes
+}
+
+/// `sdpa run --backend cpu` with `q` as the query file and a good K and V.
+fn run_with_q(q: &Path, out: &Path) -> Command {
+    let good = tmp("good-kv.npy");
+    write_npy(&good, &values(2 * 8 * 64, 4), &[1, 2, 8, 64]);
+    let mut cmd = sdpa();
+    cmd.args(["run", "--backend", "cpu"])
+        .args(["--q", q.to_str().unwrap()])
+        .args(["--k", good.to_str().unwrap(), "--v", good.to_str().unwrap()])
+        .args(["--out", out.to_str().unwrap()]);
+    cmd
+}
+
+/// A 128-byte file whose shape is 32 nested lists: refused at once, one line naming the file.
+#[test]
+fn a_deeply_nested_header_is_refused_at_once() {
+    let mut header = b"{'descr': '<f4', 'fortran_order': False, 'shape': ".to_vec();
+    header.extend([b'['; 32]);
+    header.extend([b']'; 32]);
+    header.push(b'}');
+    while header.len() < 117 {
+        header.push(b' ');
+    }
+    header.push(b'\n');
+    let bytes = raw_npy(1, header.len() as u32, &header);
+    assert_eq!(bytes.len(), 128);
+    let (q, out) = (tmp("nested.npy"), tmp("nested-out.npy"));
+    std::fs::write(&q, &bytes).unwrap();
+    let _ = std::fs::remove_file(&out);
+    let t0 = std::time::Instant::now();
+    let o = output_within(
+        &mut run_with_q(&q, &out),
+        std::time::Duration::from_secs(20),
+    );
+    assert_one_line_error(&o, q.to_str().unwrap());
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert!(!out.exists());
+}
+
+/// Headers that claim more than the file holds are refused before anything is allocated: a
+/// 27-byte version-2 file with a 4 GiB header length, and a tiny file whose shape implies
+/// petabytes. Run under a 1 GiB address-space limit, so an attempt to allocate aborts.
+#[test]
+fn headers_claiming_more_than_the_file_holds_are_refused_without_allocating() {
+    let huge_header_len = raw_npy(2, 0xFFFF_FFF0, b"{'descr':'<f4'\n");
+    assert_eq!(huge_header_len.len(), 27);
+    let mut shape_header =
+        b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 1048576, 1048576, 1024), }"
+            .to_vec();
+    shape_header.push(b'\n');
+    let huge_shape = raw_npy(1, shape_header.len() as u32, &shape_header);
+    let mut short_header =
+        b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, 8, 64), }".to_vec();
+    short_header.push(b'\n');
+    let mut short_data = raw_npy(1, short_header.len() as u32, &short_header);
+    short_data.extend([0u8; 100]);
+    let cases: [(&str, &[u8], &str); 3] = [
+        ("huge-header-len.npy", &huge_header_len, "header"),
+        ("huge-shape.npy", &huge_shape, "bytes"),
+        ("short-data.npy", &short_data, "bytes"),
+    ];
+    for (name, bytes, fragment) in cases {
+        let (q, out) = (tmp(name), tmp("claims-out.npy"));
+        std::fs::write(&q, bytes).unwrap();
+        let _ = std::fs::remove_file(&out);
+        let run = run_with_q(&q, &out);
+        let mut limited = Command::new("sh");
+        limited
+            .args(["-c", "ulimit -v 1048576 && exec \"$0\" \"$@\""])
+            .arg(run.get_program())
+            .args(run.get_args());
+        let o = output_within(&mut limited, std::time::Duration::from_secs(20));
+        assert_one_line_error(&o, q.to_str().unwrap());
+        assert_one_line_error(&o, fragment);
+        assert!(!out.exists(), "{name}");
+    }
+}
+
+/// `--out` naming an input (by the same path, another spelling, or a hard link) is refused
+/// before anything runs, and the input keeps its bytes.
+#[test]
+fn an_output_that_is_an_input_is_refused() {
+    let dir = tmp("same-file");
+    std::fs::create_dir_all(&dir).unwrap();
+    let q = dir.join("q.npy");
+    write_npy(&q, &values(2 * 8 * 64, 1), &[1, 2, 8, 64]);
+    let before = std::fs::read(&q).unwrap();
+    let link = dir.join("q-link.npy");
+    let _ = std::fs::remove_file(&link);
+    std::fs::hard_link(&q, &link).unwrap();
+    let q_str = q.to_str().unwrap();
+    let spellings = [
+        q.clone(),
+        dir.join(".").join("q.npy"),
+        dir.join("..").join("same-file").join("q.npy"),
+        link,
+    ];
+    for out in spellings {
+        let o = sdpa()
+            .args(["run", "--backend", "cpu"])
+            .args(["--q", q_str, "--k", q_str, "--v", q_str])
+            .args(["--out", out.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert_one_line_error(&o, "same file");
+        assert_eq!(std::fs::read(&q).unwrap(), before, "{out:?}");
+    }
+}
+
+/// Writing `--out` fails (no such folder, a read-only folder, a file-size limit mid-write):
+/// one line, exit 1, and nothing left behind: no partial output, no temporary file.
+#[test]
+fn a_failed_write_leaves_nothing_behind() {
+    let dir = tmp("failed-write");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (b, h, s, d) = (1, 2, 64, 64);
+    let q = dir.join("q.npy");
+    write_npy(&q, &values(b * h * s * d, 1), &[1, 2, 64, 64]);
+    let q_str = q.to_str().unwrap().to_string();
+    let run = |out: &Path| {
+        let mut cmd = sdpa();
+        cmd.args(["run", "--backend", "cpu"])
+            .args(["--q", &q_str, "--k", &q_str, "--v", &q_str])
+            .args(["--out", out.to_str().unwrap()]);
+        cmd
+    };
+    let listing = |d: &Path| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+
+    let missing = dir.join("no-such-folder").join("o.npy");
+    let o = run(&missing).output().unwrap();
+    assert_one_line_error(&o, missing.to_str().unwrap());
+    assert_eq!(listing(&dir), ["q.npy"]);
+
+    // A file-size limit of 4 KiB (SIGXFSZ ignored, so the write fails with EFBIG) stands in
+    // for a full disk: the 32 KiB output cannot be written whole.
+    let out = dir.join("o.npy");
+    let cmd = run(&out);
+    let o = Command::new("sh")
+        .args(["-c", "trap '' XFSZ; ulimit -f 8 && exec \"$0\" \"$@\""])
+        .arg(cmd.get_program())
+        .args(cmd.get_args())
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, out.to_str().unwrap());
+    assert_eq!(listing(&dir), ["q.npy"]);
+
+    // The same failure must not clobber an existing output either.
+    std::fs::write(&out, b"previous result").unwrap();
+    let o = Command::new("sh")
+        .args(["-c", "trap '' XFSZ; ulimit -f 8 && exec \"$0\" \"$@\""])
+        .arg(cmd.get_program())
+        .args(cmd.get_args())
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, out.to_str().unwrap());
+    assert_eq!(std::fs::read(&out).unwrap(), b"previous result");
+    assert_eq!(listing(&dir), ["o.npy", "q.npy"]);
+    std::fs::remove_file(&out).unwrap();
+
+    let ro = dir.join("read-only");
+    std::fs::create_dir_all(&ro).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+    if std::fs::write(ro.join("probe"), b"").is_ok() {
+        let _ = std::fs::remove_file(ro.join("probe"));
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "read-only folder: skipped, this user can write into it anyway"
+        );
+    } else {
+        let out = ro.join("o.npy");
+        let o = run(&out).output().unwrap();
+        assert_one_line_error(&o, out.to_str().unwrap());
+        assert!(listing(&ro).is_empty(), "{:?}", listing(&ro));
+    }
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o755)).unwrap();
+
+    // And the success path leaves exactly the output.
+    let o = run(&out).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(listing(&dir), ["o.npy", "q.npy", "read-only"]);
+}
+
+/// Where there is no GPU, a GPU backend named on the command line is an error (one line naming
+/// it and saying why), not a silent switch to the CPU; and no output file appears. Skipped,
+/// with the reason, where a GPU is present.
+#[test]
+fn a_named_gpu_backend_without_a_gpu_is_an_error() {
+    if sdpa::Device::new(0).is_ok() {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "named backend without a GPU: skipped, this machine has a GPU"
+        );
+        return;
+    }
+    let dir = tmp("named-backend");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let q = dir.join("q.npy");
+    write_npy(&q, &values(2 * 8 * 64, 1), &[1, 2, 8, 64]);
+    let (q, out, json) = (
+        q.to_str().unwrap().to_string(),
+        dir.join("o.npy"),
+        dir.join("bench.json"),
+    );
+    let o = sdpa()
+        .args(["run", "--backend", "cutlass"])
+        .args(["--q", &q, "--k", &q, "--v", &q])
+        .args(["--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, "--backend cutlass needs");
+    assert!(!out.exists());
+
+    let o = sdpa()
+        .args(["bench", "--backend", "scalar", "--shape", "1,1,64,64,64"])
+        .args(["--dtype", "f16", "--budget-ms", "20"])
+        .args(["--json", json.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, "--backend scalar needs");
+    assert!(!json.exists());
+
+    let o = sdpa()
+        .args([
+            "validate",
+            "--backend",
+            "cpu,scalar",
+            "--shape",
+            "1,1,8,8,64",
+        ])
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, "--backend scalar needs");
+
+    // `auto` may choose the CPU reference, and says so.
+    let o = sdpa()
+        .args(["run", "--backend", "auto"])
+        .args(["--q", &q, "--k", &q, "--v", &q])
+        .args(["--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("(cpu backend)"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("running the CPU reference only"));
+}
+
+/// Standard output closed before `sdpa` writes (a reader that went away, like `| head -1`):
+/// a quiet exit, no panic.
+#[test]
+fn a_closed_stdout_pipe_is_a_quiet_exit() {
+    for args in [
+        &["info"][..],
+        &["validate", "--backend", "cpu", "--shape", "1,1,8,8,64"][..],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let o = sdpa()
+            .args(args)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(!err.contains("Broken pipe"), "{args:?}: {err}");
+        // 141 is what a shell reports for a command ended by SIGPIPE; 0 would do too.
+        assert!(
+            matches!(o.status.code(), Some(0 | 141)),
+            "{args:?}: {:?} {err}",
+            o.status
+        );
+    }
+}
+
+/// Standard output that refuses writes for another reason (a full disk): one line, exit 1.
+#[test]
+fn a_full_stdout_is_a_one_line_error() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "stdout on /dev/full: skipped, no /dev/full"
+        );
+        return;
+    };
+    let o = sdpa()
+        .args(["validate", "--backend", "cpu", "--shape", "1,1,8,8,64"])
+        .stdout(full)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, "No space left on device");
 }
