@@ -11,8 +11,9 @@
 // Non-causal calls use neither: every key is visible, and the GEMM propagates NaN and Inf as
 // the reference does.
 // Assumes validated arguments (crates/sdpa/src/backend/cublas.rs): dtype F16 or BF16, heads a
-// multiple of kv_heads, seq_k and batch * kv_heads below 2^31, buffers as large as the strides
-// and shapes address.
+// multiple of kv_heads, seq_k and head_dim below 2^31 (keys are recorded as uint32 with
+// 0xffffffff for none; a block's element count and head_dim / kVec are int), buffers as large as
+// the strides and shapes address. Everything else is 64-bit.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

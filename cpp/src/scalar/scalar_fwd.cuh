@@ -1,6 +1,7 @@
 // Scalar backend: FlashAttention-style forward on CUDA cores only (no tensor cores).
 // Assumes validated arguments (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned
-// rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1.
+// rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1; heads and batch <= 65535
+// (grid y and z, checked by fused::supports). Rows, keys and offsets are 64-bit.
 //
 // One CTA = BM query rows of one (batch, head); 4 warps, each owning RPW rows. K/V stream
 // through shared memory in tiles of BN = 32 keys, one key per lane for Q·Kᵀ (so the row max is

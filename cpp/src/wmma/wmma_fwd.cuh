@@ -1,6 +1,8 @@
 // WMMA backend: FlashAttention-2 style forward on tensor cores through nvcuda::wmma (sm_80+).
 // Assumes validated arguments (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned
-// rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1, scale > 0.
+// rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1, scale > 0; and the
+// 32-bit limits fused::supports checks (crates/sdpa/src/backend/fused.rs): heads and batch
+// <= 65535 (grid y and z), seq_k <= 2^30 (load_kv's tile offset).
 //
 // One CTA = BM = 64 query rows of one (batch, head); 4 warps each own 16 rows (one wmma M) and
 // sweep every key tile themselves, so the softmax never has to merge state across warps. Per
@@ -288,6 +290,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
     __syncthreads();
     return false;
   };
+  // `tile * 2 * kBN` is an int product (then widened by the 64-bit stride): the last tile's
+  // must fit, so seq_k <= 2^30 (checked by fused::supports, crates/sdpa/src/backend/fused.rs).
   auto load_kv = [&](int tile, int buf) {
     const int rows_left = int(min(p.seq_k - int64_t(tile) * kBN, int64_t(kBN)));
     load_tile<D>(s_chunk + L::kK + buf * L::kTile, kg + tile * 2 * kBN * p.ks.seq,

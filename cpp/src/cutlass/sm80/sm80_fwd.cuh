@@ -55,7 +55,10 @@
 // there); scores of keys >= seq_k and, if causal, of keys past the bottom-right diagonal are set
 // to -inf before the softmax; stores are predicated per row. Causal: CTAs skip key tiles past
 // their last row's diagonal, each warp also skips the tiles fully masked for its rows, and CTAs
-// are launched last query block first (the heaviest first). Offsets into Q/K/V/O are 64-bit.
+// are launched last query block first (the heaviest first). Offsets into Q/K/V/O are 64-bit,
+// but seq_q, seq_k and the row and key indices are int and reach up to a tile past the end:
+// seq_q, seq_k <= 2^31 - 128; the grid is (query tiles, heads, batch), heads and batch <= 65535
+// (checked by fused::supports, crates/sdpa/src/backend/fused.rs).
 //
 // Causal, issue 6 (common/nonfinite.cuh): a V tile that crosses the diagonal of some row of the
 // CTA is checked for Inf/NaN by the threads that copied it, the OR folded into the tile's
@@ -227,8 +230,8 @@ struct Params {
   const T *q, *k, *v;
   T* o;
   Strides qs, ks, vs, os;
-  int seq_q, seq_k, group;
-  float scale_log2;  // scale * log2(e)
+  int seq_q, seq_k, group;  // 32-bit: the Rust layer bounds seq_q and seq_k (see the header)
+  float scale_log2;         // scale * log2(e)
 };
 
 template <typename T, int D, bool CAUSAL, int W, int MT>

@@ -246,6 +246,11 @@ struct Params {
   typename Cfg<E, D>::TmaV tma_v;
   typename E::Out* o;
   Strides os;
+  // 32-bit sizes, rows, keys and tile numbers (offsets are 64-bit): the Rust layer keeps
+  // seq_q, seq_k <= 2^31 - 128 (row and key indices reach a tile past the end), causal
+  // seq_q + seq_k <= 2^31 - 1 (the producer's diagonal), and ceil(seq_q / 128) x batch x heads
+  // <= 2^30 (tiles, and t + gridDim.x in the tile loops); fused::supports,
+  // crates/sdpa/src/backend/fused.rs.
   int seq_q, seq_k, heads, kv_heads, batch;
   float scale_log2;  // scale * log2(e)
   int wgs;           // consumer warpgroups in this launch (1 or 2); tiles of 64 * wgs rows
@@ -1000,8 +1005,9 @@ __global__ void __launch_bounds__(256)
 
 // Host side ----------------------------------------------------------------------------------
 
-// TMA needs a 16-byte aligned base and 16-byte multiple strides below 2^40 bytes; the Rust
-// layer guarantees both, this only turns a broken promise into an error instead of a fault.
+// TMA needs a 16-byte aligned base and 16-byte multiple strides below 2^40 bytes (and dims
+// below 2^32: the shapes here are int); the Rust layer guarantees them (fused::supports), this
+// only turns a broken promise into an error instead of a fault.
 inline void check_tma_operand(const void* ptr, const Strides& s, const char* what,
                               int elem_bytes = 2) {
   const auto ok = [&](int64_t st) {

@@ -80,21 +80,69 @@ pub(crate) fn library_present() -> bool {
     unsafe { cb::is_culib_present() }
 }
 
-/// Checks what cuBLAS's 32-bit dimension arguments and the device's memory allow.
-pub(crate) fn supports(dev: &Device, p: &Problem) -> std::result::Result<(), String> {
-    if !library_present() {
-        return Err("the cuBLAS library (libcublas.so.13) was not found".into());
+/// Largest value of a C `int`: cuBLAS's m, n, k, leading dimensions and batch count are `int`
+/// in the entry point used here (its strides are 64-bit), and so is the softmax's grid size.
+const INT_MAX: usize = i32::MAX as usize;
+
+/// How the GEMMs are batched: `outer` calls of `count` matrices each. One call over every
+/// (batch, kv_head) pair when the batch stride is uniform over that flattened index (BHSD),
+/// else one call per batch entry over its kv heads (BSHD).
+fn batching(p: &Problem) -> (usize, usize) {
+    let (qs, ks) = (p.q_strides(), p.kv_strides());
+    if qs.batch == p.heads * qs.head && ks.batch == p.kv_heads * ks.head {
+        (1, p.batch * p.kv_heads)
+    } else {
+        (p.batch, p.kv_heads)
     }
-    let i32max = i32::MAX as usize;
-    if p.seq_q > i32max || p.seq_k > i32max || p.batch * p.kv_heads > i32max {
-        return Err("sequence lengths and batch x kv_heads must fit in 32 bits for cuBLAS".into());
+}
+
+/// Checks that every value `forward` hands to cuBLAS or to the softmax launch as a 32-bit
+/// `int` fits one; depends on the problem alone, so it applies without a device. Each reason
+/// names the value and the limit.
+pub(crate) fn limits(p: &Problem) -> std::result::Result<(), String> {
+    let (qs, ks) = (p.q_strides(), p.kv_strides());
+    let (_, count) = batching(p);
+    for (what, value) in [
+        ("seq_q (n of both GEMMs)", p.seq_q),
+        (
+            "seq_k (m of Q·Kᵀ, k of P·V, leading dimension of S and P)",
+            p.seq_k,
+        ),
+        ("head_dim (k of Q·Kᵀ, m of P·V)", p.head_dim),
+        (
+            "the row stride of Q and O (their leading dimension: heads x head_dim in BSHD)",
+            qs.seq,
+        ),
+        (
+            "the row stride of K and V (their leading dimension: kv_heads x head_dim in BSHD)",
+            ks.seq,
+        ),
+        (
+            "the GEMM batch count (batch x kv_heads in BHSD, kv_heads in BSHD)",
+            count,
+        ),
+    ] {
+        if value > INT_MAX {
+            return Err(format!(
+                "{what} = {value} exceeds cuBLAS's 32-bit int arguments (at most 2^31 - 1)"
+            ));
+        }
     }
-    // The softmax kernel runs one CTA per score row.
+    // The softmax kernel runs one CTA per score row, on grid x.
     let rows = p.batch * p.heads * p.seq_q;
-    if rows > i32max {
+    if rows > INT_MAX {
         return Err(format!(
             "batch x heads x seq_q = {rows} score rows; the softmax grid allows 2^31 - 1"
         ));
+    }
+    Ok(())
+}
+
+/// Checks what the device allows: the cuBLAS library and memory for the workspace. `limits`
+/// comes first (`Backend::supports`), with or without a device.
+pub(crate) fn supports(dev: &Device, p: &Problem) -> std::result::Result<(), String> {
+    if !library_present() {
+        return Err("the cuBLAS library (libcublas.so.13) was not found".into());
     }
     let need = workspace_bytes(p).ok_or("workspace size overflows")?;
     let held = dev.blas_state().lock().ok().and_then(|s| {
@@ -131,25 +179,36 @@ fn check(status: cb::cublasStatus_t, what: &str) -> Result<()> {
 }
 
 /// One strided-batched GEMM in cuBLAS's column-major terms; pointers are device addresses.
+/// Dimensions, leading dimensions and the batch count are converted to cuBLAS's 32-bit `int`
+/// only in `run`, which refuses any that does not fit.
 struct Gemm {
     trans_a: bool,
-    m: i32,
-    n: i32,
-    k: i32,
+    m: usize,
+    n: usize,
+    k: usize,
     alpha: f32,
     a: u64,
     a_type: cb::cudaDataType,
-    lda: i64,
+    lda: usize,
     stride_a: i64,
     b: u64,
     b_type: cb::cudaDataType,
-    ldb: i64,
+    ldb: usize,
     stride_b: i64,
     c: u64,
     c_type: cb::cudaDataType,
-    ldc: i64,
+    ldc: usize,
     stride_c: i64,
-    batch: i32,
+    batch: usize,
+}
+
+/// `value` as cuBLAS's 32-bit `int`, or an error naming it (never a truncated value). `limits`
+/// has already rejected every problem for which this fails.
+fn int(what: &str, value: usize) -> Result<i32> {
+    i32::try_from(value).map_err(|_| Error::Unsupported {
+        backend: "cublas",
+        reason: format!("{what} = {value} does not fit cuBLAS's 32-bit int (at most 2^31 - 1)"),
+    })
 }
 
 impl Gemm {
@@ -162,31 +221,38 @@ impl Gemm {
                 cb::cublasOperation_t::CUBLAS_OP_N
             }
         };
+        let (m, n, k) = (int("m", self.m)?, int("n", self.n)?, int("k", self.k)?);
+        let (lda, ldb, ldc) = (
+            int("lda", self.lda)?,
+            int("ldb", self.ldb)?,
+            int("ldc", self.ldc)?,
+        );
+        let batch = int("batch count", self.batch)?;
         // SAFETY: the caller built every pointer, leading dimension and stride from a
-        // validated problem and buffers at least that large.
+        // validated problem and buffers at least that large; every int argument is exact.
         let status = unsafe {
             cb::cublasGemmStridedBatchedEx(
                 *blas.handle(),
                 op(self.trans_a),
                 op(false),
-                self.m,
-                self.n,
-                self.k,
+                m,
+                n,
+                k,
                 (&self.alpha as *const f32).cast(),
                 self.a as *const _,
                 self.a_type,
-                self.lda as i32,
+                lda,
                 self.stride_a,
                 self.b as *const _,
                 self.b_type,
-                self.ldb as i32,
+                ldb,
                 self.stride_b,
                 (&beta as *const f32).cast(),
                 self.c as *mut _,
                 self.c_type,
-                self.ldc as i32,
+                ldc,
                 self.stride_c,
-                self.batch,
+                batch,
                 cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
@@ -250,15 +316,9 @@ pub(crate) fn forward(
     let kp = k.ptr(dev);
     let vp = v.ptr(dev);
     let op = out.ptr_mut(dev);
-    // Batch over (batch, kv_head) in one call when the batch stride is uniform over that
-    // flattened index (BHSD), else one call per batch entry; one call per member r of a GQA
-    // group: head h = hk * g + r.
-    let merged = qs.batch == p.heads * qs.head && ks.batch == p.kv_heads * ks.head;
-    let (outer, count) = if merged {
-        (1, p.batch * p.kv_heads)
-    } else {
-        (p.batch, p.kv_heads)
-    };
+    // `outer` calls of `count` matrices (see `batching`), one per member r of a GQA group:
+    // head h = hk * g + r.
+    let (outer, count) = batching(p);
     let blas = &st.blas;
     for b in 0..outer {
         for r in 0..g {
@@ -268,23 +328,23 @@ pub(crate) fn forward(
             // Sᵀ (sk x sq, col-major) = Kᵀ-op(K) · Q  <=>  S = Q·Kᵀ row-major.
             Gemm {
                 trans_a: true,
-                m: sk as i32,
-                n: sq as i32,
-                k: d as i32,
+                m: p.seq_k,
+                n: p.seq_q,
+                k: p.head_dim,
                 alpha: p.scale(),
                 a: kp + es * kv_off,
                 a_type: ty,
-                lda: ks.seq as i64,
+                lda: ks.seq,
                 stride_a: ks.head as i64,
                 b: qp + es * q_off,
                 b_type: ty,
-                ldb: qs.seq as i64,
+                ldb: qs.seq,
                 stride_b: (g * qs.head) as i64,
                 c: s_ptr + 4 * row0 * sk as u64,
                 c_type: cb::cudaDataType::CUDA_R_32F,
-                ldc: sk,
+                ldc: p.seq_k,
                 stride_c: g as i64 * sq * sk,
-                batch: count as i32,
+                batch: count,
             }
             .run(blas)?;
         }
@@ -340,23 +400,23 @@ pub(crate) fn forward(
             // Oᵀ (d x sq, col-major) = V (d x sk) · P (sk x sq)  <=>  O = P·V row-major.
             Gemm {
                 trans_a: false,
-                m: d as i32,
-                n: sq as i32,
-                k: sk as i32,
+                m: p.head_dim,
+                n: p.seq_q,
+                k: p.seq_k,
                 alpha: 1.0,
                 a: v_gemm + es * v_off,
                 a_type: ty,
-                lda: vs.seq as i64,
+                lda: vs.seq,
                 stride_a: vs.head as i64,
                 b: p_ptr + es * row0 * sk as u64,
                 b_type: ty,
-                ldb: sk,
+                ldb: p.seq_k,
                 stride_b: g as i64 * sq * sk,
                 c: op + es * o_off,
                 c_type: ty,
-                ldc: qs.seq as i64,
+                ldc: qs.seq,
                 stride_c: (g * qs.head) as i64,
-                batch: count as i32,
+                batch: count,
             }
             .run(blas)?;
         }
@@ -367,4 +427,17 @@ pub(crate) fn forward(
         unsafe { sdpa_sys::ffi::add_nonfinite_v(a, stream)? };
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn int_arguments_are_exact_or_refused() {
+        assert_eq!(int("lda", i32::MAX as usize).unwrap(), i32::MAX);
+        let e = int("lda", 1 << 31).unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+        assert!(e.to_string().contains("lda = 2147483648"), "{e}");
+    }
 }

@@ -1,5 +1,6 @@
-//! The fused kernels of the C++ core (cpp/src/scalar, cpp/src/wmma): one launch computes the
-//! whole attention with an online softmax. They share one argument block and one dispatch.
+//! The fused kernels of the C++ core (cpp/src/scalar, cpp/src/wmma, cpp/src/cutlass): one launch
+//! computes the whole attention with an online softmax. They share one argument block and one
+//! dispatch, and `supports` states the 32-bit limits of each.
 
 use crate::device::{Device, Tensor};
 use crate::error::{Error, Result};
@@ -10,20 +11,131 @@ use sdpa_sys::ffi::Kernel;
 /// Head dims with an instantiation in each fused backend's folder.
 pub(crate) const HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// What a fused kernel accepts beyond `Problem::validate`.
-pub(crate) fn supports(p: &Problem) -> std::result::Result<(), String> {
+/// Largest value of a C `int`, in which the kernels below hold some counts and indices.
+const INT_MAX: usize = i32::MAX as usize;
+/// Largest grid y and z dimension of a launch.
+const GRID_YZ_MAX: usize = 65535;
+
+/// wmma: `load_kv` computes the offset of key tile t as `t * 2 * kBN * stride`, the first two
+/// products in `int` (cpp/src/wmma/wmma_fwd.cuh). For the last tile, t = ceil(seq_k / 64) - 1,
+/// t · 128 must fit: seq_k <= 2^30.
+const WMMA_MAX_SEQ_K: usize = 1 << 30;
+
+/// cutlass-sm80 and cutlass-sm90 hold seq_q and seq_k as `int` and compute row and key
+/// indices up to one 128-row tile past them (tile start + tile size, last row + the causal
+/// offset) in `int`: each must be at most 2^31 - 1 - 127.
+const CUTLASS_MAX_SEQ: usize = INT_MAX - 127;
+
+/// cutlass-sm90: work tiles (128 query rows of one (batch, head); 64 only where there are no
+/// more than SMs) are numbered in `int`, and a causal grid has one CTA per tile whose tile loop
+/// steps t += gridDim.x: 2 · tiles - 1 must stay an `int`.
+const SM90_MAX_TILES: usize = 1 << 30;
+
+/// TMA descriptors take byte strides below 2^40 (and multiples of 16 bytes: every stride is a
+/// multiple of a row, head_dim elements of at least one byte).
+const TMA_MAX_BYTES: usize = 1 << 40;
+const _: () = {
+    let mut i = 0;
+    while i < HEAD_DIMS.len() {
+        assert!(
+            HEAD_DIMS[i].is_multiple_of(16),
+            "TMA strides must be multiples of 16 bytes"
+        );
+        i += 1;
+    }
+};
+
+/// What fused kernel `kernel` accepts beyond `Problem::validate`: its head dims and the
+/// 32-bit limits of its launch and index arithmetic (independent of the device). Each reason
+/// names the value and the limit.
+pub(crate) fn supports(kernel: Kernel, p: &Problem) -> std::result::Result<(), String> {
     if !HEAD_DIMS.contains(&p.head_dim) {
         return Err(format!(
             "head_dim {} is not instantiated (supported: 64, 128)",
             p.head_dim
         ));
     }
-    // Grid: x = query-row tiles (2^31 - 1 max), y = heads, z = batch (65535 max each).
-    if p.heads > 65535 || p.batch > 65535 {
+    if kernel == Kernel::CutlassSm90 {
+        return sm90_limits(p);
+    }
+    // Scalar, wmma, cutlass-sm80: grid x = query-row tiles, y = heads, z = batch, each CTA
+    // indexing its (batch, head) from blockIdx.
+    if p.heads > GRID_YZ_MAX || p.batch > GRID_YZ_MAX {
         return Err(format!(
-            "batch ({}) and heads ({}) must each be at most 65535",
+            "batch ({}) and heads ({}) must each be at most 65535 (grid z and y)",
             p.batch, p.heads
         ));
+    }
+    // Smallest CTA tile: 32 query rows (scalar), 64 (wmma, cutlass-sm80).
+    let rows = if kernel == Kernel::Scalar { 32 } else { 64 };
+    let tiles = p.seq_q.div_ceil(rows);
+    if tiles > INT_MAX {
+        return Err(format!(
+            "seq_q = {} makes {tiles} query tiles of {rows} rows; grid x allows 2^31 - 1",
+            p.seq_q
+        ));
+    }
+    if kernel == Kernel::Wmma && p.seq_k > WMMA_MAX_SEQ_K {
+        return Err(format!(
+            "seq_k = {} exceeds 2^30: the wmma kernel computes key-tile offsets in 32-bit int",
+            p.seq_k
+        ));
+    }
+    if kernel == Kernel::CutlassSm80 {
+        cutlass_seq_limits("cutlass-sm80", p)?;
+    }
+    Ok(())
+}
+
+fn cutlass_seq_limits(name: &str, p: &Problem) -> std::result::Result<(), String> {
+    for (what, n) in [("seq_q", p.seq_q), ("seq_k", p.seq_k)] {
+        if n > CUTLASS_MAX_SEQ {
+            return Err(format!(
+                "{what} = {n} exceeds 2^31 - 128: the {name} kernel indexes rows and keys, up \
+                 to a tile past the end, in 32-bit int"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The sm_90a kernel (cpp/src/cutlass/sm90): one grid dimension (work tiles), `int` sizes and
+/// indices, TMA descriptors for Q, K and V.
+fn sm90_limits(p: &Problem) -> std::result::Result<(), String> {
+    cutlass_seq_limits("cutlass-sm90", p)?;
+    // The causal producer forms row + seq_k before subtracting seq_q.
+    if p.causal && p.seq_q + p.seq_k > INT_MAX {
+        return Err(format!(
+            "causal seq_q + seq_k = {} exceeds 2^31 - 1: the cutlass-sm90 kernel computes the \
+             diagonal in 32-bit int",
+            p.seq_q + p.seq_k
+        ));
+    }
+    // No overflow: validate caps batch x heads x seq_q at 2^40 / head_dim.
+    let tiles = p.seq_q.div_ceil(128) * p.batch * p.heads;
+    if tiles > SM90_MAX_TILES {
+        return Err(format!(
+            "ceil(seq_q / 128) x batch x heads = {tiles} work tiles exceed 2^30: the \
+             cutlass-sm90 kernel numbers them in 32-bit int"
+        ));
+    }
+    // Each stride is below its tensor's size (the batch stride is the largest). E4m3 at
+    // head_dim 128 reads V through a 16-bit copy (the kernel's pre-pass).
+    let v_size = if p.dtype == DType::E4m3 && p.head_dim == 128 {
+        2
+    } else {
+        p.dtype.size()
+    };
+    for (what, bytes) in [
+        ("Q", p.q_len().unwrap() * p.dtype.size()),
+        ("K", p.kv_len().unwrap() * p.dtype.size()),
+        ("V", p.kv_len().unwrap() * v_size),
+    ] {
+        if bytes >= TMA_MAX_BYTES {
+            return Err(format!(
+                "{what} is {bytes} bytes; TMA descriptor strides must stay below 2^40 bytes"
+            ));
+        }
     }
     Ok(())
 }

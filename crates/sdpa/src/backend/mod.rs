@@ -108,22 +108,15 @@ impl Backend {
                         .into(),
                 ));
             }
-            // The native kernel indexes rows and (batch, head) pairs with 32-bit integers.
-            let limit = i32::MAX as usize;
-            if p.seq_q > limit || p.seq_k > limit || p.batch * p.heads > limit {
-                return Err(unsupported(format!(
-                    "the native e4m3 kernel needs seq_q, seq_k and batch x heads below 2^31 \
-                     (got {}, {}, {})",
-                    p.seq_q,
-                    p.seq_k,
-                    p.batch * p.heads
-                )));
-            }
+        }
+        // The fused kernels' head dims and 32-bit limits (the native e4m3 kernel's included):
+        // properties of the problem, checked with or without a device.
+        if let Some(kernel) = self.fused_kernel() {
+            fused::supports(kernel, p).map_err(unsupported)?;
         }
         match self {
             Backend::Cpu => Ok(()),
             Backend::Scalar | Backend::Wmma => {
-                fused::supports(p).map_err(unsupported)?;
                 let dev = dev.ok_or_else(|| unsupported("needs a GPU".into()))?;
                 let (major, minor) = dev.compute_capability()?;
                 if major < 8 {
@@ -134,6 +127,7 @@ impl Backend {
                 Ok(())
             }
             Backend::Cublas => {
+                cublas::limits(p).map_err(unsupported)?;
                 let dev = dev.ok_or_else(|| unsupported("needs a GPU".into()))?;
                 let (major, minor) = dev.compute_capability()?;
                 if major < 8 {
@@ -144,7 +138,6 @@ impl Backend {
                 cublas::supports(dev, p).map_err(unsupported)
             }
             Backend::Cutlass => {
-                fused::supports(p).map_err(unsupported)?;
                 if !sdpa_sys::ffi::built_with_cutlass() {
                     return Err(unsupported(
                         "this build has no CUTLASS headers (set CUTLASS_DIR and rebuild)".into(),
@@ -154,13 +147,6 @@ impl Backend {
                     return Err(unsupported(format!(
                         "built for CUDA archs {}, without 90a",
                         sdpa_sys::CUDA_ARCHS
-                    )));
-                }
-                // TMA descriptors take byte strides below 2^40.
-                let bytes = p.q_len().unwrap().max(p.kv_len().unwrap()) * p.dtype.size();
-                if bytes >= 1 << 40 {
-                    return Err(unsupported(format!(
-                        "a {bytes}-byte tensor exceeds what a TMA descriptor addresses (2^40)"
                     )));
                 }
                 let dev = dev.ok_or_else(|| unsupported("needs a GPU".into()))?;
@@ -174,7 +160,6 @@ impl Backend {
                 Ok(())
             }
             Backend::CutlassSm80 => {
-                fused::supports(p).map_err(unsupported)?;
                 if !sdpa_sys::ffi::built_with_cutlass() {
                     return Err(unsupported(
                         "this build has no CUTLASS headers (set CUTLASS_DIR and rebuild)".into(),
