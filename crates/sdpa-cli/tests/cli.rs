@@ -703,3 +703,33 @@ fn a_full_stdout_is_a_one_line_error() {
         .unwrap();
     assert_one_line_error(&o, "No space left on device");
 }
+
+/// A problem that validates but whose inputs no machine holds (2^40 elements each) is a
+/// one-line out-of-memory error from `validate` and `bench`, not an abort; and under a 1 GiB
+/// address-space limit a 3 GiB problem is refused the same way before anything is allocated.
+#[test]
+fn problems_larger_than_memory_are_one_line_errors() {
+    for (cmd, shape) in [
+        ("validate", "1,1,1048576,1048576,1048576"),
+        ("bench", "1,1,1048576,1048576,1048576"),
+    ] {
+        let o = output_within(
+            sdpa().args([cmd, "--backend", "cpu", "--dtype", "f16", "--shape", shape]),
+            std::time::Duration::from_secs(20),
+        );
+        assert_one_line_error(&o, "out of host memory");
+    }
+    let mut limited = Command::new("sh");
+    limited
+        .args(["-c", "ulimit -v 1048576 && exec \"$0\" \"$@\""])
+        .arg(sdpa().get_program())
+        .args([
+            "validate",
+            "--backend",
+            "cpu",
+            "--shape",
+            "1,1,1048576,1048576,64",
+        ]);
+    let o = output_within(&mut limited, std::time::Duration::from_secs(20));
+    assert_one_line_error(&o, "out of host memory");
+}

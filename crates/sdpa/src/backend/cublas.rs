@@ -287,7 +287,7 @@ pub(crate) fn forward(
     if st.workspace.as_ref().is_none_or(|w| w.len() < need) {
         st.workspace = None; // free the old one before asking for the larger
         // SAFETY: filled right below, before any use.
-        let mut w = unsafe { dev.stream().alloc::<u8>(need)? };
+        let mut w = unsafe { dev.alloc::<u8>(need)? };
         // All bytes 0xFF: NaN as f32 and as f16/bf16. The GEMM writes every score the softmax
         // reads, so a fresh workspace never shows through; if it ever did, the NaN would reach
         // the (validated) output instead of a plausible stale value. It also tells

@@ -166,7 +166,7 @@ pub(crate) fn forward(
         if scratch.as_ref().is_none_or(|w| w.len() < bytes) {
             **scratch = None; // free the old one before asking for the larger
             // SAFETY: the kernel's pre-pass writes every byte it later reads.
-            **scratch = Some(unsafe { dev.stream().alloc::<u8>(bytes)? });
+            **scratch = Some(unsafe { dev.alloc::<u8>(bytes)? });
         }
         args.workspace = scratch.as_mut().unwrap().device_ptr_mut(dev.stream()).0;
     }
