@@ -442,6 +442,7 @@ fn tensor_errors_launch_nothing_and_leave_the_output_alone() {
     let n = pr.q_len().unwrap();
     let t = |dtype, len| Tensor::from_f32(&dev, dtype, &vec![0.5; len]).unwrap();
     let (q, k, v) = (t(DType::F16, n), t(DType::F16, n), t(DType::F16, n));
+    let mut ran = Vec::new();
     for backend in Backend::ALL {
         if backend.supports(Some(&dev), &pr).is_err() {
             continue; // e.g. the sm_90a kernel on another GPU
@@ -508,6 +509,15 @@ fn tensor_errors_launch_nothing_and_leave_the_output_alone() {
         assert!(
             out.to_f32(&dev).unwrap().iter().all(|x| x.is_nan()),
             "{backend} wrote output"
+        );
+        ran.push((backend, pr));
+    }
+    // The cases must have met every GPU backend this GPU runs, and the host and auto paths.
+    common::assert_all_ran("catalogue tensors", &dev, &ran);
+    for b in [Backend::Cpu, Backend::Auto] {
+        assert!(
+            ran.iter().any(|(r, _)| *r == b),
+            "catalogue tensors: {b} never ran"
         );
     }
 }
@@ -598,6 +608,7 @@ fn fp8_tensor_errors_name_the_value() {
     let per_tensor = e4(&[1.0], Scaling::PerTensor).unwrap();
     let f16 = Tensor::from_f32(&dev, DType::F16, &vec![0.5; n]).unwrap();
     let mut out = Tensor::poisoned(&dev, DType::F16, n).unwrap();
+    let mut ran = Vec::new();
     for backend in Backend::ALL {
         let fwd: Vec<(&str, sdpa::Result<()>, &str)> = vec![
             (
@@ -642,7 +653,9 @@ fn fp8_tensor_errors_name_the_value() {
             assert_eq!(kind(&e), Kind::Invalid, "{backend} {name}: {e}");
             assert!(e.to_string().contains(fragment), "{backend} {name}: {e}");
         }
+        ran.push((backend, pr));
     }
+    common::assert_ran("catalogue fp8", &ran);
     assert!(
         out.to_f32(&dev).unwrap().iter().all(|x| x.is_nan()),
         "output written"

@@ -26,8 +26,17 @@ fn host_codec_is_bit_exact_with_the_gpu() {
         f32::NEG_INFINITY,
     ]);
     xs.extend((0..4096).map(|i| (i as f32 - 2048.0) * 0.37));
+    let mut ran = Vec::new();
     for inv_scale in [1.0f32, 0.25, 3.0] {
         let gpu = encode_on_device(&dev, &xs, inv_scale).unwrap();
+        assert_eq!(
+            gpu.len(),
+            xs.len(),
+            "the GPU encoded {} of {} values",
+            gpu.len(),
+            xs.len()
+        );
+        ran.push(inv_scale);
         let mismatches: Vec<String> = xs
             .iter()
             .zip(&gpu)
@@ -42,6 +51,7 @@ fn host_codec_is_bit_exact_with_the_gpu() {
             .collect();
         assert!(mismatches.is_empty(), "{}", mismatches.join("\n"));
     }
+    common::assert_ran("fp8 codec", &ran);
 }
 
 use sdpa::check::{Inputs, compare, random_inputs};
@@ -50,7 +60,7 @@ use sdpa::{Backend, DType, Layout, Problem, Scaling, Tensor, TensorShape};
 
 fn normals(n: usize, seed: u64) -> Vec<f32> {
     let p = Problem::new(1, 1, 1, n, 1);
-    random_inputs(&p, seed).values[1]
+    random_inputs(&p, seed).unwrap().values[1]
         .iter()
         .map(|&x| x as f32)
         .collect()
@@ -64,6 +74,7 @@ fn device_quantization_matches_the_host() {
     let Some(dev) = common::device("fp8 quantization") else {
         return;
     };
+    let mut ran = Vec::new();
     for layout in [Layout::Bhsd, Layout::Bshd] {
         for scaling in [Scaling::PerTensor, Scaling::PerHead] {
             let shape = TensorShape {
@@ -77,7 +88,7 @@ fn device_quantization_matches_the_host() {
             // Heads of very different magnitude: per-head scales must differ accordingly.
             let mut x = normals(n, 11);
             for (i, v) in x.iter_mut().enumerate() {
-                *v *= [0.01f32, 1.0, 300.0][shape.head_of(i) % 3];
+                *v *= [0.01f32, 1.0, 300.0][shape.head_of(i).unwrap() % 3];
             }
             let (codes, scales) = quantize_host(&x, &shape, scaling).unwrap();
             let t = Tensor::quantize_f32(&dev, &x, shape, scaling).unwrap();
@@ -108,7 +119,10 @@ fn device_quantization_matches_the_host() {
                 assert_eq!(got, c16, "{layout:?} {scaling:?} from {dtype}");
                 // Dequantize: f32 code·scale, rounded once to the dtype.
                 let d = t.dequantize(&dev, dtype).unwrap();
-                let want = sdpa::encode(dtype, &dequantize_host(&codes, &scales, &shape, scaling));
+                let want = sdpa::encode(
+                    dtype,
+                    &dequantize_host(&codes, &scales, &shape, scaling).unwrap(),
+                );
                 assert_eq!(
                     d.to_bits(&dev).unwrap(),
                     want,
@@ -118,8 +132,10 @@ fn device_quantization_matches_the_host() {
             if scaling == Scaling::PerHead {
                 assert!(scales[2] > 1000.0 * scales[0], "{scales:?}");
             }
+            ran.push((layout, scaling));
         }
     }
+    common::assert_ran("fp8 quantization", &ran);
 }
 
 /// e4m3 attention on every GPU backend that takes it (the simulated path everywhere, the
@@ -130,7 +146,8 @@ fn e4m3_forward_matches_the_reference() {
     let Some(dev) = common::device("fp8 forward") else {
         return;
     };
-    let mut ran = 0;
+    let mut ran = Vec::new();
+    let mut problems = 0;
     let shapes = [
         (1, 2, 2, 64, 64, 64),
         (2, 4, 1, 77, 77, 64),
@@ -150,8 +167,9 @@ fn e4m3_forward_matches_the_reference() {
                 .with_dtype(DType::E4m3)
                 .with_fp8_scaling(scaling)
                 .with_out_dtype(out);
+            problems += 1;
             let seed = sdpa::check::fresh_seed() + i as u64;
-            let inputs = random_inputs(&p, seed);
+            let inputs = random_inputs(&p, seed).unwrap();
             let [q, k, v] = &inputs.values;
             let want = sdpa::reference(&p, q, k, v).unwrap();
             let [uq, uk, uv] = &inputs.fp8.as_ref().unwrap().unquantized;
@@ -171,13 +189,19 @@ fn e4m3_forward_matches_the_reference() {
                 assert!(r.pass(), "{backend} {p}: {r:?}");
                 // Quantizing N(0,1) inputs to e4m3 costs a few percent end to end, not more.
                 assert!(end.rel_err < 0.1, "{backend} {p}: end to end {end:?}");
-                ran += 1;
+                ran.push((backend, p));
             }
         }
     }
+    // Every backend this GPU runs (the simulated path on four, natively on cutlass where it
+    // runs) on every problem, and auto on every problem.
+    common::assert_all_ran("fp8 forward", &dev, &ran);
+    let want = problems * (common::expected_backends(&dev).len() + 1);
     assert!(
-        ran >= 4 * 3 * 4,
-        "only {ran} runs: the simulated path must cover 4 backends"
+        ran.len() >= want,
+        "only {} of {want} runs: {problems} problems on each of {:?} and auto",
+        ran.len(),
+        common::expected_backends(&dev)
     );
 }
 
@@ -190,7 +214,7 @@ fn e4m3_outlier_channels_report() {
         return;
     };
     let p = Problem::new(1, 4, 128, 128, 64).with_dtype(DType::E4m3);
-    let base = random_inputs(&p.as_dequantized(), 21);
+    let base = random_inputs(&p.as_dequantized(), 21).unwrap();
     let [mut q, mut k, v] = base
         .values
         .map(|x| x.iter().map(|&a| a as f32).collect::<Vec<_>>());
@@ -205,6 +229,7 @@ fn e4m3_outlier_channels_report() {
         let f = |x: &[f32]| x.iter().map(|&a| f64::from(a)).collect::<Vec<_>>();
         sdpa::reference(&p, &f(&q), &f(&k), &f(&v)).unwrap()
     };
+    let mut ran = Vec::new();
     for scaling in [Scaling::PerTensor, Scaling::PerHead] {
         let p = p.with_fp8_scaling(scaling);
         let inputs = Inputs::quantized(&p, &q, &k, &v).unwrap();
@@ -221,7 +246,9 @@ fn e4m3_outlier_channels_report() {
         );
         assert!(r.pass(), "{scaling:?}: {r:?}");
         assert!(end.rel_err.is_finite());
+        ran.push((Backend::Auto.resolve(Some(&dev), &p).unwrap(), p));
     }
+    common::assert_ran("fp8 outliers", &ran);
 }
 
 /// The simulated path feeds code·scale to a 16-bit kernel, exact only where that dtype holds
@@ -235,6 +262,7 @@ fn simulated_path_refuses_what_f16_cannot_hold() {
     let p = Problem::new(1, 1, 16, 16, 64).with_dtype(DType::E4m3);
     let n = p.q_len().unwrap();
     let big: Vec<f32> = normals(n, 5).iter().map(|x| x * 1e-3).collect();
+    let mut ran = Vec::new();
     for out in [DType::F16, DType::Bf16] {
         let p = p.with_out_dtype(out);
         let inputs = Inputs::quantized(&p, &big, &big, &big).unwrap();
@@ -253,9 +281,11 @@ fn simulated_path_refuses_what_f16_cannot_hold() {
                 let want = sdpa::reference(&p, q, k, v).unwrap();
                 let rep = compare(&r.unwrap(), &want, p.dtype, 5);
                 assert!(rep.pass(), "{rep:?}");
+                ran.push((Backend::Wmma, p));
             }
         }
     }
+    common::assert_ran("fp8 f16 range", &ran);
 }
 
 /// V with a non-zero mean over thousands of keys, where FP8 tensor-core accumulation of P·V
@@ -266,13 +296,16 @@ fn e4m3_native_long_rows_with_biased_v() {
     let Some(dev) = common::device("fp8 long rows") else {
         return;
     };
+    let mut ran = Vec::new();
     for d in [64, 128] {
         let p = Problem::new(1, 1, 3072, 3072, d).with_dtype(DType::E4m3);
-        if let Err(e) = Backend::Cutlass.supports(Some(&dev), &p) {
-            eprintln!("native e4m3 long rows d{d}: skipped ({e})");
-            continue;
+        // Only the native kernel: a skip where this GPU has none, a failure where it should.
+        let test = format!("fp8 long rows d{d}");
+        if let Err(e) = common::backend_runs_here(&test, &dev, Backend::Cutlass, &p) {
+            common::skip(&test, &format!("no native e4m3 kernel on this GPU: {e}"));
+            return;
         }
-        let base = random_inputs(&p.as_dequantized(), 31 + d as u64);
+        let base = random_inputs(&p.as_dequantized(), 31 + d as u64).unwrap();
         let [q, k, v] = base
             .values
             .map(|x| x.iter().map(|&a| a as f32).collect::<Vec<_>>());
@@ -288,7 +321,9 @@ fn e4m3_native_long_rows_with_biased_v() {
             r.rel_err
         );
         assert!(r.pass(), "d{d}: {r:?}");
+        ran.push((Backend::Cutlass, p));
     }
+    common::assert_ran("fp8 long rows", &ran);
 }
 
 /// Per-head scales that really differ (N(0,1) heads would mostly share one power-of-two
@@ -300,7 +335,7 @@ fn e4m3_per_head_scales_that_differ() {
     let Some(dev) = common::device("fp8 per-head scales") else {
         return;
     };
-    let mut ran = 0;
+    let mut ran = Vec::new();
     for layout in [Layout::Bhsd, Layout::Bshd] {
         for d in [64, 128] {
             let p = Problem::new(2, 4, 70, 150, d)
@@ -311,7 +346,7 @@ fn e4m3_per_head_scales_that_differ() {
                 .with_fp8_scaling(Scaling::PerHead)
                 .with_out_dtype(DType::Bf16);
             let seed = sdpa::check::fresh_seed();
-            let base = random_inputs(&p.as_dequantized(), seed);
+            let base = random_inputs(&p.as_dequantized(), seed).unwrap();
             // The head of element i: BHSD [b][h][s][d], BSHD [b][s][h][d].
             let head = |i: usize, heads: usize, seq: usize| match layout {
                 Layout::Bhsd => (i / (seq * d)) % heads,
@@ -345,9 +380,11 @@ fn e4m3_per_head_scales_that_differ() {
                 let r = compare(&got, &want, p.dtype, seed);
                 eprintln!("{backend} {p} per-head scales: rel_err {:.2e}", r.rel_err);
                 assert!(r.pass(), "{backend} {p}: {r:?}");
-                ran += 1;
+                ran.push((backend, p));
             }
         }
     }
-    assert!(ran >= 4 * 4, "only {ran} runs");
+    common::assert_all_ran("fp8 per-head scales", &dev, &ran);
+    let want = 4 * common::expected_backends(&dev).len();
+    assert!(ran.len() >= want, "only {} of {want} runs", ran.len());
 }

@@ -6,7 +6,6 @@ mod common;
 
 use sdpa::check::{check_backend, fresh_seed};
 use sdpa::{Backend, DType, Layout, Problem};
-use std::io::Write;
 
 const SEQS: [(usize, usize); 10] = [
     (1, 1),
@@ -22,20 +21,20 @@ const SEQS: [(usize, usize); 10] = [
 ];
 
 fn run_grid(backend: Backend, dtype: DType, head_dim: usize) {
-    let Some(dev) = common::device(&format!("{backend} grid")) else {
+    let test = format!("{backend} {dtype} d{head_dim} grid");
+    let Some(dev) = common::device(&test) else {
         return;
     };
-    if let Err(e) = backend.supports(Some(&dev), &Problem::new(1, 1, 8, 8, head_dim)) {
-        // E.g. the sm_90a kernel on an A100: say so, do not pass silently.
-        let _ = writeln!(
-            std::io::stderr(),
-            "{backend} grid: skipped on this GPU ({e})"
-        );
+    let probe = Problem::new(1, 1, 8, 8, head_dim).with_dtype(dtype);
+    if let Err(e) = common::backend_runs_here(&test, &dev, backend, &probe) {
+        // E.g. the sm_90a kernel on an A100: say so, do not pass silently. A backend this GPU
+        // is expected to run panics in backend_runs_here instead.
+        common::skip(&test, &format!("not on this GPU: {e}"));
         return;
     }
     let seed = fresh_seed();
     let mut failures = Vec::new();
-    let mut n = 0;
+    let mut ran = Vec::new();
     for (i, &(sq, sk)) in SEQS.iter().enumerate() {
         for causal in [false, true] {
             // Rotate layout and GQA through the grid so each appears with every length.
@@ -50,17 +49,19 @@ fn run_grid(backend: Backend, dtype: DType, head_dim: usize) {
                 .with_causal(causal)
                 .with_dtype(dtype)
                 .with_layout(layout);
-            let rep = check_backend(Some(&dev), &p, backend, seed + n).unwrap();
-            n += 1;
+            let rep = check_backend(Some(&dev), &p, backend, seed + ran.len() as u64).unwrap();
+            ran.push((backend, p));
             if !rep.pass() {
                 failures.push(format!("{backend} {p}: {rep:?}"));
             }
         }
     }
+    common::assert_ran(&test, &ran);
     assert!(
         failures.is_empty(),
-        "{} of {n} failed:\n{}",
+        "{} of {} failed:\n{}",
         failures.len(),
+        ran.len(),
         failures.join("\n")
     );
 }
@@ -138,25 +139,26 @@ fn fused_kernels_are_deterministic() {
     let Some(dev) = common::device("determinism") else {
         return;
     };
+    let p = Problem::new(2, 4, 333, 333, 128).with_causal(true);
+    let mut ran = Vec::new();
     for backend in Backend::GPU {
-        if backend
-            .supports(Some(&dev), &Problem::new(1, 1, 8, 8, 64))
-            .is_ok()
-        {
-            deterministic(&dev, backend);
+        if backend.supports(Some(&dev), &p).is_ok() {
+            deterministic(&dev, &p, backend);
+            ran.push((backend, p));
         }
     }
+    // Meant for every GPU backend: each one this GPU should run must have run.
+    common::assert_all_ran("determinism", &dev, &ran);
 }
 
-fn deterministic(dev: &sdpa::Device, backend: Backend) {
+fn deterministic(dev: &sdpa::Device, p: &Problem, backend: Backend) {
     let dev = dev.clone();
-    let p = Problem::new(2, 4, 333, 333, 128).with_causal(true);
-    let inputs = sdpa::check::random_inputs(&p, fresh_seed());
+    let inputs = sdpa::check::random_inputs(p, fresh_seed()).unwrap();
     let [q, k, v] = inputs.upload(&dev, p.dtype).unwrap();
     let mut runs = Vec::new();
     for _ in 0..3 {
         let mut out = sdpa::Tensor::poisoned(&dev, p.dtype, p.q_len().unwrap()).unwrap();
-        sdpa::forward(&dev, &p, backend, &q, &k, &v, &mut out).unwrap();
+        sdpa::forward(&dev, p, backend, &q, &k, &v, &mut out).unwrap();
         runs.push(out.to_bits(&dev).unwrap());
     }
     assert!(
@@ -172,7 +174,14 @@ fn auto_runs_on_the_gpu() {
         return;
     };
     let p = Problem::new(1, 2, 100, 130, 64).with_causal(true);
-    assert_ne!(Backend::Auto.resolve(Some(&dev), &p).unwrap(), Backend::Cpu);
+    let resolved = Backend::Auto.resolve(Some(&dev), &p).unwrap();
+    // Straight-line, so it ran if it returned; what can go wrong is auto picking the host or a
+    // backend this GPU is not known to run.
+    assert!(
+        common::expected_backends(&dev).contains(&resolved),
+        "auto resolved {p} to {resolved}, not one of this GPU's backends {:?}",
+        common::expected_backends(&dev)
+    );
     let rep = check_backend(Some(&dev), &p, Backend::Auto, fresh_seed()).unwrap();
-    assert!(rep.pass(), "{rep:?}");
+    assert!(rep.pass(), "{resolved} (auto) {p}: {rep:?}");
 }

@@ -7,7 +7,15 @@ mod common;
 use sdpa::check::{Inputs, compare, fresh_seed, random_inputs, run_backend};
 use sdpa::{Backend, DType, Device, Problem};
 
-fn check(dev: &Device, p: &Problem, inputs: &Inputs, what: &str) {
+/// Every GPU backend that supports `p` here against the reference; each run is recorded in
+/// `ran`, so the test can assert that the backends it means to cover did run.
+fn check(
+    dev: &Device,
+    p: &Problem,
+    inputs: &Inputs,
+    what: &str,
+    ran: &mut Vec<(Backend, Problem)>,
+) {
     let [q, k, v] = &inputs.values;
     let want = sdpa::reference(p, q, k, v).unwrap();
     for b in Backend::GPU {
@@ -17,6 +25,7 @@ fn check(dev: &Device, p: &Problem, inputs: &Inputs, what: &str) {
         let got = run_backend(Some(dev), p, b, inputs, Some(&want)).unwrap();
         let r = compare(&got, &want, p.dtype, 0);
         assert!(r.pass(), "{b} {what} on {p}: {r:?}");
+        ran.push((b, *p));
     }
 }
 
@@ -29,34 +38,60 @@ fn nan_and_inf_propagate_like_the_reference() {
     let Some(dev) = common::device("nan/inf") else {
         return;
     };
+    let mut ran = Vec::new();
     for causal in [false, true] {
         for dtype in DType::ALL {
             let p = Problem::new(1, 2, 70, 70, 64)
                 .with_causal(causal)
                 .with_dtype(dtype);
-            let base = random_inputs(&p, fresh_seed());
+            let base = random_inputs(&p, fresh_seed()).unwrap();
             let [q, k, v] = base.values.clone().map(|x| f32s(&x));
             let d = p.head_dim;
             // NaN in one query row: that row is NaN, nothing else.
             let mut qn = q.clone();
             qn[3 * d + 5] = f32::NAN;
-            check(&dev, &p, &Inputs::from_f32(dtype, &qn, &k, &v), "NaN in q");
+            check(
+                &dev,
+                &p,
+                &Inputs::from_f32(dtype, &qn, &k, &v),
+                "NaN in q",
+                &mut ran,
+            );
             // NaN in key 40 of head 0: rows that see it are NaN; causal rows before it are not.
             let mut kn = k.clone();
             kn[40 * d] = f32::NAN;
-            check(&dev, &p, &Inputs::from_f32(dtype, &q, &kn, &v), "NaN in k");
+            check(
+                &dev,
+                &p,
+                &Inputs::from_f32(dtype, &q, &kn, &v),
+                "NaN in k",
+                &mut ran,
+            );
             // +Inf in a query element: scores of ±inf, some rows NaN (inf - inf), as in f64.
             let mut qi = q.clone();
             qi[10 * d + 1] = f32::INFINITY;
-            check(&dev, &p, &Inputs::from_f32(dtype, &qi, &k, &v), "Inf in q");
+            check(
+                &dev,
+                &p,
+                &Inputs::from_f32(dtype, &qi, &k, &v),
+                "Inf in q",
+                &mut ran,
+            );
             if !causal {
                 // NaN in a value row every query sees: every row of that head is NaN.
                 let mut vn = v.clone();
                 vn[7 * d + 2] = f32::NAN;
-                check(&dev, &p, &Inputs::from_f32(dtype, &q, &k, &vn), "NaN in v");
+                check(
+                    &dev,
+                    &p,
+                    &Inputs::from_f32(dtype, &q, &k, &vn),
+                    "NaN in v",
+                    &mut ran,
+                );
             }
         }
     }
+    common::assert_all_ran_per_dtype("nan/inf", &dev, &ran, &DType::ALL);
 }
 
 #[test]
@@ -66,12 +101,14 @@ fn rows_without_visible_keys_are_exact_zeros() {
     };
     // seq_q > seq_k, causal: the first 90 rows see no key.
     let p = Problem::new(1, 2, 100, 10, 128).with_causal(true);
-    let inputs = random_inputs(&p, fresh_seed());
+    let inputs = random_inputs(&p, fresh_seed()).unwrap();
+    let mut ran = Vec::new();
     for b in Backend::GPU {
         if b.supports(Some(&dev), &p).is_err() {
             continue;
         }
         let got = run_backend(Some(&dev), &p, b, &inputs, None).unwrap();
+        ran.push((b, p));
         for h in 0..2 {
             let head = &got[h * 100 * 128..][..100 * 128];
             assert!(
@@ -84,7 +121,10 @@ fn rows_without_visible_keys_are_exact_zeros() {
             );
         }
     }
-    check(&dev, &p, &inputs, "masked rows");
+    common::assert_all_ran("masked rows", &dev, &ran);
+    let mut checked = Vec::new();
+    check(&dev, &p, &inputs, "masked rows", &mut checked);
+    common::assert_all_ran("masked rows against the reference", &dev, &checked);
 }
 
 /// Logits of 1e8-1e10 (entries of 1e4-1e5): far past any trained model, but finite inputs must
@@ -95,21 +135,23 @@ fn scores_of_1e9_keep_the_softmax_finite() {
     let Some(dev) = common::device("huge scores") else {
         return;
     };
+    let mut ran = Vec::new();
     for dtype in DType::ALL {
         for causal in [false, true] {
             let p = Problem::new(1, 2, 80, 80, 64)
                 .with_causal(causal)
                 .with_dtype(dtype);
-            let base = random_inputs(&p, fresh_seed());
+            let base = random_inputs(&p, fresh_seed()).unwrap();
             let [q, k, v] = base.values.clone().map(|x| f32s(&x));
             // f16 holds up to 65504: entries of ~1e4 (logits ~1e8, exponents up to +32, and P
             // overflows f16); bf16 entries of ~1e5 (logits ~1e10, exponents past +128).
             let f = if dtype == DType::F16 { 1e4 } else { 1e5 };
             let big = |x: &[f32]| x.iter().map(|v| v * f).collect::<Vec<_>>();
             let inputs = Inputs::from_f32(dtype, &big(&q), &big(&k), &v);
-            check(&dev, &p, &inputs, "scores of 1e9");
+            check(&dev, &p, &inputs, "scores of 1e9", &mut ran);
         }
     }
+    common::assert_all_ran_per_dtype("huge scores", &dev, &ran, &DType::ALL);
 }
 
 #[test]
@@ -117,13 +159,14 @@ fn scores_of_1e4_keep_the_softmax_finite() {
     let Some(dev) = common::device("large scores") else {
         return;
     };
+    let mut ran = Vec::new();
     for dtype in DType::ALL {
         for causal in [false, true] {
             // Entries of ~N(0, 50^2) with D = 64 and scale 1/8 give |scores| up to ~1e4.
             let p = Problem::new(2, 2, 96, 96, 64)
                 .with_causal(causal)
                 .with_dtype(dtype);
-            let base = random_inputs(&p, fresh_seed());
+            let base = random_inputs(&p, fresh_seed()).unwrap();
             let [q, k, v] = base.values.clone().map(|x| f32s(&x));
             let big = |x: &[f32]| x.iter().map(|v| v * 50.0).collect::<Vec<_>>();
             let inputs = Inputs::from_f32(dtype, &big(&q), &big(&k), &v);
@@ -139,9 +182,10 @@ fn scores_of_1e4_keep_the_softmax_finite() {
                 })
                 .fold(0.0, f64::max);
             assert!(max_score > 5e3, "test inputs too small: {max_score}");
-            check(&dev, &p, &inputs, "scores of 1e4");
+            check(&dev, &p, &inputs, "scores of 1e4", &mut ran);
         }
     }
+    common::assert_all_ran_per_dtype("large scores", &dev, &ran, &DType::ALL);
 }
 
 /// NaN, +Inf and -Inf in V at keys some causal rows see and others do not (issue 6): the rows
@@ -166,13 +210,14 @@ fn nonfinite_v_at_masked_keys_stays_out_of_rows_that_do_not_see_it() {
         (1, 1, 384, 384, 128),
     ];
     let mut failures = Vec::new();
+    let mut ran = Vec::new();
     for dtype in DType::INPUTS {
         for &(h, hk, sq, sk, d) in &shapes {
             let p = Problem::new(1, h, sq, sk, d)
                 .with_kv_heads(hk)
                 .with_causal(true)
                 .with_dtype(dtype);
-            let mut inputs = random_inputs(&p, fresh_seed());
+            let mut inputs = random_inputs(&p, fresh_seed()).unwrap();
             // Keys spread over the diagonal's range, so that every kernel's tiles have some.
             let keys = [sk / 5, sk / 2, sk - sk / 4, sk - 2];
             let kinds = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, f64::NAN];
@@ -206,6 +251,7 @@ fn nonfinite_v_at_masked_keys_stays_out_of_rows_that_do_not_see_it() {
                     continue;
                 }
                 let got = run_backend(Some(&dev), &p, b, &inputs, Some(&want)).unwrap();
+                ran.push((b, p));
                 let r = compare(&got, &want, dtype, 0);
                 if !r.pass() {
                     // Where: the first elements whose NaN-ness or infinity differs.
@@ -224,5 +270,6 @@ fn nonfinite_v_at_masked_keys_stays_out_of_rows_that_do_not_see_it() {
             }
         }
     }
+    common::assert_all_ran_per_dtype("nonfinite v at masked keys", &dev, &ran, &DType::INPUTS);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

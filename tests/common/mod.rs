@@ -1,7 +1,10 @@
-//! Shared by the integration tests: how a GPU test gets its device.
+//! Shared by the integration tests: how a GPU test gets its device, and how it proves that it
+//! ran something (a loop over the backends `supports` accepts passes with zero iterations
+//! when `supports` wrongly refuses them all).
 #![allow(dead_code)]
 
-use sdpa::Device;
+use sdpa::{Backend, DType, Device, Problem};
+use std::fmt::Debug;
 use std::io::Write;
 
 /// GPU 0, or `None` after printing why the test is skipped. With `SDPA_REQUIRE_GPU=1` a missing
@@ -10,12 +13,111 @@ pub fn device(test: &str) -> Option<Device> {
     match Device::new(0) {
         Ok(d) => Some(d),
         Err(e) => {
-            if std::env::var("SDPA_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            if require_gpu() {
                 panic!("{test}: SDPA_REQUIRE_GPU=1 but no GPU is usable: {e}");
             }
             // Straight to stderr: libtest would swallow an eprintln! from a passing test.
             let _ = writeln!(std::io::stderr(), "{test}: skipped, no GPU ({e})");
             None
         }
+    }
+}
+
+/// Whether `SDPA_REQUIRE_GPU=1` is set: skipping for want of a GPU is then a failure.
+pub fn require_gpu() -> bool {
+    std::env::var("SDPA_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// Prints a skip reason where libtest does not swallow it.
+pub fn skip(test: &str, why: &str) {
+    let _ = writeln!(std::io::stderr(), "{test}: skipped ({why})");
+}
+
+/// The GPU backends that must run ordinary problems (f16, bf16 or e4m3, head_dim 64 or 128,
+/// sizes far from any limit) on `dev`: scalar, wmma, cublas and cutlass-sm80 from compute
+/// capability 8.0, and cutlass (the sm_90a kernel) on 9.0 when the build holds sm_90a code.
+/// CUTLASS itself is always present (the build fetches it when none is given), so a refusal
+/// from one of these is a broken build or install, not a property of the GPU.
+pub fn expected_backends(dev: &Device) -> Vec<Backend> {
+    let (major, minor) = dev
+        .compute_capability()
+        .expect("the GPU's compute capability");
+    let hopper =
+        (major, minor) == (9, 0) && sdpa::info::cuda_archs().split(';').any(|a| a == "90a");
+    Backend::GPU
+        .into_iter()
+        .filter(|&b| match b {
+            Backend::Cutlass => hopper,
+            _ => major >= 8,
+        })
+        .collect()
+}
+
+/// Panics unless the test recorded at least one GPU run: a GPU test that executed nothing
+/// checked nothing, and must not pass.
+pub fn assert_ran<T: Debug>(test: &str, ran: &[T]) {
+    assert!(
+        !ran.is_empty(),
+        "{test}: nothing ran on the GPU (every backend or case was skipped), so nothing was checked"
+    );
+}
+
+/// [`assert_ran`], and every backend this GPU is expected to run ([`expected_backends`]) ran
+/// at least once: for tests meant to cover every GPU backend.
+pub fn assert_all_ran(test: &str, dev: &Device, ran: &[(Backend, Problem)]) {
+    assert_ran(test, ran);
+    let missing: Vec<String> = expected_backends(dev)
+        .into_iter()
+        .filter(|b| !ran.iter().any(|(r, _)| r == b))
+        .map(|b| {
+            // Why not, on a problem every backend takes, to tell a refusal from a test bug.
+            let probe = Problem::new(1, 1, 8, 8, 64);
+            match b.supports(Some(dev), &probe) {
+                Ok(()) => format!("{b} (it supports {probe}; the test never ran it)"),
+                Err(e) => format!("{b} (on {probe}: {e})"),
+            }
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{test}: backends this GPU must run did not run: {}; ran {} runs",
+        missing.join("; "),
+        ran.len()
+    );
+}
+
+/// [`assert_all_ran`] for each of `dtypes` separately: a backend that refuses one dtype must
+/// not hide behind its runs of another.
+pub fn assert_all_ran_per_dtype(
+    test: &str,
+    dev: &Device,
+    ran: &[(Backend, Problem)],
+    dtypes: &[DType],
+) {
+    for &dtype in dtypes {
+        let of_dtype: Vec<(Backend, Problem)> = ran
+            .iter()
+            .filter(|(_, p)| p.dtype == dtype)
+            .copied()
+            .collect();
+        assert_all_ran(&format!("{test} ({dtype})"), dev, &of_dtype);
+    }
+}
+
+/// For a test of one backend: `Ok(())` when it supports `p` on `dev`; `Err` with the reason
+/// when it does not and this GPU is not expected to run it (a skip the caller reports); a
+/// panic when this GPU is expected to run it and `supports` refuses.
+pub fn backend_runs_here(
+    test: &str,
+    dev: &Device,
+    backend: Backend,
+    p: &Problem,
+) -> Result<(), String> {
+    match backend.supports(Some(dev), p) {
+        Ok(()) => Ok(()),
+        Err(e) if expected_backends(dev).contains(&backend) => {
+            panic!("{test}: this GPU must run {backend}, but it refuses {p}: {e}")
+        }
+        Err(e) => Err(e.to_string()),
     }
 }
