@@ -8,7 +8,7 @@
 # On the GPU machine with .gpu/ carried:  bash .gpu/run bin sdpa info >/dev/null;
 #   bash scripts/sanitize.sh /tmp/gpu-bundle/bin/sdpa /tmp/gpu-bundle/tests/concurrency-*
 # With the concurrency test executable given, its cross-stream test (tensors made and freed on
-# one stream, used on another) runs under memcheck and racecheck too.
+# one stream, used on another) runs under memcheck too.
 set -uo pipefail
 sdpa=${1:-target/release/sdpa}
 concurrency=${2:-}
@@ -47,12 +47,13 @@ for tool in memcheck racecheck synccheck initcheck; do
          | grep -m3 -A8 -E "^========= [A-Z]"; tail -5 /tmp/sanitize-fp8-$tool.log; rc=1; }
 done
 if [ -n "$concurrency" ]; then
-  for tool in memcheck racecheck; do
-    echo "== $tool (tensors across streams)"
-    SDPA_REQUIRE_GPU=1 "$cs" --tool "$tool" --error-exitcode 99 "$concurrency" \
-      tensors_used_across_streams_stay_ordered > /tmp/sanitize-streams-$tool.log 2>&1 \
-      && grep -E "ERROR SUMMARY|test result" /tmp/sanitize-streams-$tool.log | tail -2 \
-      || { echo "sanitize: $tool on the cross-stream test failed"; tail -30 /tmp/sanitize-streams-$tool.log; rc=1; }
-  done
+  # memcheck only: a kernel running before an upload finished or after a free is a global
+  # memory error; racecheck looks at shared memory within one kernel, which the per-backend
+  # runs above already cover (here it only adds cuBLAS's own GEMM kernels, docs/perf.md).
+  echo "== memcheck (tensors across streams)"
+  SDPA_REQUIRE_GPU=1 "$cs" --tool memcheck --error-exitcode 99 "$concurrency" \
+    tensors_used_across_streams_stay_ordered > /tmp/sanitize-streams.log 2>&1 \
+    && grep -E "ERROR SUMMARY|test result" /tmp/sanitize-streams.log | tail -2 \
+    || { echo "sanitize: memcheck on the cross-stream test failed"; tail -30 /tmp/sanitize-streams.log; rc=1; }
 fi
 exit $rc

@@ -137,8 +137,8 @@ fn tensors_used_across_streams_stay_ordered() {
     };
     let b = a.fork().unwrap();
     let seed = fresh_seed();
-    let p = Problem::new(2, 4, 512, 512, 128).with_causal(true);
-    let busy = Problem::new(1, 8, 2048, 2048, 128);
+    let p = Problem::new(1, 4, 256, 256, 128).with_causal(true);
+    let busy = Problem::new(1, 8, 1024, 1024, 128);
     let mut ran = Vec::new();
     for backend in Backend::GPU {
         if backend.supports(Some(&a), &p).is_err() || backend.supports(Some(&a), &busy).is_err() {
