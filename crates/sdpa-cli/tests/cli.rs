@@ -383,6 +383,19 @@ fn assert_one_line_error(out: &std::process::Output, fragment: &str) {
     assert!(err.contains(fragment), "{err:?} lacks {fragment:?}");
 }
 
+/// `cmd` run under a shell limit such as `ulimit -v 1048576` (SIGXFSZ ignored, so a file-size
+/// limit makes writes fail with EFBIG instead of killing the process).
+fn under_limit(limit: &str, cmd: &Command) -> Command {
+    let mut sh = Command::new("sh");
+    sh.args([
+        "-c",
+        &format!("trap '' XFSZ; {limit} && exec \"$0\" \"$@\""),
+    ])
+    .arg(cmd.get_program())
+    .args(cmd.get_args());
+    sh
+}
+
 /// A .npy file: the preamble of `version` (1, 2 or 3), `header_len` as its length field, then
 /// `rest` (header text and data) as given.
 fn raw_npy(version: u8, header_len: u32, rest: &[u8]) -> Vec<u8> {
@@ -465,12 +478,10 @@ fn headers_claiming_more_than_the_file_holds_are_refused_without_allocating() {
         std::fs::write(&q, bytes).unwrap();
         let _ = std::fs::remove_file(&out);
         let run = run_with_q(&q, &out);
-        let mut limited = Command::new("sh");
-        limited
-            .args(["-c", "ulimit -v 1048576 && exec \"$0\" \"$@\""])
-            .arg(run.get_program())
-            .args(run.get_args());
-        let o = output_within(&mut limited, std::time::Duration::from_secs(20));
+        let o = output_within(
+            &mut under_limit("ulimit -v 1048576", &run),
+            std::time::Duration::from_secs(20),
+        );
         assert_one_line_error(&o, q.to_str().unwrap());
         assert_one_line_error(&o, fragment);
         assert!(!out.exists(), "{name}");
@@ -544,23 +555,13 @@ fn a_failed_write_leaves_nothing_behind() {
     // for a full disk: the 32 KiB output cannot be written whole.
     let out = dir.join("o.npy");
     let cmd = run(&out);
-    let o = Command::new("sh")
-        .args(["-c", "trap '' XFSZ; ulimit -f 8 && exec \"$0\" \"$@\""])
-        .arg(cmd.get_program())
-        .args(cmd.get_args())
-        .output()
-        .unwrap();
+    let o = under_limit("ulimit -f 8", &cmd).output().unwrap();
     assert_one_line_error(&o, out.to_str().unwrap());
     assert_eq!(listing(&dir), ["q.npy"]);
 
     // The same failure must not clobber an existing output either.
     std::fs::write(&out, b"previous result").unwrap();
-    let o = Command::new("sh")
-        .args(["-c", "trap '' XFSZ; ulimit -f 8 && exec \"$0\" \"$@\""])
-        .arg(cmd.get_program())
-        .args(cmd.get_args())
-        .output()
-        .unwrap();
+    let o = under_limit("ulimit -f 8", &cmd).output().unwrap();
     assert_one_line_error(&o, out.to_str().unwrap());
     assert_eq!(std::fs::read(&out).unwrap(), b"previous result");
     assert_eq!(listing(&dir), ["o.npy", "q.npy"]);
@@ -719,17 +720,17 @@ fn problems_larger_than_memory_are_one_line_errors() {
         );
         assert_one_line_error(&o, "out of host memory");
     }
-    let mut limited = Command::new("sh");
-    limited
-        .args(["-c", "ulimit -v 1048576 && exec \"$0\" \"$@\""])
-        .arg(sdpa().get_program())
-        .args([
-            "validate",
-            "--backend",
-            "cpu",
-            "--shape",
-            "1,1,1048576,1048576,64",
-        ]);
-    let o = output_within(&mut limited, std::time::Duration::from_secs(20));
+    let mut validate = sdpa();
+    validate.args([
+        "validate",
+        "--backend",
+        "cpu",
+        "--shape",
+        "1,1,1048576,1048576,64",
+    ]);
+    let o = output_within(
+        &mut under_limit("ulimit -v 1048576", &validate),
+        std::time::Duration::from_secs(20),
+    );
     assert_one_line_error(&o, "out of host memory");
 }
