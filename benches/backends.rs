@@ -4,12 +4,13 @@
 //! (the native kernel where built, else each backend's simulated path).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use sdpa::{Backend, DType, Device, NAMED_PROBLEMS, Problem, Tensor};
+use sdpa::{Backend, DType, Device, Problem, Tensor};
+use sdpa_harness::NAMED_PROBLEMS;
 use std::time::Duration;
 
 fn gpu_benches(c: &mut Criterion, dev: &Device) {
     for &(name, _, _) in NAMED_PROBLEMS.iter() {
-        let base = sdpa::named_problem(name).unwrap();
+        let base = sdpa_harness::named_problem(name).unwrap();
         let mut group = c.benchmark_group(name);
         group
             .sample_size(10)
@@ -19,7 +20,8 @@ fn gpu_benches(c: &mut Criterion, dev: &Device) {
             let p = base.with_dtype(dtype);
             // Throughput in "elements" = floating-point operations: criterion then prints FLOP/s.
             group.throughput(Throughput::Elements(p.flops() as u64));
-            let inputs = sdpa::check::random_inputs(&p, sdpa::check::fresh_seed()).unwrap();
+            let inputs =
+                sdpa_harness::check::random_inputs(&p, sdpa_harness::check::fresh_seed()).unwrap();
             let [q, k, v] = inputs.upload(dev, dtype).unwrap();
             let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap()).unwrap();
             for backend in Backend::GPU {
@@ -49,15 +51,15 @@ fn gpu_time(
     v: &Tensor,
     out: &mut Tensor,
 ) -> Duration {
-    sdpa::timing::elapsed(dev, || {
+    sdpa_harness::timing::elapsed(dev, || {
         (0..iters).try_for_each(|_| sdpa::forward(dev, p, backend, q, k, v, out))
     })
     .unwrap()
 }
 
 fn cpu_benches(c: &mut Criterion) {
-    let p = sdpa::named_problem("mission").unwrap();
-    let inputs = sdpa::check::random_inputs(&p, 1).unwrap();
+    let p = sdpa_harness::named_problem("mission").unwrap();
+    let inputs = sdpa_harness::check::random_inputs(&p, 1).unwrap();
     let [q, k, v] = &inputs.values;
     let mut group = c.benchmark_group("mission");
     group

@@ -221,7 +221,7 @@ fn api_cases() -> Vec<ApiCase> {
         ),
         (
             "problem s3k",
-            Box::new(|| sdpa::named_problem("s3k").map(|_| ())),
+            Box::new(|| sdpa_harness::named_problem("s3k").map(|_| ())),
             Invalid,
             "unknown problem \"s3k\"",
         ),

@@ -3,8 +3,8 @@
 
 mod common;
 
-use sdpa::check::{fresh_seed, random_inputs};
 use sdpa::{Backend, Device, Problem, Tensor};
+use sdpa_harness::check::{fresh_seed, random_inputs};
 
 /// `b` on fresh inputs from `seed`, all on `dev`'s stream: the output's bits.
 fn run(dev: &Device, p: &Problem, b: Backend, seed: u64) -> Vec<u16> {

@@ -65,7 +65,7 @@ fn names_parse_or_say_what_is_known() {
     assert!(e.contains("\"cudnn9\"") && e.contains("scalar"), "{e}");
     let e = "fp64".parse::<DType>().unwrap_err().to_string();
     assert!(e.contains("\"fp64\""), "{e}");
-    let e = sdpa::named_problem("s3k").unwrap_err().to_string();
+    let e = sdpa_harness::named_problem("s3k").unwrap_err().to_string();
     assert!(e.contains("\"s3k\"") && e.contains("mission"), "{e}");
 }
 
@@ -135,7 +135,7 @@ fn launch_failure_is_an_error_with_the_cuda_string() {
     let Some(dev) = common::device("launch failure") else {
         return;
     };
-    let e = sdpa::timing::launch_floor(&dev, 0).unwrap_err();
+    let e = sdpa_harness::timing::launch_floor(&dev, 0).unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, Error::Cuda(_)), "{e:?}");
     assert!(
@@ -143,7 +143,7 @@ fn launch_failure_is_an_error_with_the_cuda_string() {
         "{msg}"
     );
     let p = Problem::new(1, 2, 40, 40, 64);
-    let r = sdpa::check::check_backend(Some(&dev), &p, Backend::Auto, 3).unwrap();
+    let r = sdpa_harness::check::check_backend(Some(&dev), &p, Backend::Auto, 3).unwrap();
     assert!(r.pass(), "after a failed launch: {r:?}");
 }
 
@@ -274,7 +274,7 @@ fn host_functions_reject_inconsistent_arguments() {
 fn inputs_larger_than_memory_are_an_error() {
     let p = Problem::new(1, 1, 1 << 20, 1 << 20, 1 << 20);
     p.validate().unwrap();
-    let e = sdpa::check::random_inputs(&p, 1)
+    let e = sdpa_harness::check::random_inputs(&p, 1)
         .err()
         .expect("8 TiB of inputs");
     assert!(
@@ -282,7 +282,7 @@ fn inputs_larger_than_memory_are_an_error() {
         "{e:?}"
     );
     assert!(e.to_string().starts_with("out of host memory"), "{e}");
-    let e = sdpa::check::check_backend(None, &p, Backend::Cpu, 1).unwrap_err();
+    let e = sdpa_harness::check::check_backend(None, &p, Backend::Cpu, 1).unwrap_err();
     assert!(matches!(e, Error::OutOfMemory { .. }), "{e:?}");
     // The reference checks its own output before allocating it.
     let one = vec![0.0; 1];

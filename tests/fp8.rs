@@ -54,9 +54,9 @@ fn host_codec_is_bit_exact_with_the_gpu() {
     common::assert_ran("fp8 codec", &ran);
 }
 
-use sdpa::check::{Inputs, compare, random_inputs};
 use sdpa::fp8::{dequantize_host, quantize_host};
 use sdpa::{Backend, DType, Layout, Problem, Scaling, Tensor, TensorShape};
+use sdpa_harness::check::{Inputs, compare, random_inputs};
 
 fn normals(n: usize, seed: u64) -> Vec<f32> {
     let p = Problem::new(1, 1, 1, n, 1);
@@ -168,7 +168,7 @@ fn e4m3_forward_matches_the_reference() {
                 .with_fp8_scaling(scaling)
                 .with_out_dtype(out);
             problems += 1;
-            let seed = sdpa::check::fresh_seed() + i as u64;
+            let seed = sdpa_harness::check::fresh_seed() + i as u64;
             let inputs = random_inputs(&p, seed).unwrap();
             let [q, k, v] = &inputs.values;
             let want = sdpa::reference(&p, q, k, v).unwrap();
@@ -179,7 +179,8 @@ fn e4m3_forward_matches_the_reference() {
                     eprintln!("{backend} {p}: skipped ({e})");
                     continue;
                 }
-                let got = sdpa::check::run_backend(Some(&dev), &p, backend, &inputs, None).unwrap();
+                let got = sdpa_harness::check::run_backend(Some(&dev), &p, backend, &inputs, None)
+                    .unwrap();
                 let r = compare(&got, &want, p.dtype, seed);
                 let end = compare(&got, &e2e, p.dtype, seed);
                 eprintln!(
@@ -235,7 +236,8 @@ fn e4m3_outlier_channels_report() {
         let inputs = Inputs::quantized(&p, &q, &k, &v).unwrap();
         let [qv, kv, vv] = &inputs.values;
         let want = sdpa::reference(&p, qv, kv, vv).unwrap();
-        let got = sdpa::check::run_backend(Some(&dev), &p, Backend::Auto, &inputs, None).unwrap();
+        let got =
+            sdpa_harness::check::run_backend(Some(&dev), &p, Backend::Auto, &inputs, None).unwrap();
         let r = compare(&got, &want, p.dtype, 21);
         let end = compare(&got, &e2e, p.dtype, 21);
         eprintln!(
@@ -266,7 +268,7 @@ fn simulated_path_refuses_what_f16_cannot_hold() {
     for out in [DType::F16, DType::Bf16] {
         let p = p.with_out_dtype(out);
         let inputs = Inputs::quantized(&p, &big, &big, &big).unwrap();
-        let r = sdpa::check::run_backend(Some(&dev), &p, Backend::Wmma, &inputs, None);
+        let r = sdpa_harness::check::run_backend(Some(&dev), &p, Backend::Wmma, &inputs, None);
         match out {
             DType::F16 => {
                 let e = r.unwrap_err();
@@ -313,8 +315,8 @@ fn e4m3_native_long_rows_with_biased_v() {
         let inputs = Inputs::quantized(&p, &q, &k, &v).unwrap();
         let [qv, kv, vv] = &inputs.values;
         let want = sdpa::reference(&p, qv, kv, vv).unwrap();
-        let got =
-            sdpa::check::run_backend(Some(&dev), &p, Backend::Cutlass, &inputs, None).unwrap();
+        let got = sdpa_harness::check::run_backend(Some(&dev), &p, Backend::Cutlass, &inputs, None)
+            .unwrap();
         let r = compare(&got, &want, p.dtype, 31);
         eprintln!(
             "native e4m3 d{d}, 3072 keys, V ~ N(1,1): rel_err {:.2e}",
@@ -345,7 +347,7 @@ fn e4m3_per_head_scales_that_differ() {
                 .with_dtype(DType::E4m3)
                 .with_fp8_scaling(Scaling::PerHead)
                 .with_out_dtype(DType::Bf16);
-            let seed = sdpa::check::fresh_seed();
+            let seed = sdpa_harness::check::fresh_seed();
             let base = random_inputs(&p.as_dequantized(), seed).unwrap();
             // The head of element i: BHSD [b][h][s][d], BSHD [b][s][h][d].
             let head = |i: usize, heads: usize, seq: usize| match layout {
@@ -376,7 +378,8 @@ fn e4m3_per_head_scales_that_differ() {
                     eprintln!("{backend} {p}: skipped ({e})");
                     continue;
                 }
-                let got = sdpa::check::run_backend(Some(&dev), &p, backend, &inputs, None).unwrap();
+                let got = sdpa_harness::check::run_backend(Some(&dev), &p, backend, &inputs, None)
+                    .unwrap();
                 let r = compare(&got, &want, p.dtype, seed);
                 eprintln!("{backend} {p} per-head scales: rel_err {:.2e}", r.rel_err);
                 assert!(r.pass(), "{backend} {p}: {r:?}");

@@ -4,8 +4,8 @@
 
 mod common;
 
-use sdpa::check::{check_backend, fresh_seed};
 use sdpa::{Backend, DType, Layout, Problem};
+use sdpa_harness::check::{check_backend, fresh_seed};
 
 const SEQS: [(usize, usize); 10] = [
     (1, 1),
@@ -153,7 +153,7 @@ fn fused_kernels_are_deterministic() {
 
 fn deterministic(dev: &sdpa::Device, p: &Problem, backend: Backend) {
     let dev = dev.clone();
-    let inputs = sdpa::check::random_inputs(p, fresh_seed()).unwrap();
+    let inputs = sdpa_harness::check::random_inputs(p, fresh_seed()).unwrap();
     let [q, k, v] = inputs.upload(&dev, p.dtype).unwrap();
     let mut runs = Vec::new();
     for _ in 0..3 {

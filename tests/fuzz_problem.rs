@@ -275,7 +275,7 @@ proptest! {
         let _ = s.parse::<DType>();
         let _ = s.parse::<Layout>();
         let _ = s.parse::<Scaling>();
-        let _ = sdpa::named_problem(&s);
+        let _ = sdpa_harness::named_problem(&s);
     }
 }
 

@@ -256,7 +256,7 @@ fn on_a_gpu_limits_come_first_and_sm90_runs_past_65535() {
             let _ = writeln!(std::io::stderr(), "cutlass {p}: skipped ({e})");
             continue;
         }
-        let r = sdpa::check::check_backend(Some(&dev), &p, Backend::Cutlass, 7).unwrap();
+        let r = sdpa_harness::check::check_backend(Some(&dev), &p, Backend::Cutlass, 7).unwrap();
         assert!(r.pass(), "cutlass {p}: {r:?}");
     }
 }

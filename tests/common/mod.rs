@@ -42,8 +42,10 @@ pub fn expected_backends(dev: &Device) -> Vec<Backend> {
     let (major, minor) = dev
         .compute_capability()
         .expect("the GPU's compute capability");
-    let hopper =
-        (major, minor) == (9, 0) && sdpa::info::cuda_archs().split(';').any(|a| a == "90a");
+    let hopper = (major, minor) == (9, 0)
+        && sdpa_harness::info::cuda_archs()
+            .split(';')
+            .any(|a| a == "90a");
     Backend::GPU
         .into_iter()
         .filter(|&b| match b {

@@ -3,9 +3,9 @@
 
 use crate::validate::{ProblemArgs, auto_note, backends, require_runnable};
 use crate::{CliResult, chosen_backend, device_for, npy, open_device};
-use sdpa::check::{compare, fresh_seed, random_inputs};
-use sdpa::timing::{launch_floor, tflops, time_backend, time_gpu};
 use sdpa::{Backend, Device, Problem, Result, Tensor};
+use sdpa_harness::check::{compare, fresh_seed, random_inputs};
+use sdpa_harness::timing::{launch_floor, tflops, time_backend, time_gpu};
 use serde_json::json;
 use std::io::Write;
 use std::process::ExitCode;
@@ -43,7 +43,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         };
         (dev, backends)
     };
-    let all: Vec<&str> = sdpa::NAMED_PROBLEMS.iter().map(|p| p.0).collect();
+    let all: Vec<&str> = sdpa_harness::NAMED_PROBLEMS.iter().map(|p| p.0).collect();
     let default: &[&str] = if dev.is_some() { &all } else { &["mission"] };
     let problems = a.problems.problems(default, "named")?;
     if named {
@@ -140,7 +140,7 @@ fn bench_one(
     p: &Problem,
     b: Backend,
     budget_ms: f64,
-) -> Result<(sdpa::timing::Timing, Option<f64>)> {
+) -> Result<(sdpa_harness::timing::Timing, Option<f64>)> {
     b.supports(dev, p)?;
     let Some(dev) = dev.filter(|_| b != Backend::Cpu) else {
         return Ok((time_backend(dev, p, b, budget_ms)?, None));

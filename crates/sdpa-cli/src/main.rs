@@ -150,7 +150,7 @@ fn info() -> CliResult<ExitCode> {
     outln!(
         "sdpa {} (CUDA archs {})",
         env!("CARGO_PKG_VERSION"),
-        sdpa::info::cuda_archs()
+        sdpa_harness::info::cuda_archs()
     )?;
     let dev = open_device();
     if let Some(dev) = &dev {
@@ -162,7 +162,7 @@ fn info() -> CliResult<ExitCode> {
         )?;
     }
     outln!("\nbackends (on the mission problem, f16):")?;
-    let probe = sdpa::named_problem("mission")?;
+    let probe = sdpa_harness::named_problem("mission")?;
     for b in Backend::ALL {
         match b.supports(dev.as_ref(), &probe) {
             Ok(()) => match b.resolve(dev.as_ref(), &probe) {
@@ -205,7 +205,7 @@ fn info() -> CliResult<ExitCode> {
         "stack",
         "spills"
     )?;
-    for k in sdpa::info::kernels() {
+    for k in sdpa_harness::info::kernels() {
         outln!(
             "  {:<44} {:>7} {:>5} {:>6} {:>6} {:>7}",
             short_kernel_name(&k.kernel),
@@ -227,7 +227,7 @@ fn info() -> CliResult<ExitCode> {
             "dyn smem",
             "local"
         )?;
-        for k in sdpa::info::device_kernels(dev)? {
+        for k in sdpa_harness::info::device_kernels(dev)? {
             outln!(
                 "  {:<8} {:<24} {:>5} {:>7} {:>8} {:>6}",
                 k.backend,

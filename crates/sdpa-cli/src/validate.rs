@@ -1,8 +1,8 @@
 //! `sdpa validate`: backend x problem -> rel_err, max_err, pass/fail against the f64 reference.
 
 use crate::{CliResult, chosen_backend, device_for};
-use sdpa::check::{Inputs, compare, fresh_seed, random_inputs, run_backend};
 use sdpa::{Backend, DType, Device, Layout, Problem, Result, Scaling};
+use sdpa_harness::check::{Inputs, compare, fresh_seed, random_inputs, run_backend};
 use std::process::ExitCode;
 
 /// Arguments shared by `validate` and `bench`: which problems.
@@ -64,7 +64,7 @@ impl ProblemArgs {
             self.problem.clone()
         };
         for n in &names {
-            let p = sdpa::named_problem(n)?;
+            let p = sdpa_harness::named_problem(n)?;
             if causal.is_empty() {
                 bases.push((n.clone(), p));
             } else {

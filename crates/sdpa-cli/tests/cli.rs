@@ -162,7 +162,7 @@ fn run_e4m3_matches_the_reference_on_quantized_inputs() {
                 assert!((g - w).abs() < 1e-6, "{g} vs {w}");
             }
         } else {
-            let r = sdpa::check::compare(&got, &want, p.dtype, 0);
+            let r = sdpa_harness::check::compare(&got, &want, p.dtype, 0);
             assert!(r.pass(), "{backend}: {r:?}");
         }
     }
@@ -350,7 +350,7 @@ fn run_on_the_gpu_matches_the_reference() {
     let round = |x: &[f32]| sdpa::decode(p.dtype, &sdpa::encode(p.dtype, x));
     let want = sdpa::reference(&p, &round(&q), &round(&k), &round(&v)).unwrap();
     let got: Vec<f64> = got.iter().map(|&x| f64::from(x)).collect();
-    let r = sdpa::check::compare(&got, &want, p.dtype, 0);
+    let r = sdpa_harness::check::compare(&got, &want, p.dtype, 0);
     assert!(r.pass(), "{r:?}");
 }
 

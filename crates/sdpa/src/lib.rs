@@ -34,22 +34,17 @@
 #![warn(missing_docs)]
 
 pub mod backend;
-pub mod check;
 mod device;
 mod error;
 pub mod fp8;
-pub mod info;
 pub mod memory;
 mod problem;
-pub mod timing;
 
 pub use backend::Backend;
 pub use backend::cpu::reference;
 pub use device::{Device, Tensor, decode, driver_present, encode};
 pub use error::{Error, MemoryKind, Result};
-pub use problem::{
-    DType, Layout, NAMED_PROBLEMS, Problem, Scaling, Strides, TensorShape, named_problem,
-};
+pub use problem::{DType, Layout, Problem, Scaling, Strides, TensorShape};
 
 use error::invalid;
 

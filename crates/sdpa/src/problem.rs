@@ -491,29 +491,6 @@ impl fmt::Display for Problem {
     }
 }
 
-/// The named problems of design.md (same names as the PyTorch anchor script).
-pub const NAMED_PROBLEMS: [(&str, [usize; 4], bool); 7] = [
-    ("mission", [2, 8, 256, 64], false),
-    ("mission-causal", [2, 8, 256, 64], true),
-    ("s1k-d64", [4, 16, 1024, 64], false),
-    ("s2k-d128", [4, 16, 2048, 128], false),
-    ("s4k-d128-causal", [2, 16, 4096, 128], true),
-    ("s8k-d128", [1, 16, 8192, 128], false),
-    ("s16k-d128-causal", [1, 16, 16384, 128], true),
-];
-
-/// Looks up a named problem (f16, BHSD).
-pub fn named_problem(name: &str) -> Result<Problem> {
-    NAMED_PROBLEMS
-        .iter()
-        .find(|(n, _, _)| *n == name)
-        .map(|&(_, [b, h, s, d], c)| Problem::new(b, h, s, s, d).with_causal(c))
-        .ok_or_else(|| {
-            let names: Vec<_> = NAMED_PROBLEMS.iter().map(|p| p.0).collect();
-            invalid!("unknown problem {name:?} (known: {})", names.join(", "))
-        })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,11 +2,8 @@
 //! medians. `us_graph` is the per-call time inside a CUDA graph of many calls (the kernel
 //! without launch gaps); `us_event` is one call between two events (what a caller sees).
 
-use crate::backend::Backend;
-use crate::device::{Device, Tensor};
-use crate::error::{Error, Result};
-use crate::problem::Problem;
 use cudarc::driver::sys;
+use sdpa::{Backend, Device, Error, Problem, Result, Tensor};
 use std::time::Instant;
 
 /// Median per-call times in microseconds.
@@ -31,7 +28,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Device time of the work `f` enqueues on `dev`'s stream, between two CUDA events.
 pub fn elapsed(dev: &Device, f: impl FnOnce() -> Result<()>) -> Result<std::time::Duration> {
     let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let (start, end) = (dev.ctx().new_event(flags)?, dev.ctx().new_event(flags)?);
+    let ctx = dev.stream().context();
+    let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
     start.record(dev.stream())?;
     f()?;
     end.record(dev.stream())?;
@@ -42,7 +40,7 @@ pub fn elapsed(dev: &Device, f: impl FnOnce() -> Result<()>) -> Result<std::time
 /// Times `f` (which must only enqueue work on `dev`'s stream) with events and in a graph.
 /// `budget_ms` bounds the total time spent (roughly; at least a few repetitions run).
 pub fn time_gpu(dev: &Device, budget_ms: f64, mut f: impl FnMut() -> Result<()>) -> Result<Timing> {
-    let ctx = dev.ctx();
+    let ctx = dev.stream().context();
     let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
     let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
     let stream = dev.stream();
@@ -103,7 +101,7 @@ pub fn time_backend(
         let t0 = Instant::now();
         while ts.is_empty() || (t0.elapsed().as_secs_f64() * 1e3 < budget_ms && ts.len() < 20) {
             let t = Instant::now();
-            std::hint::black_box(crate::reference(p, q, k, v)?);
+            std::hint::black_box(sdpa::reference(p, q, k, v)?);
             ts.push(t.elapsed().as_secs_f64() * 1e6);
         }
         let us = median(ts);
@@ -116,15 +114,18 @@ pub fn time_backend(
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
     time_gpu(dev, budget_ms, || {
-        crate::forward(dev, p, backend, &q, &k, &v, &mut out)
+        sdpa::forward(dev, p, backend, &q, &k, &v, &mut out)
     })
 }
 
 /// The launch floor: an empty kernel on `blocks` CTAs in the same harness.
 pub fn launch_floor(dev: &Device, blocks: i32) -> Result<Timing> {
+    let stream = dev.stream();
     time_gpu(dev, 200.0, || {
-        let s = dev.raw_stream()?;
-        // SAFETY: a valid stream of the current context; the kernel touches no memory.
+        // The CUDA runtime inside the core launches on whatever context is current.
+        stream.context().bind_to_thread()?;
+        let s = stream.cu_stream() as usize;
+        // SAFETY: a valid stream of the context just bound; the kernel touches no memory.
         unsafe { sdpa_sys::ffi::empty_kernel(blocks, s)? };
         Ok(())
     })

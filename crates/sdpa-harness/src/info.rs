@@ -1,5 +1,7 @@
 //! What was compiled, and at what cost: the ptxas report captured at build time, parsed.
 
+use sdpa::{Device, Result};
+
 /// Resources of one kernel for one architecture, from `ptxas -v`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KernelReport {
@@ -66,8 +68,9 @@ pub fn parse_ptxas(report: &str) -> Vec<KernelReport> {
 
 /// Resources of each kernel as the driver reports them on `dev` (cudaFuncGetAttributes):
 /// registers, static and dynamic shared memory, local memory per thread.
-pub fn device_kernels(dev: &crate::Device) -> crate::Result<Vec<sdpa_sys::ffi::KernelAttr>> {
-    dev.raw_stream()?; // binds the context to this thread
+pub fn device_kernels(dev: &Device) -> Result<Vec<sdpa_sys::ffi::KernelAttr>> {
+    // The CUDA runtime inside the core asks whatever context is current.
+    dev.stream().context().bind_to_thread()?;
     Ok(sdpa_sys::ffi::kernel_attributes()?)
 }
 

@@ -1,0 +1,31 @@
+//! The harness around the `sdpa` library: what the `sdpa` CLI, the integration tests and the
+//! benches use to check and measure it, kept out of the library so that its crate root is the
+//! user API only.
+//!
+//! - [`check`]: accuracy checks against the float64 reference (fresh random inputs, output
+//!   poisoned with NaN, the tolerances every backend is held to).
+//! - [`timing`]: GPU timing with CUDA events and graphs, warm-up first, medians.
+//! - [`info`]: what this build compiled (the ptxas report, the driver's kernel attributes).
+//! - [`problems`]: the named problems the CLI, benches and PyTorch anchors share.
+//!
+//! Everything here goes through the public API of `sdpa` (and `sdpa_sys` for what the core
+//! reports about its build).
+//!
+//! ```
+//! use sdpa::Backend;
+//! use sdpa_harness::{check, problems};
+//!
+//! let p = problems::named_problem("mission")?;
+//! let report = check::check_backend(None, &p, Backend::Cpu, check::fresh_seed())?;
+//! assert!(report.pass(), "{report:?}");
+//! # Ok::<(), sdpa::Error>(())
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod check;
+pub mod info;
+pub mod problems;
+pub mod timing;
+
+pub use problems::{NAMED_PROBLEMS, named_problem};
