@@ -61,7 +61,7 @@ void dispatch(const char* name, const FwdArgs& a, cudaStream_t s) {
 
 // Kernels without FP8 math take E4M3 inputs through the simulated path (fp8/simulated.cu).
 bool simulated(Kernel kernel, const FwdArgs& a) {
-  return a.dtype == Dtype::E4M3 && kernel != Kernel::CutlassSm90;
+  return a.dtype == Dtype::E4M3 && kernel != Kernel::Cutlass;
 }
 }  // namespace
 
@@ -76,7 +76,7 @@ void forward(Kernel kernel, const FwdArgs& a, void* stream) {
       return dispatch<wmma_backend::forward_f16_d64, wmma_backend::forward_f16_d128,
                       wmma_backend::forward_bf16_d64, wmma_backend::forward_bf16_d128>("wmma", a,
                                                                                        s);
-    case Kernel::CutlassSm90:
+    case Kernel::Cutlass:
 #if defined(SDPA_HAVE_CUTLASS)
       if (a.dtype == Dtype::E4M3) {
         if (a.head_dim == 64) return cutlass_sm90::forward_e4m3_d64(a, s);
@@ -105,8 +105,7 @@ void forward(Kernel kernel, const FwdArgs& a, void* stream) {
 int64_t workspace_bytes(Kernel kernel, const FwdArgs& a) {
   if (simulated(kernel, a)) return simulated_workspace_bytes(a);
 #if defined(SDPA_HAVE_CUTLASS)
-  if (kernel == Kernel::CutlassSm90 && a.dtype == Dtype::E4M3)
-    return cutlass_sm90::workspace_e4m3(a);
+  if (kernel == Kernel::Cutlass && a.dtype == Dtype::E4M3) return cutlass_sm90::workspace_e4m3(a);
 #endif
   (void)kernel;
   (void)a;

@@ -87,7 +87,7 @@ struct KernelAttr {
 };
 
 // The fused kernels of the core, one per backend folder under cpp/src/.
-enum class Kernel : int32_t { Scalar = 0, Wmma = 1, CutlassSm90 = 2, CutlassSm80 = 3 };
+enum class Kernel : int32_t { Scalar = 0, Wmma = 1, Cutlass = 2, CutlassSm80 = 3 };
 
 // Runs `kernel` on `args`, enqueued on `stream` (a CUstream / cudaStream_t).
 void forward(Kernel kernel, const FwdArgs& args, void* stream);

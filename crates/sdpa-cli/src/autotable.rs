@@ -1,5 +1,5 @@
 //! `sdpa autotable BENCH.json`: turns `sdpa bench --json` records into the Rust source of
-//! crates/sdpa/src/backend/auto_table.rs, the measured table `Backend::Auto` consults.
+//! crates/sdpa/src/backend/auto/table.rs, the measured table `Backend::Auto` consults.
 //!
 //! The input is not trusted: every record is validated (shape, dtype, backend, sm, timing)
 //! and the only free text that reaches the output, the device name, is escaped. The whole
@@ -81,7 +81,7 @@ struct Record {
     device: Option<String>,
 }
 
-/// The Rust source of auto_table.rs for `records`, or the first invalid record's error.
+/// The Rust source of auto/table.rs for `records`, or the first invalid record's error.
 /// `sm` stands in for records without an "sm" field, `device` for records without a "device".
 pub fn generate(records: &[Value], sm: Option<u32>, device: &str) -> Result<String> {
     if records.is_empty() {
@@ -297,8 +297,8 @@ fn render(device: &str, rows: &[(RowKey, Vec<Backend>)]) -> String {
          //! Regenerate after changing a kernel (docs/perf.md says how); do not edit by hand.\n\
          //! Each order: backends by summed (time / fastest time) over the problems of the row.\n\
          \n\
-         use super::Backend::*;\n\
-         use super::auto::{{Row, SizeClass::*}};\n\
+         use super::row::{{Row, SizeClass::*}};\n\
+         use crate::backend::Backend::*;\n\
          use crate::problem::DType::*;\n\
          \n\
          pub(crate) const TABLE: &[Row] = &[\n"

@@ -41,7 +41,7 @@ enum Cmd {
     Bench(bench::Args),
     /// Runs attention on .npy inputs and writes a float32 .npy output.
     Run(run::Args),
-    /// Prints crates/sdpa/src/backend/auto_table.rs from `sdpa bench --json` records.
+    /// Prints crates/sdpa/src/backend/auto/table.rs from `sdpa bench --json` records.
     Autotable(autotable::Args),
 }
 
@@ -179,7 +179,7 @@ fn info() -> CliResult<ExitCode> {
         }
         None => None,
     };
-    outln!("\nauto dispatch (measured by `sdpa bench`, crates/sdpa/src/backend/auto_table.rs):")?;
+    outln!("\nauto dispatch (measured by `sdpa bench`, crates/sdpa/src/backend/auto/table.rs):")?;
     for r in sdpa::backend::auto::table() {
         if sm.is_some_and(|s| s != r.sm) {
             continue;

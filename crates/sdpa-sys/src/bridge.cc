@@ -25,8 +25,8 @@ sdpa::FwdArgs convert(const FwdArgs& a) {
   r.o_stride = strides(a.o_stride);
   r.scale = a.scale;
   r.causal = a.causal;
-  r.dtype = static_cast<sdpa::Dtype>(a.dtype);
-  r.out_dtype = static_cast<sdpa::Dtype>(a.out_dtype);
+  r.dtype = a.dtype;
+  r.out_dtype = a.out_dtype;
   r.q_scale = reinterpret_cast<const float*>(a.q_scale);
   r.k_scale = reinterpret_cast<const float*>(a.k_scale);
   r.v_scale = reinterpret_cast<const float*>(a.v_scale);
@@ -49,7 +49,7 @@ sdpa::NonFiniteVArgs convert(const NonFiniteVArgs& a) {
   r.seq_q = a.seq_q;
   r.seq_k = a.seq_k;
   r.head_dim = a.head_dim;
-  r.dtype = static_cast<sdpa::Dtype>(a.dtype);
+  r.dtype = a.dtype;
   return r;
 }
 
@@ -57,31 +57,31 @@ sdpa::ScaleMap map(const ScaleMap& m) { return {m.heads, m.inner, m.per_batch}; 
 }  // namespace
 
 void forward(Kernel kernel, const FwdArgs& args, std::size_t stream) {
-  sdpa::forward(static_cast<sdpa::Kernel>(kernel), convert(args), reinterpret_cast<void*>(stream));
+  sdpa::forward(kernel, convert(args), reinterpret_cast<void*>(stream));
 }
 
 int64_t workspace_bytes(Kernel kernel, const FwdArgs& args) {
-  return sdpa::workspace_bytes(static_cast<sdpa::Kernel>(kernel), convert(args));
+  return sdpa::workspace_bytes(kernel, convert(args));
 }
 
-void absmax(uint64_t x, bool x_is_f32, int32_t dtype, int64_t n, ScaleMap m, uint64_t amax,
+void absmax(uint64_t x, bool x_is_f32, Dtype dtype, int64_t n, ScaleMap m, uint64_t amax,
             int64_t groups, std::size_t stream) {
-  sdpa::absmax(reinterpret_cast<const void*>(x), x_is_f32, static_cast<sdpa::Dtype>(dtype), n,
-               map(m), reinterpret_cast<float*>(amax), groups, reinterpret_cast<void*>(stream));
+  sdpa::absmax(reinterpret_cast<const void*>(x), x_is_f32, dtype, n, map(m),
+               reinterpret_cast<float*>(amax), groups, reinterpret_cast<void*>(stream));
 }
 
-void e4m3_quantize(uint64_t x, bool x_is_f32, int32_t dtype, uint64_t y, int64_t n, ScaleMap m,
+void e4m3_quantize(uint64_t x, bool x_is_f32, Dtype dtype, uint64_t y, int64_t n, ScaleMap m,
                    uint64_t scale, std::size_t stream) {
-  sdpa::e4m3_quantize(reinterpret_cast<const void*>(x), x_is_f32, static_cast<sdpa::Dtype>(dtype),
+  sdpa::e4m3_quantize(reinterpret_cast<const void*>(x), x_is_f32, dtype,
                       reinterpret_cast<uint8_t*>(y), n, map(m),
                       reinterpret_cast<const float*>(scale), reinterpret_cast<void*>(stream));
 }
 
-void e4m3_dequantize(uint64_t x, uint64_t y, int32_t out_dtype, int64_t n, ScaleMap m,
-                     uint64_t scale, std::size_t stream) {
-  sdpa::e4m3_dequantize(reinterpret_cast<const uint8_t*>(x), reinterpret_cast<void*>(y),
-                        static_cast<sdpa::Dtype>(out_dtype), n, map(m),
-                        reinterpret_cast<const float*>(scale), reinterpret_cast<void*>(stream));
+void e4m3_dequantize(uint64_t x, uint64_t y, Dtype out_dtype, int64_t n, ScaleMap m, uint64_t scale,
+                     std::size_t stream) {
+  sdpa::e4m3_dequantize(reinterpret_cast<const uint8_t*>(x), reinterpret_cast<void*>(y), out_dtype,
+                        n, map(m), reinterpret_cast<const float*>(scale),
+                        reinterpret_cast<void*>(stream));
 }
 
 void masked_softmax(const SoftmaxArgs& a, std::size_t stream) {
@@ -91,7 +91,7 @@ void masked_softmax(const SoftmaxArgs& a, std::size_t stream) {
                             a.seq_q,
                             a.seq_k,
                             a.causal,
-                            static_cast<sdpa::Dtype>(a.dtype)};
+                            a.dtype};
   sdpa::masked_softmax(r, reinterpret_cast<void*>(stream));
 }
 

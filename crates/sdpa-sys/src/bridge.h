@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "rust/cxx.h"
+#include "sdpa/sdpa.h"
 
 namespace sdpa_bridge {
 struct FwdArgs;
@@ -12,7 +13,8 @@ struct KernelAttr;
 struct SoftmaxArgs;
 struct NonFiniteVArgs;
 struct ScaleMap;
-enum class Kernel : int32_t;
+using sdpa::Dtype;
+using sdpa::Kernel;
 
 void forward(Kernel kernel, const FwdArgs& args, std::size_t stream);
 void masked_softmax(const SoftmaxArgs& args, std::size_t stream);
@@ -20,11 +22,11 @@ void sanitize_v(const NonFiniteVArgs& args, std::size_t stream);
 void add_nonfinite_v(const NonFiniteVArgs& args, std::size_t stream);
 void e4m3_encode(uint64_t x, uint64_t y, int64_t n, float inv_scale, std::size_t stream);
 int64_t workspace_bytes(Kernel kernel, const FwdArgs& args);
-void absmax(uint64_t x, bool x_is_f32, int32_t dtype, int64_t n, ScaleMap map, uint64_t amax,
+void absmax(uint64_t x, bool x_is_f32, Dtype dtype, int64_t n, ScaleMap map, uint64_t amax,
             int64_t groups, std::size_t stream);
-void e4m3_quantize(uint64_t x, bool x_is_f32, int32_t dtype, uint64_t y, int64_t n, ScaleMap map,
+void e4m3_quantize(uint64_t x, bool x_is_f32, Dtype dtype, uint64_t y, int64_t n, ScaleMap map,
                    uint64_t scale, std::size_t stream);
-void e4m3_dequantize(uint64_t x, uint64_t y, int32_t out_dtype, int64_t n, ScaleMap map,
+void e4m3_dequantize(uint64_t x, uint64_t y, Dtype out_dtype, int64_t n, ScaleMap map,
                      uint64_t scale, std::size_t stream);
 void empty_kernel(int32_t blocks, std::size_t stream);
 rust::Vec<KernelAttr> kernel_attributes();

@@ -7,9 +7,36 @@
 // cxx re-emits the extern functions without their doc comments; the `# Safety` contracts are
 // written on the declarations below. The quantization calls mirror their C signatures (raw
 // pointers and sizes), hence more than seven arguments.
-#[allow(clippy::missing_safety_doc, clippy::too_many_arguments)]
+#[allow(
+    clippy::missing_safety_doc,
+    clippy::too_many_arguments,
+    clippy::upper_case_acronyms
+)]
 #[cxx::bridge(namespace = "sdpa_bridge")]
 pub mod ffi {
+    /// The core's element types: `sdpa::Dtype` of cpp/include/sdpa/sdpa.h, bound by cxx (which
+    /// checks at build time that the C++ enum has these names and values).
+    #[namespace = "sdpa"]
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[repr(i32)]
+    enum Dtype {
+        F16 = 0,
+        BF16 = 1,
+        E4M3 = 2,
+    }
+
+    /// The fused kernels of the core, one per backend folder under cpp/src/: `sdpa::Kernel`,
+    /// bound like `Dtype`.
+    #[namespace = "sdpa"]
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[repr(i32)]
+    enum Kernel {
+        Scalar = 0,
+        Wmma = 1,
+        Cutlass = 2,
+        CutlassSm80 = 3,
+    }
+
     /// Mirrors `sdpa::FwdArgs` (cpp/include/sdpa/sdpa.h). Strides in elements: [batch, head, seq].
     #[derive(Debug, Clone)]
     pub struct FwdArgs {
@@ -29,10 +56,10 @@ pub mod ffi {
         pub o_stride: [i64; 3],
         pub scale: f32,
         pub causal: bool,
-        /// Of q, k, v: 0 = f16, 1 = bf16, 2 = e4m3
-        pub dtype: i32,
-        /// Of o: 0 = f16, 1 = bf16
-        pub out_dtype: i32,
+        /// Of q, k, v
+        pub dtype: Dtype,
+        /// Of o: F16 or BF16
+        pub out_dtype: Dtype,
         /// e4m3 only (0 otherwise): device f32 dequantization scales, one per tensor or one
         /// per (batch, head) pair when `per_head_scales`.
         pub q_scale: u64,
@@ -61,8 +88,8 @@ pub mod ffi {
         pub seq_q: i64,
         pub seq_k: i64,
         pub causal: bool,
-        /// 0 = f16, 1 = bf16
-        pub dtype: i32,
+        /// F16 or BF16
+        pub dtype: Dtype,
     }
 
     /// Mirrors `sdpa::NonFiniteVArgs`: the cuBLAS backend's finite copy of V for causal
@@ -83,8 +110,8 @@ pub mod ffi {
         pub seq_q: i64,
         pub seq_k: i64,
         pub head_dim: i64,
-        /// Of v and o: 0 = f16, 1 = bf16
-        pub dtype: i32,
+        /// Of v and o: F16 or BF16
+        pub dtype: Dtype,
     }
 
     /// Resource use of one kernel on the current device.
@@ -100,14 +127,11 @@ pub mod ffi {
         pub max_threads: i32,
     }
 
-    /// Mirrors `sdpa::Kernel`: the fused kernels of the core.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    #[repr(i32)]
-    pub enum Kernel {
-        Scalar = 0,
-        Wmma = 1,
-        CutlassSm90 = 2,
-        CutlassSm80 = 3,
+    #[namespace = "sdpa"]
+    unsafe extern "C++" {
+        include!("sdpa/sdpa.h");
+        type Dtype;
+        type Kernel;
     }
 
     unsafe extern "C++" {
@@ -142,7 +166,7 @@ pub mod ffi {
         unsafe fn absmax(
             x: u64,
             x_is_f32: bool,
-            dtype: i32,
+            dtype: Dtype,
             n: i64,
             map: ScaleMap,
             amax: u64,
@@ -154,7 +178,7 @@ pub mod ffi {
         unsafe fn e4m3_quantize(
             x: u64,
             x_is_f32: bool,
-            dtype: i32,
+            dtype: Dtype,
             y: u64,
             n: i64,
             map: ScaleMap,
@@ -166,7 +190,7 @@ pub mod ffi {
         unsafe fn e4m3_dequantize(
             x: u64,
             y: u64,
-            out_dtype: i32,
+            out_dtype: Dtype,
             n: i64,
             map: ScaleMap,
             scale: u64,
@@ -182,7 +206,7 @@ pub mod ffi {
 }
 
 /// The ptxas resource report of every kernel, captured when `cpp/` was compiled
-/// (`-Xptxas=-v`, demangled). Parsed by `sdpa::info`.
+/// (`-Xptxas=-v`, demangled). Parsed by `sdpa_harness::info`.
 pub const PTXAS_REPORT: &str = include_str!(concat!(env!("OUT_DIR"), "/ptxas.txt"));
 
 /// CUDA architectures the core was compiled for (e.g. "80;90a").

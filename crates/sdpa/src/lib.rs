@@ -34,17 +34,24 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+mod codec;
 mod device;
 mod error;
+mod ffi;
 pub mod fp8;
 pub mod memory;
 mod problem;
+mod tensor;
 
 pub use backend::Backend;
 pub use backend::cpu::reference;
-pub use device::{Device, Tensor, decode, driver_present, encode};
+pub use codec::{decode, encode};
+pub use device::{Device, driver_present};
 pub use error::{Error, MemoryKind, Result};
 pub use problem::{DType, Layout, Problem, Scaling, Strides, TensorShape};
+
+use problem::Checked;
+pub use tensor::Tensor;
 
 use error::invalid;
 
@@ -66,17 +73,18 @@ pub fn forward(
     v: &Tensor,
     out: &mut Tensor,
 ) -> Result<()> {
-    check_args(dev, p, q, k, v, out)?;
-    let backend = backend.resolve(Some(dev), p)?;
-    backend.supports(Some(dev), p)?;
-    let order = dev.order_with(&[q, k, v, &*out])?;
-    order.finish(forward_checked(dev, p, backend, q, k, v, out))
+    let p = p.checked()?;
+    check_tensors(dev, &p, q, k, v, out)?;
+    let backend = backend.resolve_checked(Some(dev), &p)?;
+    let order = tensor::order_on(dev, &[q, k, v, &*out])?;
+    order.finish(run(dev, &p, backend, q, k, v, out))
 }
 
-/// `forward` once its arguments are checked, `backend` resolved and the streams ordered.
-fn forward_checked(
+/// `forward` once its arguments are checked, `backend` resolved to one that supports `p`, and
+/// the streams ordered.
+fn run(
     dev: &Device,
-    p: &Problem,
+    p: &Checked,
     backend: Backend,
     q: &Tensor,
     k: &Tensor,
@@ -105,7 +113,7 @@ fn forward_checked(
 /// once), then the backend's f16/bf16 kernel on the same problem.
 fn fp8_simulated(
     dev: &Device,
-    p: &Problem,
+    p: &Checked,
     backend: Backend,
     q: &Tensor,
     k: &Tensor,
@@ -140,25 +148,24 @@ fn fp8_simulated(
     if let Some(kernel) = backend.fused_kernel() {
         return backend::fused::forward(kernel, dev, p, q, k, v, out);
     }
-    let p16 = p.as_dequantized();
     let (q, k, v) = (
         q.dequantize(dev, dtype)?,
         k.dequantize(dev, dtype)?,
         v.dequantize(dev, dtype)?,
     );
-    forward(dev, &p16, backend, &q, &k, &v, out)
+    run(dev, &p.dequantized(), backend, &q, &k, &v, out)
 }
 
-fn check_args(
+/// Each tensor's dtype, scales, length and GPU against the (valid) problem.
+fn check_tensors(
     dev: &Device,
-    p: &Problem,
+    p: &Checked,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     out: &Tensor,
 ) -> Result<()> {
-    p.validate()?;
-    let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
+    let (ql, kl) = (p.q_elems(), p.kv_elems());
     let (qs, ks) = (p.q_shape(), p.kv_shape());
     for (name, t, need, shape) in [
         ("q", q, ql, qs),
@@ -201,42 +208,4 @@ fn check_args(
         }
     }
     Ok(())
-}
-
-/// The argument block the C++ core takes; only built after `check_args` passed.
-pub(crate) fn ffi_args(
-    dev: &Device,
-    p: &Problem,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &mut Tensor,
-) -> sdpa_sys::ffi::FwdArgs {
-    let (qs, ks) = (p.q_strides().as_i64(), p.kv_strides().as_i64());
-    let fp8 = p.dtype == DType::E4m3;
-    sdpa_sys::ffi::FwdArgs {
-        q: q.ptr(dev),
-        k: k.ptr(dev),
-        v: v.ptr(dev),
-        o: out.ptr_mut(dev),
-        batch: p.batch as i64,
-        heads: p.heads as i64,
-        kv_heads: p.kv_heads as i64,
-        seq_q: p.seq_q as i64,
-        seq_k: p.seq_k as i64,
-        head_dim: p.head_dim as i64,
-        q_stride: qs,
-        k_stride: ks,
-        v_stride: ks,
-        o_stride: qs,
-        scale: p.scale(),
-        causal: p.causal,
-        dtype: backend::fused::dtype_code(p.dtype),
-        out_dtype: backend::fused::dtype_code(p.output_dtype()),
-        q_scale: q.scales_ptr(dev),
-        k_scale: k.scales_ptr(dev),
-        v_scale: v.scales_ptr(dev),
-        per_head_scales: fp8 && p.fp8_scaling == Scaling::PerHead,
-        workspace: 0,
-    }
 }

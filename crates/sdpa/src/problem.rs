@@ -405,6 +405,12 @@ impl Problem {
         Ok(())
     }
 
+    /// The problem as a [`Checked`] one, which only passing `validate` makes.
+    pub(crate) fn checked(&self) -> Result<Checked> {
+        self.validate()?;
+        Ok(Checked(*self))
+    }
+
     fn count(b: usize, h: usize, s: usize, d: usize) -> Option<usize> {
         b.checked_mul(h)?.checked_mul(s)?.checked_mul(d)
     }
@@ -463,6 +469,39 @@ impl Problem {
             (true, false) => sk * (sk + 1.0) / 2.0,
         };
         4.0 * (self.batch * self.heads) as f64 * visible * self.head_dim as f64
+    }
+}
+
+/// A problem that passed [`Problem::validate`]: what the backends take, so a call validates
+/// once. Its sizes are known not to overflow (`q_len`, `kv_len` are `Some`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Checked(Problem);
+
+impl Checked {
+    /// The f16/bf16 problem of the simulated FP8 path (still valid: see `as_dequantized`).
+    pub(crate) fn dequantized(&self) -> Checked {
+        Checked(self.0.as_dequantized())
+    }
+    /// Elements of Q and of the output.
+    pub(crate) fn q_elems(&self) -> usize {
+        self.0.q_len().unwrap_or(0)
+    }
+    /// Elements of K and of V.
+    pub(crate) fn kv_elems(&self) -> usize {
+        self.0.kv_len().unwrap_or(0)
+    }
+}
+
+impl fmt::Display for Checked {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::ops::Deref for Checked {
+    type Target = Problem;
+    fn deref(&self) -> &Problem {
+        &self.0
     }
 }
 

@@ -1,50 +1,10 @@
 // CUTLASS/CuTe backend for sm_90a (Hopper): FlashAttention-2 style forward on wgmma, with Q, K
-// and V brought into swizzled shared memory by TMA. Assumes validated arguments
-// (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned rows, strides in elements,
-// heads % kv_heads == 0, seq_q, seq_k >= 1.
-//
-// A work tile is BM = 128 query rows of one (batch, head), computed by two consumer warpgroups
-// of 64 rows each (one wgmma M = 64 per warpgroup; 128 rows per CTA halves the K/V traffic per
-// query row against 64, and still leaves the register file room for the 64x128 S and 64xD O
-// accumulators). Grids too small to fill the GPU twice over use 64-row tiles with one consumer
-// warpgroup instead (same kernel, `wgs` = 1): twice the CTAs, each with half the softmax work
-// per SM. Keys come in tiles of BN = 128 through a ring of shared-memory stages. Per key tile
-// and warpgroup:
-//   S = Q·Kᵀ    wgmma SS, Q [BM][D] and K [BN][D] both K-major (128-byte swizzle) in smem;
-//   softmax     on the S accumulator in registers (each row lives in the 4 lanes of a quad),
-//               f32, log2 domain with scale·log2(e) folded into one FMA before exp2;
-//   O += P·V    wgmma RS: P converted to f16/bf16 in registers is the A operand as is (the
-//               64xN accumulator and the 64x16 A fragment share their row/column ownership),
-//               and V [BN][D] read as Vᵀ [D][BN] is an MN-major B operand.
-// TMA zero-fills rows past seq_q / seq_k (the descriptor is 4-D: d, seq, head, batch, so a tile
-// never reads into the next head); scores of keys >= seq_k and, if causal, of keys past the
-// bottom-right diagonal are set to -inf before the softmax.
-//
-// Warp specialized: a producer warpgroup (one thread issues every TMA load; the warpgroup gives
-// its registers away with setmaxnreg) and the consumer warpgroups (240 registers each), on a
-// ring of K/V stages with full/empty mbarriers. Within a warpgroup the softmax of S_n overlaps
-// its own P_{n-1}·V_{n-1}: S_n and P_{n-1}·V_{n-1} are issued together, the softmax waits for
-// S_n alone, and O is rescaled by the previous tile's factor between the two issues, while S_n
-// runs. At D = 64, where every CTA runs a single tile, the two consumers also take turns issuing
-// (two named barriers), so that one warpgroup's softmax runs while the other's wgmmas hold the
-// tensor cores (Cfg::kPingPong says where that was measured to pay).
-//
-// Non-causal grids are persistent (one CTA per SM walks tiles blockIdx.x + k·gridDim.x): the
-// producer loads the next tile's Q and first K/V while the consumers finish the current one.
-// Causal grids launch one CTA per tile, heavy tiles first (see decode_tile), and leave the
-// balancing to the hardware's CTA scheduler.
-//
-// E4M3 inputs (Elems<e4m3, f16, out>) run the same kernel with S = Q·Kᵀ on e4m3 wgmma (both
-// operands K-major as FP8 wgmma requires; 64-byte swizzle at D = 64, where a row is 64 bytes)
-// and P·V on f16 wgmma exactly as above: V's codes are exact in f16, and P rounded to f16 keeps
-// the error near 1e-3, where an e4m3 P (3 mantissa bits) alone gave ~2% (docs/perf.md, session
-// 3). V's codes become f16 in one of two ways (E4m3 says which where, and why): at D = 128 a
-// pre-pass (convert_v) writes V as f16 into the caller's workspace, and the attention grid,
-// launched programmatically behind it, loads Q and K and computes the first S while it runs,
-// waiting for it only before its first V load; at D = 64 V's e4m3 tiles come by TMA into a
-// ring of their own and the producer warpgroup's three idle warps convert them into the f16 V
-// stages (kConvertV). q_scale·k_scale fold into the softmax scale and v_scale into the final
-// normalization, per tensor or per (batch, head).
+// and V brought into swizzled shared memory by TMA; a TMA producer warpgroup and one or two
+// consumer warpgroups of 64 query rows on a ring of K/V stages; e4m3 inputs on the same kernel
+// (S on e4m3 wgmma, P·V on f16). docs/design.md describes the tiles, roles, register split,
+// overlap and scheduling. Assumes validated arguments (crates/sdpa/src/problem.rs and
+// backend/fused.rs): head_dim == D, 16-byte aligned rows, strides in elements,
+// heads % kv_heads == 0, seq_q, seq_k >= 1, sizes within the 32-bit limits fused.rs checks.
 #pragma once
 
 #include <cuda_fp8.h>

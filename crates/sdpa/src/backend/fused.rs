@@ -2,9 +2,11 @@
 //! computes the whole attention with an online softmax. They share one argument block and one
 //! dispatch, and `supports` states the 32-bit limits of each.
 
-use crate::device::{Device, Tensor};
+use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::problem::{DType, Problem};
+use crate::ffi;
+use crate::problem::{Checked, DType, Problem, Scaling};
+use crate::tensor::Tensor;
 use cudarc::driver::DevicePtrMut;
 use sdpa_sys::ffi::Kernel;
 
@@ -55,7 +57,7 @@ pub(crate) fn supports(kernel: Kernel, p: &Problem) -> std::result::Result<(), S
             p.head_dim
         ));
     }
-    if kernel == Kernel::CutlassSm90 {
+    if kernel == Kernel::Cutlass {
         return sm90_limits(p);
     }
     // Scalar, wmma, cutlass-sm80: grid x = query-row tiles, y = heads, z = batch, each CTA
@@ -143,13 +145,13 @@ fn sm90_limits(p: &Problem) -> std::result::Result<(), String> {
 pub(crate) fn forward(
     kernel: Kernel,
     dev: &Device,
-    p: &Problem,
+    p: &Checked,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     out: &mut Tensor,
 ) -> Result<()> {
-    let mut args = crate::ffi_args(dev, p, q, k, v, out);
+    let mut args = fwd_args(dev, p, q, k, v, out);
     // Scratch the kernel asks for (e4m3 inputs: the native kernel's V copy, the simulated
     // path's 16-bit Q, K, V; each written by a pre-pass of the same call before any read): the device's buffer, grown when too small. The lock is held until the
     // launch is enqueued, so a concurrent grow cannot free it under us; stream order does the
@@ -179,10 +181,40 @@ pub(crate) fn forward(
     Ok(())
 }
 
-pub(crate) fn dtype_code(d: DType) -> i32 {
-    match d {
-        DType::F16 => 0,
-        DType::Bf16 => 1,
-        DType::E4m3 => 2,
+/// The argument block the C++ core takes; built only from checked arguments.
+fn fwd_args(
+    dev: &Device,
+    p: &Problem,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &mut Tensor,
+) -> sdpa_sys::ffi::FwdArgs {
+    let (qs, ks) = (p.q_strides().as_i64(), p.kv_strides().as_i64());
+    let fp8 = p.dtype == DType::E4m3;
+    sdpa_sys::ffi::FwdArgs {
+        q: q.ptr(dev),
+        k: k.ptr(dev),
+        v: v.ptr(dev),
+        o: out.ptr_mut(dev),
+        batch: p.batch as i64,
+        heads: p.heads as i64,
+        kv_heads: p.kv_heads as i64,
+        seq_q: p.seq_q as i64,
+        seq_k: p.seq_k as i64,
+        head_dim: p.head_dim as i64,
+        q_stride: qs,
+        k_stride: ks,
+        v_stride: ks,
+        o_stride: qs,
+        scale: p.scale(),
+        causal: p.causal,
+        dtype: ffi::dtype(p.dtype),
+        out_dtype: ffi::dtype(p.output_dtype()),
+        q_scale: q.scales_ptr(dev),
+        k_scale: k.scales_ptr(dev),
+        v_scale: v.scales_ptr(dev),
+        per_head_scales: fp8 && p.fp8_scaling == Scaling::PerHead,
+        workspace: 0,
     }
 }

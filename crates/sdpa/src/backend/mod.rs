@@ -1,14 +1,13 @@
 //! Backends: one module each, one enum to name them, one place that says who supports what.
 
 pub mod auto;
-mod auto_table;
 pub mod cpu;
 pub(crate) mod cublas;
 pub(crate) mod fused;
 
 use crate::device::Device;
 use crate::error::{Error, Result, invalid};
-use crate::problem::{DType, Problem};
+use crate::problem::{Checked, DType, Problem};
 
 /// Whether the native e4m3 kernel is built (cpp/src/cutlass/sm90/fwd_e4m3_d*.cu; since session 3).
 const NATIVE_E4M3_BUILT: bool = true;
@@ -77,7 +76,7 @@ impl Backend {
         match self {
             Backend::Scalar => Some(Kernel::Scalar),
             Backend::Wmma => Some(Kernel::Wmma),
-            Backend::Cutlass => Some(Kernel::CutlassSm90),
+            Backend::Cutlass => Some(Kernel::Cutlass),
             Backend::CutlassSm80 => Some(Kernel::CutlassSm80),
             Backend::Cpu | Backend::Cublas | Backend::Auto => None,
         }
@@ -92,14 +91,18 @@ impl Backend {
     /// Whether this backend can run `p` on `dev`; the error says precisely why not (an invalid
     /// problem gets its validation error).
     pub fn supports(self, dev: Option<&Device>, p: &Problem) -> Result<()> {
-        p.validate()?;
+        self.supports_checked(dev, &p.checked()?)
+    }
+
+    /// `supports` for a problem already validated.
+    pub(crate) fn supports_checked(self, dev: Option<&Device>, p: &Checked) -> Result<()> {
         let unsupported = |reason: String| Error::Unsupported {
             backend: self.name(),
             reason,
         };
         if p.dtype == DType::E4m3 && self != Backend::Auto {
             if !self.native_fp8() {
-                return self.supports(dev, &p.as_dequantized());
+                return self.supports_checked(dev, &p.dequantized());
             }
             if !NATIVE_E4M3_BUILT {
                 return Err(unsupported(
@@ -174,13 +177,23 @@ impl Backend {
                 }
                 Ok(())
             }
-            Backend::Auto => self.resolve(dev, p).map(|_| ()),
+            Backend::Auto => self.resolve_checked(dev, p).map(|_| ()),
         }
     }
 
     /// The concrete backend `Auto` stands for on this device and problem (others: themselves).
     pub fn resolve(self, dev: Option<&Device>, p: &Problem) -> Result<Backend> {
         if self != Backend::Auto {
+            return Ok(self);
+        }
+        self.resolve_checked(dev, &p.checked()?)
+    }
+
+    /// The concrete backend that runs `p`, having checked that it supports it: `self`, or for
+    /// `Auto` the first supported backend of the measured order.
+    pub(crate) fn resolve_checked(self, dev: Option<&Device>, p: &Checked) -> Result<Backend> {
+        if self != Backend::Auto {
+            self.supports_checked(dev, p)?;
             return Ok(self);
         }
         let sm = match dev {
@@ -195,7 +208,7 @@ impl Backend {
         // Backends the table has not measured yet (added since it was made) come last.
         let unmeasured = auto::FALLBACK.iter().filter(|b| !measured.contains(b));
         for &b in measured.iter().chain(unmeasured) {
-            match b.supports(dev, p) {
+            match b.supports_checked(dev, p) {
                 Ok(()) => return Ok(b),
                 Err(e) => reasons.push(e.to_string()),
             }

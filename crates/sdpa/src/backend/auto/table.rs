@@ -2,8 +2,8 @@
 //! Regenerate after changing a kernel (docs/perf.md says how); do not edit by hand.
 //! Each order: backends by summed (time / fastest time) over the problems of the row.
 
-use super::Backend::*;
-use super::auto::{Row, SizeClass::*};
+use super::row::{Row, SizeClass::*};
+use crate::backend::Backend::*;
 use crate::problem::DType::*;
 
 pub(crate) const TABLE: &[Row] = &[

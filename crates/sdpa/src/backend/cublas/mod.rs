@@ -15,18 +15,16 @@
 //! cuBLAS is loaded at run time (cudarc dynamic loading), so machines without it still build,
 //! run the CPU backend and the tests; there this backend reports itself unsupported.
 
-use crate::device::{Device, Tensor};
-use crate::error::{Error, Result};
-use crate::problem::{DType, Problem, Strides};
-use cudarc::cublas::{CudaBlas, sys as cb};
-use cudarc::driver::{CudaSlice, DevicePtrMut};
+pub(crate) mod state;
 
-/// The cuBLAS handle and the workspace (S, P, causal: V's finite copy) of one `Device` (one
-/// stream), reused across calls and grown when a larger problem arrives.
-pub(crate) struct BlasState {
-    blas: CudaBlas,
-    workspace: Option<CudaSlice<u8>>,
-}
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::ffi;
+use crate::problem::{Checked, DType, Problem, Strides};
+use crate::tensor::Tensor;
+use cudarc::cublas::{CudaBlas, sys as cb};
+use cudarc::driver::DevicePtrMut;
+use state::BlasState;
 
 /// Byte offsets into the workspace. S (f32 scores) and P (dtype) for every (batch, head);
 /// causal problems add V's finite copy and its first-key records (`NonFiniteVArgs`), each
@@ -263,13 +261,16 @@ impl Gemm {
 
 pub(crate) fn forward(
     dev: &Device,
-    p: &Problem,
+    p: &Checked,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     out: &mut Tensor,
 ) -> Result<()> {
-    let layout = workspace_layout(p).expect("checked in supports()");
+    let layout = workspace_layout(p).ok_or_else(|| Error::Unsupported {
+        backend: "cublas",
+        reason: "workspace size overflows".into(),
+    })?;
     let need = layout.total;
     let state = dev.blas_state();
     let mut guard = state
@@ -356,7 +357,7 @@ pub(crate) fn forward(
         seq_q: sq,
         seq_k: sk,
         causal: p.causal,
-        dtype: super::fused::dtype_code(p.dtype),
+        dtype: ffi::dtype(p.dtype),
     };
     let stream = dev.raw_stream()?;
     // SAFETY: S and P both hold `scores` elements of the workspace allocated above.
@@ -376,7 +377,7 @@ pub(crate) fn forward(
         seq_q: sq,
         seq_k: sk,
         head_dim: d,
-        dtype: super::fused::dtype_code(p.dtype),
+        dtype: ffi::dtype(p.dtype),
     });
     let (v_gemm, vs) = match &nonfinite {
         Some(a) => {
