@@ -18,6 +18,10 @@ struct Error : std::runtime_error {
 // input type of Q, K, V, always with dequantization scales.
 enum class Dtype : int32_t { F16 = 0, BF16 = 1, E4M3 = 2 };
 
+// Which keys each query row sees. CausalBottomRight: row i sees keys j <= i + seq_k - seq_q (the
+// causal diagonal aligned to the last key, as FlashAttention for seq_q != seq_k).
+enum class Mask : int32_t { NoMask = 0, CausalBottomRight = 1 };
+
 // Strides are in elements; the innermost (head_dim) stride is 1. The Rust layer has validated
 // every field (shapes, strides, alignment, that the buffers hold what the strides address).
 struct Strides {
@@ -30,7 +34,7 @@ struct FwdArgs {
   int64_t batch, heads, kv_heads, seq_q, seq_k, head_dim;
   Strides q_stride, k_stride, v_stride, o_stride;
   float scale;
-  bool causal;
+  Mask mask;
   Dtype dtype;      // of q, k, v
   Dtype out_dtype;  // of o: F16 or BF16; equal to dtype unless dtype is E4M3
   // E4M3 only (null otherwise): dequantization scales, real value = code * scale. Device f32
@@ -49,7 +53,7 @@ struct SoftmaxArgs {
   const void* s;
   void* p;
   int64_t rows, seq_q, seq_k;
-  bool causal;
+  Mask mask;
   Dtype dtype;
 };
 

@@ -83,11 +83,11 @@ void masked_softmax(const SoftmaxArgs& a, void* stream) {
   switch (a.dtype) {
     case Dtype::F16:
       softmax_kernel<<<grid, kThreads, 0, st>>>(s, static_cast<__half*>(a.p), a.seq_q, a.seq_k,
-                                                a.causal);
+                                                a.mask == sdpa::Mask::CausalBottomRight);
       break;
     case Dtype::BF16:
       softmax_kernel<<<grid, kThreads, 0, st>>>(s, static_cast<__nv_bfloat16*>(a.p), a.seq_q,
-                                                a.seq_k, a.causal);
+                                                a.seq_k, a.mask == sdpa::Mask::CausalBottomRight);
       break;
     default:
       throw Error("masked_softmax: unsupported dtype code " + std::to_string(int(a.dtype)));

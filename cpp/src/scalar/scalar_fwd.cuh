@@ -207,7 +207,7 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
 
 template <typename T, int D>
 void forward(const FwdArgs& a, cudaStream_t stream) {
-  (a.causal ? launch<T, D, true> : launch<T, D, false>)(a, stream);
+  (a.mask == sdpa::Mask::CausalBottomRight ? launch<T, D, true> : launch<T, D, false>)(a, stream);
 }
 
 template <typename T, int D>

@@ -83,7 +83,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                     eprintln!("{:.2} us", t.us_graph);
                     records.push(json!({
                         "name": name, "batch": p.batch, "heads": p.heads, "seq_q": p.seq_q,
-                        "seq_k": p.seq_k, "head_dim": p.head_dim, "causal": p.causal,
+                        "seq_k": p.seq_k, "head_dim": p.head_dim, "causal": p.is_causal(),
                         "dtype": p.dtype.name(), "out_dtype": p.output_dtype().name(),
                         "backend": b.name(), "us_graph": t.us_graph,
                         "us_event": t.us_event, "tflops": tflops(p, t.us_graph),

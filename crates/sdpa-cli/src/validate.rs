@@ -91,7 +91,7 @@ impl ProblemArgs {
         for dtype in &self.dtype {
             let dtype: DType = dtype.parse()?;
             for (name, base) in &bases {
-                let named = [base.causal];
+                let named = [base.is_causal()];
                 for &c in if causal.is_empty() {
                     &named[..]
                 } else {

@@ -40,7 +40,14 @@ mod tests {
         for (name, [b, h, s, d], causal) in NAMED_PROBLEMS {
             let p = named_problem(name).unwrap();
             assert_eq!(
-                (p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim, p.causal),
+                (
+                    p.batch,
+                    p.heads,
+                    p.seq_q,
+                    p.seq_k,
+                    p.head_dim,
+                    p.is_causal()
+                ),
                 (b, h, s, s, d, causal),
                 "{name}"
             );

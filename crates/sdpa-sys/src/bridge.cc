@@ -24,7 +24,7 @@ sdpa::FwdArgs convert(const FwdArgs& a) {
   r.v_stride = strides(a.v_stride);
   r.o_stride = strides(a.o_stride);
   r.scale = a.scale;
-  r.causal = a.causal;
+  r.mask = a.mask;
   r.dtype = a.dtype;
   r.out_dtype = a.out_dtype;
   r.q_scale = reinterpret_cast<const float*>(a.q_scale);
@@ -90,7 +90,7 @@ void masked_softmax(const SoftmaxArgs& a, std::size_t stream) {
                             a.rows,
                             a.seq_q,
                             a.seq_k,
-                            a.causal,
+                            a.mask,
                             a.dtype};
   sdpa::masked_softmax(r, reinterpret_cast<void*>(stream));
 }

@@ -15,6 +15,7 @@ struct NonFiniteVArgs;
 struct ScaleMap;
 using sdpa::Dtype;
 using sdpa::Kernel;
+using sdpa::Mask;
 
 void forward(Kernel kernel, const FwdArgs& args, std::size_t stream);
 void masked_softmax(const SoftmaxArgs& args, std::size_t stream);

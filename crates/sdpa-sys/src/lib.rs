@@ -25,6 +25,15 @@ pub mod ffi {
         E4M3 = 2,
     }
 
+    /// Which keys each query row sees: `sdpa::Mask`, bound like `Dtype`.
+    #[namespace = "sdpa"]
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[repr(i32)]
+    enum Mask {
+        NoMask = 0,
+        CausalBottomRight = 1,
+    }
+
     /// The fused kernels of the core, one per backend folder under cpp/src/: `sdpa::Kernel`,
     /// bound like `Dtype`.
     #[namespace = "sdpa"]
@@ -55,7 +64,7 @@ pub mod ffi {
         pub v_stride: [i64; 3],
         pub o_stride: [i64; 3],
         pub scale: f32,
-        pub causal: bool,
+        pub mask: Mask,
         /// Of q, k, v
         pub dtype: Dtype,
         /// Of o: F16 or BF16
@@ -87,7 +96,7 @@ pub mod ffi {
         pub rows: i64,
         pub seq_q: i64,
         pub seq_k: i64,
-        pub causal: bool,
+        pub mask: Mask,
         /// F16 or BF16
         pub dtype: Dtype,
     }
@@ -132,6 +141,7 @@ pub mod ffi {
         include!("sdpa/sdpa.h");
         type Dtype;
         type Kernel;
+        type Mask;
     }
 
     unsafe extern "C++" {

@@ -48,7 +48,7 @@ pub use backend::cpu::reference;
 pub use codec::{decode, encode};
 pub use device::{Device, driver_present};
 pub use error::{Error, MemoryKind, Result};
-pub use problem::{DType, Layout, Problem, Scaling, Strides, TensorShape};
+pub use problem::{DType, Layout, Mask, Problem, Scaling, Strides, TensorShape};
 
 use problem::Checked;
 pub use tensor::Tensor;

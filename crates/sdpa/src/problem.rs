@@ -185,6 +185,33 @@ impl FromStr for Layout {
     }
 }
 
+/// Which keys each query row sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Mask {
+    /// Every key.
+    #[default]
+    None,
+    /// Causal, aligned bottom-right: query row i sees keys j <= i + seq_k - seq_q (the last
+    /// query row sees every key, as FlashAttention does when seq_q != seq_k).
+    CausalBottomRight,
+}
+
+impl Mask {
+    /// Name as the CLI and bench records spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mask::None => "none",
+            Mask::CausalBottomRight => "causal",
+        }
+    }
+}
+
+impl fmt::Display for Mask {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Element strides of a contiguous 4-D tensor: (batch, head, seq); head_dim has stride 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Strides {
@@ -225,8 +252,8 @@ pub struct Problem {
     pub seq_k: usize,
     /// Head dimension.
     pub head_dim: usize,
-    /// Causal mask, aligned bottom-right: query row i sees keys j <= i + seq_k - seq_q.
-    pub causal: bool,
+    /// Which keys each query row sees.
+    pub mask: Mask,
     /// Softmax scale; `None` means 1/sqrt(head_dim).
     pub scale: Option<f32>,
     /// Element type of Q, K and V.
@@ -255,7 +282,7 @@ impl Problem {
             seq_q,
             seq_k,
             head_dim,
-            causal: false,
+            mask: Mask::None,
             scale: None,
             dtype: DType::F16,
             out_dtype: None,
@@ -268,10 +295,22 @@ impl Problem {
         self.kv_heads = kv_heads;
         self
     }
-    /// Sets the causal flag.
-    pub fn with_causal(mut self, causal: bool) -> Self {
-        self.causal = causal;
+    /// Sets the mask.
+    pub fn with_mask(mut self, mask: Mask) -> Self {
+        self.mask = mask;
         self
+    }
+    /// Causal (aligned bottom-right, [`Mask::CausalBottomRight`]) or no mask.
+    pub fn with_causal(self, causal: bool) -> Self {
+        self.with_mask(if causal {
+            Mask::CausalBottomRight
+        } else {
+            Mask::None
+        })
+    }
+    /// Whether the mask is causal.
+    pub fn is_causal(&self) -> bool {
+        self.mask == Mask::CausalBottomRight
     }
     /// Sets an explicit softmax scale.
     pub fn with_scale(mut self, scale: f32) -> Self {
@@ -449,7 +488,7 @@ impl Problem {
 
     /// Number of keys query row `i` attends to (0 for rows that see none).
     pub fn visible_keys(&self, i: usize) -> usize {
-        if !self.causal {
+        if !self.is_causal() {
             return self.seq_k;
         }
         // j <= i + seq_k - seq_q  <=>  j < i + 1 + seq_k - seq_q
@@ -463,7 +502,7 @@ impl Problem {
     pub fn flops(&self) -> f64 {
         let (sq, sk) = (self.seq_q as f64, self.seq_k as f64);
         // Row i sees i + 1 + sk - sq keys (at least 0): an arithmetic series ending at sk.
-        let visible = match (self.causal, self.seq_q <= self.seq_k) {
+        let visible = match (self.is_causal(), self.seq_q <= self.seq_k) {
             (false, _) => sq * sk,
             (true, true) => sq * (2.0 * sk - sq + 1.0) / 2.0,
             (true, false) => sk * (sk + 1.0) / 2.0,
@@ -520,7 +559,7 @@ impl fmt::Display for Problem {
         if self.dtype == DType::E4m3 {
             write!(f, "/{}->{}", self.fp8_scaling.name(), self.output_dtype())?;
         }
-        if self.causal {
+        if self.is_causal() {
             f.write_str(" causal")?;
         }
         if self.layout == Layout::Bshd {

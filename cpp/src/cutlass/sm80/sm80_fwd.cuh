@@ -650,14 +650,14 @@ void forward(const FwdArgs& a, cudaStream_t stream) {
   SDPA_CUDA_CHECK(cudaGetDevice(&dev));
   if constexpr (D == 128) {
     if (shipping_warps<T, D>(dev) == 8) {
-      if (a.causal)
+      if (a.mask == sdpa::Mask::CausalBottomRight)
         launch<T, D, true, 8, 1>(a, stream);
       else
         launch<T, D, false, 8, 1>(a, stream);
       return;
     }
   }
-  if (a.causal)
+  if (a.mask == sdpa::Mask::CausalBottomRight)
     launch<T, D, true, 4, 1>(a, stream);
   else
     launch<T, D, false, 4, 1>(a, stream);

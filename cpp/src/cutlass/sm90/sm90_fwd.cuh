@@ -1142,7 +1142,7 @@ void small_attributes(std::vector<KernelAttr>& out);
 
 template <class E, int D>
 void forward_elems(const FwdArgs& a, cudaStream_t stream) {
-  if (a.causal)
+  if (a.mask == sdpa::Mask::CausalBottomRight)
     launch<E, D, true>(a, stream);
   else
     launch<E, D, false>(a, stream);

@@ -492,8 +492,8 @@ bool small_forward(const FwdArgs& a, cudaStream_t stream) {
   if (!is_sm90(dev)) throw Error("cutlass-sm90: needs an sm_90 (Hopper) GPU");
   const int64_t tiles128 = (a.seq_q + 127) / 128 * a.batch * a.heads;
   if (a.seq_k <= kSmallKeys || 2 * tiles128 > sm_count(dev)) return false;
-  return a.causal ? small_launch<T, D, kSmallKeys, true>(a, stream)
-                  : small_launch<T, D, kSmallKeys, false>(a, stream);
+  return a.mask == sdpa::Mask::CausalBottomRight ? small_launch<T, D, kSmallKeys, true>(a, stream)
+                                                 : small_launch<T, D, kSmallKeys, false>(a, stream);
 }
 
 template <typename T, int D>

@@ -86,8 +86,8 @@ mod tests {
                 for i in 0..p.seq_q {
                     let mut w = vec![f64::NEG_INFINITY; p.seq_k];
                     for (j, wj) in w.iter_mut().enumerate() {
-                        let masked =
-                            p.causal && (j as i64) > i as i64 + p.seq_k as i64 - p.seq_q as i64;
+                        let masked = p.is_causal()
+                            && (j as i64) > i as i64 + p.seq_k as i64 - p.seq_q as i64;
                         if !masked {
                             let mut dot = 0.0;
                             for t in 0..d {

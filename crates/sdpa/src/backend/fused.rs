@@ -106,7 +106,7 @@ fn cutlass_seq_limits(name: &str, p: &Problem) -> std::result::Result<(), String
 fn sm90_limits(p: &Problem) -> std::result::Result<(), String> {
     cutlass_seq_limits("cutlass-sm90", p)?;
     // The causal producer forms row + seq_k before subtracting seq_q.
-    if p.causal && p.seq_q + p.seq_k > INT_MAX {
+    if p.is_causal() && p.seq_q + p.seq_k > INT_MAX {
         return Err(format!(
             "causal seq_q + seq_k = {} exceeds 2^31 - 1: the cutlass-sm90 kernel computes the \
              diagonal in 32-bit int",
@@ -208,7 +208,7 @@ fn fwd_args(
         v_stride: ks,
         o_stride: qs,
         scale: p.scale(),
-        causal: p.causal,
+        mask: ffi::mask(p.mask),
         dtype: ffi::dtype(p.dtype),
         out_dtype: ffi::dtype(p.output_dtype()),
         q_scale: q.scales_ptr(dev),

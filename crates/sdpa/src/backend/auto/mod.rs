@@ -29,7 +29,10 @@ pub const FALLBACK: [Backend; 5] = [
 pub fn order(sm: Option<u32>, p: &Problem) -> &'static [Backend] {
     let size = SizeClass::of(p);
     let same = |r: &&Row| {
-        r.dtype == p.dtype && r.head_dim == p.head_dim && r.causal == p.causal && r.size == size
+        r.dtype == p.dtype
+            && r.head_dim == p.head_dim
+            && r.causal == p.is_causal()
+            && r.size == size
     };
     let rows = table::TABLE;
     rows.iter()

@@ -44,7 +44,7 @@ fn workspace_layout(p: &Problem) -> Option<WorkspaceLayout> {
         .checked_mul(p.seq_k)?;
     let s_bytes = scores.checked_mul(4)?;
     let p_end = s_bytes.checked_add(scores.checked_mul(p.dtype.size())?)?;
-    if !p.causal {
+    if !p.is_causal() {
         return Some(WorkspaceLayout {
             p: s_bytes,
             v_finite: p_end,
@@ -152,7 +152,11 @@ pub(crate) fn supports(dev: &Device, p: &Problem) -> std::result::Result<(), Str
         return Err(format!(
             "needs {:.2} GiB of workspace for S and P{}, the GPU has {:.2} GiB free",
             gib(need),
-            if p.causal { " and V's finite copy" } else { "" },
+            if p.is_causal() {
+                " and V's finite copy"
+            } else {
+                ""
+            },
             gib(free + held.unwrap_or(0))
         ));
     }
@@ -356,7 +360,7 @@ pub(crate) fn forward(
         rows: scores as i64 / sk,
         seq_q: sq,
         seq_k: sk,
-        causal: p.causal,
+        mask: ffi::mask(p.mask),
         dtype: ffi::dtype(p.dtype),
     };
     let stream = dev.raw_stream()?;
@@ -364,7 +368,7 @@ pub(crate) fn forward(
     unsafe { sdpa_sys::ffi::masked_softmax(&args, stream)? };
     // Causal: P = 0 at masked keys, and 0 · NaN = 0 · Inf = NaN inside the GEMM, so it reads a
     // finite copy of V and the non-finite values are put back for the rows that see them.
-    let nonfinite = p.causal.then(|| sdpa_sys::ffi::NonFiniteVArgs {
+    let nonfinite = p.is_causal().then(|| sdpa_sys::ffi::NonFiniteVArgs {
         v: vp,
         v_stride: ks.as_i64(),
         v_finite: s_ptr + layout.v_finite as u64,
