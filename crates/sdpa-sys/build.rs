@@ -60,7 +60,7 @@ fn main() {
     }
     // CMake's build tree lives beside cargo's profile folder, not in OUT_DIR: `cargo test` and
     // `cargo clippy` run this script with different OUT_DIRs, and with a tree of their own each
-    // the whole CUDA core compiled twice (CI's 2 cores paid ~10 minutes for it). One tree per
+    // the whole CUDA core compiled twice (minutes on CI's 2 cores). One tree per
     // (toolchain, CUTLASS, archs) lets the second run find every object up to date. Cargo's
     // lock on the target folder keeps two builds from sharing it at once.
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
@@ -71,7 +71,9 @@ fn main() {
     let dst = cfg.build();
     let build = dst.join("build");
 
-    write_ptxas_report(&build, &cpp, &PathBuf::from(env::var("OUT_DIR").unwrap()));
+    let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
+    write_ptxas_report(&build, &cpp, &out_dir);
+    write_instances(&cpp.join("kernels.txt"), &out_dir);
 
     cxx_build::bridge("src/lib.rs")
         .file("src/bridge.cc")
@@ -271,6 +273,34 @@ fn fix_up_toolkit(cuda: &Path) -> Result<(), String> {
 /// Concatenates the per-object ptxas reports (cmake/ptxas-log.sh) into one file for
 /// `sdpa_sys::PTXAS_REPORT`. A report whose source file is gone (deleted or moved since this
 /// build tree compiled it) is left out: CMake leaves its object and report behind.
+/// `$OUT_DIR/instances.rs`: cpp/kernels.txt (the fused-kernel instantiations) as a Rust table,
+/// so the safe layer knows which (backend, dtype, head_dim) exist without a second list.
+fn write_instances(list: &Path, out_dir: &Path) {
+    let text =
+        fs::read_to_string(list).unwrap_or_else(|e| fail(&format!("{}: {e}", list.display())));
+    let mut rust = String::from("&[\n");
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let [backend, dtype, head_dim] = f[..] else {
+            fail(&format!(
+                "{}: expected 'backend dtype head_dim', got '{line}'",
+                list.display()
+            ));
+        };
+        let head_dim: usize = head_dim
+            .parse()
+            .unwrap_or_else(|_| fail(&format!("{}: bad head_dim in '{line}'", list.display())));
+        rust.push_str(&format!(
+            "    Instance {{ backend: {backend:?}, dtype: {dtype:?}, head_dim: {head_dim} }},\n"
+        ));
+    }
+    rust.push(']');
+    fs::write(out_dir.join("instances.rs"), rust).unwrap();
+}
+
 fn write_ptxas_report(build: &Path, cpp: &Path, out_dir: &Path) {
     let mut files = Vec::new();
     let mut stack = vec![build.to_path_buf()];
@@ -306,7 +336,11 @@ fn write_ptxas_report(build: &Path, cpp: &Path, out_dir: &Path) {
 fn source_exists(report: &Path, cpp: &Path) -> bool {
     let text = report.to_string_lossy();
     match text.split_once("sdpa_core.dir/") {
-        Some((_, rel)) => cpp.join(rel.trim_end_matches(".o.ptxas")).exists(),
+        // Sources generated from cpp/kernels.txt live in the build tree, under gen/.
+        Some((build, rel)) => {
+            let src = rel.trim_end_matches(".o.ptxas");
+            cpp.join(src).exists() || Path::new(build).join("..").join(src).exists()
+        }
         None => true,
     }
 }

@@ -57,9 +57,9 @@ struct SoftmaxArgs {
   Dtype dtype;
 };
 
-// Non-finite V at causally masked keys, for the unfused cuBLAS backend (issue 6). Its P·V GEMM
-// spans every key with P = 0 at masked ones, and 0 · NaN = 0 · Inf = NaN, so a NaN or an
-// infinity anywhere in V would reach rows that do not see its key. Causal calls therefore run
+// Non-finite V at causally masked keys, for the unfused cuBLAS backend (the non-finite V check).
+// Its P·V GEMM spans every key with P = 0 at masked ones, and 0 · NaN = 0 · Inf = NaN, so a NaN or
+// an infinity anywhere in V would reach rows that do not see its key. Causal calls therefore run
 // the GEMM on a finite copy of V and add the reference's non-finite terms to O afterwards.
 struct NonFiniteVArgs {
   const void* v;  // V as given, [batch][kv_heads][seq_k][head_dim] with v_stride

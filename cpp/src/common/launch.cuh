@@ -1,5 +1,6 @@
-// Host-side pieces every fused kernel's launch shares: the kernel parameter block built from
-// the validated FwdArgs, and the once-per-device opt-in to more than 48 KB of shared memory.
+// Host-side pieces the fused kernels' launches share: the kernel parameter block of scalar and wmma
+// built from the validated FwdArgs, the once-per-device opt-in to more than 48 KB of shared memory,
+// and programmatic dependent launch (the sm_90a kernels).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,4 +1,4 @@
-// Non-finite values of V at keys a causal row does not see (issue 6).
+// Non-finite values of V at keys a causal row does not see: the non-finite V check.
 //
 // The reference skips masked keys. A tensor-core P·V multiplies them by P = 0 instead, and
 // 0 · NaN = 0 · Inf = NaN, so a NaN or an infinity in V at a key past a row's diagonal, inside

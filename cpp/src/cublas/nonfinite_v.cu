@@ -1,6 +1,6 @@
-// Non-finite V at causally masked keys on the unfused cuBLAS backend (issue 6; the contract is
-// NonFiniteVArgs in sdpa.h). The P·V GEMM spans every key with P = 0 at masked ones, and
-// 0 · NaN = 0 · Inf = NaN, so causal calls run it on a finite copy of V and put the reference's
+// Non-finite V at causally masked keys on the unfused cuBLAS backend (the non-finite V check; the
+// contract is NonFiniteVArgs in sdpa.h). The P·V GEMM spans every key with P = 0 at masked ones,
+// and 0 · NaN = 0 · Inf = NaN, so causal calls run it on a finite copy of V and put the reference's
 // non-finite terms into O afterwards:
 //   sanitize_v: a memset of the records (12 bytes a kv head and column), then one pass over V,
 //     copying it dense with non-finite values set to 0 and lowering (atomicMin) per kv head and
@@ -10,10 +10,10 @@
 //     row that sees it go on, and they rewrite only the elements whose term is not 0.
 // Non-causal calls use neither: every key is visible, and the GEMM propagates NaN and Inf as
 // the reference does.
-// Assumes validated arguments (crates/sdpa/src/backend/cublas.rs): dtype F16 or BF16, heads a
-// multiple of kv_heads, seq_k and head_dim below 2^31 (keys are recorded as uint32 with
-// 0xffffffff for none; a block's element count and head_dim / kVec are int), buffers as large as
-// the strides and shapes address. Everything else is 64-bit.
+// Assumes validated arguments (crates/sdpa/src/backend/cublas/mod.rs): dtype F16 or BF16, heads a
+// multiple of kv_heads, seq_k and head_dim below 2^31 (keys are recorded as uint32 with 0xffffffff
+// for none; a block's element count and head_dim / kVec are int), buffers as large as the strides
+// and shapes address. Everything else is 64-bit.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

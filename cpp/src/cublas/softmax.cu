@@ -1,9 +1,8 @@
-// The middle step of the unfused cuBLAS backend: P = softmax(S) row by row, with the causal
-// mask (aligned bottom-right), written in the input dtype for the P·V GEMM.
-// Assumes validated arguments: S holds rows x seq_k scaled scores (f32, scale folded into the
-// Q·Kᵀ GEMM's alpha), P has the same shape, rows = batch * heads * seq_q. One CTA per row on
-// grid x: rows <= 2^31 - 1 (cublas::limits, crates/sdpa/src/backend/cublas.rs); row and column
-// indices are 64-bit.
+// The middle step of the unfused cuBLAS backend: P = softmax(S) row by row, with the causal mask
+// (aligned bottom-right), written in the input dtype for the P·V GEMM. Assumes validated arguments:
+// S holds rows x seq_k scaled scores (f32, scale folded into the Q·Kᵀ GEMM's alpha), P has the same
+// shape, rows = batch * heads * seq_q. One CTA per row on grid x: rows <= 2^31 - 1 (cublas::limits,
+// crates/sdpa/src/backend/cublas/mod.rs); row and column indices are 64-bit.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

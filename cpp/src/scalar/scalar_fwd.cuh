@@ -148,8 +148,8 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
     __syncwarp();
 
     // O += P·V; lane owns column pairs lane, lane + 32, ...
-    // Keys a row does not see are skipped, not multiplied by their P = 0: 0 · NaN and 0 · Inf
-    // are NaN (issue 6). Only a tile crossing this warp's diagonal has any.
+    // Keys a row does not see are skipped, not multiplied by their P = 0: 0 · NaN and 0 · Inf are
+    // NaN (common/nonfinite.cuh). Only a tile crossing this warp's diagonal has any.
     const auto accumulate = [&](auto masked) {
       // Unrolled by 2 only without the mask: with it, sm_80 spilled 8 bytes.
       constexpr int kUnroll = decltype(masked)::value ? 1 : 2;

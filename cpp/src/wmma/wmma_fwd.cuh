@@ -12,10 +12,10 @@
 // cp.async, double-buffered: tile n+1 is in flight while tile n is computed.
 //
 // Causal: a V tile that crosses the CTA's diagonal is checked for Inf/NaN at the tile's barrier
-// and, in the rare case it has some, handled as common/nonfinite.cuh describes (issue 6).
+// and, in the rare case it has some, handled as common/nonfinite.cuh describes (the non-finite V
+// check).
 //
-// Every tuning choice below names the variant of the measurement log (docs/perf.md,
-// "wmma tuning", H200, CUDA-graph timings) that chose it.
+// Every tuning choice below names the variant of the wmma tuning log (docs/log/) that chose it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -42,28 +42,25 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kBM = kWarps * 16;  // one 16-row wmma strip per warp
 constexpr int kBN = 64;
 static_assert(kBM == kBN, "Q is staged with the K/V tile loader");
-// K/V/Q row padding: 8 elements (16 bytes) puts the row pitch 16 bytes past a multiple of 128,
-// so the 8 rows one ldmatrix phase reads start in different banks. Measured ("pad0", "l2p16"):
-// no padding is 3.5x (D = 64) and 3.9x (D = 128) slower; 16 elements puts rows r and r + 4 in
-// the same banks (pitch 32 bytes past a multiple of 128) and is 31-38% slower (D = 64 also
-// loses a CTA per SM).
+// K/V/Q row padding: 8 elements (16 bytes) puts the row pitch 16 bytes past a multiple of 128, so
+// the 8 rows one ldmatrix phase reads start in different banks. Measured ("pad0", "l2p16"): no
+// padding is several times slower; 16 elements puts rows r and r + 4 in the same banks (pitch
+// 32 bytes past a multiple of 128) and is clearly slower (D = 64 also loses a CTA per SM).
 // wmma takes a pointer and a pitch, so an XOR swizzle is not expressible; padding is the choice.
 constexpr int kPad = 8;
-// S strip pitch in floats: 72 (288 bytes, 32 past 256). wmma's f32 accumulator store writes
-// 8-byte pairs, 4 lanes per row, 4 rows per half-warp: at 72 those 4 rows land on disjoint
-// 8-bank spans. The previous pitch, 68, was free of conflicts for the softmax reads but made
-// every accumulator store 2-way (ncu: 10.9M store conflicts on s2k-d128); 72 with the lane
-// mapping below is conflict-free for all four accesses ("l2": -8% s1k-d64, -3 to -4%
-// s2k-d128).
-// Pitch 64 ("spad0") is 1.9-2.5x slower.
+// S strip pitch in floats: 72 (288 bytes, 32 past 256). wmma's f32 accumulator store writes 8-byte
+// pairs, 4 lanes per row, 4 rows per half-warp: at 72 those 4 rows land on disjoint 8-bank spans. A
+// pitch of 68 is free of conflicts for the softmax reads but makes every accumulator store 2-way;
+// 72 with the lane mapping below is conflict-free for all four accesses ("l2", faster on both large
+// problems). Pitch 64 ("spad0") is about twice as slow.
 constexpr int kSLd = kBN + 8;
 // P (T) has its own pitch inside the strip: 72 elements = 144 bytes (16 past 128), so both the
 // softmax's 8-byte P stores and the ldmatrix rows of the P·V load are conflict-free.
 constexpr int kPLd = kBN + 8;
 // Two K/V stages, by measurement ("st3" against "qk4_4"): a third stage costs a CTA per SM at
-// D = 64 (4 -> 3, +6%) and at D = 128 (2 -> 1, +34-36%). An FA2-style schedule with one K and one
-// V buffer loaded in split phases (two barriers per tile, 168 registers for 3 CTAs/SM, "sp2")
-// gained only 1.7% at D = 128 and lost 3% at D = 64: not worth a second schedule.
+// D = 64 (4 -> 3) and at D = 128 (2 -> 1), and is slower at both. An FA2-style schedule with one K
+// and one V buffer loaded in split phases (two barriers per tile, 168 registers for 3 CTAs/SM,
+// "sp2") gained little at D = 128 and lost at D = 64: not worth a second schedule.
 constexpr int kStages = 2;
 
 using Acc = wm::fragment<wm::accumulator, 16, 16, 16, float>;
@@ -79,8 +76,8 @@ struct Layout {
   static constexpr int kV = kK + kStages * kTile;      // V tiles [kStages][kBN][kLd]
   static constexpr int kS = kV + kStages * kTile;      // S/P strips [kWarps][16][kSLd]; Q staging
   static constexpr int kAlpha = kS + kWarps * kStrip;  // per-row factors [kWarps][16]
-  // Issue 6's columns of the current V tile (rare path). A region of its own: it must live from
-  // before the first warp's P·V to after the last one's, and all else is busy then.
+  // The non-finite V check's columns of the current V tile (rare path). A region of its own: it
+  // must live from before the first warp's P·V to after the last one's, and all else is busy then.
   static constexpr int kNf = kAlpha + kWarps * 16 * 4;
   static constexpr int kBytes = kNf + int(sizeof(NonFiniteCols<D>));
   static_assert(kTile % 128 == 0 && kStrip % 128 == 0, "regions must stay 128-byte aligned");
@@ -132,12 +129,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Fragment loads from shared memory. For f16 the library's wmma.load already carries the
-// .shared state space and becomes ldmatrix. The bf16 builtins lose it: their PTX loads are
-// generic, which ptxas turns into plain LD plus MOVM transposes (100 LD + 32 MOVM per D = 128
-// kernel), and that alone made bf16 ~40% slower than f16 ("base" against "fix4": s2k-d128
-// 1099 -> 771 us, f16 769 us). The same wmma.load with .shared spelled out restores ldmatrix.
-// Layouts are wmma's own (the instruction is the same), so mma_sync consumes them unchanged.
+// Fragment loads from shared memory. For f16 the library's wmma.load already carries the .shared
+// state space and becomes ldmatrix. The bf16 builtins lose it: their PTX loads are generic, which
+// ptxas turns into plain LD plus MOVM transposes, and that alone made bf16 much slower than f16
+// ("base" against "fix4"). The same wmma.load with .shared spelled out restores ldmatrix. Layouts
+// are wmma's own (the instruction is the same), so mma_sync consumes them unchanged.
 __device__ __forceinline__ void load_frag(
     wm::fragment<wm::matrix_a, 16, 16, 16, __nv_bfloat16, wm::row_major>& f, const __nv_bfloat16* p,
     unsigned ldm) {
@@ -170,13 +166,13 @@ __device__ __forceinline__ void load_frag(Frag& f, const __half* p, unsigned ldm
   wm::load_matrix_sync(f, p, ldm);
 }
 
-// Issues cp.async for one 64-row tile. Thread tid owns the 16-byte column chunk tid % CH of
-// rows tid / CH + i * RS; `g` points at its first chunk in global memory, `step` is RS rows in
-// bytes and `dst` its first chunk in shared memory. Only a tile with fewer than 64 rows left
-// pays for the row predicate: rows past the end are zero-filled (zero K/Q rows give finite
-// scores that the mask then discards, zero V rows keep 0 * garbage = NaN out of P·V) and read
-// from `base`, which is mapped. Precomputing the addresses cut the loader from ~300 to ~100
-// instructions per tile ("ld4": -5.7% s1k-d64; at s2k-d128 within noise, -1% to +2%).
+// Issues cp.async for one 64-row tile. Thread tid owns the 16-byte column chunk tid % CH of rows
+// tid / CH + i * RS; `g` points at its first chunk in global memory, `step` is RS rows in bytes and
+// `dst` its first chunk in shared memory. Only a tile with fewer than 64 rows left pays for the row
+// predicate: rows past the end are zero-filled (zero K/Q rows give finite scores that the mask then
+// discards, zero V rows keep 0 * garbage = NaN out of P·V) and read from `base`, which is mapped.
+// Precomputing the addresses cuts the loader's instructions per tile to about a third ("ld4":
+// faster at D = 64, neutral at D = 128).
 template <int D>
 __device__ __forceinline__ void load_tile(uint32_t dst, const uint8_t* g, int64_t step,
                                           int rows_left, int tid, const uint8_t* base) {
@@ -195,10 +191,10 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const uint8_t* g, int64_
   }
 }
 
-// Issue 6, step 1, before the tile's barrier: whether the 16-byte chunks of one V tile that
-// load_tile made this thread copy (from `dst`, as there) hold an Inf or a NaN. cp.async's
-// wait_group makes a thread's own copies visible to it, so the check needs no barrier of its
-// own: the tile's barrier ORs it over the CTA. Rows past seq_k are zero-filled: finite.
+// Non-finite V check, step 1, before the tile's barrier: whether the 16-byte chunks of one V tile
+// that load_tile made this thread copy (from `dst`, as there) hold an Inf or a NaN. cp.async's
+// wait_group makes a thread's own copies visible to it, so the check needs no barrier of its own:
+// the tile's barrier ORs it over the CTA. Rows past seq_k are zero-filled: finite.
 template <typename T, int D>
 __device__ __forceinline__ bool own_chunks_nonfinite(uint32_t dst) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -212,8 +208,8 @@ __device__ __forceinline__ bool own_chunks_nonfinite(uint32_t dst) {
   return (bits & kNonFinite2Bits) != 0;
 }
 
-// Issue 6, step 2 (rare path, some thread found a non-finite value): one thread per column
-// records the first NaN, +Inf and -Inf of its column of V tile `v` into c and zeroes them.
+// Non-finite V check, step 2 (rare path, some thread found a non-finite value): one thread per
+// column records the first NaN, +Inf and -Inf of its column of V tile `v` into c and zeroes them.
 template <typename T, int D>
 __device__ __forceinline__ void record_and_zero(uint16_t* v, NonFiniteCols<D>& c, int tid) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -228,11 +224,11 @@ __device__ __forceinline__ void record_and_zero(uint16_t* v, NonFiniteCols<D>& c
   }
 }
 
-// CTAs per SM that __launch_bounds__ asks for at D = 64. On sm_90, 4 fit in shared memory
-// (4 x 54.4 KB) and 4 caps registers at 128; without the cap ptxas takes 142-160 and only 3
-// CTAs fit (a 3-CTA configuration, "st3", measured 6% slower there). On sm_80 shared memory
-// admits only 2, and the 128 cap would spill there, so it asks for 2. D = 128 holds 2 CTAs per
-// SM on sm_90 and 1 on sm_80 (shared memory) at any register count, so it asks for 1.
+// CTAs per SM that __launch_bounds__ asks for at D = 64. On sm_90, 4 fit in shared memory (4 x
+// 54.4 KB) and 4 caps registers at 128; without the cap ptxas takes more and only 3 CTAs fit (a
+// 3-CTA configuration, "st3", was slower there). On sm_80 shared memory admits only 2, and the 128
+// cap would spill there, so it asks for 2. D = 128 holds 2 CTAs per SM on sm_90 and 1 on sm_80
+// (shared memory) at any register count, so it asks for 1.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr int kMinCtasD64 = 2;
 #else
@@ -269,9 +265,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
   int64_t n_end = p.seq_k;
   if (CAUSAL) n_end = min(p.seq_k, max(int64_t(0), min(m0 + kBM, p.seq_q) + off));
   const int n_tiles = int((n_end + kBN - 1) / kBN);
-  // Causal: the first tile that holds a key (< seq_k) the CTA's first row does not see, i.e.
-  // that crosses the diagonal of some row (issue 6); n_tiles if none. The tiles from it on
-  // are the last one or two.
+  // Causal: the first tile that holds a key (< seq_k) the CTA's first row does not see, i.e. that
+  // crosses the diagonal of some row (the non-finite V check); n_tiles if none. The tiles from it
+  // on are the last one or two.
   int t_diag = n_tiles;
   if (CAUSAL && p.seq_k - 1 > m0 + off) t_diag = int(max(int64_t(0), m0 + off + 1) / kBN);
 
@@ -369,9 +365,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
     }
 
     // S = Q·Kᵀ: the row-major K tile read as a col-major matrix_b is Kᵀ. Four independent
-    // accumulators (one per 16-key block) interleave their mma chains; one accumulator at a
-    // time left each 16-key block a chain of KD dependent mmas ("qk4_4": -8 to -9% s2k-d128
-    // against "smx4"; two accumulators, "qk2_4", got -3 to -6%).
+    // accumulators (one per 16-key block) interleave their mma chains; one accumulator at a time
+    // left each 16-key block a chain of KD dependent mmas ("qk4_4" against "smx4", faster at
+    // D = 128; two accumulators, "qk2_4", gained less).
     {
       const T* kt = sK + buf * kBN * L::kLd;
       Acc s[NB];
@@ -392,9 +388,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
     }
     __syncwarp();
 
-    // Online softmax of this lane's half row, on raw scores: scale > 0 commutes with max, and
-    // the scaling folds into one FFMA per element inside the exponent ("smx4", with the tree
-    // reductions and fast_exp2: -4% on both large problems).
+    // Online softmax of this lane's half row, on raw scores: scale > 0 commutes with max, and the
+    // scaling folds into one FFMA per element inside the exponent ("smx4", with the tree reductions
+    // and fast_exp2: faster on both large problems).
     float x[32];
     {
       const float* srow = sS + r * kSLd + 4 * half;
@@ -458,7 +454,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
     }
 
     // O += P·V. Unrolled by 2 so the next block's fragment loads overlap this block's mmas
-    // ("qk4p2": -1 to -2%); fully unrolled, ptxas hoists every load and D = 128 runs out of
+    // ("qk4p2", a small gain); fully unrolled, ptxas hoists every load and D = 128 runs out of
     // registers.
     const T* vt = sV + buf * kBN * L::kLd;
 #pragma unroll 2
@@ -473,9 +469,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
       }
     }
 
-    // Issue 6, step 3 (rare): every O element adds what its row's visible keys of the tile
-    // held before they were zeroed. Through this warp's strip (P is consumed), 64 columns at
-    // a time, since the fragments' element -> column mapping is unspecified.
+    // Non-finite V check, step 3 (rare): every O element adds what its row's visible keys of the
+    // tile held before they were zeroed. Through this warp's strip (P is consumed), 64 columns at a
+    // time, since the fragments' element -> column mapping is unspecified.
     if (CAUSAL && nonfinite) {
 #pragma unroll
       for (int c0 = 0; c0 < D; c0 += 64) {

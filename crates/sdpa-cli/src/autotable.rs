@@ -643,8 +643,8 @@ mod tests {
 
     #[test]
     fn a_bad_record_after_good_ones_yields_no_output_at_all() {
-        // Before, the header and the rows before the bad one were printed; now `generate`
-        // returns only an error, and `main` prints nothing unless it returns Ok.
+        // `generate` returns only an error, and `main` prints nothing unless it returns Ok: neither
+        // the header nor the rows before the bad record.
         let records = [
             record("wmma", 10.0, json!({})),
             record("cutlass", 8.0, json!({"name": "other", "head_dim": 128})),

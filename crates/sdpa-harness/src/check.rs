@@ -19,19 +19,18 @@ pub struct Tolerance {
 /// The tolerances every backend is held to, stated once.
 ///
 /// Why these numbers: with the reference computed on the already-rounded inputs, rounding the
-/// output to the dtype alone gives rel_err ≈ u/√3 ≈ 0.58u (u = unit roundoff: 2^-11 for f16,
-/// 2^-8 for bf16); torch on an H200 measures 2.7e-4 (0.55u) for f16 and 2.2e-3 (0.56u) for
-/// bf16 on the mission shape. Tensor-core backends also round P to the dtype before P·V, which
-/// adds about as much again. `rel = 2u` leaves room for both (f16 9.8e-4, bf16 7.8e-3) and is
-/// still orders of magnitude below what an indexing or masking bug produces (rel_err ~ 1).
-/// One element may be off by at most 8u relative to the largest output (rounding of a few
-/// large terms), never by O(1).
+/// output to the dtype alone gives rel_err ≈ u/√3 ≈ 0.58u (u = unit roundoff: 2^-11 for f16, 2^-8
+/// for bf16), and torch's own error is the same (docs/perf.md). Tensor-core backends also round P
+/// to the dtype before P·V, which adds about as much again. `rel = 2u` leaves room for both
+/// (f16 9.8e-4, bf16 7.8e-3) and is still orders of magnitude below what an indexing or masking
+/// bug produces (rel_err ~ 1). One element may be off by at most 8u relative to the largest
+/// output (rounding of a few large terms), never by O(1).
 ///
-/// e4m3 problems are checked against the reference on the dequantized inputs (the kernel's
-/// own error, not the quantization's). The simulated path is exact up to its 16-bit kernel
-/// (power-of-two scales: code·scale is exact): 3-5e-4 measured. The native kernel splits P
-/// into two e4m3 terms (P rounded once to e4m3 alone, 3 mantissa bits, measured 2.5e-2) and
-/// measured 6e-4 to 4e-3 (docs/perf.md). `rel = 2e-2` is the bar set for FP8;
+/// e4m3 problems are checked against the reference on the dequantized inputs (the kernel's own
+/// error, not the quantization's). The simulated path is exact up to its 16-bit kernel
+/// (power-of-two scales: code·scale is exact), so its error is that kernel's. The native kernel
+/// runs P·V in f16 (P rounded to e4m3, 3 mantissa bits, would be far coarser), which keeps its
+/// error near the 16-bit kernels' (docs/perf.md). `rel = 2e-2` is the FP8 accuracy bar;
 /// `max_abs = 2u(e4m3)` catches any element off by O(1).
 pub fn tolerance(dtype: DType) -> Tolerance {
     let u = dtype.unit_roundoff();

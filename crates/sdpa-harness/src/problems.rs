@@ -1,5 +1,5 @@
-//! The named problems of design.md: the shapes the CLI validates and benches by default, the
-//! criterion benches time, and the PyTorch anchor script measures under the same names.
+//! The named problems (README.md lists them): the shapes the CLI validates and benches by default,
+//! the criterion benches time, and the PyTorch anchor script measures under the same names.
 
 use sdpa::{Error, Problem, Result};
 

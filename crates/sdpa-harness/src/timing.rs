@@ -1,5 +1,5 @@
-//! GPU timing, the same way everywhere (design.md "Measuring"): CUDA events, warm-up first,
-//! medians. `us_graph` is the per-call time inside a CUDA graph of many calls (the kernel
+//! GPU timing, the same way everywhere (docs/perf.md, "How to measure"): CUDA events, warm-up
+//! first, medians. `us_graph` is the per-call time inside a CUDA graph of many calls (the kernel
 //! without launch gaps); `us_event` is one call between two events (what a caller sees).
 
 use cudarc::driver::sys;

@@ -102,7 +102,7 @@ pub mod ffi {
     }
 
     /// Mirrors `sdpa::NonFiniteVArgs`: the cuBLAS backend's finite copy of V for causal
-    /// problems and what it records (issue 6). Strides in elements: [batch, head, seq].
+    /// problems and its records (the non-finite V check). Strides in elements: [batch, head, seq].
     #[derive(Debug, Clone)]
     pub struct NonFiniteVArgs {
         pub v: u64,
@@ -218,6 +218,21 @@ pub mod ffi {
 /// The ptxas resource report of every kernel, captured when `cpp/` was compiled
 /// (`-Xptxas=-v`, demangled). Parsed by `sdpa_harness::info`.
 pub const PTXAS_REPORT: &str = include_str!(concat!(env!("OUT_DIR"), "/ptxas.txt"));
+
+/// One fused-kernel instantiation of the core (a line of cpp/kernels.txt).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Instance {
+    /// Backend as `sdpa` names it: scalar, wmma, cutlass, cutlass-sm80.
+    pub backend: &'static str,
+    /// Element type of Q, K, V: f16, bf16, e4m3.
+    pub dtype: &'static str,
+    /// Head dimension.
+    pub head_dim: usize,
+}
+
+/// Every instantiation the core was generated with (cpp/kernels.txt; the CUTLASS ones exist
+/// only when `ffi::built_with_cutlass()`).
+pub const INSTANCES: &[Instance] = include!(concat!(env!("OUT_DIR"), "/instances.rs"));
 
 /// CUDA architectures the core was compiled for (e.g. "80;90a").
 pub const CUDA_ARCHS: &str = env!("SDPA_CUDA_ARCHS");

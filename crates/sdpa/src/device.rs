@@ -26,8 +26,9 @@ pub struct Device {
     stream: Arc<CudaStream>,
     /// cuBLAS handle and workspace of this stream, made on first use by the cublas backend.
     blas: Arc<Mutex<Option<BlasState>>>,
-    /// Scratch the fused kernels ask for (the native e4m3 kernel's Vᵀ), grown on demand and
-    /// reused: work on one stream runs in order, so one buffer per stream suffices.
+    /// Scratch the fused kernels ask for (e4m3 inputs: the native kernel's f16 copy of V, the
+    /// simulated path's 16-bit Q, K, V), grown on demand and reused: work on one stream runs in
+    /// order, so one buffer per stream suffices.
     scratch: Arc<Mutex<Option<CudaSlice<u8>>>>,
 }
 

@@ -73,12 +73,12 @@ pub fn absmax_host(x: &[f32], shape: &TensorShape, scaling: Scaling) -> Result<V
 /// amax has no finite scale: error.
 ///
 /// Why a power of two rather than `amax / 448` itself: E4M3's relative precision is the same in
-/// every normal binade, so the codes lose nothing, and `code · scale` is then exact in f32 and
-/// in bf16 (and in f16 within its range). Dividing by the scale is exact too, so quantizing
-/// rounds once. The simulated path depends on it: it feeds `code · scale` to a 16-bit kernel,
-/// and with outlier channels (logits in the thousands) one extra rounding of Q or K there
-/// moved the softmax by more than the e4m3 tolerance (measured: max error 0.9 at amax-exact
-/// scales; docs/perf.md). The OCP MX formats use power-of-two scales for the same reason.
+/// every normal binade, so the codes lose nothing, and `code · scale` is then exact in f32 and in
+/// bf16 (and in f16 within its range). Dividing by the scale is exact too, so quantizing rounds
+/// once. The simulated path depends on it: it feeds `code · scale` to a 16-bit kernel, and with
+/// outlier channels (logits in the thousands) one extra rounding of Q or K there moved the softmax
+/// by more than the e4m3 tolerance (docs/log/). The OCP MX formats use power-of-two scales for the
+/// same reason.
 pub fn scales_from_amax(amax: &[f32]) -> Result<Vec<f32>> {
     amax.iter()
         .enumerate()

@@ -267,9 +267,9 @@ pub struct Problem {
 }
 
 /// Largest element count of one tensor: the CPU side multiplies sizes in `usize`, and the driver
-/// caps one allocation well below this. It is not what the kernels can index: they hold some
-/// sizes, row and key indices, tile counts and grid dimensions in 32-bit `int`, and each
-/// backend's `supports` (backend/fused.rs, backend/cublas.rs) rejects what exceeds them.
+/// caps one allocation well below this. It is not what the kernels can index: they hold some sizes,
+/// row and key indices, tile counts and grid dimensions in 32-bit `int`, and each backend's
+/// `supports` (backend/fused.rs, backend/cublas/mod.rs) rejects what exceeds them.
 const MAX_ELEMENTS: usize = 1 << 40;
 
 impl Problem {

@@ -3,26 +3,20 @@
 // Assumes validated arguments (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned
 // rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1, scale > 0.
 //
-// Shipping configuration (forward() below): one CTA = BM = 64 query rows of one
-// (batch, head), 4 warps of 16 rows each (one m16n8k16 M strip). Every warp sweeps all key
-// tiles for its own rows, so the online softmax never merges state across warps, and 16 rows a
-// warp keep the Q fragments in registers for the whole sweep (D = 128: O 64 + Q 32 + S 32
-// registers + fragments, 214-223 in all). The kernel is templated on warps per CTA (W = 4, 8)
-// and strips per warp (MT = 1, 2); all were checked, and measured on an H200 (sm_90a build of
-// this mma.sync kernel, CUDA graph of 50 launches, median, f16):
-//                         W4 MT1    W8 MT1    W4 MT2 (FlashAttention-2's 32 rows a warp)
-//   B4 H16 S2048 D128     500 us    507 us    494 us     causal: 285 / 307 / 319 us
-//   B4 H16 S1024 D64       77 us     88 us     72 us     causal:  53 /  61 /  60 us
-//   B2 H8  S256  D64      5.4 us    7.7 us    7.7 us
-// W4 MT1 is best or within 7% everywhere and clearly best causal and on small grids: several
-// independent 4-warp CTAs per SM (H200, D = 64: 3, D = 128: 2) overlap one CTA's softmax with
-// another's mma, where 8 warps behind one __syncthreads per tile move in lockstep; 64-row CTAs
-// also make twice the CTAs for short sequences and cut the causal diagonal waste. At D = 128 a
-// CTA takes 96 KB, so an A100 (164 KB per SM) or sm_86 / sm_89 (100 KB) SM holds only one:
-// there W8 MT1 (one 8-warp CTA, 128 rows) ships instead, not 4 warps per SM. MT = 2 reuses
-// each K/V fragment for two strips (half the ldmatrix traffic) but needs 255 registers: at
-// D = 128 Q no longer fits and is re-read from its own buffer, with 32-key tiles to avoid
-// spilling.
+// Shipping configuration (forward() below): one CTA = BM = 64 query rows of one (batch, head), 4
+// warps of 16 rows each (one m16n8k16 M strip). Every warp sweeps all key tiles for its own rows,
+// so the online softmax never merges state across warps, and 16 rows a warp keep the Q fragments in
+// registers for the whole sweep (D = 128: O 64 + Q 32 + S 32 registers + fragments, 214-223 in
+// all). The kernel is templated on warps per CTA (W = 4, 8) and strips per warp (MT = 1, 2: MT = 2
+// is FlashAttention-2's 32 rows a warp); all were checked and timed (docs/log/). W4 MT1 is best or
+// close everywhere and clearly best causal and on small grids: several independent 4-warp CTAs per
+// SM (on an H200, D = 64: 3, D = 128: 2) overlap one CTA's softmax with another's mma, where 8
+// warps behind one __syncthreads per tile move in lockstep; 64-row CTAs also make twice the CTAs
+// for short sequences and cut the causal diagonal waste. At D = 128 a CTA takes 96 KB, so an A100
+// (164 KB per SM) or sm_86 / sm_89 (100 KB) SM holds only one: there W8 MT1 (one 8-warp CTA, 128
+// rows) ships instead, not 4 warps per SM. MT = 2 reuses each K/V fragment for two strips (half the
+// ldmatrix traffic) but needs 255 registers: at D = 128 Q no longer fits and is re-read from its
+// own buffer, with 32-key tiles to avoid spilling.
 //
 // Keys come in tiles of BN = 64 through a ring of 3 cp.async stages (each stage: the K tile, then
 // the V tile, [BN][D] with d contiguous), one __syncthreads per tile. Per tile and warp:
@@ -38,18 +32,18 @@
 // The fragments are indexed by hand (lane -> row/column maps below, from the PTX ISA fragment
 // layouts) and the CuTe atoms called directly (SM75_U32x4_LDSM_N, SM75_U16x8_LDSM_T,
 // SM80_CP_ASYNC_CACHEGLOBAL_ZFILL, the mma atoms): the same instructions CuTe's TiledMMA /
-// TiledCopy partitioning would emit, at a fraction of the front-end time (that partitioning
-// cost ~20 s of template instantiation per device pass and file) and with every address
-// register in view.
+// TiledCopy partitioning would emit, at a fraction of the front-end time (that partitioning is
+// heavy template instantiation in every device pass and file) and with every address register in
+// view.
 //
 // Shared memory tiles are row-major [rows][D] under CuTe's Swizzle<3, 3, log2(D) - 3>: 16-byte
 // chunk c of row r is stored at chunk c ^ (r % 8) (the low 3 bits of c), so the 16-byte cp.async
 // writes, the ldmatrix row reads (plain and transposed: 8 rows of one chunk column) and the
 // epilogue's 4-byte writes are all free of bank conflicts. Q is staged through the last stage's
 // buffer (it is in registers before that stage is first filled), so shared memory is
-// 3 x 2 x BN x D elements: 48 KB (D = 64) and 96 KB (D = 128), which still fits the 99 KB
-// per-block limit of sm_86 / sm_89 (causal adds 3·D bytes, issue 6's records below). The
-// output is staged through the same buffer.
+// 3 x 2 x BN x D elements: 48 KB (D = 64) and 96 KB (D = 128), which still fits the 99 KB per-block
+// limit of sm_86 / sm_89 (causal adds 3·D bytes, the non-finite V records below). The output is
+// staged through the same buffer.
 //
 // Partial tiles: cp.async with src-size 0 zero-fills rows past seq_q / seq_k (nothing is read
 // there); scores of keys >= seq_k and, if causal, of keys past the bottom-right diagonal are set
@@ -60,9 +54,9 @@
 // seq_q, seq_k <= 2^31 - 128; the grid is (query tiles, heads, batch), heads and batch <= 65535
 // (checked by fused::supports, crates/sdpa/src/backend/fused.rs).
 //
-// Causal, issue 6 (common/nonfinite.cuh): a V tile that crosses the diagonal of some row of the
-// CTA is checked for Inf/NaN by the threads that copied it, the OR folded into the tile's
-// barrier; in the rare case it has some, they are recorded per column and zeroed before any
+// Causal, the non-finite V check (common/nonfinite.cuh): a V tile that crosses the diagonal of some
+// row of the CTA is checked for Inf/NaN by the threads that copied it, the OR folded into the
+// tile's barrier; in the rare case it has some, they are recorded per column and zeroed before any
 // P·V reads the tile, and after its P·V every O element adds its row's reference term.
 #pragma once
 
@@ -169,9 +163,9 @@ struct Cfg {
   static constexpr int kSmemBytes =
       (kStages * kStageElems + (kQReg ? 0 : kBM * D)) * int(sizeof(T));
   static_assert(!kQReg || kBM * D <= kStageElems, "Q is staged in one K/V stage");
-  // Causal launches add issue 6's records of the current V tile after the stages (192 or 384
-  // bytes): they live from before the tile's first P·V to after its last, when every stage is
-  // busy. D = 128: 96.4 KB, still within sm_86 / sm_89's 99 KB.
+  // Causal launches add the non-finite V check's records of the current V tile after the stages
+  // (192 or 384 bytes): they live from before the tile's first P·V to after its last, when every
+  // stage is busy. D = 128: 96.4 KB, still within sm_86 / sm_89's 99 KB.
   static_assert(kBN < kNoKey, "tile-relative keys must fit NonFiniteCols");
   static constexpr int kSmemBytesCausal = kSmemBytes + int(sizeof(NonFiniteCols<D>));
   static_assert(kSmemBytesCausal <= 99 * 1024, "shared memory over sm_86 / sm_89's limit");
@@ -189,9 +183,9 @@ struct Cfg {
   static __device__ __forceinline__ int off(int row, int col) { return Sw{}(row * D + col); }
 };
 
-// Issue 6, step 1, between the cp.async wait and the barrier of a V tile: whether the 16-byte
-// chunks of it that load_kv made this thread copy (the first at `v`, then every kPassRows rows)
-// hold an Inf or a NaN. wait_group makes a thread's own copies visible to it, so the check
+// Non-finite V check, step 1, between the cp.async wait and the barrier of a V tile: whether the
+// 16-byte chunks of it that load_kv made this thread copy (the first at `v`, then every kPassRows
+// rows) hold an Inf or a NaN. wait_group makes a thread's own copies visible to it, so the check
 // needs no barrier of its own: the tile's barrier ORs it over the CTA. Rows past seq_k are
 // zero-filled: finite.
 template <typename T, int D, int W, int MT>
@@ -206,8 +200,8 @@ __device__ __forceinline__ bool own_v_chunks_nonfinite(const T* v) {
   return (bits & kNonFinite2Bits) != 0;
 }
 
-// Issue 6, step 2 (rare: some thread found a non-finite value in V tile `v`): one thread per
-// column records the first NaN, +Inf and -Inf of its column into c and zeroes them, reading
+// Non-finite V check, step 2 (rare: some thread found a non-finite value in V tile `v`): one thread
+// per column records the first NaN, +Inf and -Inf of its column into c and zeroes them, reading
 // V[key][col] where load_kv put it (C::off).
 template <typename T, int D, int W, int MT>
 __device__ __forceinline__ void record_and_zero(T* v, NonFiniteCols<D>& c, int tid) {
@@ -339,9 +333,9 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
 
     uint32_t q[kQReg ? MT : 1][kQReg ? kQK : 1][4];  // Q fragments, for the whole sweep
     const float sl2 = p.scale_log2;
-    // Causal: the first key tile holding a key (< seq_k) that the CTA's first row does not see.
-    // It and the tiles after it cross the diagonal of some row of the CTA (issue 6; the last one
-    // or two tiles unless seq_q > seq_k); n_tiles if none. CTA-uniform.
+    // Causal: the first key tile holding a key (< seq_k) that the CTA's first row does not see. It
+    // and the tiles after it cross the diagonal of some row of the CTA (the non-finite V check; the
+    // last one or two tiles unless seq_q > seq_k); n_tiles if none. CTA-uniform.
     int t_diag = n_tiles;
     if (CAUSAL && p.seq_k - 1 > m0 + off) t_diag = max(0, m0 + off + 1) / BN;
     NonFiniteCols<D>& nf = *reinterpret_cast<NonFiniteCols<D>*>(smem_raw + C::kSmemBytes);
@@ -445,11 +439,11 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           // A row with nothing visible yet keeps m = -inf: exponents stay -inf, p = 0, not NaN.
           // mx·sl2 carried as hi + lo (rounded product and its exact residual): every exponent
-          // fma(x, sl2, -hi) - lo is exact enough at any logit size, the max's exactly 0. A
-          // single FMA with a rounded base leaves the max the base's rounding residual: past
-          // ~2^24 whole powers of two, p = 0 or inf (tests/numerics.rs, logits 1e8-1e10).
-          // Measured on s8k (H200): this extra FADD +3-4%; sm90's form (single FMA unless a
-          // warp votes for the exact one) +50% here, and a branch per row +75%.
+          // fma(x, sl2, -hi) - lo is exact enough at any logit size, the max's exactly 0. A single
+          // FMA with a rounded base leaves the max the base's rounding residual: past ~2^24 whole
+          // powers of two, p = 0 or inf (tests/numerics.rs, logits 1e8-1e10). The extra FADD costs
+          // little here; sm90's form (single FMA unless a warp votes for the exact one) and a
+          // branch per row were both much slower in this kernel (docs/log/).
           const float hi = mx == -INFINITY ? 0.f : __fmul_rn(mx, sl2);
           const float lo = mx == -INFINITY ? 0.f : fmaf(mx, sl2, -hi);
           // Exactly 1 when the max did not move (also for -inf == -inf: O and l are still 0).
@@ -509,11 +503,11 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
         }
       }
 
-      // Issue 6, step 3 (rare): every O element adds what its row's visible keys of the tile
-      // held before they were zeroed; O's fragment map is the one the mask and the epilogue
+      // Non-finite V check, step 3 (rare): every O element adds what its row's visible keys of the
+      // tile held before they were zeroed; O's fragment map is the one the mask and the epilogue
       // use. The next tiles' rescales and the final 1/l keep an Inf or a NaN as they are (the
-      // factors are positive). nf is rewritten only past the next tile's barrier, when every
-      // warp is through here.
+      // factors are positive). nf is rewritten only past the next tile's barrier, when every warp
+      // is through here.
       if (CAUSAL && nonfinite) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -631,10 +625,10 @@ inline int smem_per_sm(int dev) {
   return v;
 }
 
-// Warps per CTA that ship (16 query rows each, MT = 1; measurements in the header comment): 4,
-// except D = 128 on parts whose SM cannot hold two of its 96 KB CTAs (A100: 164 KB, sm_86 /
-// sm_89: 100 KB; +1 KB reserved per CTA): there one CTA of 8 warps with the same shared memory
-// keeps 8 warps per SM where 4-warp CTAs would leave 4.
+// Warps per CTA that ship (16 query rows each, MT = 1; why in the header comment): 4, except
+// D = 128 on parts whose SM cannot hold two of its 96 KB CTAs (A100: 164 KB, sm_86 / sm_89: 100 KB;
+// +1 KB reserved per CTA): there one CTA of 8 warps with the same shared memory keeps 8 warps per
+// SM where 4-warp CTAs would leave 4.
 template <typename T, int D>
 inline int shipping_warps(int dev) {
   if constexpr (D == 64) {
@@ -668,7 +662,7 @@ void attributes_of(std::vector<KernelAttr>& out) {
   const void* const fns[2] = {reinterpret_cast<const void*>(fwd_kernel<T, D, false, W, 1>),
                               reinterpret_cast<const void*>(fwd_kernel<T, D, true, W, 1>)};
   push_attributes(out, "cutlass-sm80", dtype_name<T>(), D, fns, Cfg<T, D, W, 1>::kSmemBytes);
-  out.back().dynamic_smem = Cfg<T, D, W, 1>::kSmemBytesCausal;  // causal: + issue 6's records
+  out.back().dynamic_smem = Cfg<T, D, W, 1>::kSmemBytesCausal;  // causal: + non-finite V records
 }
 
 // The kernels forward() launches on the current device.

@@ -130,14 +130,14 @@ struct FastDiv {
   }
 };
 
-// Softmax exponents at any logit size. Each row's base is RN(m·scale) and every exponent is
-// taken against it. The fast form folds the scale into one FMA, fma(x, scale, -base): its
-// exact product leaves the max the base's rounding residual as exponent, at most 2^-9 while
-// |base| < 2^15, but past ~2^24 whole powers of two (p of the max 0 or inf: tests/numerics.rs,
-// logits 1e8-1e10). Beyond 2^15 the exact form RN(x·scale) - base is used instead: the max's
-// exponent exactly 0, the others <= 0. The choice is one vote per warp and tile, so ordinary
-// logits run exactly the single-FMA code (an extra FADD per score, or a branch per row, cost
-// the sm90 kernel 3-10% and cutlass-sm80 up to 75%: measured, docs/perf.md).
+// Softmax exponents at any logit size. Each row's base is RN(m·scale) and every exponent is taken
+// against it. The fast form folds the scale into one FMA, fma(x, scale, -base): its exact product
+// leaves the max the base's rounding residual as exponent, at most 2^-9 while |base| < 2^15, but
+// past ~2^24 whole powers of two (p of the max 0 or inf: tests/numerics.rs, logits 1e8-1e10).
+// Beyond 2^15 the exact form RN(x·scale) - base is used instead: the max's exponent exactly 0, the
+// others <= 0. The choice is one vote per warp and tile, so ordinary logits run exactly the
+// single-FMA code (an extra FADD per score, or a branch per row, made the sm90 kernel measurably
+// slower and cutlass-sm80 much slower: docs/log/).
 constexpr float kFoldLimit = 32768.f;
 
 __device__ __forceinline__ float scaled_base(float m, float scale) {

@@ -65,12 +65,10 @@ struct Elems {
 template <typename T>
 using Same = Elems<T, T, T>;
 
-// E4M3 Q, K, V, O in Out. P·V in f16 for either output type (P rounded to f16 keeps 3 more
-// bits than bf16; V's codes are exact in both). V converted in shared memory at D = 64, by the
-// pre-pass at D = 128. Measured (H200, same call, session 4): in shared memory mission 4.14 us
-// against 5.19, s1k-d64 47.2 against 50.2; with the pre-pass s2k-d128 208.7 against 215.2, s8k
-// 743 against 799, s16k-causal 1497 against 1605 (the converting warps take issue slots and
-// shared-memory bandwidth from the consumers, which D = 128 keeps busier).
+// E4M3 Q, K, V, O in Out. P·V in f16 for either output type (P rounded to f16 keeps 3 more bits
+// than bf16; V's codes are exact in both). V converted in shared memory at D = 64, by the pre-pass
+// at D = 128: each is the faster one where it is used (docs/log/); the converting warps take issue
+// slots and shared-memory bandwidth from the consumers, which D = 128 keeps busier.
 template <typename Out, int D>
 using E4m3 = Elems<cute::float_e4m3_t, cute::half_t, Out, D == 64>;
 
@@ -113,11 +111,10 @@ struct Cfg {
   // setmaxnreg wait forever. The converting warps fit in them too.
   static constexpr int kProducerRegs = 24;
   // Whether the two consumers may take turns issuing (Params::turns decides per launch).
-  // Measured on an H200 (graph replay): at D = 128 the turns cost more than the ordering gains
-  // everywhere that matters (with them: s2k and s8k 3.5-4.5% slower, s16k-causal 2-3% slower,
-  // s4k-causal 1.5% faster), so they are compiled out; at D = 64 they cost 1.2% in the
-  // persistent grid (s1k) but save 0.55 us of 6.2 when every CTA runs one tile (mission
-  // problem with 128-row tiles).
+  // Measured (docs/log/): at D = 128 the turns cost more than the ordering gains everywhere that
+  // matters (slower on s2k, s8k and s16k-causal, faster only on s4k-causal), so they are compiled
+  // out; at D = 64 they cost a little in the persistent grid (s1k) but save a good part of the time
+  // when every CTA runs one tile (mission problem with 128-row tiles).
   static constexpr bool kPingPong = D == 64;
   using BM = Int<kBM>;
   using BN = Int<kBN>;
@@ -182,13 +179,13 @@ struct Cfg {
     uint64_t empty_v[kStages];
     uint64_t full_v8[kV8Stages];  // kConvertV only (within the struct's alignment padding)
     uint64_t empty_v8[kV8Stages];
-    // Issue 6, causal kernels: V tiles crossing the diagonal land on full_vd instead of full_v,
-    // are checked for non-finite values by the producer's spare warps, which then arrive on
-    // checked_v, and the consumers wait for that (kConvertV: the converting warps check, full_v
-    // as for every tile). Causal CTAs run one query tile and walk its keys diagonal first
-    // (key_tile in the kernel): these are ring uses 0 and 1, phase 0 of both barriers of
-    // stages 0 and 1, and full_v's phases on those stages run one behind. nf_any: whether the
-    // stage's tile had any non-finite value, nf what it had.
+    // Non-finite V check, causal kernels: V tiles crossing the diagonal land on full_vd instead of
+    // full_v, are checked for non-finite values by the producer's spare warps, which then arrive on
+    // checked_v, and the consumers wait for that (kConvertV: the converting warps check, full_v as
+    // for every tile). Causal CTAs run one query tile and walk its keys diagonal first (key_tile in
+    // the kernel): these are ring uses 0 and 1, phase 0 of both barriers of stages 0 and 1, and
+    // full_v's phases on those stages run one behind. nf_any: whether the stage's tile had any
+    // non-finite value, nf what it had.
     uint64_t full_vd[kStages];
     uint64_t checked_v[kStages];
     uint32_t nf_any[kStages];
@@ -275,11 +272,10 @@ __device__ __forceinline__ void softmax_tile(TS& S, TC const& cSrc, float* m_run
     alpha[r] = ex2(__fmul_rn(m_run[r], sl2) - base[r]);  // ratio of the bases; 0 from -inf
     m_run[r] = m_new;
   }
-  // Past the fold limit (primitives.cuh) the exact form RN(x·scale) - base replaces the FMA,
-  // chosen by one vote per warp. At D = 128 the scores are then pre-multiplied and the one FMA
-  // loop runs with scale 1, so a single exponent loop is compiled; at D = 64 the loop is
-  // compiled once per form. Measured against each other (H200, same call, session 4):
-  // one loop s8k-d128 -1.0%, s16k-causal -0.5%, s1k-d64 +2.7%.
+  // Past the fold limit (primitives.cuh) the exact form RN(x·scale) - base replaces the FMA, chosen
+  // by one vote per warp. At D = 128 the scores are then pre-multiplied and the one FMA loop runs
+  // with scale 1, so a single exponent loop is compiled; at D = 64 the loop is compiled once per
+  // form: a single loop was slightly faster at D = 128 and slower at D = 64 (docs/log/).
   const auto exps = [&](auto exponent) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -313,7 +309,7 @@ __device__ __forceinline__ void softmax_tile(TS& S, TC const& cSrc, float* m_run
 }
 
 // O *= alpha per row, skipped when no row of the warp moved its max (alpha is then exactly 1):
-// after the first few key tiles the running max rarely moves. Measured: 1.4-1.8% faster on s8k.
+// after the first few key tiles the running max rarely moves, and the skip was measured faster.
 template <class TO>
 __device__ __forceinline__ void rescale_o(TO& O, const float* alpha) {
   bool moved = false;
@@ -351,14 +347,14 @@ __device__ __forceinline__ void convert_p(TP& rP, TS const& tSrS) {
   for (int i = 0; i < size(rP32); ++i) rP32(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
 }
 
-// Issue 6 (common/nonfinite.cuh), for a V tile of BN keys x D columns crossing the causal
-// diagonal, run by threads i of n. First whether this thread's share of the tile (BN * D
-// contiguous 16-bit values from shared address `tile`, in any order) holds a non-finite value;
-// once some thread's does (an OR over the n threads), the rare path: one thread a column
-// records into nf (shared address of a NonFiniteCols<D>) the first NaN, +Inf and -Inf of its
-// column and zeroes them. addr(key, col): the shared address of one value. The zeros are
-// generic-proxy writes: the caller fences them before any wgmma reads the tile. Everything in
-// 32-bit shared addresses: the producer's spare warps run it in 24 registers.
+// The non-finite V check (common/nonfinite.cuh), for a V tile of BN keys x D columns crossing the
+// causal diagonal, run by threads i of n. First whether this thread's share of the tile (BN * D
+// contiguous 16-bit values from shared address `tile`, in any order) holds a non-finite value; once
+// some thread's does (an OR over the n threads), the rare path: one thread a column records into nf
+// (shared address of a NonFiniteCols<D>) the first NaN, +Inf and -Inf of its column and zeroes
+// them. addr(key, col): the shared address of one value. The zeros are generic-proxy writes: the
+// caller fences them before any wgmma reads the tile. Everything in 32-bit shared addresses: the
+// producer's spare warps run it in 24 registers.
 template <typename T, int BN, int D, int kUnroll = 1>
 __device__ __forceinline__ bool scan_nonfinite(uint32_t tile, int i, int n) {
   constexpr bool kBf16 = std::is_same_v<T, cute::bfloat16_t>;
@@ -412,12 +408,12 @@ __device__ __forceinline__ Smem& smem_storage() {
                                   ~uintptr_t(1023));
 }
 
-// Work tile t -> (query tile, head, batch). Non-causal tiles are all alike: the query tiles of
-// one head are neighbours, so the CTAs running at once share that head's K/V in L2. Causal
-// tiles differ in cost (query tile m sees about m + 1 key tiles): heads one after another, each
-// heaviest tile first (L2 locality as above), except the (batch, head) pairs from tail_bh on,
-// which are interleaved heaviest first, so that the CTAs launched last are the cheap ones
-// (make_params says when; interleaving every head in groups of 3 lost 3-4% on s16k-causal).
+// Work tile t -> (query tile, head, batch). Non-causal tiles are all alike: the query tiles of one
+// head are neighbours, so the CTAs running at once share that head's K/V in L2. Causal tiles differ
+// in cost (query tile m sees about m + 1 key tiles): heads one after another, each heaviest tile
+// first (L2 locality as above), except the (batch, head) pairs from tail_bh on, which are
+// interleaved heaviest first, so that the CTAs launched last are the cheap ones (make_params says
+// when; interleaving every head in groups of 3 was slower on s16k-causal).
 template <bool CAUSAL, class P>
 __device__ __forceinline__ void decode_tile(const P& p, int t, int& m_block, int& h, int& b) {
   const int nb = p.m_blocks;
@@ -465,14 +461,14 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
   constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages;
   constexpr int kTurn = 1;      // named barriers kTurn + w: consumer warpgroup w may issue
   constexpr int kEpilogue = 3;  // named barriers kEpilogue + w: warpgroup w's output staging
-  constexpr int kCheck = 5;     // named barrier of the producer's spare warps (issue 6)
+  constexpr int kCheck = 5;     // named barrier of the producer's spare warps (non-finite V)
   auto& sm = smem_storage<typename C::Smem>();
 
   const int tid = threadIdx.x;
   const int consumers = 128 * p.wgs;
   const int bm = 64 * p.wgs;  // query rows per tile (the Q buffer always holds BM = 128)
   const int off = p.seq_k - p.seq_q;
-  // Issue 6: the first key tile holding keys that some row of query tile m does not see
+  // Non-finite V check: the first key tile holding keys that some row of query tile m does not see
   // (causal; the tiles from it on cross the diagonal).
   const auto first_crossing = [&](int m_block) { return max(0, (m_block * bm + off + 1) / BN); };
   // Key tiles that query tile m sees.
@@ -482,11 +478,11 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
     return (n_end + BN - 1) / BN;
   };
   // The key tile of a query tile's i-th ring use (of n): causal query tiles walk their keys
-  // diagonal first, so that the (at most two) tiles crossing the diagonal, which issue 6's
+  // diagonal first, so that the (at most two) tiles crossing the diagonal, which the non-finite V
   // check holds back, come first, and their check runs while the consumers compute the first
-  // S = Q·Kᵀ and softmax instead of sitting between the last V load and the last P·V. (The
-  // online softmax does not depend on the order; rows that see nothing of the first tiles keep
-  // m = -inf and p = 0 until they do.)
+  // S = Q·Kᵀ and softmax instead of sitting between the last V load and the last P·V. (The online
+  // softmax does not depend on the order; rows that see nothing of the first tiles keep m = -inf
+  // and p = 0 until they do.)
   const auto key_tile = [&](int i, int n) { return CAUSAL ? n - 1 - i : i; };
 
   if (tid == 0) {
@@ -531,10 +527,10 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
   if (tid < 128) {
     // Producer warpgroup: 24 registers a thread are plenty to issue TMA.
     cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
-    // Issue 6, by warps 1-3 (thread ct of kConverters) once they have checked the V tile of
-    // stage s crossing the diagonal (hit: this thread's share had a non-finite value): whether
-    // any share had one, and if so the tile's records and zeros (nf[s]; the caller fences the
-    // zeros for the wgmmas).
+    // Non-finite V check, by warps 1-3 (thread ct of kConverters) once they have checked the V tile
+    // of stage s crossing the diagonal (hit: this thread's share had a non-finite value): whether
+    // any share had one, and if so the tile's records and zeros (nf[s]; the caller fences the zeros
+    // for the wgmmas).
     const auto settle_nonfinite = [&](int s, bool hit, int ct) {
       const bool any = named_or(kCheck, C::kConverters, hit);
       if (any) {
@@ -571,13 +567,13 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
           int m_block, h, b;
           decode_tile<CAUSAL>(p, t, m_block, h, b);
           const int n_tiles = key_tiles(m_block);
-          // Issue 6: key tiles from n_first on cross the causal diagonal.
+          // Non-finite V check: key tiles from n_first on cross the causal diagonal.
           const int n_first = CAUSAL ? first_crossing(m_block) : n_tiles;
           for (int n = 0; n < n_tiles; ++n, ++it) {
             const int s = it % S, s8 = it % S8;
             Bar::wait(&sm.full_v8[s8], (it / S8) & 1);
             if (it >= S) Bar::wait(&sm.empty_v[s], ((it / S) + 1) & 1);
-            bool nan8 = false;  // issue 6: a NaN code among this thread's (no infinities)
+            bool nan8 = false;  // non-finite V: a NaN code among this thread's (no infinities)
             // Recomputed per tile from an opaque index: fewer registers held across the loop.
             int ci = ct;
             asm volatile("" : "+r"(ci));
@@ -589,8 +585,8 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
                             make_uint4(f16x2_of_e4m3x2(x.x), f16x2_of_e4m3x2(x.x >> 16),
                                        f16x2_of_e4m3x2(x.y), f16x2_of_e4m3x2(x.y >> 16)));
             }
-            // Issue 6, on the converted tile (its barrier is also the one after which every
-            // converted value is visible to all).
+            // Non-finite V check, on the converted tile (its barrier is also the one after which
+            // every converted value is visible to all).
             if (key_tile(n, n_tiles) >= n_first) settle_nonfinite(s, nan8, ct);
             // These generic-proxy writes must be visible to the wgmmas (async proxy).
             cutlass::arch::fence_view_async_shared();
@@ -668,7 +664,8 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
             if constexpr (E::kPrepass)
               if (u == 0) pdl_wait();  // V comes from convert_v
             if (u >= S) Bar::wait(&sm.empty_v[s], phase);
-            // Issue 6: tiles crossing the diagonal land on full_vd (the check waits for them).
+            // Non-finite V check: tiles crossing the diagonal land on full_vd (the check waits for
+            // them).
             uint64_t& full = CAUSAL && kt >= first_crossing(m_block) ? sm.full_vd[s] : sm.full_v[s];
             Bar::arrive_and_expect_tx(&full, kVBytes);
             copy(p.tma_v.with(full), get<0>(tV)(_, kt), get<1>(tV)(_, s));
@@ -679,7 +676,7 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
       return;
     }
     if constexpr (CAUSAL && !E::kConvertV) {
-      // Warps 1-3: issue 6's check of each V tile crossing the diagonal, once TMA has landed
+      // Warps 1-3: the non-finite V check of each V tile crossing the diagonal, once TMA has landed
       // it, before the consumers' P·V (they wait on checked_v for those tiles).
       if (tid >= 32) {
         const int ct = tid - 32;
@@ -881,11 +878,11 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
       Bar::arrive(&sm.empty_q);
     }
 
-    // Issue 6: the non-finite values the check took out of the tiles crossing the diagonal,
-    // added once after the last P·V rather than after each tile's (the terms are NaN or ±Inf,
-    // which the rescaling in between keeps as they are; nothing of it in the main loop). Those
-    // tiles were ring uses 0 and 1 (stages 0 and 1, S >= 2), and only they write records, so
-    // the records are all still there.
+    // Non-finite V check: the non-finite values it took out of the tiles crossing the diagonal,
+    // added once after the last P·V rather than after each tile's (the terms are NaN or ±Inf, which
+    // the rescaling in between keeps as they are; nothing of it in the main loop). Those tiles were
+    // ring uses 0 and 1 (stages 0 and 1, S >= 2), and only they write records, so the records are
+    // all still there.
     if constexpr (CAUSAL) {
       for (int j = n_first; j < n_tiles; ++j) {
         // `it` has moved past this tile's uses; key tile j was use key_tile(j) (an involution)
@@ -902,12 +899,12 @@ __global__ void __launch_bounds__(Cfg<E, D>::kThreads, 1)
     normalize(O, l_run, o_scale);
 
     // Output through this warpgroup's 64-row staging area: row r, 16-byte chunk j lives at
-    // chunk j ^ (r % 8), so the quad-strided 4-byte writes and the row-contiguous 16-byte
-    // reads are both free of bank conflicts. (Writing O straight from registers, 4 bytes a
-    // store, measured 2-6% slower.) The barrier in front keeps this tile's writes behind the
-    // reads of the previous one. The addresses are the same for every tile: computed from an
-    // opaque thread index, or the compiler hoists them out of the tile loop and holds them in
-    // registers across the main loop (spills).
+    // chunk j ^ (r % 8), so the quad-strided 4-byte writes and the row-contiguous 16-byte reads are
+    // both free of bank conflicts. (Writing O straight from registers, 4 bytes a store, was
+    // slower.) The barrier in front keeps this tile's writes behind the reads of the previous one.
+    // The addresses are the same for every tile: computed from an opaque thread index, or the
+    // compiler hoists them out of the tile loop and holds them in registers across the main loop
+    // (spills).
     int etid = ctid;
     asm volatile("" : "+r"(etid));
     const uint32_t so =
@@ -1054,8 +1051,8 @@ Params<E, D> make_params(const FwdArgs& a, int sms, bool causal) {
   p.batch = int(a.batch);
   p.scale_log2 = a.scale * 1.4426950408889634f;
   const int bh = int(a.heads * a.batch);
-  // 64-row tiles when 128-row tiles would leave more than half the SMs idle (measured: mission
-  // problem 4.58 us against 5.27 with 128-row tiles).
+  // 64-row tiles when 128-row tiles would leave more than half the SMs idle (faster on the mission
+  // problem, docs/log/).
   const int tiles128 = int((a.seq_q + C::kBM - 1) / C::kBM) * bh;
   p.wgs = 2 * tiles128 <= sms ? 1 : 2;
   p.m_blocks = int((a.seq_q + 64 * p.wgs - 1) / (64 * p.wgs));
@@ -1065,12 +1062,12 @@ Params<E, D> make_params(const FwdArgs& a, int sms, bool causal) {
   p.turns = p.wgs == 2 && (causal || p.tiles <= sms) ? 1 : 0;
   // Causal order (decode_tile). In per-head order the last head's heaviest tile (m_blocks key
   // tiles) starts when about one head's work, m_blocks^2 / 2 tiles, is left to all SMs, and
-  // overruns the rest by about m_blocks - m_blocks^2 / (2 sms), against bh m_blocks^2 / (2 sms)
-  // per SM in all. Where that overrun is over 12% of the whole, the last `tail` heads are
-  // interleaved, just enough of them that their work per SM outlasts the heaviest tile twice:
-  // tail m_blocks^2 / 2 >= 2 sms m_blocks. Measured: s4k-causal (overrun 23%) 10.5% faster
-  // interleaved; s16k-causal (overrun 6.6%) 2.8% slower interleaved (its 5 interleaved heads'
-  // K/V, 40 MB, crowd L2).
+  // overruns the rest by about m_blocks - m_blocks^2 / (2 sms), against bh m_blocks^2 / (2 sms) per
+  // SM in all. Where that overrun is over 12% of the whole, the last `tail` heads are interleaved,
+  // just enough of them that their work per SM outlasts the heaviest tile twice:
+  // tail m_blocks^2 / 2 >= 2 sms m_blocks. Measured (docs/log/): s4k-causal (overrun 23%) is
+  // clearly faster interleaved; s16k-causal (overrun 6.6%) is slower interleaved (its 5 interleaved
+  // heads' K/V, 40 MB, crowd L2).
   int tail = 0;
   if (causal) {
     const double nb = p.m_blocks, per_sm = bh * nb * nb / (2.0 * sms);
@@ -1121,8 +1118,8 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
     SDPA_LAUNCH_CHECK("cutlass-sm90 e4m3 convert_v launch");
   }
   const Params<E, D> p = make_params<E, D>(a, sms, CAUSAL);
-  // Non-causal: persistent, one CTA per SM (measured 10% faster on s1k-d64, 1-3% on d128).
-  // Causal: one CTA per tile; a static persistent split of the uneven tiles lost 3-8%.
+  // Non-causal: persistent, one CTA per SM (measured faster, most on s1k-d64). Causal: one CTA per
+  // tile; a static persistent split of the uneven tiles was slower.
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(CAUSAL ? p.tiles : std::min(p.tiles, sms)));
   cfg.blockDim = dim3(unsigned(128 * (p.wgs + 1)));

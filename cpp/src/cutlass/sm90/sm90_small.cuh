@@ -22,14 +22,11 @@
 // Causal slices that no row of the tile sees load nothing and send empty partials (m = -inf,
 // l = 0, O = 0). No second launch and no global workspace.
 //
-// Measured on an H200 (graph replay, mission problem f16, causal or not, us per call; main
-// kernel 4.55-4.86): exchanges by one bulk copy per peer 4.11-4.37, by 8-byte
-// st.shared::cluster stores and a cluster barrier 4.38-4.68, by remote loads of the peers'
-// stages 4.48-4.91, by 8-byte st.async stores each counted by the owner's mbarrier ~6.4 (with
-// 64-key slices). Diagnostic variants
-// (64-key slices, 256 CTAs): an empty cluster launch 0.69, loads and the store path alone 2.47,
-// plus the compute 3.50, plus the bulk exchange 4.69: the exchange and the chain of waits, not
-// bandwidth, hold it above 3 us.
+// Of the exchanges tried (docs/log/), one bulk copy per peer is the fastest; 8-byte
+// st.shared::cluster stores and a cluster barrier, or remote loads of the peers' stages, are
+// slower, and 8-byte st.async stores each counted by the owner's mbarrier far slower. Timed stage
+// by stage (empty cluster launch, loads and stores alone, plus the compute, plus the exchange), the
+// exchange and the chain of waits, not bandwidth, dominate the time.
 #pragma once
 
 #include "common/attributes.cuh"
@@ -113,7 +110,7 @@ struct SmallCfg {
     alignas(16) float recv[(64 + kMaxCluster) * kRow];
     alignas(8) uint64_t bar_qk, bar_v;
     uint64_t bar_x;       // completes once every peer's partials of this CTA's rows have arrived
-    NonFiniteCols<D> nf;  // issue 6: V's non-finite values (check_v_tile), when it has any
+    NonFiniteCols<D> nf;  // the non-finite V check's records (check_v_tile), when V has any
   };
   static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;  // + the 1024-byte alignment
 };
@@ -284,10 +281,10 @@ __global__ void __launch_bounds__(128, 1)
       warpgroup_fence_operand(rP);
     };
     pv();
-    // Issue 6: V of a slice crossing the diagonal is checked for non-finite values while P·V
-    // runs (both only read it). In the rare case it has any, they are recorded and zeroed and
-    // P·V runs again. (Checked before P·V: mission-causal +0.33 us; before the softmax, the
-    // V wait moved ahead of it: +0.57 us.)
+    // Non-finite V check: V of a slice crossing the diagonal is checked for non-finite values while
+    // P·V runs (both only read it). In the rare case it has any, they are recorded and zeroed and
+    // P·V runs again. (Checking before P·V, or before the softmax with the V wait moved ahead of
+    // it, was slower.)
     const uint32_t v = uint32_t(__cvta_generic_to_shared(sm.in.v));
     bool nonfinite = false;
     if (CAUSAL && k0 + KN - 1 > m0 + off) {
@@ -472,18 +469,15 @@ bool small_launch(const FwdArgs& a, cudaStream_t stream) {
   return true;
 }
 
-// 128-key slices: on the mission problem 4.11-4.37 us against 4.35-5.03 with 64-key slices
-// (256 CTAs, two to an SM, and 3 of 4 partials sent instead of 1 of 2); b1h8s512 5.41-5.57 us
-// against 7.17-7.73.
+// 128-key slices: faster than 64-key slices, which on the mission problem make 256 CTAs (two to an
+// SM) and send 3 of 4 partials instead of 1 of 2; also faster on B1 H8 S512 (docs/log/).
 constexpr int kSmallKeys = 128;
 
-// The small path at D = 64 where it measured faster than the main kernel (H200, graph replay,
-// us per call, main kernel -> small): B2 H8 S256 4.55-4.86 -> 4.11-4.37 (f16, bf16, causal or
-// not); B1 H8 S512 6.20 -> 5.57, causal 6.48 -> 5.41; B1 H4 S1024 9.61 -> 9.42, causal 9.97 ->
-// 9.01. That is: grids the main kernel would leave more than half empty (it then runs 64-row
-// tiles, one per CTA: make_params) and 2 to 8 key slices. With a single slice (S <= 128) it
-// measured slower (B2 H8 S128 3.43 -> 4.19, S64 3.54 -> 4.25); D = 128 at S256 measured even
-// (6.27 -> 6.26), so it stays on the main kernel.
+// The small path at D = 64 where it was faster than the main kernel (docs/log/): B2 H8 S256 (f16,
+// bf16, causal or not), B1 H8 S512 and B1 H4 S1024 (causal or not). That is: grids the main kernel
+// would leave more than half empty (it then runs 64-row tiles, one per CTA: make_params) and 2 to 8
+// key slices. With a single slice (S <= 128) it was slower; D = 128 at S256 was even, so it stays
+// on the main kernel.
 template <typename T, int D>
 bool small_forward(const FwdArgs& a, cudaStream_t stream) {
   static_assert(D == 64, "the small path is built for head_dim 64 only");

@@ -8,10 +8,8 @@ use crate::ffi;
 use crate::problem::{Checked, DType, Problem, Scaling};
 use crate::tensor::Tensor;
 use cudarc::driver::DevicePtrMut;
+use sdpa_sys::INSTANCES;
 use sdpa_sys::ffi::Kernel;
-
-/// Head dims with an instantiation in each fused backend's folder.
-pub(crate) const HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// Largest value of a C `int`, in which the kernels below hold some counts and indices.
 const INT_MAX: usize = i32::MAX as usize;
@@ -38,23 +36,36 @@ const SM90_MAX_TILES: usize = 1 << 30;
 const TMA_MAX_BYTES: usize = 1 << 40;
 const _: () = {
     let mut i = 0;
-    while i < HEAD_DIMS.len() {
+    while i < INSTANCES.len() {
         assert!(
-            HEAD_DIMS[i].is_multiple_of(16),
+            INSTANCES[i].head_dim.is_multiple_of(16),
             "TMA strides must be multiples of 16 bytes"
         );
         i += 1;
     }
 };
-
-/// What fused kernel `kernel` accepts beyond `Problem::validate`: its head dims and the
-/// 32-bit limits of its launch and index arithmetic (independent of the device). Each reason
-/// names the value and the limit.
-pub(crate) fn supports(kernel: Kernel, p: &Problem) -> std::result::Result<(), String> {
-    if !HEAD_DIMS.contains(&p.head_dim) {
+/// What fused kernel `kernel` (of backend `name`) accepts beyond `Problem::validate`: its
+/// instantiations (cpp/kernels.txt) and the 32-bit limits of its launch and index arithmetic
+/// (independent of the device). Each reason names the value and the limit.
+pub(crate) fn supports(name: &str, kernel: Kernel, p: &Problem) -> std::result::Result<(), String> {
+    let dtype = p.dtype.name();
+    if !INSTANCES
+        .iter()
+        .any(|i| i.backend == name && i.dtype == dtype && i.head_dim == p.head_dim)
+    {
+        let dims: Vec<String> = INSTANCES
+            .iter()
+            .filter(|i| i.backend == name && i.dtype == dtype)
+            .map(|i| i.head_dim.to_string())
+            .collect();
         return Err(format!(
-            "head_dim {} is not instantiated (supported: 64, 128)",
-            p.head_dim
+            "head_dim {} is not instantiated for {dtype} (instantiated: {}; cpp/kernels.txt)",
+            p.head_dim,
+            if dims.is_empty() {
+                "none".to_string()
+            } else {
+                dims.join(", ")
+            }
         ));
     }
     if kernel == Kernel::Cutlass {
@@ -153,9 +164,9 @@ pub(crate) fn forward(
 ) -> Result<()> {
     let mut args = fwd_args(dev, p, q, k, v, out);
     // Scratch the kernel asks for (e4m3 inputs: the native kernel's V copy, the simulated
-    // path's 16-bit Q, K, V; each written by a pre-pass of the same call before any read): the device's buffer, grown when too small. The lock is held until the
-    // launch is enqueued, so a concurrent grow cannot free it under us; stream order does the
-    // rest.
+    // path's 16-bit Q, K, V; each written by a pre-pass of the same call before any read): the
+    // device's buffer, grown when too small. The lock is held until the launch is enqueued, so a
+    // concurrent grow cannot free it under us; stream order does the rest.
     let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &args)? as usize;
     // Only kernels that asked for scratch take the lock (the 16-bit ones never do).
     let mut guard = None;

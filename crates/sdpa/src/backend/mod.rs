@@ -9,7 +9,7 @@ use crate::device::Device;
 use crate::error::{Error, Result, invalid};
 use crate::problem::{Checked, DType, Problem};
 
-/// Whether the native e4m3 kernel is built (cpp/src/cutlass/sm90/fwd_e4m3_d*.cu; since session 3).
+/// Whether the native e4m3 kernel (cpp/src/cutlass/sm90) is built.
 const NATIVE_E4M3_BUILT: bool = true;
 use std::fmt;
 use std::str::FromStr;
@@ -27,7 +27,7 @@ pub enum Backend {
     Cublas,
     /// CuTe on sm_90a (Hopper): TMA loads, wgmma, a producer warpgroup and two consumer
     /// warpgroups (cpp/src/cutlass/sm90); e4m3 inputs natively, Q·Kᵀ on FP8 wgmma and P·V on
-    /// f16 wgmma (same kernel, cpp/src/cutlass/sm90/fwd_e4m3_d*.cu).
+    /// f16 wgmma (the same kernel).
     Cutlass,
     /// CuTe on sm_80+ (A100, L4, ...): mma.sync, ldmatrix, cp.async pipeline
     /// (cpp/src/cutlass/sm80); on Hopper a fallback and a comparison point.
@@ -115,7 +115,7 @@ impl Backend {
         // The fused kernels' head dims and 32-bit limits (the native e4m3 kernel's included):
         // properties of the problem, checked with or without a device.
         if let Some(kernel) = self.fused_kernel() {
-            fused::supports(kernel, p).map_err(unsupported)?;
+            fused::supports(self.name(), kernel, p).map_err(unsupported)?;
         }
         match self {
             Backend::Cpu => Ok(()),

@@ -59,8 +59,8 @@ impl Tensor {
         })
     }
 
-    /// Quantizes an f16/bf16 device tensor of `shape` to e4m3 on the GPU, choosing each
-    /// group's scale from its absmax (see [`scales_from_amax`]). Synchronizes the stream once (the scales
+    /// Quantizes an f16/bf16 device tensor of `shape` to e4m3 on the GPU, choosing each group's
+    /// scale from its absmax (see [`scales_from_amax`]). Synchronizes the stream once (the scales
     /// are read back: the reference and `to_f64` need them on the host). A group holding an
     /// infinity is an error; NaNs become NaN codes.
     pub fn quantize(

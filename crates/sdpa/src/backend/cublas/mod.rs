@@ -2,9 +2,9 @@
 //! scores), P = masked row softmax of S (our kernel, cpp/src/cublas/softmax.cu), O = P·V
 //! (second GEMM, written straight into the output's layout).
 //!
-//! Causal problems (issue 6): the P·V GEMM spans every key with P = 0 at masked ones, and
-//! 0 · NaN = 0 · Inf = NaN, so it reads a finite copy of V instead (one extra read and write
-//! of V, which also records where V's NaN and Inf were), and a last kernel adds their
+//! Causal problems (the non-finite V check): the P·V GEMM spans every key with P = 0 at masked
+//! ones, and 0 · NaN = 0 · Inf = NaN, so it reads a finite copy of V instead (one extra read and
+//! write of V, which also records where V's NaN and Inf were), and a last kernel adds their
 //! reference terms to the rows that see them, near-free when V is finite
 //! (cpp/src/cublas/nonfinite_v.cu).
 //!
@@ -294,10 +294,10 @@ pub(crate) fn forward(
         // SAFETY: filled right below, before any use.
         let mut w = unsafe { dev.alloc::<u8>(need)? };
         // All bytes 0xFF: NaN as f32 and as f16/bf16. The GEMM writes every score the softmax
-        // reads, so a fresh workspace never shows through; if it ever did, the NaN would reach
-        // the (validated) output instead of a plausible stale value. It also tells
-        // compute-sanitizer's initcheck the memory is defined: initcheck does not see cuBLAS's
-        // stores and flagged the softmax's reads of S (docs/perf.md, compute-sanitizer).
+        // reads, so a fresh workspace never shows through; if it ever did, the NaN would reach the
+        // (validated) output instead of a plausible stale value. It also tells compute-sanitizer's
+        // initcheck the memory is defined: initcheck does not see cuBLAS's stores and flagged the
+        // softmax's reads of S (docs/log/, compute-sanitizer).
         {
             let (wp, _g) = w.device_ptr_mut(dev.stream());
             // SAFETY: `wp` addresses the `need` bytes just allocated on this stream's context.
