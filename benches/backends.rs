@@ -1,6 +1,6 @@
-//! `cargo bench`: every available backend on the named problems of design.md, timed on the GPU
-//! with CUDA events through `iter_custom` (not host clocks). Without a GPU it benches the f64
-//! CPU reference on the mission problem and says so. e4m3 rows: per-head scales, f16 output
+//! `cargo bench`: every available backend on the named problems (sdpa_harness::problems), timed on
+//! the GPU with CUDA events through `iter_custom` (not host clocks). Without a GPU it benches the
+//! f64 CPU reference on the mission problem and says so. e4m3 rows: per-head scales, f16 output
 //! (the native kernel where built, else each backend's simulated path).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};

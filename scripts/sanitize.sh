@@ -47,9 +47,9 @@ for tool in memcheck racecheck synccheck initcheck; do
          | grep -m3 -A8 -E "^========= [A-Z]"; tail -5 /tmp/sanitize-fp8-$tool.log; rc=1; }
 done
 if [ -n "$concurrency" ]; then
-  # memcheck only: a kernel running before an upload finished or after a free is a global
-  # memory error; racecheck looks at shared memory within one kernel, which the per-backend
-  # runs above already cover (here it only adds cuBLAS's own GEMM kernels, docs/perf.md).
+  # memcheck only: a kernel running before an upload finished or after a free is a global memory
+  # error; racecheck looks at shared memory within one kernel, which the per-backend runs above
+  # already cover (here it only adds cuBLAS's own GEMM kernels, docs/log/).
   echo "== memcheck (tensors across streams)"
   SDPA_REQUIRE_GPU=1 "$cs" --tool memcheck --error-exitcode 99 "$concurrency" \
     tensors_used_across_streams_stay_ordered > /tmp/sanitize-streams.log 2>&1 \

@@ -1,7 +1,7 @@
-//! The catalogue of bad input (issue #6): one table, each case an input, the expected error
-//! variant and a fragment of the message that names the offending value. Cases go through the
-//! Rust API and through the `sdpa` binary; none may panic, and the CLI must not write its
-//! output file. Tensor cases (which need device buffers) run where a GPU is present.
+//! The catalogue of bad input: one table, each case an input, the expected error variant and a
+//! fragment of the message that names the offending value. Cases go through the Rust API and
+//! through the `sdpa` binary; none may panic, and the CLI must not write its output file. Tensor
+//! cases (which need device buffers) run where a GPU is present.
 
 mod common;
 

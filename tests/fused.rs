@@ -1,5 +1,5 @@
-//! The fused GPU backends (scalar, wmma) against the float64 reference over the grid of issue
-//! #2: odd and even sequence lengths, seq_q != seq_k both ways, both head dims, dtypes,
+//! The fused GPU backends (scalar, wmma, cutlass, cutlass-sm80) against the float64 reference over
+//! one grid: odd and even sequence lengths, seq_q != seq_k both ways, both head dims, dtypes,
 //! layouts, causal both ways, GQA. Fresh inputs every run (the seed is printed with any failure).
 
 mod common;

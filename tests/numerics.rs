@@ -188,13 +188,13 @@ fn scores_of_1e4_keep_the_softmax_finite() {
     common::assert_all_ran_per_dtype("large scores", &dev, &ran, &DType::ALL);
 }
 
-/// NaN, +Inf and -Inf in V at keys some causal rows see and others do not (issue 6): the rows
-/// past each key get what the reference gives them (NaN, ±Inf in that column), the rows before
-/// it stay finite. The keys sit inside the key tiles that cross the diagonal (the tensor-core
-/// kernels multiply masked keys by P = 0 there, and 0 · NaN is NaN), on every kernel family:
-/// one tile and several, seq_q < seq_k, seq_q > seq_k (rows with no visible key stay zeros),
-/// D = 64 and 128 (the sm90 small-problem path takes the D = 64 ones of 129-1024 keys), GQA,
-/// f16, bf16 and e4m3 (NaN codes only: e4m3 has no infinities).
+/// NaN, +Inf and -Inf in V at keys some causal rows see and others do not (the non-finite V check):
+/// the rows past each key get what the reference gives them (NaN, ±Inf in that column), the rows
+/// before it stay finite. The keys sit inside the key tiles that cross the diagonal (the
+/// tensor-core kernels multiply masked keys by P = 0 there, and 0 · NaN is NaN), on every kernel
+/// family: one tile and several, seq_q < seq_k, seq_q > seq_k (rows with no visible key stay
+/// zeros), D = 64 and 128 (the sm90 small-problem path takes the D = 64 ones of 129-1024 keys),
+/// GQA, f16, bf16 and e4m3 (NaN codes only: e4m3 has no infinities).
 #[test]
 fn nonfinite_v_at_masked_keys_stays_out_of_rows_that_do_not_see_it() {
     let Some(dev) = common::device("nonfinite v at masked keys") else {

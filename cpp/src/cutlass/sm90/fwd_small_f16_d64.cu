@@ -1,4 +1,5 @@
-// One instantiation per file (see fwd_f16_d64.cu): the small-problem path of forward_f16_d64.
+// One instantiation per file, like those cpp/kernels.txt generates: the small-problem path of
+// forward_f16_d64.
 #if defined(SDPA_HAVE_CUTLASS)
 #include "cutlass/sm90/sm90_small.cuh"
 
