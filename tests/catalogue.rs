@@ -352,7 +352,7 @@ fn cli_errors_are_one_line_and_write_nothing() {
     let d32 = npy("d32.npy", &[0.5f32; 2 * 8 * 32], &[1, 2, 8, 32]);
     let flat = npy("flat.npy", &[0.5f32; 16], &[16]);
     let five = npy("five.npy", &[0.5f32; 2 * 8 * 64], &[1, 1, 2, 8, 64]);
-    let f64s = npy("f64.npy", &[0.5f64; 2 * 8 * 64], &[1, 2, 8, 64]);
+    let ints = npy("i32.npy", &[1i32; 2 * 8 * 64], &[1, 2, 8, 64]);
     let garbage = dir().join("garbage.npy");
     std::fs::write(&garbage, b"\x93NUMPY garbage").unwrap();
     let garbage = garbage.to_str().unwrap().to_string();
@@ -381,7 +381,7 @@ fn cli_errors_are_one_line_and_write_nothing() {
         ),
         (run(g, &d32, &d32, &[]), "disagree on batch or head_dim"),
         (run(g, g, g, &["--scale=-2"]), "got -2"),
-        (run(&f64s, g, g, &[]), "dtype <f8 is not supported"),
+        (run(&ints, g, g, &[]), "dtype <i4 is not supported"),
         (run(g, &k3, &k3, &[]), "multiple of kv_heads (3)"),
         (
             ["validate", "--shape", "1,2,3"].map(String::from).to_vec(),

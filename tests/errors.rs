@@ -76,9 +76,7 @@ fn no_gpu_is_an_error_value_not_a_crash() {
         Err(e) => assert!(matches!(e, Error::NoDevice(_)), "{e}"),
     }
     // Whatever the machine, a huge ordinal is an error value.
-    let e = sdpa::Device::new(1 << 20)
-        .err()
-        .expect("no machine has 2^20 GPUs");
+    let e = sdpa::Device::new(1 << 20).expect_err("no machine has 2^20 GPUs");
     assert!(matches!(e, Error::NoDevice(_)), "{e}");
 }
 

@@ -1,4 +1,4 @@
-//! .npy in (float32 or float16, little-endian, C order) and out (float32).
+//! .npy in (float64, float32 or float16, little-endian, C order) and out (float32).
 //!
 //! Both directions are done here rather than by a general .npy library: the header is read by a
 //! small strict parser that accepts exactly what numpy writes for a plain array (a dict of
@@ -30,6 +30,7 @@ fn io_err(path: &Path, msg: impl ToString) -> Error {
 /// The element types read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Elem {
+    F64,
     F32,
     F16,
 }
@@ -37,17 +38,20 @@ enum Elem {
 impl Elem {
     fn from_descr(descr: &str) -> std::result::Result<Elem, String> {
         match descr {
+            "<f8" => Ok(Elem::F64),
             "<f4" => Ok(Elem::F32),
             "<f2" => Ok(Elem::F16),
             // The parser admits only printable ASCII without quotes here: one line as is.
             other => Err(format!(
-                "dtype {other} is not supported (float32 '<f4' or float16 '<f2' expected)"
+                "dtype {other} is not supported (float64 '<f8', float32 '<f4' or float16 '<f2' \
+                 expected)"
             )),
         }
     }
 
     fn size(self) -> usize {
         match self {
+            Elem::F64 => 8,
             Elem::F32 => 4,
             Elem::F16 => 2,
         }
@@ -317,6 +321,10 @@ fn read_data(mut r: impl Read, elem: Elem, count: usize) -> std::result::Result<
         r.read_exact(chunk)
             .map_err(|e| format!("reading the data: {e}"))?;
         match elem {
+            // numpy's default dtype; rounded to f32 here, then to the problem's dtype.
+            Elem::F64 => out.extend(chunk.chunks_exact(8).map(|b| {
+                f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32
+            })),
             Elem::F32 => out.extend(
                 chunk
                     .chunks_exact(4)
@@ -535,6 +543,16 @@ mod tests {
             read_bytes(&npy_with(dict, &halves)),
             Ok((vec![1.5, -2.0], vec![2]))
         );
+        // float64, numpy's default, rounds to f32.
+        let doubles: Vec<u8> = [0.1f64, -3.0]
+            .iter()
+            .flat_map(|&x| x.to_le_bytes())
+            .collect();
+        let dict = "{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }";
+        assert_eq!(
+            read_bytes(&npy_with(dict, &doubles)),
+            Ok((vec![0.1f32, -3.0], vec![2]))
+        );
     }
 
     #[test]
@@ -561,7 +579,7 @@ mod tests {
                 "not supported",
             ),
             (
-                "{'descr': '<f8', 'fortran_order': False, 'shape': (3,)}",
+                "{'descr': '<i4', 'fortran_order': False, 'shape': (3,)}",
                 "not supported",
             ),
             (

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Q as .npy (float32 or float16), shape [B, H, Sq, D] (or [B, Sq, H, D] with --layout bshd;
+    /// Q as .npy (float64, float32 or float16), shape [B, H, Sq, D] (or [B, Sq, H, D] with --layout bshd;
     /// 3-D arrays mean B = 1).
     #[arg(long)]
     q: PathBuf,
@@ -100,6 +100,15 @@ fn refuse_overwriting_inputs(a: &Args) -> Result<()> {
     Ok(())
 }
 
+/// How the arrays were read, and the flag that reads them the other way.
+fn layout_hint(layout: Layout, qshape: &[usize]) -> String {
+    let (read, other, flag) = match layout {
+        Layout::Bhsd => ("[B, H, S, D] (bhsd)", "[B, S, H, D]", "--layout bshd"),
+        Layout::Bshd => ("[B, S, H, D] (bshd)", "[B, H, S, D]", "--layout bhsd"),
+    };
+    format!("q {qshape:?} was read as {read}; if the arrays are {other}, pass {flag}")
+}
+
 pub fn main(a: Args) -> CliResult<ExitCode> {
     let requested: Backend = a.backend.as_deref().unwrap_or("auto").parse()?;
     let dtype: DType = a.dtype.parse()?;
@@ -126,7 +135,8 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     let (bk, hk, sk, dk) = split(kd);
     if b != bk || dq != dk {
         return Err(Error::InvalidArgument(format!(
-            "q {qshape:?} and k {kshape:?} disagree on batch or head_dim"
+            "q {qshape:?} and k {kshape:?} disagree on batch or head_dim; {}",
+            layout_hint(layout, &qshape)
         ))
         .into());
     }
@@ -141,7 +151,13 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     if dtype == DType::E4m3 {
         p = p.with_fp8_scaling(scaling).with_out_dtype(out_dtype);
     }
-    p.validate()?;
+    p.validate().map_err(|e| match e {
+        // Heads that do not divide are most often arrays of the other layout.
+        Error::InvalidArgument(msg) if msg.contains("kv_heads") => {
+            Error::InvalidArgument(format!("{msg}; {}", layout_hint(layout, &qshape)))
+        }
+        other => other,
+    })?;
     let od = p.output_dtype();
     let shapes = [p.q_shape(), p.kv_shape(), p.kv_shape()];
 

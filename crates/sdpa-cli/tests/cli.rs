@@ -734,3 +734,57 @@ fn problems_larger_than_memory_are_one_line_errors() {
     );
     assert_one_line_error(&o, "out of host memory");
 }
+
+/// Arrays of the other layout: the error says how they were read and which flag reads them the
+/// other way, instead of only a head-count puzzle; float64 inputs (numpy's default) are read.
+#[test]
+fn a_layout_mismatch_names_the_layout_and_float64_is_read() {
+    // [B, S, H, D] arrays: q 5 tokens x 4 heads, k/v 9 tokens x 2 heads.
+    let (q, k) = (tmp("bshd-q.npy"), tmp("bshd-k.npy"));
+    write_npy(&q, &values(5 * 4 * 64, 1), &[1, 5, 4, 64]);
+    write_npy(&k, &values(9 * 2 * 64, 2), &[1, 9, 2, 64]);
+    let out = tmp("bshd-o.npy");
+    let args = |layout: &str| {
+        let mut c = sdpa();
+        c.args(["run", "--backend", "cpu", "--layout", layout]);
+        c.args(["--q", q.to_str().unwrap(), "--k", k.to_str().unwrap()]);
+        c.args(["--v", k.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+        c
+    };
+    let o = args("bhsd").output().unwrap();
+    assert_one_line_error(&o, "pass --layout bshd");
+    assert!(args("bshd").output().unwrap().status.success());
+
+    // The same q as float64: the same output.
+    let want = std::fs::read(&out).unwrap();
+    let f64_q = tmp("bshd-q64.npy");
+    let data: Vec<f64> = values(5 * 4 * 64, 1)
+        .iter()
+        .map(|&x| f64::from(x))
+        .collect();
+    let f = std::fs::File::create(&f64_q).unwrap();
+    let mut w = npyz::WriteOptions::new()
+        .default_dtype()
+        .shape(&[1, 5, 4, 64])
+        .writer(std::io::BufWriter::new(f))
+        .begin_nd()
+        .unwrap();
+    w.extend(data).unwrap();
+    w.finish().unwrap();
+    let mut c = args("bshd");
+    let argv: Vec<String> = c
+        .get_args()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let q_str = q.to_str().unwrap().to_string();
+    c = sdpa();
+    c.args(argv.iter().map(|a| {
+        if *a == q_str {
+            f64_q.to_str().unwrap().to_string()
+        } else {
+            a.clone()
+        }
+    }));
+    assert!(c.output().unwrap().status.success());
+    assert_eq!(std::fs::read(&out).unwrap(), want);
+}

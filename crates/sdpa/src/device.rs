@@ -32,6 +32,15 @@ pub struct Device {
     scratch: Arc<Mutex<Option<CudaSlice<u8>>>>,
 }
 
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("stream", &self.stream.cu_stream())
+            .finish_non_exhaustive()
+    }
+}
+
 /// Whether the CUDA driver library can be loaded at all. Without it cudarc would panic on
 /// first use, so every entry point checks this first.
 pub fn driver_present() -> bool {
@@ -219,5 +228,7 @@ mod tests {
         fn check<T: Send + Sync>() {}
         check::<super::Device>();
         check::<crate::Tensor>();
+        check::<crate::Error>();
+        check::<crate::Problem>();
     }
 }

@@ -5,7 +5,10 @@
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong, each variant with a message naming the offending value.
+/// `Send + Sync + 'static`, so it crosses threads and boxes into other error types. New
+/// variants may come (`#[non_exhaustive]`).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// An argument is malformed: shapes, dtypes, buffer sizes, names.
     #[error("invalid argument: {0}")]

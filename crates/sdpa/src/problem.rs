@@ -68,6 +68,12 @@ impl Scaling {
     }
 }
 
+impl fmt::Display for Scaling {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl FromStr for Scaling {
     type Err = crate::Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -134,10 +140,7 @@ impl TensorShape {
 
 impl fmt::Display for TensorShape {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let l = match self.layout {
-            Layout::Bhsd => "bhsd",
-            Layout::Bshd => "bshd",
-        };
+        let l = self.layout.name();
         write!(
             f,
             "[{}, {}, {}, {}] {l}",
@@ -172,6 +175,22 @@ pub enum Layout {
     Bhsd,
     /// [batch, seq, heads, head_dim]: what a fused QKV projection produces.
     Bshd,
+}
+
+impl Layout {
+    /// Name as the CLI spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Bhsd => "bhsd",
+            Layout::Bshd => "bshd",
+        }
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 impl FromStr for Layout {
@@ -238,6 +257,8 @@ impl Strides {
 /// Q is `[batch, heads, seq_q, head_dim]`, K and V `[batch, kv_heads, seq_k, head_dim]` (in the
 /// order `layout` says), the output has Q's shape. `kv_heads < heads` is grouped-query attention:
 /// query head `h` reads K/V head `h / (heads / kv_heads)`.
+///
+/// A plain value (`Copy`, `Send`, `Sync`), like every enum of this crate.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Problem {
     /// Batch size.

@@ -15,10 +15,24 @@ use std::sync::Arc;
 /// f16/bf16 tensors hold bit patterns; e4m3 tensors hold codes plus their dequantization
 /// scales and the shape the scales are laid out over (made by [`Tensor::quantize`],
 /// [`Tensor::quantize_f32`] or [`Tensor::from_e4m3`]).
+///
+/// `Send + Sync`: the buffers are device memory owned through cudarc, used only through a
+/// `Device` handle, whose calls order the streams involved (see [`Device`]).
 pub struct Tensor {
     pub(crate) buf: Buf,
     pub(crate) dtype: DType,
     pub(crate) fp8: Option<Fp8Scales>,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("Tensor");
+        d.field("dtype", &self.dtype).field("len", &self.len());
+        if let Some(s) = &self.fp8 {
+            d.field("scaling", &s.scaling).field("shape", &s.shape);
+        }
+        d.finish_non_exhaustive()
+    }
 }
 
 pub(crate) enum Buf {
