@@ -41,6 +41,16 @@ fn main() {
         println!("cargo:rerun-if-changed={}", p.display());
     }
 
+    let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
+    println!("cargo:rerun-if-env-changed=DOCS_RS");
+    if env::var_os("DOCS_RS").is_some() {
+        // Documentation builds (docs.rs) compile no CUDA: the crate's items need only the
+        // kernel list and an empty build report.
+        fs::write(out_dir.join("ptxas.txt"), "").unwrap();
+        write_instances(&cpp.join("kernels.txt"), &out_dir);
+        println!("cargo:rustc-env=SDPA_CUDA_ARCHS=none (documentation build)");
+        return;
+    }
     let tc = locate(&pins).unwrap_or_else(|msg| fail(&msg));
     let archs = env::var("SDPA_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.to_string());
     let nvcc = tc.cuda.join("bin/nvcc");
@@ -71,7 +81,6 @@ fn main() {
     let dst = cfg.build();
     let build = dst.join("build");
 
-    let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     write_ptxas_report(&build, &cpp, &out_dir);
     write_instances(&cpp.join("kernels.txt"), &out_dir);
 
@@ -117,8 +126,17 @@ fn locate(pins: &Path) -> Result<Toolchain, String> {
             }
             Some(home)
         }
-        None => which("nvcc").and_then(|n| n.parent()?.parent().map(Path::to_path_buf)),
+        None => which("nvcc")
+            .and_then(|n| n.parent()?.parent().map(Path::to_path_buf))
+            .or_else(|| Some(PathBuf::from("/usr/local/cuda")))
+            .filter(|home| toolkit_is_recent(home)),
     };
+    if let Some(home) = &cuda {
+        println!(
+            "cargo:warning=sdpa-sys: CUDA toolkit: {} (the machine's own)",
+            home.display()
+        );
+    }
     let cutlass_include = env::var_os("CUTLASS_DIR").map(|d| {
         let d = PathBuf::from(d);
         if d.join("include/cute").exists() {
@@ -145,6 +163,34 @@ fn locate(pins: &Path) -> Result<Toolchain, String> {
             .or_else(|| Some(root.join("cutlass_library/source/include"))),
         cmake: cmake.or_else(|| Some(root.join("cmake/data/bin/cmake"))),
     })
+}
+
+/// Whether `home` holds an nvcc of CUDA 12.4 or newer (what CUTLASS 4.2 needs). An older or
+/// absent one is passed over for the pinned toolkit, with a line saying so.
+fn toolkit_is_recent(home: &Path) -> bool {
+    let nvcc = home.join("bin/nvcc");
+    let Ok(out) = Command::new(&nvcc).arg("--version").output() else {
+        return false;
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let version = text
+        .split("release ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap_or("0");
+    let mut parts = version
+        .split('.')
+        .map(|p| p.trim().parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    let recent = (major, minor) >= (12, 4);
+    if !recent {
+        println!(
+            "cargo:warning=sdpa-sys: {} is CUDA {version}; CUTLASS 4.2 needs 12.4 or newer, \
+             using the pinned toolkit instead",
+            nvcc.display()
+        );
+    }
+    recent
 }
 
 fn which(name: &str) -> Option<PathBuf> {

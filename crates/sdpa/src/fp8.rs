@@ -109,7 +109,7 @@ fn pow2_at_or_above(x: f32) -> f32 {
     }
 }
 
-/// Quantizes on the host exactly as [`Tensor::quantize`] does on the GPU: codes
+/// Quantizes on the host exactly as [`crate::Tensor::quantize`] does on the GPU: codes
 /// `E4M3(x / scale)` (f32 division, round to nearest even, saturating) and the scales.
 pub fn quantize_host(
     x: &[f32],
