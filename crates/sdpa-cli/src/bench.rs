@@ -73,6 +73,9 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     };
     let mut records = Vec::new();
     let mut failed = false;
+    let unix_time = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     for (name, p) in &problems {
         for &b in &backends {
             let chosen = chosen_backend(dev.as_ref(), p, b);
@@ -88,6 +91,13 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                         "backend": b.name(), "us_graph": t.us_graph,
                         "us_event": t.us_event, "tflops": tflops(p, t.us_graph),
                         "rel_err": rel_err, "device": device, "sm": sm,
+                        "n_graph": t.graph.n, "us_graph_min": t.graph.min,
+                        "us_graph_max": t.graph.max,
+                        "us_graph_ci95": [t.graph.ci95.0, t.graph.ci95.1],
+                        "n_event": t.event.n, "us_event_min": t.event.min,
+                        "us_event_max": t.event.max,
+                        "us_event_ci95": [t.event.ci95.0, t.event.ci95.1],
+                        "commit": env!("SDPA_COMMIT"), "time": unix_time,
                     }));
                 }
                 Err(e @ sdpa::Error::Unsupported { .. }) => eprintln!("skipped: {e}"),
@@ -99,22 +109,30 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         }
     }
     outln!(
-        "\n{:<18} {:<5} {:<8} {:>11} {:>11} {:>8} {:>10}",
+        "\n{:<18} {:<5} {:<8} {:>11} {:>21} {:>11} {:>8} {:>10}",
         "problem",
         "dtype",
         "backend",
         "us_graph",
+        "(95% CI, n)",
         "us_event",
         "TFLOP/s",
         "rel_err"
     )?;
     for r in &records {
+        let ci = &r["us_graph_ci95"];
         outln!(
-            "{:<18} {:<5} {:<8} {:>11.2} {:>11.2} {:>8.2} {:>10}",
+            "{:<18} {:<5} {:<8} {:>11.2} {:>21} {:>11.2} {:>8.2} {:>10}",
             r["name"].as_str().unwrap_or(""),
             r["dtype"].as_str().unwrap_or(""),
             r["backend"].as_str().unwrap_or(""),
             r["us_graph"].as_f64().unwrap_or(f64::NAN),
+            format!(
+                "({:.2}-{:.2}, {})",
+                ci[0].as_f64().unwrap_or(f64::NAN),
+                ci[1].as_f64().unwrap_or(f64::NAN),
+                r["n_graph"].as_u64().unwrap_or(0)
+            ),
             r["us_event"].as_f64().unwrap_or(f64::NAN),
             r["tflops"].as_f64().unwrap_or(f64::NAN),
             r["rel_err"]

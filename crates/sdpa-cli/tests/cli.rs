@@ -281,12 +281,39 @@ fn validate_and_bench_work_with_or_without_a_gpu() {
         serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let r = &records[0];
     for field in [
-        "name", "batch", "heads", "seq_q", "seq_k", "head_dim", "causal", "dtype", "backend",
-        "us_graph", "us_event", "tflops",
+        "name",
+        "batch",
+        "heads",
+        "seq_q",
+        "seq_k",
+        "head_dim",
+        "causal",
+        "dtype",
+        "backend",
+        "us_graph",
+        "us_event",
+        "tflops",
+        "n_graph",
+        "us_graph_min",
+        "us_graph_max",
+        "us_graph_ci95",
+        "n_event",
+        "us_event_ci95",
+        "commit",
+        "time",
     ] {
         assert!(!r[field].is_null(), "record lacks {field}: {r}");
     }
     assert!(r["us_graph"].as_f64().unwrap() > 0.0);
+    let (lo, hi) = (
+        r["us_graph_ci95"][0].as_f64(),
+        r["us_graph_ci95"][1].as_f64(),
+    );
+    let med = r["us_graph"].as_f64().unwrap();
+    assert!(
+        lo.unwrap() <= med && med <= hi.unwrap(),
+        "the interval brackets the median: {r}"
+    );
 }
 
 /// `sdpa run` through the GPU (auto backend) agrees with the reference within the dtype's

@@ -3,25 +3,88 @@
 //! without launch gaps); `us_event` is one call between two events (what a caller sees).
 
 use cudarc::driver::sys;
+use rand::{RngExt, SeedableRng, rngs::StdRng};
 use sdpa::{Backend, Device, Error, Problem, Result, Tensor};
 use std::time::Instant;
 
-/// Median per-call times in microseconds.
+/// Median per-call times in microseconds, with the samples' statistics.
 #[derive(Debug, Clone, Copy)]
 pub struct Timing {
-    /// Per call inside a CUDA graph of many calls.
+    /// Per call inside a CUDA graph of many calls (median of the replays).
     pub us_graph: f64,
-    /// One call between two events, host-side argument checking included.
+    /// One call between two events, host-side argument checking included (median).
     pub us_event: f64,
+    /// The graph replays' per-call times.
+    pub graph: Stats,
+    /// The single launches' times.
+    pub event: Stats,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
+/// What a set of timing samples says: how many, their spread, and how well the median is known.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Stats {
+    /// Number of samples.
+    pub n: usize,
+    /// Median.
+    pub median: f64,
+    /// Smallest sample.
+    pub min: f64,
+    /// Largest sample.
+    pub max: f64,
+    /// 95% bootstrap confidence interval of the median (percentile method, 1000 resamples).
+    pub ci95: (f64, f64),
+}
+
+impl Stats {
+    /// The statistics of `samples` (at least one). The bootstrap draws from a fixed seed, so the
+    /// same samples give the same interval.
+    pub fn of(samples: &[f64]) -> Stats {
+        let mut sorted = samples.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let median = median(&sorted);
+        let mut rng = StdRng::seed_from_u64(0x5eed);
+        let mut medians: Vec<f64> = (0..BOOTSTRAP_RESAMPLES)
+            .map(|_| {
+                let mut draw: Vec<f64> = (0..sorted.len())
+                    .map(|_| sorted[rng.random_range(0..sorted.len())])
+                    .collect();
+                draw.sort_by(f64::total_cmp);
+                self::median(&draw)
+            })
+            .collect();
+        medians.sort_by(f64::total_cmp);
+        let at = |q: f64| medians[((q * (medians.len() - 1) as f64).round()) as usize];
+        Stats {
+            n: sorted.len(),
+            median,
+            min: sorted[0],
+            max: sorted[sorted.len() - 1],
+            ci95: (at(0.025), at(0.975)),
+        }
+    }
+}
+
+const BOOTSTRAP_RESAMPLES: usize = 1000;
+
+/// Median of sorted, non-empty samples.
+fn median(sorted: &[f64]) -> f64 {
+    let n = sorted.len();
     if n % 2 == 1 {
-        v[n / 2]
+        sorted[n / 2]
     } else {
-        0.5 * (v[n / 2 - 1] + v[n / 2])
+        0.5 * (sorted[n / 2 - 1] + sorted[n / 2])
+    }
+}
+
+impl Timing {
+    fn from_samples(graph: &[f64], event: &[f64]) -> Timing {
+        let (graph, event) = (Stats::of(graph), Stats::of(event));
+        Timing {
+            us_graph: graph.median,
+            us_event: event.median,
+            graph,
+            event,
+        }
     }
 }
 
@@ -58,7 +121,7 @@ pub fn time_gpu(dev: &Device, budget_ms: f64, mut f: impl FnMut() -> Result<()>)
 
     let share_us = budget_ms * 1e3 / 2.0;
     let reps = ((share_us / first_us) as usize).clamp(5, 200);
-    let us_event = median((0..reps).map(|_| once(&mut f)).collect::<Result<_>>()?);
+    let events: Vec<f64> = (0..reps).map(|_| once(&mut f)).collect::<Result<_>>()?;
 
     // Enough calls per graph that a replay lasts ~2 ms (launch of the graph itself amortized).
     let calls = ((2000.0 / first_us) as usize).clamp(2, 200);
@@ -78,10 +141,7 @@ pub fn time_gpu(dev: &Device, budget_ms: f64, mut f: impl FnMut() -> Result<()>)
         end.record(stream)?;
         per_call.push(f64::from(start.elapsed_ms(&end)?) * 1e3 / calls as f64);
     }
-    Ok(Timing {
-        us_graph: median(per_call),
-        us_event,
-    })
+    Ok(Timing::from_samples(&per_call, &events))
 }
 
 /// Times one backend on one problem (inputs random, rounded to the dtype). `Cpu` is timed with
@@ -104,11 +164,7 @@ pub fn time_backend(
             std::hint::black_box(sdpa::reference(p, q, k, v)?);
             ts.push(t.elapsed().as_secs_f64() * 1e6);
         }
-        let us = median(ts);
-        return Ok(Timing {
-            us_graph: us,
-            us_event: us,
-        });
+        return Ok(Timing::from_samples(&ts, &ts));
     }
     let dev = dev.expect("supports() requires a device for GPU backends");
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
@@ -134,4 +190,23 @@ pub fn launch_floor(dev: &Device, blocks: i32) -> Result<Timing> {
 /// TFLOP/s of a problem at `us` microseconds per call (causal counts visible scores only).
 pub fn tflops(p: &Problem, us: f64) -> f64 {
     p.flops() / (us * 1e-6) / 1e12
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_bracket_the_median() {
+        // 1..=40 and one outlier.
+        let samples: Vec<f64> = (1..=40).map(f64::from).chain([1000.0]).collect();
+        let s = Stats::of(&samples);
+        assert_eq!((s.n, s.median, s.min, s.max), (41, 21.0, 1.0, 1000.0));
+        assert!(s.ci95.0 <= s.median && s.median <= s.ci95.1, "{s:?}");
+        // The outlier moves the mean, not the interval of the median.
+        assert!(s.ci95.0 >= 12.0 && s.ci95.1 <= 30.0, "{s:?}");
+        assert_eq!(Stats::of(&samples), s, "the bootstrap is reproducible");
+        let one = Stats::of(&[7.0]);
+        assert_eq!((one.median, one.ci95), (7.0, (7.0, 7.0)));
+    }
 }
