@@ -173,9 +173,9 @@ fn bench_one(
         let want = sdpa::reference(p, qv, kv, vv)?;
         let r = compare(&out.to_f64(dev)?, &want, p.dtype, seed);
         if !r.pass() {
-            return Err(sdpa::Error::Cuda(format!(
-                "wrong result before timing: {r:?}"
-            )));
+            return Err(sdpa::Error::Cuda(
+                format!("wrong result before timing: {r:?}").into(),
+            ));
         }
         Some(r.rel_err)
     } else {

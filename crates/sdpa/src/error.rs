@@ -26,7 +26,7 @@ pub enum Error {
     NoDevice(String),
     /// A CUDA call failed (driver API via cudarc, or inside the C++ core).
     #[error("CUDA error: {0}")]
-    Cuda(String),
+    Cuda(#[source] CudaError),
     /// An allocation larger than the memory left: checked before allocating, so the process
     /// never aborts on it.
     #[error(
@@ -70,15 +70,55 @@ impl std::fmt::Display for MemoryKind {
     }
 }
 
+/// A failed CUDA call: what failed, and the driver's error where the failure came from the
+/// driver API (`std::error::Error::source`).
+#[derive(Debug)]
+pub struct CudaError {
+    message: String,
+    driver: Option<cudarc::driver::DriverError>,
+}
+
+impl std::fmt::Display for CudaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for CudaError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.driver
+            .as_ref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+impl From<String> for CudaError {
+    fn from(message: String) -> Self {
+        CudaError {
+            message,
+            driver: None,
+        }
+    }
+}
+
+impl From<&str> for CudaError {
+    fn from(message: &str) -> Self {
+        message.to_string().into()
+    }
+}
+
 impl From<cudarc::driver::DriverError> for Error {
     fn from(e: cudarc::driver::DriverError) -> Self {
-        Error::Cuda(e.to_string())
+        Error::Cuda(CudaError {
+            message: e.to_string(),
+            driver: Some(e),
+        })
     }
 }
 
 impl From<cxx::Exception> for Error {
     fn from(e: cxx::Exception) -> Self {
-        Error::Cuda(e.what().to_string())
+        Error::Cuda(e.what().into())
     }
 }
 
@@ -102,3 +142,21 @@ macro_rules! invalid {
     ($($arg:tt)*) => { $crate::error::Error::InvalidArgument(format!($($arg)*)) };
 }
 pub(crate) use invalid;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn cuda_errors_chain_their_source() {
+        let e = Error::Cuda("kernel launch failed".into());
+        assert_eq!(e.to_string(), "CUDA error: kernel launch failed");
+        let inner = e.source().expect("the CUDA error is the source");
+        assert_eq!(inner.to_string(), "kernel launch failed");
+        assert!(
+            inner.source().is_none(),
+            "no driver error behind a core message"
+        );
+    }
+}

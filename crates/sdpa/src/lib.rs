@@ -47,7 +47,7 @@ pub use backend::Backend;
 pub use backend::cpu::reference;
 pub use codec::{decode, encode};
 pub use device::{Device, driver_present};
-pub use error::{Error, MemoryKind, Result};
+pub use error::{CudaError, Error, MemoryKind, Result};
 pub use problem::{DType, Layout, Mask, Problem, Scaling, Strides, TensorShape};
 
 use problem::Checked;

@@ -176,7 +176,7 @@ fn check(status: cb::cublasStatus_t, what: &str) -> Result<()> {
     if status == cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
         Ok(())
     } else {
-        Err(Error::Cuda(format!("{what}: {status:?}")))
+        Err(Error::Cuda(format!("{what}: {status:?}").into()))
     }
 }
 
@@ -282,7 +282,7 @@ pub(crate) fn forward(
         .map_err(|_| Error::Cuda("cuBLAS state poisoned by a panic".into()))?;
     if guard.is_none() {
         let blas = CudaBlas::new(dev.stream().clone())
-            .map_err(|e| Error::Cuda(format!("cublasCreate: {e:?}")))?;
+            .map_err(|e| Error::Cuda(format!("cublasCreate: {e:?}").into()))?;
         *guard = Some(BlasState {
             blas,
             workspace: None,
