@@ -4,7 +4,8 @@
 
 mod common;
 
-use sdpa::fp8::{e4m3_from_f32, encode_on_device};
+use sdpa::fp8::e4m3_from_f32;
+use sdpa_harness::check::encode_on_device;
 
 #[test]
 fn host_codec_is_bit_exact_with_the_gpu() {

@@ -43,8 +43,8 @@ constexpr int kBM = kWarps * 16;  // one 16-row wmma strip per warp
 constexpr int kBN = 64;
 static_assert(kBM == kBN, "Q is staged with the K/V tile loader");
 // K/V/Q row padding: 8 elements (16 bytes) puts the row pitch 16 bytes past a multiple of 128, so
-// the 8 rows one ldmatrix phase reads start in different banks. Measured ("pad0", "l2p16"): no
-// padding is several times slower; 16 elements puts rows r and r + 4 in the same banks (pitch
+// the 8 rows one ldmatrix phase reads start in different banks. No padding is several times
+// slower (docs/log/); 16 elements puts rows r and r + 4 in the same banks (pitch
 // 32 bytes past a multiple of 128) and is clearly slower (D = 64 also loses a CTA per SM).
 // wmma takes a pointer and a pitch, so an XOR swizzle is not expressible; padding is the choice.
 constexpr int kPad = 8;

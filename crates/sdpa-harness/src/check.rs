@@ -1,6 +1,7 @@
 //! Accuracy checks against the float64 reference, the same way everywhere: fresh random
 //! inputs, the output poisoned with NaN before the run, rel_err and max abs error.
 
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use sdpa::{
     Backend, DType, Device, Error, MemoryKind, Problem, Result, Scaling, Tensor, TensorShape,
@@ -209,7 +210,7 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
     } else {
         2 + 8 + 4
     };
-    check_host(
+    sdpa::memory::check_host(
         kl.checked_mul(2)
             .and_then(|k2| k2.checked_add(ql))
             .and_then(|n| n.checked_mul(per_element)),
@@ -246,22 +247,6 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
         bits,
         values,
         fp8: None,
-    })
-}
-
-/// `Err(OutOfMemory)` when `bytes` (`None`: more than `usize` holds) exceed what the host can
-/// still give this process, so that inputs too large for it are an error, not an abort.
-fn check_host(bytes: Option<usize>) -> Result<()> {
-    let available = sdpa::memory::host_available();
-    let needed = match (bytes, available) {
-        (None, _) => usize::MAX,
-        (Some(b), Some(a)) if b > a => b,
-        _ => return Ok(()),
-    };
-    Err(Error::OutOfMemory {
-        kind: MemoryKind::Host,
-        needed,
-        available,
     })
 }
 
@@ -325,6 +310,34 @@ pub fn check_backend(
     let want = sdpa::reference(p, q, k, v)?;
     let got = run_backend(dev, p, backend, &inputs, Some(&want))?;
     Ok(compare(&got, &want, p.dtype, seed))
+}
+
+/// Encodes `x * inv_scale` on the GPU with its own conversion instruction (the behaviour the
+/// host codec must match bit for bit). Synchronizes the device's stream.
+pub fn encode_on_device(dev: &Device, x: &[f32], inv_scale: f32) -> Result<Vec<u8>> {
+    if x.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (free, _) = dev.mem_info()?;
+    if x.len() * 5 > free {
+        return Err(Error::OutOfMemory {
+            kind: MemoryKind::Device,
+            needed: x.len() * 5,
+            available: Some(free),
+        });
+    }
+    let stream = dev.stream();
+    let xs = stream.clone_htod(x)?;
+    let mut ys = stream.alloc_zeros::<u8>(x.len())?;
+    {
+        let (xp, _gx) = xs.device_ptr(stream);
+        let (yp, _gy) = ys.device_ptr_mut(stream);
+        stream.context().bind_to_thread()?;
+        let s = stream.cu_stream() as usize;
+        // SAFETY: both buffers hold x.len() elements on this device's context.
+        unsafe { sdpa_sys::ffi::e4m3_encode(xp, yp, x.len() as i64, inv_scale, s)? };
+    }
+    Ok(stream.clone_dtoh(&ys)?)
 }
 
 #[cfg(test)]

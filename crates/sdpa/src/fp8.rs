@@ -4,38 +4,8 @@
 //! (`__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)`): round to nearest even, magnitudes
 //! beyond 448 (infinities included) saturate to ±448, NaN becomes 0x7F.
 
-use crate::device::Device;
 use crate::error::{Result, invalid};
 use crate::problem::{Scaling, TensorShape};
-use cudarc::driver::{DevicePtr, DevicePtrMut};
-
-/// Encodes `x * inv_scale` on the GPU with its own conversion instruction (the behaviour the
-/// host codec must match bit for bit). Synchronizes the device's stream.
-pub fn encode_on_device(dev: &Device, x: &[f32], inv_scale: f32) -> Result<Vec<u8>> {
-    if x.is_empty() {
-        return Ok(Vec::new());
-    }
-    let (free, _) = dev.mem_info()?;
-    if x.len() * 5 > free {
-        return Err(crate::memory::out_of_memory(
-            crate::error::MemoryKind::Device,
-            x.len() * 5,
-            Some(free),
-        ));
-    }
-    let stream = dev.stream();
-    let xs = stream.clone_htod(x)?;
-    let mut ys = stream.alloc_zeros::<u8>(x.len())?;
-    {
-        let (xp, _gx) = xs.device_ptr(stream);
-        let (yp, _gy) = ys.device_ptr_mut(stream);
-        stream.context().bind_to_thread()?;
-        let s = stream.cu_stream() as usize;
-        // SAFETY: both buffers hold x.len() elements on this device's context.
-        unsafe { sdpa_sys::ffi::e4m3_encode(xp, yp, x.len() as i64, inv_scale, s)? };
-    }
-    Ok(stream.clone_dtoh(&ys)?)
-}
 
 /// Number of scales a tensor of `shape` has under `scaling` (a shape whose size overflows has
 /// no per-head count: `usize::MAX`, which no scale vector matches).

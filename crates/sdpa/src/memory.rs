@@ -21,7 +21,7 @@ pub fn host_available() -> Option<usize> {
 }
 
 /// `Err(OutOfMemory)` when `bytes` (`None`: more than `usize` holds) exceed what the host has.
-pub(crate) fn check_host(bytes: Option<usize>) -> Result<()> {
+pub fn check_host(bytes: Option<usize>) -> Result<()> {
     let available = host_available();
     match (bytes, available) {
         (None, _) => Err(out_of_memory(MemoryKind::Host, usize::MAX, available)),

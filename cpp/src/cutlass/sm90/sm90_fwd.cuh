@@ -111,7 +111,7 @@ struct Cfg {
   // setmaxnreg wait forever. The converting warps fit in them too.
   static constexpr int kProducerRegs = 24;
   // Whether the two consumers may take turns issuing (Params::turns decides per launch).
-  // Measured (docs/log/): at D = 128 the turns cost more than the ordering gains everywhere that
+  // At D = 128 the turns cost more than the ordering gains everywhere that
   // matters (slower on s2k, s8k and s16k-causal, faster only on s4k-causal), so they are compiled
   // out; at D = 64 they cost a little in the persistent grid (s1k) but save a good part of the time
   // when every CTA runs one tile (mission problem with 128-row tiles).
@@ -1065,9 +1065,8 @@ Params<E, D> make_params(const FwdArgs& a, int sms, bool causal) {
   // overruns the rest by about m_blocks - m_blocks^2 / (2 sms), against bh m_blocks^2 / (2 sms) per
   // SM in all. Where that overrun is over 12% of the whole, the last `tail` heads are interleaved,
   // just enough of them that their work per SM outlasts the heaviest tile twice:
-  // tail m_blocks^2 / 2 >= 2 sms m_blocks. Measured (docs/log/): s4k-causal (overrun 23%) is
-  // clearly faster interleaved; s16k-causal (overrun 6.6%) is slower interleaved (its 5 interleaved
-  // heads' K/V, 40 MB, crowd L2).
+  // tail m_blocks^2 / 2 >= 2 sms m_blocks. Below the threshold the interleaved heads' K/V crowd
+  // L2 and cost more than the overrun they save (docs/log/).
   int tail = 0;
   if (causal) {
     const double nb = p.m_blocks, per_sm = bh * nb * nb / (2.0 * sms);
