@@ -1,0 +1,97 @@
+// Mask policies: which keys each query row sees, as types the kernels are templated on. Row i
+// (of seq_q) sees keys [first_key(i), last_key(i)], always within [0, seq_k). A kernel asks a
+// policy three things: the key range a block of rows sees (which key tiles it loads), whether a
+// tile of keys may hold a masked score for a block of rows (where it must mask), and per row the
+// visible keys (the masking itself). A new mask (a sliding window, top-left causal) is one more
+// policy here and one more case in `dispatch_mask`; the kernels need no new branches as long as
+// it keeps the property the non-finite V check relies on: the tiles partly masked for a block of
+// rows are the last ones of its key range (`first_partial_tile`).
+//
+// Index is the kernel's row/key type: int where the kernel's 32-bit limits hold (fused::supports
+// in crates/sdpa/src/backend/fused.rs), int64_t where the kernel computes in 64 bits.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "common/check.cuh"
+#include "sdpa/sdpa.h"
+
+namespace sdpa::mask {
+
+// Every key of the sequence, for every row.
+template <typename Index = int>
+struct NoMask {
+  static constexpr bool kMasksKeys = false;  // no key below seq_k is ever hidden
+  Index seq_q, seq_k;
+
+  __host__ __device__ __forceinline__ Index first_key(Index /*row*/) const { return 0; }
+  __host__ __device__ __forceinline__ Index last_key(Index /*row*/) const { return seq_k - 1; }
+  // Keys [begin, end) some row of [m0, m0 + rows) sees; empty when end <= begin.
+  __host__ __device__ __forceinline__ Index key_begin(Index /*m0*/, Index /*rows*/) const {
+    return 0;
+  }
+  __host__ __device__ __forceinline__ Index key_end(Index /*m0*/, Index /*rows*/) const {
+    return seq_k;
+  }
+  // Whether some score of rows from m0 and keys [n0, n0 + bn) is masked (only past seq_k here).
+  __host__ __device__ __forceinline__ bool tile_masked(Index /*m0*/, Index n0, Index bn) const {
+    return n0 + bn > seq_k;
+  }
+  // The first key tile of width bn holding a key below seq_k that some row from m0 does not see;
+  // the tiles from it to the end of the key range are the partly masked ones. None here: `none`.
+  __host__ __device__ __forceinline__ int first_partial_tile(Index /*m0*/, Index /*bn*/,
+                                                             int none) const {
+    return none;
+  }
+};
+
+// Causal, aligned bottom-right: row i sees keys j <= i + seq_k - seq_q (the last query row sees
+// every key; with seq_q > seq_k the first seq_q - seq_k rows see none).
+template <typename Index = int>
+struct CausalBottomRight {
+  static constexpr bool kMasksKeys = true;
+  Index seq_q, seq_k;
+
+  __host__ __device__ __forceinline__ Index diagonal() const { return seq_k - seq_q; }
+  __host__ __device__ __forceinline__ Index first_key(Index /*row*/) const { return 0; }
+  __host__ __device__ __forceinline__ Index last_key(Index row) const {
+    const Index last = row + diagonal();
+    return last < seq_k - 1 ? last : seq_k - 1;
+  }
+  __host__ __device__ __forceinline__ Index key_begin(Index /*m0*/, Index /*rows*/) const {
+    return 0;
+  }
+  // Up to the diagonal of the block's last real row.
+  __host__ __device__ __forceinline__ Index key_end(Index m0, Index rows) const {
+    const Index last_row = m0 + rows < seq_q ? m0 + rows : seq_q;
+    const Index end = last_row + diagonal();
+    return end < 0 ? 0 : (end < seq_k ? end : seq_k);
+  }
+  // Past seq_k, or past the first row's diagonal (the row that sees the fewest keys).
+  __host__ __device__ __forceinline__ bool tile_masked(Index m0, Index n0, Index bn) const {
+    return n0 + bn > seq_k || n0 + bn - 1 > m0 + diagonal();
+  }
+  __host__ __device__ __forceinline__ int first_partial_tile(Index m0, Index bn, int none) const {
+    if (seq_k - 1 <= m0 + diagonal()) return none;  // the first row sees every key
+    const Index first_hidden = m0 + diagonal() + 1;
+    return int((first_hidden > 0 ? first_hidden : 0) / bn);
+  }
+};
+
+// Calls f with the policy for `mask` (a value of the policy type, for seq_q and seq_k): where a
+// backend's forward turns the runtime mask into the kernel's template argument.
+template <typename Index, class F>
+decltype(auto) dispatch_mask(Mask mask, Index seq_q, Index seq_k, F&& f) {
+  switch (mask) {
+    case Mask::NoMask:
+      return std::forward<F>(f)(NoMask<Index>{seq_q, seq_k});
+    case Mask::CausalBottomRight:
+      return std::forward<F>(f)(CausalBottomRight<Index>{seq_q, seq_k});
+  }
+  throw Error("unknown mask");
+}
+
+}  // namespace sdpa::mask
