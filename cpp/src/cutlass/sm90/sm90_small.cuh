@@ -83,7 +83,7 @@ struct SmallCfg {
       decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{}, Shape<HD, KNt>{}, Step<_2, _1>{}));
   using LayoutV =
       decltype(composition(LayoutVt{}, make_layout(Shape<KNt, HD>{}, Stride<HD, _1>{})));
-  // P over the S registers as the A operand of P·V (see Cfg::LayoutP).
+  // P over the S registers as the A operand of P·V (see TileConfig::LayoutP).
   using LayoutP =
       Layout<Shape<Shape<_2, _2, _2>, _1, Int<KN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
 
@@ -110,7 +110,7 @@ struct SmallCfg {
     alignas(16) float recv[(64 + kMaxCluster) * kRow];
     alignas(8) uint64_t bar_qk, bar_v;
     uint64_t bar_x;       // completes once every peer's partials of this CTA's rows have arrived
-    NonFiniteCols<D> nf;  // the non-finite V check's records (check_v_tile), when V has any
+    NonFiniteCols<D> nf;  // the non-finite V check's records (nonfinite_v.cuh), when V has any
   };
   static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;  // + the 1024-byte alignment
 };
@@ -128,7 +128,7 @@ struct SmallParams {
   FastDiv div_heads, div_group;
 };
 
-template <typename T, int D, int KN, bool CAUSAL>
+template <typename T, int D, int KN, class Mask>
 __global__ void __launch_bounds__(128, 1)
     small_kernel(const __grid_constant__ SmallParams<T, D, KN> p) {
 #ifdef SDPA_SM90_DEVICE
@@ -161,12 +161,10 @@ __global__ void __launch_bounds__(128, 1)
   const int m0 = blockIdx.y * 64;
   const int bh = blockIdx.z;
   const int b = p.div_heads.div(bh), h = bh - b * p.heads;
-  const int off = p.seq_k - p.seq_q;
+  const Mask mask{p.seq_q, p.seq_k};
   const int k0 = rank * KN;
-  // Keys [k0, k_end) of this slice that some row of the tile sees.
-  int k_end = min(p.seq_k, k0 + KN);
-  if (CAUSAL) k_end = min(k_end, max(0, min(m0 + 64, p.seq_q) + off));
-  const bool active = k0 < k_end;
+  // Whether some row of the tile sees a key of this slice [k0, k0 + KN).
+  const bool active = k0 < mask.key_end(m0, 64);
 
   Tensor sQ = make_tensor(make_smem_ptr(sm.in.q), typename C::LayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(sm.in.k), typename C::LayoutK{});
@@ -205,7 +203,8 @@ __global__ void __launch_bounds__(128, 1)
   Tensor cOrc = make_tensor(cO.data(), rowcol(cO.layout()));
   constexpr int kRows = decltype(size<0>(O))::value;
   static_assert(kRows == 2);
-  float m_row[kRows], l_row[kRows];
+  // One step of the online softmax over the whole slice; its max and sum are the partial's.
+  OnlineSoftmax<kRows, false> softmax;
 
   if (active) {
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
@@ -230,36 +229,8 @@ __global__ void __launch_bounds__(128, 1)
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
 
-    const float sl2 = p.scale_log2;
-    mask_keys<CAUSAL>(S, cSrc, m0, k0, KN, p.seq_k, off);
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      float mx = -INFINITY;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(S); ++c) mx = fmaxf(mx, S(r, c));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a row lives in a quad
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // Exponents as in softmax_tile (sm90_fwd.cuh); one pass per CTA, so the branch is
-      // per row here.
-      const float base = scaled_base(mx, sl2);
-      float sum = 0.f;
-      const auto exps = [&](auto exponent) {
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) {
-          const float e = ex2(exponent(S(r, c)));
-          S(r, c) = e;
-          sum += e;
-        }
-      };
-      if (!__any_sync(0xffffffffu, !(fabsf(base) < kFoldLimit)))
-        exps([&](float x) { return fmaf(x, sl2, -base); });
-      else
-        exps([&](float x) { return __fmul_rn(x, sl2) - base; });
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      m_row[r] = mx;
-      l_row[r] = sum;
-    }
+    apply_mask(S, cSrc, mask, m0, k0, KN);
+    softmax.step(S, p.scale_log2);
     convert_p<T>(rP, tSrS);
 
     Bar::wait(&sm.bar_v, 0);
@@ -281,13 +252,13 @@ __global__ void __launch_bounds__(128, 1)
       warpgroup_fence_operand(rP);
     };
     pv();
-    // Non-finite V check: V of a slice crossing the diagonal is checked for non-finite values while
-    // P·V runs (both only read it). In the rare case it has any, they are recorded and zeroed and
-    // P·V runs again. (Checking before P·V, or before the softmax with the V wait moved ahead of
-    // it, was slower.)
+    // Non-finite V check: V of a slice partly masked for the tile is checked for non-finite values
+    // while P·V runs (both only read it). In the rare case it has any, they are recorded and zeroed
+    // and P·V runs again. (Checking before P·V, or before the softmax with the V wait moved ahead
+    // of it, was slower.)
     const uint32_t v = uint32_t(__cvta_generic_to_shared(sm.in.v));
     bool nonfinite = false;
-    if (CAUSAL && k0 + KN - 1 > m0 + off) {
+    if (Mask::kMasksKeys && mask.first_partial_tile(m0, KN, nrank) <= rank) {
       nonfinite =
           __syncthreads_or(scan_nonfinite<T, KN, D, KN * D * 2 / (16 * 128)>(v, tid, 128)) != 0;
     }
@@ -304,15 +275,10 @@ __global__ void __launch_bounds__(128, 1)
       __syncthreads();
       pv();
       pv_wait();
-      add_nonfinite_terms(O, cOrc, sm.nf, m0, k0, p.seq_k, off);
+      add_nonfinite_terms(O, cOrc, sm.nf, mask, m0, k0);
     }
   } else {
-    clear(tOrO);
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      m_row[r] = -INFINITY;
-      l_row[r] = 0.f;
-    }
+    clear(tOrO);  // an empty partial: m = -inf, l = 0 (the softmax's initial state)
   }
 
   const uint32_t stage_s = uint32_t(__cvta_generic_to_shared(sm.stage));
@@ -328,7 +294,8 @@ __global__ void __launch_bounds__(128, 1)
     CUTE_UNROLL
     for (int c = 0; c < size<1>(O); c += 2)
       st_shared2(st + uint32_t(get<1>(cOrc(r, c))) * 4u, O(r, c), O(r, c + 1));
-    if ((tid & 3) == 0) st_shared2(st + D * 4u, m_row[r], l_row[r]);
+    const float l = softmax.row_sum(r);
+    if ((tid & 3) == 0) st_shared2(st + D * 4u, softmax.m[r], l);
   }
   fence_proxy_async();
   __syncthreads();
@@ -439,13 +406,13 @@ SmallParams<T, D, KN> make_small_params(const FwdArgs& a, int cluster) {
 
 // Launches the small kernel with KN-key slices; false (nothing launched) where it does not
 // apply: more than kMaxCluster slices, or a grid over the hardware's y/z limits.
-template <typename T, int D, int KN, bool CAUSAL>
+template <typename T, int D, int KN, class Mask>
 bool small_launch(const FwdArgs& a, cudaStream_t stream) {
   using C = SmallCfg<T, D, KN>;
   const int64_t cluster = (a.seq_k + KN - 1) / KN;
   const int64_t m_blocks = (a.seq_q + 63) / 64, bh = a.batch * a.heads;
   if (cluster > C::kMaxCluster || m_blocks > 65535 || bh > 65535) return false;
-  const auto kernel = small_kernel<T, D, KN, CAUSAL>;
+  const auto kernel = small_kernel<T, D, KN, Mask>;
   static std::atomic<uint64_t> configured{0};
   opt_in_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, configured);
   check_tma_operand(a.q, a.q_stride, "q");
@@ -486,14 +453,16 @@ bool small_forward(const FwdArgs& a, cudaStream_t stream) {
   if (!is_sm90(dev)) throw Error("cutlass-sm90: needs an sm_90 (Hopper) GPU");
   const int64_t tiles128 = (a.seq_q + 127) / 128 * a.batch * a.heads;
   if (a.seq_k <= kSmallKeys || 2 * tiles128 > sm_count(dev)) return false;
-  return a.mask == sdpa::Mask::CausalBottomRight ? small_launch<T, D, kSmallKeys, true>(a, stream)
-                                                 : small_launch<T, D, kSmallKeys, false>(a, stream);
+  return mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), [&](auto m) {
+    return small_launch<T, D, kSmallKeys, decltype(m)>(a, stream);
+  });
 }
 
 template <typename T, int D>
 void small_attributes(std::vector<KernelAttr>& out) {
-  const void* const fns[2] = {reinterpret_cast<const void*>(small_kernel<T, D, kSmallKeys, false>),
-                              reinterpret_cast<const void*>(small_kernel<T, D, kSmallKeys, true>)};
+  const void* const fns[2] = {
+      reinterpret_cast<const void*>(small_kernel<T, D, kSmallKeys, mask::NoMask<int>>),
+      reinterpret_cast<const void*>(small_kernel<T, D, kSmallKeys, mask::CausalBottomRight<int>>)};
   push_attributes(out, "cutlass-sm90-small", dtype_name<T>(), D, fns,
                   SmallCfg<T, D, kSmallKeys>::kSmemBytes);
 }

@@ -1,0 +1,67 @@
+// The sm_90a kernel's epilogue: a consumer warpgroup's 64 rows of O, normalized, from the wgmma
+// accumulator to global memory through a shared staging area.
+#pragma once
+
+#include "common/launch.cuh"
+#include "common/smem.cuh"
+#include "cutlass/dtype.cuh"
+#include "cutlass/sm90/primitives.cuh"
+#include "cutlass/sm90/tile_config.cuh"
+
+namespace sdpa::cutlass_sm90 {
+
+template <class E, int D>
+struct Epilogue {
+  using C = TileConfig<E, D>;
+  using Out = typename E::Out;
+
+  struct Params {
+    Out* o;
+    Strides os;
+    int seq_q;
+  };
+
+  // Warpgroup wg's rows [m0 + 64 wg, m0 + 64 wg + 64) of the tile, the qi-th this CTA stores,
+  // through its 64-row staging area: row r, 16-byte chunk j lives at chunk j ^ (r % 8), so the
+  // quad-strided 4-byte writes and the row-contiguous 16-byte reads are both free of bank
+  // conflicts. (Writing O straight from registers, 4 bytes a store, was slower.) The barrier in
+  // front keeps this tile's writes behind the reads of the previous one. `bar` is the
+  // warpgroup's named barrier. The addresses are the same for every tile: computed from an opaque
+  // thread index, or the compiler hoists them out of the tile loop and holds them in registers
+  // across the main loop (spills).
+  template <class TO>
+  __device__ __forceinline__ static void store(const Params& p, typename C::Smem& sm,
+                                               const TO& tOrO, int b, int h, int m0, int wg,
+                                               int ctid, int qi, int bar) {
+    int etid = ctid;
+    asm volatile("" : "+r"(etid));
+    const uint32_t so =
+        uint32_t(__cvta_generic_to_shared(sm.o)) + uint32_t(wg * 64 * D * sizeof(Out));
+    if (qi > 0) named_sync(bar, 128);
+    {
+      typename C::MmaPV mma_pv;
+      Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
+          make_identity_tensor(Shape<Int<C::kBM>, Int<D>>{}));
+      CUTE_UNROLL
+      for (int i = 0; i < size(tOrO); i += 2) {
+        const int r = get<0>(cO(i)) - 64 * wg, c = get<1>(cO(i));  // element i + 1: (r, c + 1)
+        const int phys = r * D + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
+        st_shared(so + phys * sizeof(Out), pack2<Out>(tOrO(i), tOrO(i + 1)));
+      }
+    }
+    named_sync(bar, 128);
+    Out* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head;
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    const int wtid = etid % 128;
+    CUTE_UNROLL
+    for (int i = 0; i < 64 * CH / 128; ++i) {
+      const int ci = wtid + i * 128, r = ci / CH, j = ci % CH;
+      const int row = m0 + 64 * wg + r;
+      if (row < p.seq_q)
+        *reinterpret_cast<uint4*>(ob + int64_t(row) * p.os.seq + j * 8) =
+            ld_shared_128(so + (r * D + ((j ^ (r & 7)) << 3)) * sizeof(Out));
+    }
+  }
+};
+
+}  // namespace sdpa::cutlass_sm90

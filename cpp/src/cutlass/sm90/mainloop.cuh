@@ -1,0 +1,467 @@
+// The sm_90a kernel's mainloop: the producer warpgroup's loads (TMA into the K/V ring), its
+// spare warps' work on V (e4m3 conversion, the non-finite V check), and the consumers' wgmma
+// rounds over the ring with the online softmax in between.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+
+#include "common/launch.cuh"
+#include "cutlass/sm90/nonfinite_v.cuh"
+#include "cutlass/sm90/pipeline.cuh"
+#include "cutlass/sm90/primitives.cuh"
+#include "cutlass/sm90/softmax.cuh"
+#include "cutlass/sm90/tile_config.cuh"
+#include "cutlass/sm90/tile_scheduler.cuh"
+
+namespace sdpa::cutlass_sm90 {
+
+// Named barriers (0 is __syncthreads).
+enum NamedBarrier : int {
+  kTurnBarrier = 1,      // + w: consumer warpgroup w may issue (turns)
+  kEpilogueBarrier = 3,  // + w: warpgroup w's output staging
+  kCheckBarrier = 5,     // the producer's spare warps (non-finite V check)
+};
+
+// The key tiles of one query tile: how many it sees, and from which on they are partly masked
+// (n_tiles where none is).
+struct KeyTiles {
+  int n_tiles, n_first;
+};
+
+template <class E, int D, class Mask>
+struct Mainloop {
+  using C = TileConfig<E, D>;
+  using QK = typename E::QK;
+  using PV = typename E::PV;
+  using Sched = TileScheduler<Mask::kMasksKeys>;
+  using Bar = cutlass::arch::ClusterTransactionBarrier;
+  static constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages;
+
+  // 32-bit sizes, rows and keys (offsets are 64-bit): the Rust layer keeps seq_q, seq_k <=
+  // 2^31 - 128 (row and key indices reach a tile past the end) and masked seq_q + seq_k <=
+  // 2^31 - 1 (the producer's diagonal); fused::supports, crates/sdpa/src/backend/fused.rs.
+  struct Params {
+    typename C::TmaQ tma_q;
+    typename C::TmaK tma_k;
+    typename C::TmaV tma_v;
+    int seq_q, seq_k, heads, kv_heads, batch;
+    float scale_log2;  // scale * log2(e)
+    int turns;         // 1: the two consumers take turns issuing (C::kPingPong)
+    FastDiv div_group;
+    // E4M3 only: dequantization scales, one per tensor or one per (batch, head) (per_head).
+    const float *q_scale, *k_scale, *v_scale;
+    int per_head;
+  };
+
+  __device__ __forceinline__ static Mask mask_of(const Params& p) { return Mask{p.seq_q, p.seq_k}; }
+
+  __device__ __forceinline__ static KeyTiles key_tiles(const Mask& mask, int m0, int rows) {
+    const int n_tiles = (mask.key_end(m0, rows) + BN - 1) / BN;
+    return {n_tiles, mask.first_partial_tile(m0, BN, n_tiles)};
+  }
+
+  // The key tile of a query tile's i-th ring use (of n). Masked query tiles walk their keys from
+  // the last: the (at most two) partly masked tiles, which the non-finite V check holds back, come
+  // first, and their check runs while the consumers compute the first S = Q·Kᵀ and softmax
+  // instead of sitting between the last V load and the last P·V. (The online softmax does not
+  // depend on the order; rows that see nothing of the first tiles keep m = -inf and p = 0 until
+  // they do.) An involution: use i holds key tile key_tile(i, n), and key tile j was use
+  // key_tile(j, n).
+  __device__ __forceinline__ static int key_tile(int i, int n) {
+    return Mask::kMasksKeys ? n - 1 - i : i;
+  }
+
+  __device__ __forceinline__ static void prefetch_descriptors(const Params& p) {
+    prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+  }
+
+  // Producer warp 0, one thread: Q once per work tile, K and V tiles into the ring. The K/V ring
+  // position (`it`: uses of the ring so far) and the Q buffer's use count (`qi`) carry over
+  // from tile to tile.
+  __device__ __forceinline__ static void load(const Params& p, const typename Sched::Params& sp,
+                                              typename C::Smem& sm) {
+    const Mask mask = mask_of(p);
+    Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQ{});  // (BM, D)
+    Tensor sK = make_tensor(make_smem_ptr(sm.k), typename C::LayoutK{});  // (BN, D, stage)
+    Tensor sV = make_tensor(make_smem_ptr(sm.v), typename C::LayoutV{});  // (BN, D, stage)
+    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seq_q, Int<D>{}, p.heads, p.batch));
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
+    Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
+    constexpr uint32_t kQBytes = BM * D * sizeof(QK);
+    constexpr uint32_t kKBytes = BN * D * sizeof(QK);
+    constexpr uint32_t kVBytes = BN * D * (E::kConvertV ? sizeof(QK) : sizeof(PV));
+    const int bm = 64 * sp.wgs;
+    int it = 0, qi = 0;
+    // kConvertV: the grid stride re-read each tile; held in a register across the loop it is
+    // the one value ptxas spills at 24 registers (4-8 bytes).
+    const auto stride = [] {
+      uint32_t n = gridDim.x;
+      if constexpr (E::kConvertV) asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+      return int(n);
+    };
+    for (int t = blockIdx.x; t < sp.tiles; t += stride(), ++qi) {
+      const WorkTile w = Sched::decode(sp, t);
+      const int hk = p.div_group.div(w.h);
+      const int m0 = w.m_block * bm;
+      const KeyTiles kt = key_tiles(mask, m0, bm);
+      // BM rows from row m0 (with 64-row tiles the upper half goes unused).
+      Tensor gQ = local_tile(domain_offset(make_coord(m0, _0{}), mQ(_, _, w.h, w.b)),
+                             Shape<Int<BM>, Int<D>>{}, make_coord(_0{}, _0{}));
+      Tensor gK = local_tile(mK(_, _, hk, w.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+      Tensor gV = local_tile(mV(_, _, hk, w.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+      auto tQ = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                              group_modes<0, 2>(gQ));
+      auto tK = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                              group_modes<0, 2>(gK));
+      // kConvertV: V's e4m3 tiles go to their own ring.
+      auto tV = [&]() {
+        if constexpr (E::kConvertV) {
+          Tensor sV8 = make_tensor(make_smem_ptr(sm.v8), typename C::LayoutV8{});
+          return tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV8),
+                               group_modes<0, 2>(gV));
+        } else {
+          return tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                               group_modes<0, 2>(gV));
+        }
+      }();
+      const auto load_q = [&]() {  // once the consumers are done with the previous Q
+        if (qi > 0) Bar::wait(&sm.empty_q, (qi - 1) & 1);
+        Bar::arrive_and_expect_tx(&sm.bar_q, kQBytes);
+        copy(p.tma_q.with(sm.bar_q), get<0>(tQ), get<1>(tQ));
+      };
+      if (kt.n_tiles == 0) load_q();  // nothing visible: the consumers still wait for Q
+      for (int n = 0; n < kt.n_tiles; ++n, ++it) {
+        // Ring use `it`, which is n where a CTA runs one tile (one register less).
+        const PipelineState<S> use{Sched::kOneTile ? n : it};
+        const int s = use.stage();
+        if (use.reuses()) Bar::wait(&sm.empty_k[s], use.empty_phase());
+        Bar::arrive_and_expect_tx(&sm.full_k[s], kKBytes);
+        const int j = key_tile(n, kt.n_tiles);
+        copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, j), get<1>(tK)(_, s));
+        if (n == 0) load_q();  // after K_0: the previous tile frees both at about the same time
+        if constexpr (E::kConvertV) {
+          const PipelineState<C::kV8Stages> use8{use.u};
+          const int s8 = use8.stage();
+          if (use8.reuses()) Bar::wait(&sm.empty_v8[s8], use8.empty_phase());
+          Bar::arrive_and_expect_tx(&sm.full_v8[s8], kVBytes);
+          copy(p.tma_v.with(sm.full_v8[s8]), get<0>(tV)(_, j), get<1>(tV)(_, s8));
+        } else {
+          if constexpr (E::kPrepass)
+            if (use.u == 0) pdl_wait();  // V comes from convert_v
+          if (use.reuses()) Bar::wait(&sm.empty_v[s], use.empty_phase());
+          // Partly masked tiles land on full_vd: the non-finite V check waits for them.
+          uint64_t& full = Mask::kMasksKeys && j >= kt.n_first ? sm.full_vd[s] : sm.full_v[s];
+          Bar::arrive_and_expect_tx(&full, kVBytes);
+          copy(p.tma_v.with(full), get<0>(tV)(_, j), get<1>(tV)(_, s));
+        }
+      }
+      if constexpr (Sched::kOneTile) break;
+    }
+  }
+
+  // kConvertV, producer warps 1-3 (thread ct of C::kConverters): each e4m3 V tile of the ring, 8
+  // codes a thread and step (8-byte reads along the unswizzled rows, 16-byte writes into the
+  // swizzled f16 tile: both free of bank conflicts), into the f16 V stage the consumers read, in
+  // the order the TMA thread loads; the non-finite V check on the partly masked ones.
+  __device__ __forceinline__ static void convert_v(const Params& p,
+                                                   const typename Sched::Params& sp,
+                                                   typename C::Smem& sm, int ct) {
+    const Mask mask = mask_of(p);
+    const uint32_t v8 = uint32_t(__cvta_generic_to_shared(sm.v8));
+    const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
+    // CuTe's GMMA atoms keep their swizzle apart from the element layout and apply it to the
+    // shared-memory byte address (1024-aligned base), as done here in 32 bits.
+    constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
+    constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
+    // A thread keeps its 8 columns and steps over rows (no index division in the loop).
+    constexpr int S8 = C::kV8Stages, kPerRow = D / 8, kStep = C::kConverters / kPerRow;
+    static_assert(C::kConverters % kPerRow == 0);
+    const int bm = 64 * sp.wgs;
+    int it = 0;
+    for (int t = blockIdx.x; t < sp.tiles; t += gridDim.x) {
+      const WorkTile w = Sched::decode(sp, t);
+      const KeyTiles kt = key_tiles(mask, w.m_block * bm, bm);
+      for (int n = 0; n < kt.n_tiles; ++n, ++it) {
+        const int s = it % S, s8 = it % S8;
+        Bar::wait(&sm.full_v8[s8], (it / S8) & 1);
+        if (it >= S) Bar::wait(&sm.empty_v[s], ((it / S) + 1) & 1);
+        bool nan8 = false;  // non-finite V: a NaN code among this thread's (no infinities)
+        // Recomputed per tile from an opaque index: fewer registers held across the loop.
+        int ci = ct;
+        asm volatile("" : "+r"(ci));
+        const int d = ci % kPerRow * 8, key0 = ci / kPerRow;
+        for (int key = key0; key < BN; key += kStep) {
+          const uint2 x = ld_shared_64(v8 + uint32_t(s8 * BN * D + key * D + d));
+          nan8 |= e4m3_nan8(x);
+          st_shared_128(kSwizzle(v16 + uint32_t(kFlatV(key, d, s) * sizeof(PV))),
+                        make_uint4(f16x2_of_e4m3x2(x.x), f16x2_of_e4m3x2(x.x >> 16),
+                                   f16x2_of_e4m3x2(x.y), f16x2_of_e4m3x2(x.y >> 16)));
+        }
+        // The check, on the converted tile (its barrier is also the one after which every
+        // converted value is visible to all).
+        if (key_tile(n, kt.n_tiles) >= kt.n_first)
+          settle_nonfinite<C>(sm, s, nan8, ct, kCheckBarrier);
+        // These generic-proxy writes must be visible to the wgmmas (async proxy).
+        cutlass::arch::fence_view_async_shared();
+        Bar::arrive(&sm.empty_v8[s8]);
+        Bar::arrive(&sm.full_v[s]);
+      }
+      if constexpr (Sched::kOneTile) break;
+    }
+  }
+
+  // Masked kernels without kConvertV, producer warps 1-3 (thread ct of C::kConverters): the
+  // non-finite V check of each partly masked V tile, once TMA has landed it, before the
+  // consumers' P·V (they wait on checked_v for those tiles).
+  __device__ __forceinline__ static void check_v(const Params& p, const typename Sched::Params& sp,
+                                                 typename C::Smem& sm, int ct) {
+    static_assert(Sched::kOneTile && S >= 2);
+    const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
+    // One tile a CTA, its keys walked from the last (key_tile): the partly masked tiles are ring
+    // uses 0 and 1, stages 0 and 1, full_vd's first phase.
+    int t = blockIdx.x;
+    asm volatile("" : "+r"(t));  // opaque: nothing shared with the TMA thread's registers
+    const WorkTile w = Sched::decode(sp, t);
+    const int bm = 64 * sp.wgs;
+    const KeyTiles kt = key_tiles(mask_of(p), w.m_block * bm, bm);
+    for (int s = 0; s < kt.n_tiles - kt.n_first; ++s) {
+      Bar::wait(&sm.full_vd[s], 0);
+      const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
+      const bool any = settle_nonfinite<C>(
+          sm, s, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters), ct, kCheckBarrier);
+      if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
+      Bar::arrive(&sm.checked_v[s]);
+    }
+  }
+
+  // E4M3: q·k's dequantization scales folded into the softmax scale, v's into the output factor.
+  __device__ __forceinline__ static void scales(const Params& p, const WorkTile& w, float& sl2,
+                                                float& o_scale) {
+    sl2 = p.scale_log2;
+    o_scale = 1.f;
+    if constexpr (E::kFp8) {
+      const int hk = p.div_group.div(w.h);
+      const int qsi = p.per_head ? w.b * p.heads + w.h : 0;
+      const int kvi = p.per_head ? w.b * p.kv_heads + hk : 0;
+      sl2 *= __ldg(p.q_scale + qsi) * __ldg(p.k_scale + kvi);
+      o_scale = __ldg(p.v_scale + kvi);
+    }
+  }
+
+  // One work tile of a consumer warpgroup (thread ctid of all consumers, warpgroup wg): O (tOrO,
+  // zeroed by the caller) and the softmax state over the tile's kt.n_tiles key tiles, which are
+  // ring uses it, it + 1, ...; `it` is advanced past them. Issue rounds, N = n_tiles:
+  //   round 0:            S_0
+  //   round n (1..N-1):   S_n, then O += P_{n-1}·V_{n-1}: two commit groups
+  //   round N:            O += P_{N-1}·V_{N-1}
+  // Once S_n is done its K stage is released (after the last S, Q too) and the softmax turns it
+  // into exp2 scores; once P·V is done its V stage is released and P_n is written over P_{n-1}.
+  // Every wgmma sits on an unconditional path of its round: wgmmas under a branch make ptxas
+  // serialize them. With turns, each warpgroup waits for its turn barrier before a round's
+  // wgmmas and hands the turn over after issuing them; warpgroup 0 goes first, warpgroup 1
+  // pre-arrives once per tile and skips its very last hand-over, so both barriers see matched
+  // counts.
+  template <class TO, class Softmax>
+  __device__ __forceinline__ static void mma(const Params& p, typename C::Smem& sm,
+                                             const Mask& mask, int m0, const KeyTiles& kt, int& it,
+                                             int qi, TO& tOrO, Softmax& softmax, float sl2,
+                                             int ctid, int wg) {
+    const int n_tiles = kt.n_tiles;
+    const bool turns = C::kPingPong && p.turns;
+    const auto turn_sync = [&](int w) {
+      if (turns) named_sync(kTurnBarrier + w, 256);
+    };
+    const auto turn_arrive = [&](int w) {
+      if (turns) named_arrive(kTurnBarrier + w, 256);
+    };
+    if (n_tiles == 0) {
+      Bar::wait(&sm.bar_q, qi & 1);  // every loaded Q is waited for before it is freed
+      Bar::arrive(&sm.empty_q);
+      return;
+    }
+
+    Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQ{});    // (BM, D)
+    Tensor sK = make_tensor(make_smem_ptr(sm.k), typename C::LayoutK{});    // (BN, D, stage)
+    Tensor sVt = make_tensor(make_smem_ptr(sm.v), typename C::LayoutVt{});  // (D, BN, stage)
+    typename C::MmaQK mma_qk;
+    typename C::MmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(ctid);
+    auto thr_pv = mma_pv.get_thread_slice(ctid);
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
+    Tensor rP = make_tensor<PV>(typename C::LayoutP{});
+    Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
+    Tensor cSrc = make_tensor(cS.data(), rowcol(cS.layout()));
+    Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+    Tensor Srow = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+
+    const auto issue_s = [&](int sk) {
+      mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+        cute::gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, sk), tSrS);
+        mma_qk.accumulate_ = GMMA::ScaleOut::One;
+      }
+    };
+    const auto fence_all = [&]() {
+      warpgroup_fence_operand(tSrS);
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(rP);
+    };
+    const auto softmax_step = [&](int n) {
+      apply_mask(Srow, cSrc, mask, m0, key_tile(n, n_tiles) * BN, BN);
+      softmax.step(Srow, sl2);
+    };
+    // V of the tile's i-th ring use: landed, and checked if partly masked. Masked: one tile a
+    // CTA, and the n_cross partly masked tiles are its first uses (key_tile), completing
+    // checked_v (first phase) instead of full_v.
+    const auto wait_v = [&](int i, const PipelineState<S>& use) {
+      if constexpr (Mask::kMasksKeys && !E::kConvertV) {
+        const int n_cross = max(0, n_tiles - kt.n_first);
+        if (i < n_cross)
+          Bar::wait(&sm.checked_v[use.stage()], 0);
+        else
+          Bar::wait(&sm.full_v[use.stage()], use.full_phase_after(n_cross));
+      } else {
+        Bar::wait(&sm.full_v[use.stage()], use.full_phase());
+      }
+    };
+
+    if (wg == 1) turn_arrive(0);
+    Bar::wait(&sm.bar_q, qi & 1);
+
+    // Round 0.
+    {
+      const PipelineState<S> k{it};
+      Bar::wait(&sm.full_k[k.stage()], k.full_phase());
+      turn_sync(wg);
+      fence_all();
+      warpgroup_arrive();
+      issue_s(k.stage());
+      warpgroup_commit_batch();
+      turn_arrive(wg ^ 1);
+      warpgroup_wait<0>();
+      fence_all();
+      Bar::arrive(&sm.empty_k[k.stage()]);
+      if (n_tiles == 1) Bar::arrive(&sm.empty_q);
+      softmax_step(0);
+      convert_p<PV>(rP, tSrS);  // O is still zero: no rescale
+    }
+
+    for (int n = 1; n < n_tiles; ++n) {
+      const PipelineState<S> k{it + n}, v{it + n - 1};  // ring uses of K_n and V_{n-1}
+      Bar::wait(&sm.full_k[k.stage()], k.full_phase());
+      wait_v(n - 1, v);
+      turn_sync(wg);
+      fence_all();
+      warpgroup_arrive();
+      issue_s(k.stage());
+      warpgroup_commit_batch();
+      // O was last written by P_{n-2}·V_{n-2} (done); rescale it by softmax n-1's factor while
+      // S_n runs (O is still zero at n = 1).
+      if (n > 1) softmax.rescale_o(O);
+      warpgroup_fence_operand(tOrO);
+      warpgroup_arrive();
+      cute::gemm(mma_pv, rP, tOrV(_, _, _, v.stage()), tOrO);
+      warpgroup_commit_batch();
+      turn_arrive(wg ^ 1);
+      warpgroup_wait<1>();  // S_n done; P_{n-1}·V_{n-1} may still run
+      warpgroup_fence_operand(tSrS);
+      Bar::arrive(&sm.empty_k[k.stage()]);
+      if (n == n_tiles - 1) Bar::arrive(&sm.empty_q);
+      softmax_step(n);
+      warpgroup_wait<0>();
+      fence_all();
+      Bar::arrive(&sm.empty_v[v.stage()]);
+      convert_p<PV>(rP, tSrS);
+    }
+
+    // Round N.
+    {
+      const PipelineState<S> v{it + n_tiles - 1};
+      wait_v(n_tiles - 1, v);
+      turn_sync(wg);
+      if (n_tiles > 1) softmax.rescale_o(O);
+      fence_all();
+      warpgroup_arrive();
+      cute::gemm(mma_pv, rP, tOrV(_, _, _, v.stage()), tOrO);
+      warpgroup_commit_batch();
+      if (wg == 0) turn_arrive(1);
+      warpgroup_wait<0>();
+      fence_all();
+      Bar::arrive(&sm.empty_v[v.stage()]);
+    }
+    it += n_tiles;
+  }
+
+  // After the tile's last P·V: the non-finite values the check took out of its partly masked V
+  // tiles, added once rather than after each tile's P·V (the terms are NaN or ±Inf, which the
+  // rescaling in between keeps as they are). Those tiles were the tile's first ring uses (stages
+  // 0 and 1), and only they write records, so the records are all still there. `it` has moved
+  // past the tile's uses.
+  template <class TO>
+  __device__ __forceinline__ static void add_masked_nonfinite(typename C::Smem& sm,
+                                                              const Mask& mask, int m0,
+                                                              const KeyTiles& kt, int it, TO& tOrO,
+                                                              int ctid) {
+    if constexpr (Mask::kMasksKeys) {
+      Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+      for (int j = kt.n_first; j < kt.n_tiles; ++j) {
+        const int sv = (it - kt.n_tiles + key_tile(j, kt.n_tiles)) % S;
+        if (!sm.nf_any[sv]) continue;
+        int etid = ctid;  // opaque: keeps the coordinates out of the main loop's registers
+        asm volatile("" : "+r"(etid));
+        typename C::MmaPV mma_pv;
+        Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
+            make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+        add_nonfinite_terms(O, make_tensor(cO.data(), rowcol(cO.layout())), sm.nf[sv], mask, m0,
+                            j * BN);
+      }
+    }
+  }
+
+  // The parameters: a TMA descriptor per operand (make_tma_copy encodes it on the host; it
+  // travels in the __grid_constant__ parameter block) and the scalars. E4M3 with the pre-pass: V
+  // is the pre-pass's f16 copy `v` with strides `vs`.
+  static Params make(const FwdArgs& a, const void* v, const Strides& vs, bool turns) {
+    const auto gmem = [&](auto const* ptr, int64_t seq, int64_t heads, const Strides& st) {
+      return make_tensor(make_gmem_ptr(ptr),
+                         make_shape(int(seq), Int<D>{}, int(heads), int(a.batch)),
+                         make_stride(st.seq, _1{}, st.head, st.batch));
+    };
+    Params p{};
+    p.tma_q = make_tma_copy(SM90_TMA_LOAD{},
+                            gmem(static_cast<const QK*>(a.q), a.seq_q, a.heads, a.q_stride),
+                            typename C::LayoutQ{}, Shape<Int<BM>, Int<D>>{}, _1{});
+    p.tma_k = make_tma_copy(SM90_TMA_LOAD{},
+                            gmem(static_cast<const QK*>(a.k), a.seq_k, a.kv_heads, a.k_stride),
+                            take<0, 2>(typename C::LayoutK{}), Shape<Int<BN>, Int<D>>{}, _1{});
+    if constexpr (E::kConvertV)
+      p.tma_v =
+          make_tma_copy(SM90_TMA_LOAD{}, gmem(static_cast<const QK*>(v), a.seq_k, a.kv_heads, vs),
+                        take<0, 2>(typename C::LayoutV8{}), Shape<Int<BN>, Int<D>>{}, _1{});
+    else
+      p.tma_v =
+          make_tma_copy(SM90_TMA_LOAD{}, gmem(static_cast<const PV*>(v), a.seq_k, a.kv_heads, vs),
+                        take<0, 2>(typename C::LayoutV{}), Shape<Int<BN>, Int<D>>{}, _1{});
+    p.seq_q = int(a.seq_q);
+    p.seq_k = int(a.seq_k);
+    p.heads = int(a.heads);
+    p.kv_heads = int(a.kv_heads);
+    p.batch = int(a.batch);
+    p.scale_log2 = a.scale * 1.4426950408889634f;
+    p.turns = turns ? 1 : 0;
+    p.div_group = FastDiv(int(a.heads / a.kv_heads));
+    p.q_scale = a.q_scale;
+    p.k_scale = a.k_scale;
+    p.v_scale = a.v_scale;
+    p.per_head = a.per_head_scales ? 1 : 0;
+    return p;
+  }
+};
+
+}  // namespace sdpa::cutlass_sm90

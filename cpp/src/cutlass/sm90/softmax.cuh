@@ -1,0 +1,153 @@
+// The online softmax of the sm_90a kernels, on wgmma accumulators: masking a tile of scores,
+// the running row max and sum, O's rescaling and final normalization. The main kernel runs it
+// once per key tile; the small-problem kernel once per CTA.
+#pragma once
+
+#include "cutlass/dtype.cuh"
+#include "cutlass/sm90/primitives.cuh"
+#include "cutlass/sm90/tile_config.cuh"
+
+namespace sdpa::cutlass_sm90 {
+
+// ((2, 2, N/8), M, N) accumulator layout -> ((2 rows, M), (2 cols, N/8, N)) row/column view.
+template <class L>
+__device__ __forceinline__ constexpr auto rowcol(L const& l) {
+  static_assert(decltype(rank(l))::value == 3);
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
+                     make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// Scores of keys a row does not see (past seq_k, or hidden by the mask policy) set to -inf, for
+// the bn keys from n0 of rows from m0 (S in the row/col view, cSrc each element's (row, col)
+// within the tile). Only tiles the policy says may be masked pay for it.
+template <class Mask, class TS, class TC>
+__device__ __forceinline__ void apply_mask(TS& S, TC const& cSrc, const Mask& mask, int m0, int n0,
+                                           int bn) {
+  if (!mask.tile_masked(m0, n0, bn)) return;
+  CUTE_UNROLL
+  for (int r = 0; r < decltype(size<0>(S))::value; ++r) {
+    const int last = mask.last_key(m0 + get<0>(cSrc(r, 0)));
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(S); ++c)
+      if (n0 + get<1>(cSrc(r, c)) > last) S(r, c) = -INFINITY;
+  }
+}
+
+// Row state of the online softmax for the kRows accumulator rows a thread holds: the running
+// max m (raw score units), this thread's partial row sum l (the quad adds them last), and alpha,
+// the factor by which O must be rescaled after the latest step.
+template <int kRows, bool kOneExpLoop>
+struct OnlineSoftmax {
+  float m[kRows], l[kRows], alpha[kRows];
+
+  __device__ __forceinline__ OnlineSoftmax() {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      m[r] = -INFINITY;
+      l[r] = 0.f;
+    }
+  }
+
+  // One tile, in place on S (the row/col view, already masked): new running max, S <-
+  // exp2(S·sl2 - max·sl2), row sums, and alpha. O is rescaled apart (rescale_o): it is still
+  // being accumulated by the previous tile's P·V, and gets the factor just before this tile's.
+  // Past the fold limit (primitives.cuh) the exact form RN(x·sl2) - base replaces the FMA, chosen
+  // by one vote per warp: with kOneExpLoop the scores are then pre-multiplied and the one FMA loop
+  // runs with scale 1; otherwise a loop is compiled per form.
+  template <class TS>
+  __device__ __forceinline__ void step(TS& S, float sl2) {
+    static_assert(decltype(size<0>(S))::value == kRows);
+    float base[kRows];
+    bool large = false;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float mx = -INFINITY;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(S); ++c) mx = fmaxf(mx, S(r, c));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a row lives in a quad
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[r], mx);
+      base[r] = scaled_base(m_new, sl2);
+      large |= !(fabsf(base[r]) < kFoldLimit);
+      alpha[r] = ex2(__fmul_rn(m[r], sl2) - base[r]);  // ratio of the bases; 0 from -inf
+      m[r] = m_new;
+    }
+    const auto exps = [&](auto exponent) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          const float e = ex2(exponent(S(r, c), base[r]));
+          S(r, c) = e;
+          sum += e;
+        }
+        l[r] = l[r] * alpha[r] + sum;
+      }
+    };
+    const bool exact = __any_sync(0xffffffffu, large);
+    if constexpr (kOneExpLoop) {
+      float s_eff = sl2;
+      if (exact) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(S); ++c) S(r, c) = __fmul_rn(S(r, c), sl2);
+        }
+        s_eff = 1.f;
+      }
+      exps([&](float x, float b) { return fmaf(x, s_eff, -b); });
+    } else if (!exact) {
+      exps([&](float x, float b) { return fmaf(x, sl2, -b); });
+    } else {
+      exps([&](float x, float b) { return __fmul_rn(x, sl2) - b; });
+    }
+  }
+
+  // The whole row's sum (over the quad that holds the row).
+  __device__ __forceinline__ float row_sum(int r) const {
+    float s = l[r];
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    return s;
+  }
+
+  // O *= alpha per row, skipped when no row of the warp moved its max (alpha is then exactly 1):
+  // after the first few key tiles the running max rarely moves.
+  template <class TO>
+  __device__ __forceinline__ void rescale_o(TO& O) const {
+    bool moved = false;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) moved |= alpha[r] != 1.f;
+    if (!__any_sync(0xffffffffu, moved)) return;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(O); ++c) O(r, c) *= alpha[r];
+    }
+  }
+
+  // O *= f / row sum (f: 1, or V's dequantization scale); a row with no visible key has l = 0
+  // and outputs zeros. l >= 1 otherwise (the max element contributes exp2(0)), so the
+  // approximate reciprocal is safe.
+  template <class TO>
+  __device__ __forceinline__ void normalize(TO& O, float f) const {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = row_sum(r);
+      const float inv = sum > 0.f ? __fdividef(f, sum) : 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(O); ++c) O(r, c) *= inv;
+    }
+  }
+};
+
+// S accumulator (f32) -> P in T, in the register layout of P·V's A operand.
+template <typename T, class TP, class TS>
+__device__ __forceinline__ void convert_p(TP& rP, TS const& tSrS) {
+  Tensor rP32 = recast<uint32_t>(rP);
+  CUTE_UNROLL
+  for (int i = 0; i < size(rP32); ++i) rP32(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
+}
+
+}  // namespace sdpa::cutlass_sm90

@@ -1,0 +1,208 @@
+// The sm_90a kernel's tile configuration: element types, the per-head-dim tuning table, the
+// wgmma atoms, shared-memory layouts, TMA copy types and the shared storage. Everything here is
+// compile-time; the collectives (tile_scheduler, mainloop, softmax, epilogue) and the kernel in
+// sm90_fwd.cuh read their sizes from it.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+// clang-format off: cute/tensor.hpp first, the cute headers below assume its declarations
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/numeric_types.h>
+// clang-format on
+
+#include "common/nonfinite.cuh"
+
+// The kernel bodies exist only in the sm_90a device pass; other passes (sm_80 in the default
+// "80;90a" build) compile them empty, and the host side refuses to launch off sm_90.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SDPA_SM90_DEVICE 1
+#endif
+
+namespace sdpa::cutlass_sm90 {
+
+using namespace cute;
+
+// The tuning table: every choice that depends on the head dim, in one place. A head dim without
+// an entry does not compile; adding one is an entry here and a line in cpp/kernels.txt.
+//   kStages      K/V ring depth. D = 128 f16/bf16: Q 32 + O 32 + 2 x (K 32 + V 32) = 192 KB, a
+//                third stage does not fit; e4m3 at D = 128: Q 16 + O 32 + 3 x (K 16 + V 32).
+//   kPingPong    whether the two consumer warpgroups may take turns issuing (Params::turns
+//                decides per launch). At D = 128 the turns cost more than the ordering gains
+//                on the problems that matter, so they are compiled out.
+//   kOneExpLoop  the softmax's huge-logit fallback pre-multiplies the scores and reuses the one
+//                FMA exponent loop (D = 128), or compiles a loop per form (D = 64): each is the
+//                faster one where it is used.
+//   kConvertV    e4m3: V converted to f16 in shared memory by the producer's spare warps (D =
+//                64), or by a pre-pass the attention grid overlaps (D = 128). The converting
+//                warps take issue slots and shared-memory bandwidth that D = 128 needs more.
+template <int D, bool kFp8>
+struct Tuning;
+template <bool kFp8>
+struct Tuning<64, kFp8> {
+  static constexpr int kStages = 3;
+  static constexpr bool kPingPong = true;
+  static constexpr bool kOneExpLoop = false;
+  static constexpr bool kConvertV = true;
+};
+template <bool kFp8>
+struct Tuning<128, kFp8> {
+  static constexpr int kStages = kFp8 ? 3 : 2;
+  static constexpr bool kPingPong = false;
+  static constexpr bool kOneExpLoop = true;
+  static constexpr bool kConvertV = false;
+};
+
+// Element types of one instantiation: QK for Q and K (the operands of S = Q·Kᵀ), PV for V and
+// P in shared memory and registers (the operands of O = P·V), Out for O. The 16-bit kernels
+// use one type throughout (Same<T>).
+template <typename QK_, typename PV_, typename Out_, bool kConvertV_ = false>
+struct Elems {
+  using QK = QK_;
+  using PV = PV_;
+  using Out = Out_;
+  // E4M3: dequantization scales, and V converted to PV either by a pre-pass the attention grid
+  // overlaps (kPrepass: programmatic launch, the grid waits before its first V load instead of
+  // at the start), or in shared memory by the producer warpgroup's spare warps (kConvertV).
+  static constexpr bool kFp8 = std::is_same_v<QK, cute::float_e4m3_t>;
+  static constexpr bool kConvertV = kFp8 && kConvertV_;
+  static constexpr bool kPrepass = kFp8 && !kConvertV_;
+  static_assert(sizeof(PV) == 2 && sizeof(Out) == 2, "P·V and O in a 16-bit type");
+};
+template <typename T>
+using Same = Elems<T, T, T>;
+
+// E4M3 Q, K, V, O in Out. P·V in f16 for either output type (P rounded to f16 keeps 3 more bits
+// than bf16; V's codes are exact in both).
+template <typename Out, int D>
+using E4m3 = Elems<cute::float_e4m3_t, cute::half_t, Out, Tuning<D, true>::kConvertV>;
+
+// The widest GMMA K-major swizzle atom whose row (128, 64 or 32 bytes) divides a row of D
+// elements of T: 128 bytes for the 16-bit types and e4m3 at D = 128, 64 bytes for e4m3 at
+// D = 64.
+template <typename T, int D>
+using KAtom =
+    std::conditional_t<D * sizeof(T) % 128 == 0, GMMA::Layout_K_SW128_Atom<T>,
+                       std::conditional_t<D * sizeof(T) % 64 == 0, GMMA::Layout_K_SW64_Atom<T>,
+                                          GMMA::Layout_K_SW32_Atom<T>>>;
+
+// Global tensors as TMA sees them: (seq, d, head, batch), d contiguous.
+template <typename T, int D>
+using GTensorOf = decltype(make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)),
+                                       std::declval<Shape<int, Int<D>, int, int>>(),
+                                       std::declval<Stride<int64_t, _1, int64_t, int64_t>>()));
+
+template <class E, int D>
+struct TileConfig {
+  using QK = typename E::QK;
+  using PV = typename E::PV;
+  using Out = typename E::Out;
+  using Tune = Tuning<D, E::kFp8>;
+  static constexpr int kWG = 2;  // consumer warpgroups at most, each 64 query rows
+  static constexpr int kThreads = 128 * (kWG + 1);  // + the producer warpgroup
+  static constexpr int kBM = 64 * kWG;
+  static constexpr int kBN = 128;
+  static constexpr int kHD = D;
+  static constexpr int kStages = Tune::kStages;
+  static constexpr bool kPingPong = Tune::kPingPong;
+  // kConvertV: e4m3 V tiles land by TMA in a ring of their own, unswizzled rows of D bytes, for
+  // the converting warps to read.
+  static constexpr int kV8Stages = 2;
+  static constexpr int kConverters = 96;  // producer warps 1-3 (warp 0 issues the TMA loads)
+  using BM = Int<kBM>;
+  using BN = Int<kBN>;
+  using HD = Int<D>;
+  using Stages = Int<kStages>;
+
+  // The warpgroups tile M: warpgroup w owns rows [64w, 64w + 64) of S and O.
+  using MmaQK =
+      decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<QK, QK, float, Shape<_64, BN, HD>,
+                                                         GMMA::Major::K, GMMA::Major::K>(),
+                              Layout<Shape<Int<kWG>, _1, _1>>{}));
+  using MmaPV =
+      decltype(make_tiled_mma(SM90::GMMA::rs_op_selector<PV, PV, float, Shape<_64, HD, BN>,
+                                                         GMMA::Major::K, GMMA::Major::MN>(),
+                              Layout<Shape<Int<kWG>, _1, _1>>{}));
+
+  // Shared memory layouts: Q and K rows of D elements in swizzle atoms of 8 rows (KAtom). V
+  // rows of 64 16-bit elements (128 bytes) with the 128-byte swizzle, stacked 8 rows to an atom;
+  // Vt is the same bytes seen as [d][key] for the MN-major B operand of P·V.
+  using LayoutQ = decltype(tile_to_shape(KAtom<QK, D>{}, Shape<BM, HD>{}));
+  using LayoutK = decltype(tile_to_shape(KAtom<QK, D>{}, Shape<BN, HD, Stages>{}));
+  using LayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<PV>{}, Shape<HD, BN, Stages>{},
+                                          Step<_2, _1, _3>{}));
+  using LayoutV = decltype(composition(
+      LayoutVt{}, make_layout(Shape<BN, HD, Stages>{}, Stride<HD, _1, Int<D * kBN>>{})));
+
+  // P as the A operand of P·V, over the registers of the S accumulator. S per thread is
+  // ((2 cols, 2 rows, BN/8 col groups), 1, 1), compact, whatever QK is; the A fragment of one
+  // 16-key step is ((2 cols, 2 rows, 2 col groups)), so key step kb takes col groups 2kb and
+  // 2kb + 1.
+  using LayoutP =
+      Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(), LayoutQ{},
+                                      Shape<BM, HD>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(),
+                                      take<0, 2>(LayoutK{}), Shape<BN, HD>{}, _1{}));
+  using LayoutV8 =
+      Layout<Shape<BN, HD, Int<kV8Stages>>, Stride<HD, _1, Int<kBN * D>>>;  // kConvertV's ring
+  using TmaV =
+      std::conditional_t<E::kConvertV,
+                         decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(),
+                                                take<0, 2>(LayoutV8{}), Shape<BN, HD>{}, _1{})),
+                         decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<PV, D>>(),
+                                                take<0, 2>(LayoutV{}), Shape<BN, HD>{}, _1{}))>;
+
+  // kConvertV's e4m3 V ring, a base of Smem (empty, so of no size, in the other kernels).
+  struct V8Ring {
+    alignas(1024) QK v8[kV8Stages * kBN * D];
+  };
+  struct NoRing {};
+  struct Smem : std::conditional_t<E::kConvertV, V8Ring, NoRing> {
+    alignas(1024) QK q[kBM * D];
+    alignas(1024) QK k[kStages * kBN * D];
+    alignas(1024) PV v[kStages * kBN * D];
+    alignas(1024) Out o[kBM * D];  // output staging, 64 rows per consumer warpgroup
+    alignas(8) uint64_t bar_q;
+    uint64_t empty_q;
+    uint64_t full_k[kStages];
+    uint64_t full_v[kStages];
+    uint64_t empty_k[kStages];
+    uint64_t empty_v[kStages];
+    uint64_t full_v8[kV8Stages];  // kConvertV only (within the struct's alignment padding)
+    uint64_t empty_v8[kV8Stages];
+    // Non-finite V check (nonfinite_v.cuh), masked kernels: V tiles partly masked for the query
+    // tile land on full_vd instead of full_v, are checked by the producer's spare warps, which
+    // then arrive on checked_v, and the consumers wait for that (kConvertV: the converting warps
+    // check, full_v as for every tile). These are the first ring uses of the CTA's one query tile
+    // (Mainloop::key_tile), phase 0 of both barriers of stages 0 and 1, and full_v's phases on
+    // those stages run one behind. nf_any: whether the stage's tile had any non-finite value, nf
+    // what it had.
+    uint64_t full_vd[kStages];
+    uint64_t checked_v[kStages];
+    uint32_t nf_any[kStages];
+    NonFiniteCols<D> nf[kStages];
+  };
+  // +1 KB: the kernel aligns the dynamic smem base up to 1024 bytes (128-byte swizzle atoms).
+  static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit");
+};
+
+// Aligns the dynamic shared memory base up to 1024 bytes.
+template <class Smem>
+__device__ __forceinline__ Smem& smem_storage() {
+  extern __shared__ uint8_t smem_raw[];
+  return *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                  ~uintptr_t(1023));
+}
+
+}  // namespace sdpa::cutlass_sm90

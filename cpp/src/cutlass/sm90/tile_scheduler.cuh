@@ -1,0 +1,90 @@
+// Which work tiles (query tile, head, batch) each CTA of the sm_90a kernel runs, in what order,
+// and how large the grid is. Every role of a CTA walks the same sequence.
+#pragma once
+
+#include <algorithm>
+
+#include "cutlass/sm90/primitives.cuh"
+
+namespace sdpa::cutlass_sm90 {
+
+struct WorkTile {
+  int m_block, h, b;
+};
+
+// Tiles of 64 * wgs query rows. Unmasked: a persistent grid of at most one CTA per SM, each
+// taking tiles blockIdx.x, blockIdx.x + gridDim.x, ...; the query tiles of one head are
+// neighbours, so the CTAs running at once share that head's K/V in L2. Masked (kVaries: tiles
+// differ in cost, query tile m seeing about m + 1 key tiles): one CTA per tile (a static
+// persistent split of the uneven tiles was slower), heads one after another, each heaviest tile
+// first (L2 locality as above), except the (batch, head) pairs from tail_bh on, which are
+// interleaved heaviest first, so that the CTAs launched last are the cheap ones.
+template <bool kVaries>
+struct TileScheduler {
+  // 32-bit tile numbers: the Rust layer keeps ceil(seq_q / 128) x batch x heads <= 2^30 (tiles,
+  // and t + gridDim.x in the tile loops); fused::supports, crates/sdpa/src/backend/fused.rs.
+  struct Params {
+    int wgs;       // consumer warpgroups in this launch (1 or 2); tiles of 64 * wgs rows
+    int m_blocks;  // query tiles per (batch, head)
+    int tiles;     // m_blocks * heads * batch
+    int heads;
+    int tail_bh;  // kVaries: the first (batch, head) pair of the interleaved tail group
+    FastDiv div_m_blocks, div_heads, div_tail;  // div_tail: by bh - tail_bh
+  };
+
+  // 64-row tiles when 128-row tiles would leave more than half the SMs idle (faster on the
+  // mission problem, docs/log/). Where one head's heaviest tile would overrun the rest of the
+  // work by more than 12% (in per-head order it starts when about one head's work, m_blocks^2 / 2
+  // tiles, is left to all SMs, and overruns the rest by about m_blocks - m_blocks^2 / (2 sms),
+  // against bh m_blocks^2 / (2 sms) per SM in all), the last `tail` heads are interleaved, just
+  // enough of them that their work per SM outlasts the heaviest tile twice:
+  // tail m_blocks^2 / 2 >= 2 sms m_blocks. Below that threshold the interleaved heads' K/V crowd
+  // L2 and cost more than the overrun they save.
+  static Params make(int64_t seq_q, int64_t heads, int64_t batch, int sms) {
+    Params p{};
+    const int bh = int(heads * batch);
+    const int tiles128 = int((seq_q + 127) / 128) * bh;
+    p.wgs = 2 * tiles128 <= sms ? 1 : 2;
+    p.m_blocks = int((seq_q + 64 * p.wgs - 1) / (64 * p.wgs));
+    p.tiles = p.m_blocks * bh;
+    p.heads = int(heads);
+    int tail = 0;
+    if (kVaries) {
+      const double nb = p.m_blocks, per_sm = bh * nb * nb / (2.0 * sms);
+      if (nb - nb * nb / (2.0 * sms) > 0.12 * per_sm)
+        tail = std::min(bh, std::max(1, (4 * sms + p.m_blocks - 1) / p.m_blocks));
+    }
+    p.tail_bh = bh - tail;
+    p.div_m_blocks = FastDiv(p.m_blocks);
+    p.div_heads = FastDiv(p.heads);
+    p.div_tail = FastDiv(std::max(1, tail));
+    return p;
+  }
+
+  static int grid_size(const Params& p, int sms) {
+    return kVaries ? p.tiles : std::min(p.tiles, sms);
+  }
+
+  // Whether a CTA runs one tile only (its loop then ends after the first).
+  static constexpr bool kOneTile = kVaries;
+
+  __device__ __forceinline__ static WorkTile decode(const Params& p, int t) {
+    const int nb = p.m_blocks;
+    int bh, m_block;
+    if (!kVaries) {
+      bh = p.div_m_blocks.div(t);
+      m_block = t - bh * nb;
+    } else if (t < p.tail_bh * nb) {
+      bh = p.div_m_blocks.div(t);
+      m_block = nb - 1 - (t - bh * nb);
+    } else {
+      const int r = t - p.tail_bh * nb, q = p.div_tail.div(r);
+      m_block = nb - 1 - q;
+      bh = p.tail_bh + (r - q * p.div_tail.d);
+    }
+    const int b = p.div_heads.div(bh);
+    return {m_block, bh - b * p.heads, b};
+  }
+};
+
+}  // namespace sdpa::cutlass_sm90
