@@ -497,14 +497,23 @@ fn tensor_errors_launch_nothing_and_leave_the_output_alone() {
         let mut short_out = Tensor::poisoned(&dev, DType::F16, n - 1).unwrap();
         let e = sdpa::forward(&dev, &pr, backend, &q, &k, &v, &mut short_out).unwrap_err();
         assert!(e.to_string().contains("out holds 1023"), "{backend}: {e}");
-        // cublas takes any head_dim; the fused kernels are instantiated for 64 and 128.
-        if matches!(
-            backend,
-            Backend::Scalar | Backend::Wmma | Backend::Cutlass | Backend::CutlassSm80
-        ) {
+        // A fused kernel refuses a head dim cpp/kernels.txt does not instantiate for it (cublas
+        // takes any head_dim).
+        let kernels: Vec<_> = sdpa::backend::instances()
+            .filter(|i| i.backend == backend)
+            .collect();
+        if !kernels.is_empty() {
+            let d = (1..=8)
+                .map(|i| 16 * i)
+                .find(|&d| {
+                    !kernels
+                        .iter()
+                        .any(|k| k.dtype == DType::F16 && k.head_dim == d)
+                })
+                .expect("an f16 head dim up to 128 that is not instantiated");
             let e =
-                sdpa::forward(&dev, &p(1, 1, 8, 8, 96), backend, &q, &k, &v, &mut out).unwrap_err();
-            assert_eq!(kind(&e), Kind::Unsupported, "{backend}: {e}");
+                sdpa::forward(&dev, &p(1, 1, 8, 8, d), backend, &q, &k, &v, &mut out).unwrap_err();
+            assert_eq!(kind(&e), Kind::Unsupported, "{backend} d{d}: {e}");
         }
         assert!(
             out.to_f32(&dev).unwrap().iter().all(|x| x.is_nan()),

@@ -1,10 +1,26 @@
-//! The fused GPU backends (scalar, wmma, cutlass, cutlass-sm80) against the float64 reference over
-//! one grid: odd and even sequence lengths, seq_q != seq_k both ways, both head dims, dtypes,
-//! layouts, causal both ways, GQA. Fresh inputs every run (the seed is printed with any failure).
+//! The fused GPU kernels against the float64 reference over one grid: odd and even sequence
+//! lengths, seq_q != seq_k both ways, layouts, causal both ways, GQA. Fresh inputs every run (the
+//! seed is printed with any failure).
+//!
+//! A custom harness (libtest-mimic), so that the kernels are enumerated, not written out: each
+//! instantiation in cpp/kernels.txt ([`sdpa::backend::instances`]) is its own trial, named
+//! `<backend>_<dtype>_d<head_dim>` with `-` as `_` (`cutlass_sm80_f16_d64`). A line added there
+//! is tested with no edit here, `cargo test --test fused cutlass_sm80_f16_d64` runs one kernel,
+//! and a failure names it. `fused_kernels_are_deterministic` and `auto_runs_on_the_gpu` are
+//! trials too.
+//!
+//! A trial that cannot run here is reported as *ignored*, with the reason (no GPU; a kernel this
+//! GPU is not expected to run, such as the sm_90a one on an A100), not as passed: it checked
+//! nothing. With `SDPA_REQUIRE_GPU=1` a missing GPU fails every trial instead, and on a GPU a
+//! backend it is expected to run that refuses its kernel's problem fails the trial
+//! (`common::backend_runs_here`).
 
 mod common;
 
-use sdpa::{Backend, DType, Layout, Problem};
+use common::Skip;
+use libtest_mimic::{Arguments, Completion, Trial};
+use sdpa::backend::Instance;
+use sdpa::{Backend, Layout, Problem};
 use sdpa_harness::check::{check_backend, fresh_seed};
 
 const SEQS: [(usize, usize); 10] = [
@@ -20,18 +36,57 @@ const SEQS: [(usize, usize); 10] = [
     (1000, 1),
 ];
 
-fn run_grid(backend: Backend, dtype: DType, head_dim: usize) {
-    let test = format!("{backend} {dtype} d{head_dim} grid");
-    let Some(dev) = common::device(&test) else {
-        return;
-    };
+fn main() {
+    let args = Arguments::from_args();
+    let mut trials: Vec<Trial> = sdpa::backend::instances()
+        .map(|k| trial(trial_name(k), move || run_grid(k)))
+        .collect();
+    trials.push(trial(
+        "fused_kernels_are_deterministic",
+        fused_kernels_are_deterministic,
+    ));
+    trials.push(trial("auto_runs_on_the_gpu", auto_runs_on_the_gpu));
+    libtest_mimic::run(&args, trials).exit();
+}
+
+/// `cutlass-sm80 f16 d64` -> `cutlass_sm80_f16_d64`: a name a test filter takes as it is.
+fn trial_name(k: Instance) -> String {
+    format!(
+        "{}_{}_d{}",
+        k.backend.name().replace('-', "_"),
+        k.dtype,
+        k.head_dim
+    )
+}
+
+/// A trial whose body returns `Err(Skip)` when it checked nothing here (reported as ignored,
+/// with the reason) and fails by panicking, as a `#[test]` does.
+fn trial(
+    name: impl Into<String>,
+    body: impl FnOnce() -> Result<(), Skip> + Send + 'static,
+) -> Trial {
+    Trial::ignorable_test(name, move || {
+        Ok(match body() {
+            Ok(()) => Completion::Completed,
+            Err(Skip(why)) => Completion::ignored_with(why),
+        })
+    })
+}
+
+/// Kernel `k` on the grid against the reference.
+fn run_grid(k: Instance) -> Result<(), Skip> {
+    let Instance {
+        backend,
+        dtype,
+        head_dim,
+    } = k;
+    let test = format!("{k} grid");
+    let dev = common::gpu(&test)?;
     let probe = Problem::new(1, 1, 8, 8, head_dim).with_dtype(dtype);
-    if let Err(e) = common::backend_runs_here(&test, &dev, backend, &probe) {
-        // E.g. the sm_90a kernel on an A100: say so, do not pass silently. A backend this GPU
-        // is expected to run panics in backend_runs_here instead.
-        common::skip(&test, &format!("not on this GPU: {e}"));
-        return;
-    }
+    // E.g. the sm_90a kernel on an A100: say so, do not pass silently. A backend this GPU is
+    // expected to run panics in backend_runs_here instead.
+    common::backend_runs_here(&test, &dev, backend, &probe)
+        .map_err(|e| Skip(format!("not on this GPU: {e}")))?;
     let seed = fresh_seed();
     let mut failures = Vec::new();
     let mut ran = Vec::new();
@@ -64,81 +119,12 @@ fn run_grid(backend: Backend, dtype: DType, head_dim: usize) {
         ran.len(),
         failures.join("\n")
     );
-}
-
-#[test]
-fn scalar_f16_d64() {
-    run_grid(Backend::Scalar, DType::F16, 64);
-}
-#[test]
-fn scalar_f16_d128() {
-    run_grid(Backend::Scalar, DType::F16, 128);
-}
-#[test]
-fn scalar_bf16_d64() {
-    run_grid(Backend::Scalar, DType::Bf16, 64);
-}
-#[test]
-fn scalar_bf16_d128() {
-    run_grid(Backend::Scalar, DType::Bf16, 128);
-}
-#[test]
-fn wmma_f16_d64() {
-    run_grid(Backend::Wmma, DType::F16, 64);
-}
-#[test]
-fn wmma_f16_d128() {
-    run_grid(Backend::Wmma, DType::F16, 128);
-}
-#[test]
-fn wmma_bf16_d64() {
-    run_grid(Backend::Wmma, DType::Bf16, 64);
-}
-#[test]
-fn wmma_bf16_d128() {
-    run_grid(Backend::Wmma, DType::Bf16, 128);
-}
-
-#[test]
-fn cutlass_f16_d64() {
-    run_grid(Backend::Cutlass, DType::F16, 64);
-}
-#[test]
-fn cutlass_f16_d128() {
-    run_grid(Backend::Cutlass, DType::F16, 128);
-}
-#[test]
-fn cutlass_bf16_d64() {
-    run_grid(Backend::Cutlass, DType::Bf16, 64);
-}
-#[test]
-fn cutlass_bf16_d128() {
-    run_grid(Backend::Cutlass, DType::Bf16, 128);
-}
-
-#[test]
-fn cutlass_sm80_f16_d64() {
-    run_grid(Backend::CutlassSm80, DType::F16, 64);
-}
-#[test]
-fn cutlass_sm80_f16_d128() {
-    run_grid(Backend::CutlassSm80, DType::F16, 128);
-}
-#[test]
-fn cutlass_sm80_bf16_d64() {
-    run_grid(Backend::CutlassSm80, DType::Bf16, 64);
-}
-#[test]
-fn cutlass_sm80_bf16_d128() {
-    run_grid(Backend::CutlassSm80, DType::Bf16, 128);
+    Ok(())
 }
 
 /// Same inputs twice must give bit-identical output: a moving result is a race.
-#[test]
-fn fused_kernels_are_deterministic() {
-    let Some(dev) = common::device("determinism") else {
-        return;
-    };
+fn fused_kernels_are_deterministic() -> Result<(), Skip> {
+    let dev = common::gpu("determinism")?;
     let p = Problem::new(2, 4, 333, 333, 128).with_causal(true);
     let mut ran = Vec::new();
     for backend in Backend::GPU {
@@ -149,6 +135,7 @@ fn fused_kernels_are_deterministic() {
     }
     // Meant for every GPU backend: each one this GPU should run must have run.
     common::assert_all_ran("determinism", &dev, &ran);
+    Ok(())
 }
 
 fn deterministic(dev: &sdpa::Device, p: &Problem, backend: Backend) {
@@ -168,11 +155,8 @@ fn deterministic(dev: &sdpa::Device, p: &Problem, backend: Backend) {
 }
 
 /// Auto resolves to a GPU backend and is as accurate as it.
-#[test]
-fn auto_runs_on_the_gpu() {
-    let Some(dev) = common::device("auto") else {
-        return;
-    };
+fn auto_runs_on_the_gpu() -> Result<(), Skip> {
+    let dev = common::gpu("auto")?;
     let p = Problem::new(1, 2, 100, 130, 64).with_causal(true);
     let resolved = Backend::Auto.resolve(Some(&dev), &p).unwrap();
     // Straight-line, so it ran if it returned; what can go wrong is auto picking the host or a
@@ -184,4 +168,5 @@ fn auto_runs_on_the_gpu() {
     );
     let rep = check_backend(Some(&dev), &p, Backend::Auto, fresh_seed()).unwrap();
     assert!(rep.pass(), "{resolved} (auto) {p}: {rep:?}");
+    Ok(())
 }

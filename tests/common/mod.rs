@@ -10,17 +10,26 @@ use std::io::Write;
 /// GPU 0, or `None` after printing why the test is skipped. With `SDPA_REQUIRE_GPU=1` a missing
 /// GPU fails the test instead, so a GPU run cannot pass by skipping.
 pub fn device(test: &str) -> Option<Device> {
-    match Device::new(0) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            if require_gpu() {
-                panic!("{test}: SDPA_REQUIRE_GPU=1 but no GPU is usable: {e}");
-            }
-            // Straight to stderr: libtest would swallow an eprintln! from a passing test.
-            let _ = writeln!(std::io::stderr(), "{test}: skipped, no GPU ({e})");
-            None
+    gpu(test).map_err(|Skip(why)| skip(test, &why)).ok()
+}
+
+/// Why a GPU test checked nothing here (no GPU; a kernel this GPU is not expected to run), for
+/// a harness that reports the test as skipped rather than passed.
+#[derive(Debug)]
+pub struct Skip(pub String);
+
+/// [`device`] for a harness that reports skips itself: GPU 0, or why the test is skipped
+/// (nothing printed). With `SDPA_REQUIRE_GPU=1` a missing GPU panics instead.
+pub fn gpu(test: &str) -> Result<Device, Skip> {
+    Device::new(0).map_err(|e| {
+        if require_gpu() {
+            panic!("{test}: SDPA_REQUIRE_GPU=1 but no GPU is usable: {e}");
         }
-    }
+        match e {
+            sdpa::Error::NoDevice(_) => Skip(e.to_string()), // "no GPU: <why>"
+            e => Skip(format!("GPU 0 is not usable: {e}")),
+        }
+    })
 }
 
 /// Whether `SDPA_REQUIRE_GPU=1` is set: skipping for want of a GPU is then a failure.
@@ -28,7 +37,8 @@ pub fn require_gpu() -> bool {
     std::env::var("SDPA_REQUIRE_GPU").is_ok_and(|v| v == "1")
 }
 
-/// Prints a skip reason where libtest does not swallow it.
+/// Prints a skip reason where libtest does not swallow it (straight to stderr: libtest would
+/// swallow an eprintln! from a passing test).
 pub fn skip(test: &str, why: &str) {
     let _ = writeln!(std::io::stderr(), "{test}: skipped ({why})");
 }

@@ -1,7 +1,9 @@
 //! The fused kernels of the C++ core (cpp/src/scalar, cpp/src/wmma, cpp/src/cutlass): one launch
 //! computes the whole attention with an online softmax. They share one argument block and one
-//! dispatch, and `supports` states the 32-bit limits of each.
+//! dispatch; `instances` lists which exist (cpp/kernels.txt), and `supports` states the 32-bit
+//! limits of each.
 
+use super::Backend;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ffi;
@@ -10,6 +12,53 @@ use crate::tensor::Tensor;
 use cudarc::driver::DevicePtrMut;
 use sdpa_sys::INSTANCES;
 use sdpa_sys::ffi::Kernel;
+use std::fmt;
+
+/// One fused-kernel instantiation of this build: a line of cpp/kernels.txt. A fused backend
+/// runs a problem natively only where it has an instance of the problem's dtype and head dim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Instance {
+    /// The fused backend the kernel belongs to.
+    pub backend: Backend,
+    /// The element type of Q, K and V it takes.
+    pub dtype: DType,
+    /// Its head dimension.
+    pub head_dim: usize,
+}
+
+impl fmt::Display for Instance {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {} d{}", self.backend, self.dtype, self.head_dim)
+    }
+}
+
+/// Every fused-kernel instantiation of this build, in the order of cpp/kernels.txt: what a
+/// test or tool enumerates so that a line added there is covered without a second list. The
+/// CUTLASS ones run only in a build with CUTLASS headers ([`Backend::supports`] says so).
+///
+/// # Panics
+///
+/// If cpp/kernels.txt names a backend without a fused kernel or a dtype [`DType`] does not
+/// know: the build is inconsistent (this crate's unit tests fail on it too).
+pub fn instances() -> impl Iterator<Item = Instance> {
+    INSTANCES.iter().map(|i| {
+        let backend = i
+            .backend
+            .parse::<Backend>()
+            .ok()
+            .filter(|b| b.fused_kernel().is_some())
+            .unwrap_or_else(|| panic!("cpp/kernels.txt: {:?} is not a fused backend", i.backend));
+        let dtype = i
+            .dtype
+            .parse::<DType>()
+            .unwrap_or_else(|e| panic!("cpp/kernels.txt: {:?} is not a dtype: {e}", i.dtype));
+        Instance {
+            backend,
+            dtype,
+            head_dim: i.head_dim,
+        }
+    })
+}
 
 /// Largest value of a C `int`, in which the kernels below hold some counts and indices.
 const INT_MAX: usize = i32::MAX as usize;
@@ -227,5 +276,31 @@ fn fwd_args(
         v_scale: v.scales_ptr(dev),
         per_head_scales: fp8 && p.fp8_scaling == Scaling::PerHead,
         workspace: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each line of cpp/kernels.txt names a fused backend and a dtype this crate knows, e4m3
+    /// only for a backend with FP8 math (the others never reach an e4m3 kernel: they run e4m3
+    /// problems on the simulated path), each line once, and `supports` accepts each.
+    #[test]
+    fn kernel_list_is_consistent_with_the_backends() {
+        let all: Vec<Instance> = instances().collect();
+        assert_eq!(all.len(), INSTANCES.len());
+        assert!(!all.is_empty(), "cpp/kernels.txt lists no kernel");
+        for (n, k) in all.iter().enumerate() {
+            assert!(!all[..n].contains(k), "{k} is listed twice");
+            assert!(
+                k.dtype != DType::E4m3 || k.backend.native_fp8(),
+                "{k}: {} has no FP8 math (Backend::native_fp8)",
+                k.backend
+            );
+            let p = Problem::new(1, 1, 8, 8, k.head_dim).with_dtype(k.dtype);
+            let kernel = k.backend.fused_kernel().unwrap();
+            assert_eq!(supports(k.backend.name(), kernel, &p), Ok(()), "{k}");
+        }
     }
 }

@@ -5,6 +5,8 @@ pub mod cpu;
 pub(crate) mod cublas;
 pub(crate) mod fused;
 
+pub use fused::{Instance, instances};
+
 use crate::device::Device;
 use crate::error::{Error, Result, invalid};
 use crate::problem::{Checked, DType, Problem};
