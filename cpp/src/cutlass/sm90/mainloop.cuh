@@ -28,6 +28,16 @@ struct KeyTiles {
   int n_tiles, n_first;
 };
 
+template <class TQ, class TK, class TV, class TC>
+struct ConsumerOperands {
+  TQ q;
+  TK k;
+  TV v;
+  TC coords;
+  __device__ __forceinline__ ConsumerOperands(TQ q_, TK k_, TV v_, TC c_)
+      : q(q_), k(k_), v(v_), coords(c_) {}
+};
+
 template <class E, int D, class Mask>
 struct Mainloop {
   using C = TileConfig<E, D>;
@@ -82,7 +92,6 @@ struct Mainloop {
   // from tile to tile.
   __device__ __forceinline__ static void load(const Params& p, const typename Sched::Params& sp,
                                               typename C::Smem& sm) {
-    const Mask mask = mask_of(p);
     Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQ{});  // (BM, D)
     Tensor sK = make_tensor(make_smem_ptr(sm.k), typename C::LayoutK{});  // (BN, D, stage)
     Tensor sV = make_tensor(make_smem_ptr(sm.v), typename C::LayoutV{});  // (BN, D, stage)
@@ -105,7 +114,7 @@ struct Mainloop {
       const WorkTile w = Sched::decode(sp, t);
       const int hk = p.div_group.div(w.h);
       const int m0 = w.m_block * bm;
-      const KeyTiles kt = key_tiles(mask, m0, bm);
+      const KeyTiles kt = key_tiles(mask_of(p), m0, bm);
       // BM rows from row m0 (with 64-row tiles the upper half goes unused).
       Tensor gQ = local_tile(domain_offset(make_coord(m0, _0{}), mQ(_, _, w.h, w.b)),
                              Shape<Int<BM>, Int<D>>{}, make_coord(_0{}, _0{}));
@@ -168,7 +177,6 @@ struct Mainloop {
   __device__ __forceinline__ static void convert_v(const Params& p,
                                                    const typename Sched::Params& sp,
                                                    typename C::Smem& sm, int ct) {
-    const Mask mask = mask_of(p);
     const uint32_t v8 = uint32_t(__cvta_generic_to_shared(sm.v8));
     const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
     // CuTe's GMMA atoms keep their swizzle apart from the element layout and apply it to the
@@ -182,7 +190,7 @@ struct Mainloop {
     int it = 0;
     for (int t = blockIdx.x; t < sp.tiles; t += gridDim.x) {
       const WorkTile w = Sched::decode(sp, t);
-      const KeyTiles kt = key_tiles(mask, w.m_block * bm, bm);
+      const KeyTiles kt = key_tiles(mask_of(p), w.m_block * bm, bm);
       for (int n = 0; n < kt.n_tiles; ++n, ++it) {
         const int s = it % S, s8 = it % S8;
         Bar::wait(&sm.full_v8[s8], (it / S8) & 1);
@@ -250,7 +258,23 @@ struct Mainloop {
     }
   }
 
-  // One work tile of a consumer warpgroup (thread ctid of all consumers, warpgroup wg): O (tOrO,
+  // A consumer thread's wgmma operands in shared memory (descriptors of Q, K and V over the
+  // stages) and its S elements' (row, col) coordinates: made once per CTA, before the tile loop.
+  __device__ __forceinline__ static auto consumer_operands(typename C::Smem& sm, int ctid) {
+    Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQ{});    // (BM, D)
+    Tensor sK = make_tensor(make_smem_ptr(sm.k), typename C::LayoutK{});    // (BN, D, stage)
+    Tensor sVt = make_tensor(make_smem_ptr(sm.v), typename C::LayoutVt{});  // (D, BN, stage)
+    typename C::MmaQK mma_qk;
+    typename C::MmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(ctid);
+    Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
+    return ConsumerOperands{thr_qk.partition_fragment_A(sQ),  // (MMA, MMA_M, MMA_K)
+                            thr_qk.partition_fragment_B(sK),  // (MMA, MMA_N, MMA_K, stage)
+                            mma_pv.get_thread_slice(ctid).partition_fragment_B(sVt),
+                            make_tensor(cS.data(), rowcol(cS.layout()))};
+  }
+
+  // One work tile of consumer warpgroup wg: O (tOrO,
   // zeroed by the caller) and the softmax state over the tile's kt.n_tiles key tiles, which are
   // ring uses it, it + 1, ...; `it` is advanced past them. Issue rounds, N = n_tiles:
   //   round 0:            S_0
@@ -263,11 +287,11 @@ struct Mainloop {
   // wgmmas and hands the turn over after issuing them; warpgroup 0 goes first, warpgroup 1
   // pre-arrives once per tile and skips its very last hand-over, so both barriers see matched
   // counts.
-  template <class TO, class Softmax>
-  __device__ __forceinline__ static void mma(const Params& p, typename C::Smem& sm,
+  template <class Ops, class TO, class Softmax>
+  __device__ __forceinline__ static void mma(const Params& p, typename C::Smem& sm, const Ops& ops,
                                              const Mask& mask, int m0, const KeyTiles& kt, int& it,
                                              int qi, TO& tOrO, Softmax& softmax, float sl2,
-                                             int ctid, int wg) {
+                                             int wg) {
     const int n_tiles = kt.n_tiles;
     const bool turns = C::kPingPong && p.turns;
     const auto turn_sync = [&](int w) {
@@ -282,20 +306,14 @@ struct Mainloop {
       return;
     }
 
-    Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQ{});    // (BM, D)
-    Tensor sK = make_tensor(make_smem_ptr(sm.k), typename C::LayoutK{});    // (BN, D, stage)
-    Tensor sVt = make_tensor(make_smem_ptr(sm.v), typename C::LayoutVt{});  // (D, BN, stage)
     typename C::MmaQK mma_qk;
     typename C::MmaPV mma_pv;
-    auto thr_qk = mma_qk.get_thread_slice(ctid);
-    auto thr_pv = mma_pv.get_thread_slice(ctid);
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors
-    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
-    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+    auto& tSrQ = ops.q;
+    auto& tSrK = ops.k;
+    auto& tOrV = ops.v;
+    auto& cSrc = ops.coords;
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
     Tensor rP = make_tensor<PV>(typename C::LayoutP{});
-    Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
-    Tensor cSrc = make_tensor(cS.data(), rowcol(cS.layout()));
     Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
     Tensor Srow = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
 

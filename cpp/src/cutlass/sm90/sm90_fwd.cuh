@@ -143,6 +143,7 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   typename C::MmaPV mma_pv;
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<C::kBM>, Int<D>>{});
   Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+  const auto ops = Main::consumer_operands(sm, ctid);
   int it = 0, qi = 0;
   for (int t = blockIdx.x; t < p.sched.tiles; t += gridDim.x, ++qi) {
     const WorkTile w = Sched::decode(p.sched, t);
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
     Main::scales(p.mainloop, w, sl2, o_scale);
     OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop> softmax;
     clear(tOrO);
-    Main::mma(p.mainloop, sm, mask, m0, kt, it, qi, tOrO, softmax, sl2, ctid, wg);
+    Main::mma(p.mainloop, sm, ops, mask, m0, kt, it, qi, tOrO, softmax, sl2, wg);
     Main::add_masked_nonfinite(sm, mask, m0, kt, it, tOrO, ctid);
     softmax.normalize(O, o_scale);
     Epilogue<E, D>::store(p.epilogue, sm, tOrO, w.b, w.h, m0, wg, ctid, qi, kEpilogueBarrier + wg);

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Same-machine, same-call comparison of two `sdpa` builds: runs `sdpa bench` with the same
+# arguments alternately on the old and the new binary (ROUNDS rounds, default 2, so that clock
+# and thermal drift hit both alike), then prints per (problem, dtype, causal, backend) the best
+# median of each and the ratio new/old.
+#
+#   bash scripts/before-after.sh OLD_SDPA NEW_SDPA OUT_DIR [sdpa bench arguments...]
+#   e.g. bash scripts/before-after.sh /tmp/sdpa-old .gpu-bin/sdpa $OUT --backend cutlass \
+#          --dtype f16,bf16,e4m3 --budget-ms 300
+set -uo pipefail
+if [ $# -lt 3 ]; then
+  echo "usage: $0 OLD_SDPA NEW_SDPA OUT_DIR [sdpa bench arguments...]" >&2
+  exit 2
+fi
+old=$1 new=$2 out=$3
+shift 3
+mkdir -p "$out"
+rounds=${ROUNDS:-2}
+rc=0
+for r in $(seq 1 "$rounds"); do
+  for side in old new; do
+    bin=$old
+    [ $side = new ] && bin=$new
+    "$bin" bench "$@" --json "$out/$side-$r.json" 2> "$out/$side-$r.log" || rc=1
+  done
+done
+python3 - "$out" "$rounds" <<'EOF'
+import json, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+best = {}
+for side in ("old", "new"):
+    for r in range(1, rounds + 1):
+        try:
+            records = json.load(open(f"{out}/{side}-{r}.json"))
+        except (OSError, ValueError):
+            continue
+        for x in records:
+            key = (x["name"], x["dtype"], "causal" if x["causal"] else "-", x["backend"])
+            t = best.setdefault(key, {})
+            t[side] = min(t.get(side, float("inf")), x["us_graph"])
+print(f"{'problem':<20} {'dtype':<6} {'mask':<7} {'backend':<14} {'old us':>9} {'new us':>9} {'new/old':>8}")
+worst = 0.0
+for key in sorted(best):
+    t = best[key]
+    if "old" not in t or "new" not in t:
+        print(f"{key[0]:<20} {key[1]:<6} {key[2]:<7} {key[3]:<14} missing on one side")
+        continue
+    ratio = t["new"] / t["old"]
+    worst = max(worst, ratio)
+    print(f"{key[0]:<20} {key[1]:<6} {key[2]:<7} {key[3]:<14} {t['old']:9.2f} {t['new']:9.2f} {ratio:8.3f}")
+print(f"largest new/old: {worst:.3f}")
+EOF
+exit $rc
