@@ -7,6 +7,18 @@
 // it keeps the property the non-finite V check relies on: the tiles partly masked for a block of
 // rows are the last ones of its key range (`first_partial_tile`).
 //
+// The tile test and the per-row visibility also come by the mask alone, for keys below seq_k
+// (`tile_hides`, `sees`), for a kernel that tests seq_k itself where that is cheaper or already
+// known: tile_masked(m0, n0, bn) == n0 + bn > seq_k || tile_hides(m0, n0, bn), and for a key
+// below seq_k, sees(row, key) == (first_key(row) <= key && key <= last_key(row)).
+//
+// What the tensor-core kernels (wmma, cutlass-sm80) rely on besides: within the key range of its
+// block, each row sees a prefix (first_key(row) <= key_begin(m0, rows)), so they mask scores with
+// last_key alone, and the non-finite V check, which keeps the first non-finite key of each column
+// of a tile, only answers "does the row see one" for the keys up to a last one. A mask with a lower
+// edge inside the range (a sliding window) needs both to learn first_key. The scalar kernel asks
+// `sees` per score and skips hidden keys in P·V: any policy.
+//
 // Index is the kernel's row/key type: int where the kernel's 32-bit limits hold (fused::supports
 // in crates/sdpa/src/backend/fused.rs), int64_t where the kernel computes in 64 bits.
 #pragma once
@@ -40,6 +52,13 @@ struct NoMask {
   __host__ __device__ __forceinline__ bool tile_masked(Index /*m0*/, Index n0, Index bn) const {
     return n0 + bn > seq_k;
   }
+  // tile_masked by the mask alone (the seq_k bound aside): never here.
+  __host__ __device__ __forceinline__ bool tile_hides(Index /*m0*/, Index /*n0*/,
+                                                      Index /*bn*/) const {
+    return false;
+  }
+  // Whether row `row` sees key `key`, for a key below seq_k.
+  __host__ __device__ __forceinline__ bool sees(Index /*row*/, Index /*key*/) const { return true; }
   // The first key tile of width bn holding a key below seq_k that some row from m0 does not see;
   // the tiles from it to the end of the key range are the partly masked ones. None here: `none`.
   __host__ __device__ __forceinline__ int first_partial_tile(Index /*m0*/, Index /*bn*/,
@@ -73,6 +92,13 @@ struct CausalBottomRight {
   // Past seq_k, or past the first row's diagonal (the row that sees the fewest keys).
   __host__ __device__ __forceinline__ bool tile_masked(Index m0, Index n0, Index bn) const {
     return n0 + bn > seq_k || n0 + bn - 1 > m0 + diagonal();
+  }
+  // The tile's last key is past the first row's diagonal.
+  __host__ __device__ __forceinline__ bool tile_hides(Index m0, Index n0, Index bn) const {
+    return n0 + bn - 1 > m0 + diagonal();
+  }
+  __host__ __device__ __forceinline__ bool sees(Index row, Index key) const {
+    return key <= row + diagonal();
   }
   __host__ __device__ __forceinline__ int first_partial_tile(Index m0, Index bn, int none) const {
     if (seq_k - 1 <= m0 + diagonal()) return none;  // the first row sees every key

@@ -8,6 +8,10 @@
 // one 5-step shuffle reduction per row and tile), then each lane owns D/32 output columns for
 // P·V with P broadcast from shared memory. Online softmax in the log2 domain, f32 throughout;
 // each lane keeps a partial row sum, reduced across the warp once at the end.
+//
+// The mask is a policy of common/mask.cuh (Index int64_t), built in forward() from a.mask: the
+// kernel asks it for the CTA's key range, whether a tile hides keys from some of a warp's rows,
+// and per row and key whether the row sees it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,6 +24,7 @@
 #include "common/check.cuh"
 #include "common/dtype.cuh"
 #include "common/launch.cuh"
+#include "common/mask.cuh"
 
 namespace sdpa::scalar {
 
@@ -44,8 +49,13 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-template <typename T, int D, bool CAUSAL>
-__global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
+// `mask` carries seq_q and seq_k (the copies in p are not read): one source for both, so the
+// bounds and the mask's own tests share their loads. __grid_constant__: the policy's member
+// functions read it in place, as the kernel reads p (a local copy moved those loads and changed
+// the code around them).
+template <typename T, int D, class Mask>
+__global__ void __launch_bounds__(kThreads)
+    fwd_kernel(const Params p, const __grid_constant__ Mask mask) {
   constexpr int W = D / 2;     // 32-bit words (element pairs) per row
   constexpr int KW = W + 1;    // padded K row: lane j reads row j, banks (j + w) % 32 differ
   constexpr int CH = D / 8;    // 16-byte chunks per row
@@ -63,13 +73,13 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   const uint8_t* qb = p.q + 2 * (b * p.qs.batch + h * p.qs.head);
   const uint8_t* kb = p.k + 2 * (b * p.ks.batch + hk * p.ks.head);
   const uint8_t* vb = p.v + 2 * (b * p.vs.batch + hk * p.vs.head);
-  const int64_t off = p.seq_k - p.seq_q;  // causal mask aligned bottom-right
+  const int64_t seq_q = mask.seq_q, seq_k = mask.seq_k;
 
   // Q tile -> f32, pre-scaled. Rows past seq_q are zero and never stored.
   for (int c = tid; c < kBM * CH; c += kThreads) {
     const int r = c / CH, col = (c % CH) * 8;
     float4 lo = make_float4(0, 0, 0, 0), hi = lo;
-    if (m0 + r < p.seq_q) {
+    if (m0 + r < seq_q) {
       const uint4 u = *reinterpret_cast<const uint4*>(qb + 2 * ((m0 + r) * p.qs.seq + col));
       const float2 a = P2::to_float2(u.x), bb = P2::to_float2(u.y), cc = P2::to_float2(u.z),
                    dd = P2::to_float2(u.w);
@@ -81,9 +91,8 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
     *reinterpret_cast<float4*>(&sQ[r][col + 4]) = hi;
   }
 
-  // Keys this CTA can see: all, or (causal) up to its last row's diagonal.
-  int64_t n_end = p.seq_k;
-  if (CAUSAL) n_end = min(p.seq_k, max(int64_t(0), m0 + kBM + off));
+  // Keys this CTA's rows see.
+  const int64_t n_begin = mask.key_begin(m0, kBM), n_end = mask.key_end(m0, kBM);
 
   float acc[kRPW][2 * CPL];
   float m[kRPW], l[kRPW];
@@ -96,12 +105,12 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   }
   const int64_t row0 = m0 + warp * kRPW;
 
-  for (int64_t n0 = 0; n0 < n_end; n0 += kBN) {
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += kBN) {
     __syncthreads();  // previous tile fully consumed (and, first time, sQ visible after next)
     for (int c = tid; c < kBN * CH; c += kThreads) {
       const int r = c / CH, w = (c % CH) * 4;
       uint4 ku = make_uint4(0, 0, 0, 0), vu = ku;
-      if (n0 + r < p.seq_k) {
+      if (n0 + r < seq_k) {
         ku = *reinterpret_cast<const uint4*>(kb + 2 * ((n0 + r) * p.ks.seq + 2 * w));
         vu = *reinterpret_cast<const uint4*>(vb + 2 * ((n0 + r) * p.vs.seq + 2 * w));
       }
@@ -132,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
     const int64_t j = n0 + lane;
 #pragma unroll
     for (int r = 0; r < kRPW; ++r) {
-      const bool visible = j < p.seq_k && (!CAUSAL || j <= row0 + r + off);
+      const bool visible = j < seq_k && mask.sees(row0 + r, j);
       const float sv = visible ? s[r] : -INFINITY;
       const float m_new = fmaxf(m[r], warp_max(sv));
       // A row with nothing visible yet keeps m = -inf; subtracting 0 then keeps p = 0, not NaN.
@@ -149,7 +158,8 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 
     // O += P·V; lane owns column pairs lane, lane + 32, ...
     // Keys a row does not see are skipped, not multiplied by their P = 0: 0 · NaN and 0 · Inf are
-    // NaN (common/nonfinite.cuh). Only a tile crossing this warp's diagonal has any.
+    // NaN (common/nonfinite.cuh). Only a tile the mask cuts for some of this warp's rows has any
+    // (keys past seq_k hold V = 0 here).
     const auto accumulate = [&](auto masked) {
       // Unrolled by 2 only without the mask: with it, sm_80 spilled 8 bytes.
       constexpr int kUnroll = decltype(masked)::value ? 1 : 2;
@@ -166,7 +176,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
           const float pv[4] = {pr.x, pr.y, pr.z, pr.w};
 #pragma unroll
           for (int t = 0; t < 4; ++t) {
-            if (decltype(masked)::value && n0 + jj + t > row0 + r + off) continue;
+            if (decltype(masked)::value && !mask.sees(row0 + r, n0 + jj + t)) continue;
 #pragma unroll
             for (int c = 0; c < CPL; ++c) {
               acc[r][2 * c] = fmaf(pv[t], v[t][c].x, acc[r][2 * c]);
@@ -176,7 +186,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
         }
       }
     };
-    if (CAUSAL && n0 + kBN - 1 > row0 + off)
+    if (mask.tile_hides(row0, n0, kBN))
       accumulate(std::true_type{});
     else
       accumulate(std::false_type{});
@@ -188,7 +198,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   for (int r = 0; r < kRPW; ++r) {
     const float lsum = warp_sum(l[r]);
     const int64_t i = row0 + r;
-    if (i >= p.seq_q) continue;
+    if (i >= seq_q) continue;
     const float inv = lsum > 0.f ? 1.f / lsum : 0.f;  // no visible key: zeros
     uint32_t* orow = reinterpret_cast<uint32_t*>(ob + 2 * (i * p.os.seq));
 #pragma unroll
@@ -197,25 +207,27 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   }
 }
 
-template <typename T, int D, bool CAUSAL>
-void launch(const FwdArgs& a, cudaStream_t stream) {
+template <typename T, int D, class Mask>
+void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
   const Params p = make_params(a);
   const dim3 grid(unsigned((a.seq_q + kBM - 1) / kBM), unsigned(a.heads), unsigned(a.batch));
-  fwd_kernel<T, D, CAUSAL><<<grid, kThreads, 0, stream>>>(p);
+  fwd_kernel<T, D, Mask><<<grid, kThreads, 0, stream>>>(p, mask);
   SDPA_LAUNCH_CHECK("scalar fwd_kernel launch");
 }
 
 template <typename T, int D>
 void forward(const FwdArgs& a, cudaStream_t stream) {
-  (a.mask == sdpa::Mask::CausalBottomRight ? launch<T, D, true> : launch<T, D, false>)(a, stream);
+  mask::dispatch_mask(a.mask, a.seq_q, a.seq_k,
+                      [&](const auto& mask) { launch<T, D>(a, mask, stream); });
 }
 
 template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out) {
-  push_attributes(out, "scalar", dtype_name<T>(), D,
-                  {reinterpret_cast<const void*>(fwd_kernel<T, D, false>),
-                   reinterpret_cast<const void*>(fwd_kernel<T, D, true>)},
-                  0);
+  push_attributes(
+      out, "scalar", dtype_name<T>(), D,
+      {reinterpret_cast<const void*>(fwd_kernel<T, D, mask::NoMask<int64_t>>),
+       reinterpret_cast<const void*>(fwd_kernel<T, D, mask::CausalBottomRight<int64_t>>)},
+      0);
 }
 
 }  // namespace sdpa::scalar

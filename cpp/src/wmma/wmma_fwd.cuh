@@ -11,9 +11,11 @@
 // the same strip and accumulates P·V into O fragments kept in registers. K/V tiles arrive by
 // cp.async, double-buffered: tile n+1 is in flight while tile n is computed.
 //
-// Causal: a V tile that crosses the CTA's diagonal is checked for Inf/NaN at the tile's barrier
-// and, in the rare case it has some, handled as common/nonfinite.cuh describes (the non-finite V
-// check).
+// The mask is a policy of common/mask.cuh (Index int64_t), built in forward() from a.mask: the
+// kernel asks it for the CTA's key range, which tiles need a mask, and per row the keys it sees.
+// Under a mask that hides keys, a V tile partly masked for the CTA (first_partial_tile on) is
+// checked for Inf/NaN at the tile's barrier and, in the rare case it has some, handled as
+// common/nonfinite.cuh describes (the non-finite V check).
 //
 // Every tuning choice below names the variant of the wmma tuning log (docs/log/) that chose it.
 #pragma once
@@ -30,6 +32,7 @@
 #include "common/check.cuh"
 #include "common/dtype.cuh"
 #include "common/launch.cuh"
+#include "common/mask.cuh"
 #include "common/nonfinite.cuh"
 #include "common/smem.cuh"
 
@@ -235,8 +238,13 @@ constexpr int kMinCtasD64 = 2;
 constexpr int kMinCtasD64 = 4;
 #endif
 
-template <typename T, int D, bool CAUSAL>
-__global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kernel(const Params p) {
+// `mask` carries seq_q and seq_k (the copies in p are not read): one source for both, so the
+// bounds and the mask's own tests share their loads. __grid_constant__: the policy's member
+// functions read it in place, as the kernel reads p (a local copy moved those loads and changed
+// the code around them).
+template <typename T, int D, class Mask>
+__global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1)
+    fwd_kernel(const Params p, const __grid_constant__ Mask mask) {
   using L = Layout<D>;
   using P2 = Pair<T>;
   constexpr int KD = D / 16;    // k-steps of Q·Kᵀ, and O fragments per warp
@@ -258,18 +266,15 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
   const uint8_t* qb = p.q + 2 * (b * p.qs.batch + h * p.qs.head);
   const uint8_t* kb = p.k + 2 * (b * p.ks.batch + hk * p.ks.head);
   const uint8_t* vb = p.v + 2 * (b * p.vs.batch + hk * p.vs.head);
-  const int64_t off = p.seq_k - p.seq_q;  // causal mask aligned bottom-right
-  const int64_t wrow0 = m0 + warp * 16;   // this warp's first query row
+  const int64_t seq_q = mask.seq_q, seq_k = mask.seq_k;
+  const int64_t wrow0 = m0 + warp * 16;  // this warp's first query row
 
-  // Keys this CTA can see: all, or (causal) up to its last real row's diagonal. May be 0.
-  int64_t n_end = p.seq_k;
-  if (CAUSAL) n_end = min(p.seq_k, max(int64_t(0), min(m0 + kBM, p.seq_q) + off));
-  const int n_tiles = int((n_end + kBN - 1) / kBN);
-  // Causal: the first tile that holds a key (< seq_k) the CTA's first row does not see, i.e. that
-  // crosses the diagonal of some row (the non-finite V check); n_tiles if none. The tiles from it
-  // on are the last one or two.
-  int t_diag = n_tiles;
-  if (CAUSAL && p.seq_k - 1 > m0 + off) t_diag = int(max(int64_t(0), m0 + off + 1) / kBN);
+  // Key tiles [t_begin, n_tiles) hold the keys this CTA's rows see; may be none.
+  const int t_begin = int(mask.key_begin(m0, kBM) / kBN);
+  const int n_tiles = int((mask.key_end(m0, kBM) + kBN - 1) / kBN);
+  // The first tile holding a key (< seq_k) that some row of the CTA does not see (the non-finite V
+  // check); n_tiles if none. Under a causal mask, the last one or two.
+  const int t_diag = mask.first_partial_tile(m0, kBN, n_tiles);
 
   // Loader addresses: this thread's chunk of a tile, advanced by whole tiles.
   constexpr int CH = D / 8, RS = kThreads / CH;
@@ -278,10 +283,10 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
   const uint8_t* kg = kb + 2 * (lrow * p.ks.seq + lcol);
   const uint8_t* vg = vb + 2 * (lrow * p.vs.seq + lcol);
   // The block barrier of tile t < n_tiles, in buffer buf, once this thread's cp.async copies of
-  // it have landed: on a tile crossing the diagonal it also says whether V holds an Inf or a
-  // NaN (CTA-uniform), elsewhere false.
+  // it have landed: on a partly masked tile it also says whether V holds an Inf or a NaN
+  // (CTA-uniform), elsewhere false.
   const auto tile_barrier = [&](int t, int buf) {
-    if (CAUSAL && t >= t_diag)
+    if (Mask::kMasksKeys && t >= t_diag)
       return __syncthreads_or(own_chunks_nonfinite<T, D>(s_chunk + L::kV + buf * L::kTile)) != 0;
     __syncthreads();
     return false;
@@ -289,17 +294,17 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
   // `tile * 2 * kBN` is an int product (then widened by the 64-bit stride): the last tile's
   // must fit, so seq_k <= 2^30 (checked by fused::supports, crates/sdpa/src/backend/fused.rs).
   auto load_kv = [&](int tile, int buf) {
-    const int rows_left = int(min(p.seq_k - int64_t(tile) * kBN, int64_t(kBN)));
+    const int rows_left = int(min(seq_k - int64_t(tile) * kBN, int64_t(kBN)));
     load_tile<D>(s_chunk + L::kK + buf * L::kTile, kg + tile * 2 * kBN * p.ks.seq,
                  2 * RS * p.ks.seq, rows_left, tid, kb);
     load_tile<D>(s_chunk + L::kV + buf * L::kTile, vg + tile * 2 * kBN * p.vs.seq,
                  2 * RS * p.vs.seq, rows_left, tid, vb);
   };
 
-  // Prologue: Q (staged over the S strips) and K/V tile 0 as one cp.async group.
+  // Prologue: Q (staged over the S strips) and the first K/V tile as one cp.async group.
   load_tile<D>(s_chunk + L::kS, qb + 2 * ((m0 + lrow) * p.qs.seq + lcol), 2 * RS * p.qs.seq,
-               int(min(p.seq_q - m0, int64_t(kBM))), tid, qb);
-  if (n_tiles > 0) load_kv(0, 0);
+               int(min(seq_q - m0, int64_t(kBM))), tid, qb);
+  if (t_begin < n_tiles) load_kv(t_begin, 0);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
@@ -311,10 +316,10 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
 #pragma unroll
     for (int k = 0; k < KD; ++k) load_frag(qf[k], sQ + k * 16, L::kLd);
   }
-  // The S strips are about to overwrite other warps' Q rows. Doubles as tile 0's barrier.
+  // The S strips are about to overwrite other warps' Q rows. Doubles as the first tile's barrier.
   bool nonfinite = false;
-  if (CAUSAL && n_tiles > 0)
-    nonfinite = tile_barrier(0, 0);
+  if (Mask::kMasksKeys && t_begin < n_tiles)
+    nonfinite = tile_barrier(t_begin, 0);
   else
     __syncthreads();
 
@@ -347,9 +352,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
 
   // buf is carried rather than computed as t & 1: with t & 1, ptxas spills 4-8 bytes at D = 64
   // under the 128-register cap; with the carried bit it needs 126 and no spills.
-  for (int t = 0, buf = 0; t < n_tiles; ++t, buf ^= 1) {
+  for (int t = t_begin, buf = 0; t < n_tiles; ++t, buf ^= 1) {
     const int64_t n0 = int64_t(t) * kBN;
-    if (t > 0) {
+    if (t > t_begin) {
       cp_async_wait_all();
       // Tile t is visible to all, and every warp is done with tile t - 1, whose buffer the
       // prefetch below reuses. One barrier per tile.
@@ -359,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
       load_kv(t + 1, buf ^ 1);
       cp_async_commit();
     }
-    if (CAUSAL && nonfinite) {  // rare; CTA-uniform
+    if (Mask::kMasksKeys && nonfinite) {  // rare; CTA-uniform
       record_and_zero<T, D>(reinterpret_cast<uint16_t*>(smem + L::kV + buf * L::kTile), nf, tid);
       __syncthreads();  // V is finite again before any P·V reads it; nf is complete
     }
@@ -400,14 +405,13 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
         x[4 * j] = v.x, x[4 * j + 1] = v.y, x[4 * j + 2] = v.z, x[4 * j + 3] = v.w;
       }
     }
-    // Only the last tile and (causal) tiles crossing this warp's diagonal need a mask.
-    const bool edge = n0 + kBN > p.seq_k || (CAUSAL && n0 + kBN - 1 > wrow0 + off);
-    if (edge) {
+    // Only the last tile and tiles the mask cuts for this warp's rows need masking.
+    if (mask.tile_masked(wrow0, n0, kBN)) {
       const int64_t c0 = n0 + 4 * half;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         const int64_t col = c0 + 8 * (j / 4) + j % 4;
-        if (col >= p.seq_k || (CAUSAL && col > row + off)) x[j] = -INFINITY;
+        if (col > mask.last_key(row)) x[j] = -INFINITY;  // past seq_k or hidden
       }
     }
     float mx[8];
@@ -472,7 +476,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
     // Non-finite V check, step 3 (rare): every O element adds what its row's visible keys of the
     // tile held before they were zeroed. Through this warp's strip (P is consumed), 64 columns at a
     // time, since the fragments' element -> column mapping is unspecified.
-    if (CAUSAL && nonfinite) {
+    if (Mask::kMasksKeys && nonfinite) {
 #pragma unroll
       for (int c0 = 0; c0 < D; c0 += 64) {
         __syncwarp();  // every lane is past its P loads, or the previous block's loads
@@ -484,7 +488,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
         for (int i = lane; i < 16 * 64; i += 32) {
           const int rr = i / 64, cc = i % 64;
           // The row's last visible key, tile-relative: < 0 none, >= kBN - 1 all.
-          const int64_t seen = min(p.seq_k - 1, wrow0 + rr + off) - n0;
+          const int64_t seen = mask.last_key(wrow0 + rr) - n0;
           const int last = int(max(int64_t(-1), min(seen, int64_t(kBN))));
           sS[rr * kSLd + cc] += nonfinite_term(nf, c0 + cc, last);
         }
@@ -520,7 +524,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
     for (int i = lane; i < 16 * 8; i += 32) {
       const int rr = i / 8, cc = (i % 8) * 8;
       const int64_t orow = wrow0 + rr;
-      if (orow < p.seq_q) {
+      if (orow < seq_q) {
         const float4 lo = *reinterpret_cast<const float4*>(sS + rr * kSLd + cc);
         const float4 hi = *reinterpret_cast<const float4*>(sS + rr * kSLd + cc + 4);
         *reinterpret_cast<uint4*>(ob + 2 * (orow * p.os.seq + c0 + cc)) =
@@ -532,30 +536,32 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
   }
 }
 
-template <typename T, int D, bool CAUSAL>
-void launch(const FwdArgs& a, cudaStream_t stream) {
+template <typename T, int D, class Mask>
+void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
   constexpr int kSmem = Layout<D>::kBytes;
   static std::atomic<uint64_t> configured{0};
-  opt_in_smem(reinterpret_cast<const void*>(fwd_kernel<T, D, CAUSAL>), kSmem, configured);
+  opt_in_smem(reinterpret_cast<const void*>(fwd_kernel<T, D, Mask>), kSmem, configured);
 
   const Params p = make_params(a);
   const dim3 grid(unsigned((a.seq_q + kBM - 1) / kBM), unsigned(a.heads), unsigned(a.batch));
-  fwd_kernel<T, D, CAUSAL><<<grid, kThreads, kSmem, stream>>>(p);
+  fwd_kernel<T, D, Mask><<<grid, kThreads, kSmem, stream>>>(p, mask);
   SDPA_LAUNCH_CHECK("wmma fwd_kernel launch");
 }
 
 template <typename T, int D>
 void forward(const FwdArgs& a, cudaStream_t stream) {
-  (a.mask == sdpa::Mask::CausalBottomRight ? launch<T, D, true> : launch<T, D, false>)(a, stream);
+  mask::dispatch_mask(a.mask, a.seq_q, a.seq_k,
+                      [&](const auto& mask) { launch<T, D>(a, mask, stream); });
 }
 
 template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out) {
   // All of this kernel's shared memory is dynamic.
-  push_attributes(out, "wmma", dtype_name<T>(), D,
-                  {reinterpret_cast<const void*>(fwd_kernel<T, D, false>),
-                   reinterpret_cast<const void*>(fwd_kernel<T, D, true>)},
-                  Layout<D>::kBytes);
+  push_attributes(
+      out, "wmma", dtype_name<T>(), D,
+      {reinterpret_cast<const void*>(fwd_kernel<T, D, mask::NoMask<int64_t>>),
+       reinterpret_cast<const void*>(fwd_kernel<T, D, mask::CausalBottomRight<int64_t>>)},
+      Layout<D>::kBytes);
 }
 
 }  // namespace sdpa::wmma_backend

@@ -42,22 +42,27 @@
 // epilogue's 4-byte writes are all free of bank conflicts. Q is staged through the last stage's
 // buffer (it is in registers before that stage is first filled), so shared memory is
 // 3 x 2 x BN x D elements: 48 KB (D = 64) and 96 KB (D = 128), which still fits the 99 KB per-block
-// limit of sm_86 / sm_89 (causal adds 3·D bytes, the non-finite V records below). The output is
-// staged through the same buffer.
+// limit of sm_86 / sm_89 (a mask that hides keys adds 3·D bytes, the non-finite V records below).
+// The output is staged through the same buffer.
+//
+// Masks: the kernel is templated on a mask policy of common/mask.cuh (Index int), built in
+// forward() from a.mask and passed in Params, and asks it which keys the CTA and each warp see,
+// which tiles need masking and each row's last visible key.
 //
 // Partial tiles: cp.async with src-size 0 zero-fills rows past seq_q / seq_k (nothing is read
-// there); scores of keys >= seq_k and, if causal, of keys past the bottom-right diagonal are set
-// to -inf before the softmax; stores are predicated per row. Causal: CTAs skip key tiles past
-// their last row's diagonal, each warp also skips the tiles fully masked for its rows, and CTAs
-// are launched last query block first (the heaviest first). Offsets into Q/K/V/O are 64-bit,
-// but seq_q, seq_k and the row and key indices are int and reach up to a tile past the end:
-// seq_q, seq_k <= 2^31 - 128; the grid is (query tiles, heads, batch), heads and batch <= 65535
-// (checked by fused::supports, crates/sdpa/src/backend/fused.rs).
+// there); scores of keys >= seq_k and of keys the mask hides are set to -inf before the softmax;
+// stores are predicated per row. CTAs load only the key tiles of their rows' key range, each warp
+// also skips the tiles past its own rows' range, and under a mask that hides keys CTAs are
+// launched last query block first (under a causal mask, the heaviest first). Offsets into
+// Q/K/V/O are 64-bit, but seq_q, seq_k and the row and key indices are int and reach up to a tile
+// past the end: seq_q, seq_k <= 2^31 - 128; the grid is (query tiles, heads, batch), heads and
+// batch <= 65535 (checked by fused::supports, crates/sdpa/src/backend/fused.rs).
 //
-// Causal, the non-finite V check (common/nonfinite.cuh): a V tile that crosses the diagonal of some
-// row of the CTA is checked for Inf/NaN by the threads that copied it, the OR folded into the
-// tile's barrier; in the rare case it has some, they are recorded per column and zeroed before any
-// P·V reads the tile, and after its P·V every O element adds its row's reference term.
+// The non-finite V check (common/nonfinite.cuh), under a mask that hides keys: a V tile partly
+// masked for the CTA (the mask's first_partial_tile on) is checked for Inf/NaN by the threads that
+// copied it, the OR folded into the tile's barrier; in the rare case it has some, they are recorded
+// per column and zeroed before any P·V reads the tile, and after its P·V every O element adds its
+// row's reference term.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -78,6 +83,7 @@
 #include "common/attributes.cuh"
 #include "common/check.cuh"
 #include "common/launch.cuh"
+#include "common/mask.cuh"
 #include "common/nonfinite.cuh"
 #include "common/smem.cuh"
 #include "cutlass/dtype.cuh"
@@ -163,12 +169,12 @@ struct Cfg {
   static constexpr int kSmemBytes =
       (kStages * kStageElems + (kQReg ? 0 : kBM * D)) * int(sizeof(T));
   static_assert(!kQReg || kBM * D <= kStageElems, "Q is staged in one K/V stage");
-  // Causal launches add the non-finite V check's records of the current V tile after the stages
-  // (192 or 384 bytes): they live from before the tile's first P·V to after its last, when every
-  // stage is busy. D = 128: 96.4 KB, still within sm_86 / sm_89's 99 KB.
+  // Launches under a mask that hides keys add the non-finite V check's records of the current V
+  // tile after the stages (192 or 384 bytes): they live from before the tile's first P·V to after
+  // its last, when every stage is busy. D = 128: 96.4 KB, still within sm_86 / sm_89's 99 KB.
   static_assert(kBN < kNoKey, "tile-relative keys must fit NonFiniteCols");
-  static constexpr int kSmemBytesCausal = kSmemBytes + int(sizeof(NonFiniteCols<D>));
-  static_assert(kSmemBytesCausal <= 99 * 1024, "shared memory over sm_86 / sm_89's limit");
+  static constexpr int kSmemBytesMasked = kSmemBytes + int(sizeof(NonFiniteCols<D>));
+  static_assert(kSmemBytesMasked <= 99 * 1024, "shared memory over sm_86 / sm_89's limit");
 
   static constexpr int kQK = D / 16;    // k-blocks of Q·Kᵀ
   static constexpr int kSN = kBN / 8;   // n8 tiles of S
@@ -219,18 +225,21 @@ __device__ __forceinline__ void record_and_zero(T* v, NonFiniteCols<D>& c, int t
   }
 }
 
-template <typename T>
+template <typename T, class Mask>
 struct Params {
   const T *q, *k, *v;
   T* o;
   Strides qs, ks, vs, os;
-  int seq_q, seq_k, group;  // 32-bit: the Rust layer bounds seq_q and seq_k (see the header)
-  float scale_log2;         // scale * log2(e)
+  // The mask holds seq_q and seq_k, 32-bit: the Rust layer bounds them (see the header). The
+  // kernel reads them from it alone, so that its bounds and the mask's tests share their loads.
+  Mask mask;
+  int group;
+  float scale_log2;  // scale * log2(e)
 };
 
-template <typename T, int D, bool CAUSAL, int W, int MT>
+template <typename T, int D, class Mask, int W, int MT>
 __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::kMinBlocks)
-    fwd_kernel(const __grid_constant__ Params<T> p) {
+    fwd_kernel(const __grid_constant__ Params<T, Mask> p) {
 #ifdef SDPA_SM80_DEVICE
   using C = Cfg<T, D, W, MT>;
   constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages, CH = C::kChunks, WM = C::kWM;
@@ -242,18 +251,18 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment row group / column pair
-  const int m_block = CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const Mask& mask = p.mask;
+  const int seq_q = mask.seq_q, seq_k = mask.seq_k;
+  const int m_block = Mask::kMasksKeys ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const int off = p.seq_k - p.seq_q;  // causal: row i sees keys j <= i + off
   const int m0 = m_block * BM;
-  // Keys the CTA needs, and the (fewer) keys this warp's rows need.
-  int n_end = p.seq_k;
-  if (CAUSAL) n_end = min(p.seq_k, max(0, min(m0 + BM, p.seq_q) + off));
-  const int n_tiles = (n_end + BN - 1) / BN;
+  // Key tiles [n_begin, n_tiles) hold the keys the CTA's rows see; the warp's rows need those
+  // below w_tiles only (none for a warp past seq_q).
+  const int n_begin = mask.key_begin(m0, BM) / BN;
+  const int n_tiles = (mask.key_end(m0, BM) + BN - 1) / BN;
   const int wrow = WM * warp;  // the warp's first row within the CTA tile
   const int mw0 = m0 + wrow;
-  int w_end = mw0 < p.seq_q ? p.seq_k : 0;
-  if (CAUSAL) w_end = min(w_end, max(0, min(mw0 + WM, p.seq_q) + off));
+  const int w_end = mw0 < seq_q ? mask.key_end(mw0, WM) : 0;
   const int w_tiles = (w_end + BN - 1) / BN;
 
   // O accumulators: strip mt, n8 tile j, (row g: cols 2t, 2t+1; row g + 8: the same).
@@ -271,7 +280,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
       l_run[mt][r] = 0.f;
     }
 
-  if (n_tiles > 0) {
+  if (n_begin < n_tiles) {
     // Global -> shared: thread tid copies chunk tid % CH of rows tid / CH + i·kPassRows. A pass
     // moves 8k rows, so the swizzled destination only advances by whole rows.
     const int crow = tid / CH, cchunk = tid % CH;
@@ -283,7 +292,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
     const T* const vg = p.v + (int64_t(b) * p.vs.batch + int64_t(hk) * p.vs.head +
                                int64_t(crow) * p.vs.seq + cchunk * 8);
     const auto load_kv = [&](int n, int s) {
-      const int rows = p.seq_k - n * BN - crow;  // pass i is in bounds iff i·kPassRows < rows
+      const int rows = seq_k - n * BN - crow;  // pass i is in bounds iff i·kPassRows < rows
       T* const sk = smem + s * C::kStageElems + c_soff;
 #pragma unroll
       for (int i = 0; i < BN / C::kPassRows; ++i)
@@ -295,9 +304,10 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
                    vg + int64_t(n * BN + i * C::kPassRows) * p.vs.seq, i * C::kPassRows < rows);
     };
 
-    // Prologue: Q with K/V tile 0 (group 0), then tiles 1 .. S-2, one commit group each.
+    // Prologue: Q with the first K/V tile (group 0), then the next S-2, one commit group each.
+    // Key tile n goes to stage (n - n_begin) % S.
     {
-      const int rows = p.seq_q - m0 - crow;
+      const int rows = seq_q - m0 - crow;
       const int64_t qpass = int64_t(C::kPassRows) * p.qs.seq;
       const T* qp = p.q + int64_t(b) * p.qs.batch + int64_t(h) * p.qs.head +
                     int64_t(m0 + crow) * p.qs.seq + cchunk * 8;
@@ -309,7 +319,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
     }
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) {
-      if (i < n_tiles) load_kv(i, i);
+      if (n_begin + i < n_tiles) load_kv(n_begin + i, i);
       cute::cp_async_fence();
     }
 
@@ -333,26 +343,25 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
 
     uint32_t q[kQReg ? MT : 1][kQReg ? kQK : 1][4];  // Q fragments, for the whole sweep
     const float sl2 = p.scale_log2;
-    // Causal: the first key tile holding a key (< seq_k) that the CTA's first row does not see. It
-    // and the tiles after it cross the diagonal of some row of the CTA (the non-finite V check; the
-    // last one or two tiles unless seq_q > seq_k); n_tiles if none. CTA-uniform.
-    int t_diag = n_tiles;
-    if (CAUSAL && p.seq_k - 1 > m0 + off) t_diag = max(0, m0 + off + 1) / BN;
+    // The first key tile holding a key (< seq_k) that some row of the CTA does not see: it and the
+    // tiles after it are partly masked (the non-finite V check; under a causal mask the last one
+    // or two tiles unless seq_q > seq_k); n_tiles if none. CTA-uniform.
+    const int t_diag = mask.first_partial_tile(m0, BN, n_tiles);
     NonFiniteCols<D>& nf = *reinterpret_cast<NonFiniteCols<D>*>(smem_raw + C::kSmemBytes);
 
-    for (int n = 0; n < n_tiles; ++n) {
-      const int s = n % S;
+    for (int n = n_begin; n < n_tiles; ++n) {
+      const int s = (n - n_begin) % S;
       cute::cp_async_wait<S - 2>();  // tile n (and Q) landed for this thread's copies ...
-      // ... and everyone's (the barrier); stage (n - 1) % S is free again. On a diagonal tile
-      // the barrier also says whether V holds an Inf or a NaN (CTA-uniform).
+      // ... and everyone's (the barrier); the previous tile's stage is free again. On a partly
+      // masked tile the barrier also says whether V holds an Inf or a NaN (CTA-uniform).
       bool nonfinite = false;
-      if (CAUSAL && n >= t_diag)
+      if (Mask::kMasksKeys && n >= t_diag)
         nonfinite = __syncthreads_or(own_v_chunks_nonfinite<T, D, W, MT>(
                         smem + s * C::kStageElems + C::kTileElems + c_soff)) != 0;
       else
         __syncthreads();
       if constexpr (kQReg) {
-        if (n == 0) {
+        if (n == n_begin) {
 #pragma unroll
           for (int mt = 0; mt < (kQReg ? MT : 1); ++mt)
 #pragma unroll
@@ -360,13 +369,13 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
           __syncthreads();  // Q's buffer is stage S - 1, refilled just below
         }
       }
-      if (n + S - 1 < n_tiles) load_kv(n + S - 1, (n + S - 1) % S);
+      if (n + S - 1 < n_tiles) load_kv(n + S - 1, (n - n_begin + S - 1) % S);
       cute::cp_async_fence();
-      if (CAUSAL && nonfinite) {  // rare; CTA-uniform
+      if (Mask::kMasksKeys && nonfinite) {  // rare; CTA-uniform
         record_and_zero<T, D, W, MT>(smem + s * C::kStageElems + C::kTileElems, nf, tid);
         __syncthreads();  // V is finite before any P·V reads it; nf is complete
       }
-      if (n >= w_tiles) continue;  // fully masked for this warp's rows (causal / past seq_q)
+      if (n >= w_tiles) continue;  // past this warp's rows' keys (masked / past seq_q)
 
       const T* const sK = smem + s * C::kStageElems;
       const T* const sV = sK + C::kTileElems;
@@ -412,7 +421,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
 
       // Online softmax on the accumulator rows: r = 0 is row g, r = 1 row g + 8 of strip mt.
       const int n0 = n * BN;
-      const bool edge = n0 + BN > p.seq_k || (CAUSAL && n0 + BN - 1 > mw0 + off);
+      const bool edge = mask.tile_masked(mw0, n0, BN);
       uint32_t pa[MT][kPV][4];  // P in T as the A operand of P·V
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -420,7 +429,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int row = mw0 + 16 * mt + g + 8 * r;
-            const int last = (CAUSAL ? min(p.seq_k - 1, row + off) : p.seq_k - 1) - n0 - 2 * t;
+            const int last = mask.last_key(row) - n0 - 2 * t;
 #pragma unroll
             for (int j = 0; j < kSN; ++j) {
               if (8 * j > last) sacc[mt][j][2 * r] = -INFINITY;
@@ -508,13 +517,13 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
       // use. The next tiles' rescales and the final 1/l keep an Inf or a NaN as they are (the
       // factors are positive). nf is rewritten only past the next tile's barrier, when every warp
       // is through here.
-      if (CAUSAL && nonfinite) {
+      if (Mask::kMasksKeys && nonfinite) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             // The row's last visible key, tile-relative: < 0 none (nonfinite_term clamps).
-            const int last = min(p.seq_k - 1, mw0 + 16 * mt + g + 8 * r + off) - n0;
+            const int last = mask.last_key(mw0 + 16 * mt + g + 8 * r) - n0;
 #pragma unroll
             for (int j = 0; j < kON; ++j) {
               o[mt][j][2 * r] += nonfinite_term(nf, 8 * j + 2 * t, last);
@@ -552,7 +561,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
     T* op = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head + int64_t(mw0 + r0) * p.os.seq +
             c * 8;
     const int64_t ostep = int64_t(kRowsPerStep) * p.os.seq;
-    const int rows = p.seq_q - mw0 - r0;
+    const int rows = seq_q - mw0 - r0;
 #pragma unroll
     for (int i = 0; i < WM / kRowsPerStep; ++i) {
       if (i * kRowsPerStep < rows)
@@ -582,18 +591,18 @@ inline void check_device(int dev) {
   ok.fetch_or(bit, std::memory_order_relaxed);
 }
 
-template <typename T, int D, bool CAUSAL, int W, int MT>
-void launch(const FwdArgs& a, cudaStream_t stream) {
+template <typename T, int D, int W, int MT, class Mask>
+void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
   using C = Cfg<T, D, W, MT>;
-  constexpr int kSmem = CAUSAL ? C::kSmemBytesCausal : C::kSmemBytes;
+  constexpr int kSmem = Mask::kMasksKeys ? C::kSmemBytesMasked : C::kSmemBytes;
   int dev = 0;
   SDPA_CUDA_CHECK(cudaGetDevice(&dev));
   check_device<kSmem>(dev);
   if constexpr (kSmem > 48 * 1024) {
     static std::atomic<uint64_t> configured{0};
-    opt_in_smem(reinterpret_cast<const void*>(fwd_kernel<T, D, CAUSAL, W, MT>), kSmem, configured);
+    opt_in_smem(reinterpret_cast<const void*>(fwd_kernel<T, D, Mask, W, MT>), kSmem, configured);
   }
-  Params<T> p{};
+  Params<T, Mask> p{};
   p.q = static_cast<const T*>(a.q);
   p.k = static_cast<const T*>(a.k);
   p.v = static_cast<const T*>(a.v);
@@ -602,13 +611,13 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   p.ks = a.k_stride;
   p.vs = a.v_stride;
   p.os = a.o_stride;
-  p.seq_q = int(a.seq_q);
-  p.seq_k = int(a.seq_k);
+  p.mask = mask;
   p.group = int(a.heads / a.kv_heads);
   p.scale_log2 = a.scale * 1.4426950408889634f;
-  // Causal CTAs are launched last query block first (the kernel reverses blockIdx.x).
+  // Under a mask that hides keys CTAs are launched last query block first (the kernel reverses
+  // blockIdx.x).
   const dim3 grid(unsigned((a.seq_q + C::kBM - 1) / C::kBM), unsigned(a.heads), unsigned(a.batch));
-  fwd_kernel<T, D, CAUSAL, W, MT><<<grid, C::kThreads, kSmem, stream>>>(p);
+  fwd_kernel<T, D, Mask, W, MT><<<grid, C::kThreads, kSmem, stream>>>(p);
   SDPA_LAUNCH_CHECK("cutlass-sm80 fwd_kernel launch");
 }
 
@@ -634,7 +643,7 @@ inline int shipping_warps(int dev) {
   if constexpr (D == 64) {
     return 4;
   } else {
-    return smem_per_sm(dev) >= 2 * (Cfg<T, D, 4, 1>::kSmemBytesCausal + 1024) ? 4 : 8;
+    return smem_per_sm(dev) >= 2 * (Cfg<T, D, 4, 1>::kSmemBytesMasked + 1024) ? 4 : 8;
   }
 }
 
@@ -642,27 +651,23 @@ template <typename T, int D>
 void forward(const FwdArgs& a, cudaStream_t stream) {
   int dev = 0;
   SDPA_CUDA_CHECK(cudaGetDevice(&dev));
-  if constexpr (D == 128) {
-    if (shipping_warps<T, D>(dev) == 8) {
-      if (a.mask == sdpa::Mask::CausalBottomRight)
-        launch<T, D, true, 8, 1>(a, stream);
-      else
-        launch<T, D, false, 8, 1>(a, stream);
-      return;
+  const int warps = shipping_warps<T, D>(dev);
+  mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), [&](const auto& mask) {
+    if constexpr (D == 128) {
+      if (warps == 8) return launch<T, D, 8, 1>(a, mask, stream);
     }
-  }
-  if (a.mask == sdpa::Mask::CausalBottomRight)
-    launch<T, D, true, 4, 1>(a, stream);
-  else
-    launch<T, D, false, 4, 1>(a, stream);
+    launch<T, D, 4, 1>(a, mask, stream);
+  });
 }
 
 template <typename T, int D, int W>
 void attributes_of(std::vector<KernelAttr>& out) {
-  const void* const fns[2] = {reinterpret_cast<const void*>(fwd_kernel<T, D, false, W, 1>),
-                              reinterpret_cast<const void*>(fwd_kernel<T, D, true, W, 1>)};
+  const void* const fns[2] = {
+      reinterpret_cast<const void*>(fwd_kernel<T, D, mask::NoMask<int>, W, 1>),
+      reinterpret_cast<const void*>(fwd_kernel<T, D, mask::CausalBottomRight<int>, W, 1>)};
   push_attributes(out, "cutlass-sm80", dtype_name<T>(), D, fns, Cfg<T, D, W, 1>::kSmemBytes);
-  out.back().dynamic_smem = Cfg<T, D, W, 1>::kSmemBytesCausal;  // causal: + non-finite V records
+  // The causal entry: + the non-finite V check's records.
+  out.back().dynamic_smem = Cfg<T, D, W, 1>::kSmemBytesMasked;
 }
 
 // The kernels forward() launches on the current device.
