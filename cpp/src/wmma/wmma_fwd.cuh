@@ -238,13 +238,9 @@ constexpr int kMinCtasD64 = 2;
 constexpr int kMinCtasD64 = 4;
 #endif
 
-// `mask` carries seq_q and seq_k (the copies in p are not read): one source for both, so the
-// bounds and the mask's own tests share their loads. __grid_constant__: the policy's member
-// functions read it in place, as the kernel reads p (a local copy moved those loads and changed
-// the code around them).
 template <typename T, int D, class Mask>
-__global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1)
-    fwd_kernel(const Params p, const __grid_constant__ Mask mask) {
+__global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kernel(const Params p) {
+  const Mask mask{p.seq_q, p.seq_k};  // which keys each row sees
   using L = Layout<D>;
   using P2 = Pair<T>;
   constexpr int KD = D / 16;    // k-steps of Q·Kᵀ, and O fragments per warp
@@ -266,7 +262,6 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1)
   const uint8_t* qb = p.q + 2 * (b * p.qs.batch + h * p.qs.head);
   const uint8_t* kb = p.k + 2 * (b * p.ks.batch + hk * p.ks.head);
   const uint8_t* vb = p.v + 2 * (b * p.vs.batch + hk * p.vs.head);
-  const int64_t seq_q = mask.seq_q, seq_k = mask.seq_k;
   const int64_t wrow0 = m0 + warp * 16;  // this warp's first query row
 
   // Key tiles [t_begin, n_tiles) hold the keys this CTA's rows see; may be none.
@@ -294,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1)
   // `tile * 2 * kBN` is an int product (then widened by the 64-bit stride): the last tile's
   // must fit, so seq_k <= 2^30 (checked by fused::supports, crates/sdpa/src/backend/fused.rs).
   auto load_kv = [&](int tile, int buf) {
-    const int rows_left = int(min(seq_k - int64_t(tile) * kBN, int64_t(kBN)));
+    const int rows_left = int(min(mask.seq_k - int64_t(tile) * kBN, int64_t(kBN)));
     load_tile<D>(s_chunk + L::kK + buf * L::kTile, kg + tile * 2 * kBN * p.ks.seq,
                  2 * RS * p.ks.seq, rows_left, tid, kb);
     load_tile<D>(s_chunk + L::kV + buf * L::kTile, vg + tile * 2 * kBN * p.vs.seq,
@@ -303,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1)
 
   // Prologue: Q (staged over the S strips) and the first K/V tile as one cp.async group.
   load_tile<D>(s_chunk + L::kS, qb + 2 * ((m0 + lrow) * p.qs.seq + lcol), 2 * RS * p.qs.seq,
-               int(min(seq_q - m0, int64_t(kBM))), tid, qb);
+               int(min(mask.seq_q - m0, int64_t(kBM))), tid, qb);
   if (t_begin < n_tiles) load_kv(t_begin, 0);
   cp_async_commit();
   cp_async_wait_all();
@@ -407,12 +402,13 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1)
     }
     // Only the last tile and tiles the mask cuts for this warp's rows need masking.
     if (mask.tile_masked(wrow0, n0, kBN)) {
-      const int64_t c0 = n0 + 4 * half;
+      // The row's last visible key (past seq_k or hidden beyond it), relative to this lane's
+      // first column, clamped to the tile: one 32-bit compare per score.
+      const int64_t rel = mask.last_key(row) - (n0 + 4 * half);
+      const int last = int(max(int64_t(-1), min(rel, int64_t(kBN))));
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int64_t col = c0 + 8 * (j / 4) + j % 4;
-        if (col > mask.last_key(row)) x[j] = -INFINITY;  // past seq_k or hidden
-      }
+      for (int j = 0; j < 32; ++j)
+        if (8 * (j / 4) + j % 4 > last) x[j] = -INFINITY;
     }
     float mx[8];
 #pragma unroll
@@ -524,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1)
     for (int i = lane; i < 16 * 8; i += 32) {
       const int rr = i / 8, cc = (i % 8) * 8;
       const int64_t orow = wrow0 + rr;
-      if (orow < seq_q) {
+      if (orow < mask.seq_q) {
         const float4 lo = *reinterpret_cast<const float4*>(sS + rr * kSLd + cc);
         const float4 hi = *reinterpret_cast<const float4*>(sS + rr * kSLd + cc + 4);
         *reinterpret_cast<uint4*>(ob + 2 * (orow * p.os.seq + c0 + cc)) =
@@ -537,21 +533,21 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1)
 }
 
 template <typename T, int D, class Mask>
-void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
+void launch(const FwdArgs& a, cudaStream_t stream) {
   constexpr int kSmem = Layout<D>::kBytes;
   static std::atomic<uint64_t> configured{0};
   opt_in_smem(reinterpret_cast<const void*>(fwd_kernel<T, D, Mask>), kSmem, configured);
 
   const Params p = make_params(a);
   const dim3 grid(unsigned((a.seq_q + kBM - 1) / kBM), unsigned(a.heads), unsigned(a.batch));
-  fwd_kernel<T, D, Mask><<<grid, kThreads, kSmem, stream>>>(p, mask);
+  fwd_kernel<T, D, Mask><<<grid, kThreads, kSmem, stream>>>(p);
   SDPA_LAUNCH_CHECK("wmma fwd_kernel launch");
 }
 
 template <typename T, int D>
 void forward(const FwdArgs& a, cudaStream_t stream) {
   mask::dispatch_mask(a.mask, a.seq_q, a.seq_k,
-                      [&](const auto& mask) { launch<T, D>(a, mask, stream); });
+                      [&](auto m) { launch<T, D, decltype(m)>(a, stream); });
 }
 
 template <typename T, int D>
