@@ -7,13 +7,14 @@
 // warps of 16 rows each (one m16n8k16 M strip). Every warp sweeps all key tiles for its own rows,
 // so the online softmax never merges state across warps, and 16 rows a warp keep the Q fragments in
 // registers for the whole sweep (D = 128: O 64 + Q 32 + S 32 registers + fragments, 214-223 in
-// all). The kernel is templated on warps per CTA (W = 4, 8) and strips per warp (MT = 1, 2: MT = 2
-// is FlashAttention-2's 32 rows a warp); all were checked and timed (docs/log/). W4 MT1 is best or
-// close everywhere and clearly best causal and on small grids: several independent 4-warp CTAs per
-// SM (on an H200, D = 64: 3, D = 128: 2) overlap one CTA's softmax with another's mma, where 8
-// warps behind one __syncthreads per tile move in lockstep; 64-row CTAs also make twice the CTAs
-// for short sequences and cut the causal diagonal waste. At D = 128 a CTA takes 96 KB, so an A100
-// (164 KB per SM) or sm_86 / sm_89 (100 KB) SM holds only one: there W8 MT1 (one 8-warp CTA, 128
+// all; D = 96: O 48 + Q 24 + S 32, 188-221). The kernel is templated on warps per CTA (W = 4, 8)
+// and strips per warp (MT = 1, 2: MT = 2 is FlashAttention-2's 32 rows a warp); all were checked
+// and timed (docs/log/). W4 MT1 is best or close everywhere and clearly best causal and on small
+// grids: several independent 4-warp CTAs per SM (on an H200, D = 64: 3, D = 128: 2) overlap one
+// CTA's softmax with another's mma, where 8 warps behind one __syncthreads per tile move in
+// lockstep; 64-row CTAs also make twice the CTAs for short sequences and cut the causal diagonal
+// waste. At D = 128 a CTA takes 96 KB, so an A100 (164 KB per SM) or sm_86 / sm_89 (100 KB) SM
+// holds only one, and at D = 96 (72 KB) an sm_86 / sm_89 SM: there W8 MT1 (one 8-warp CTA, 128
 // rows) ships instead, not 4 warps per SM. MT = 2 reuses each K/V fragment for two strips (half the
 // ldmatrix traffic) but needs 255 registers: at D = 128 Q no longer fits and is re-read from its
 // own buffer, with 32-key tiles to avoid spilling.
@@ -36,14 +37,15 @@
 // heavy template instantiation in every device pass and file) and with every address register in
 // view.
 //
-// Shared memory tiles are row-major [rows][D] under CuTe's Swizzle<3, 3, log2(D) - 3>: 16-byte
-// chunk c of row r is stored at chunk c ^ (r % 8) (the low 3 bits of c), so the 16-byte cp.async
-// writes, the ldmatrix row reads (plain and transposed: 8 rows of one chunk column) and the
-// epilogue's 4-byte writes are all free of bank conflicts. Q is staged through the last stage's
-// buffer (it is in registers before that stage is first filled), so shared memory is
-// 3 x 2 x BN x D elements: 48 KB (D = 64) and 96 KB (D = 128), which still fits the 99 KB per-block
-// limit of sm_86 / sm_89 (a mask that hides keys adds 3·D bytes, the non-finite V records below).
-// The output is staged through the same buffer.
+// Shared memory tiles are row-major [rows][D] with each row's 16-byte chunks XOR-swizzled
+// (Cfg::off: at D = 64 and 128 CuTe's Swizzle<3, 3, log2(D) - 3>, chunk c of row r stored at chunk
+// c ^ (r % 8); at D = 96, 192-byte rows, at c ^ ((r / 2) % 4)), so the 16-byte cp.async writes, the
+// ldmatrix row reads (plain and transposed: 8 rows of one chunk column) and the epilogue's 4-byte
+// writes are all free of bank conflicts. Q is staged through the last stage's buffer (it is in
+// registers before that stage is first filled), so shared memory is 3 x 2 x BN x D elements: 48 KB
+// (D = 64), 72 KB (D = 96) and 96 KB (D = 128), which still fits the 99 KB per-block limit of sm_86
+// / sm_89 (a mask that hides keys adds 3·D bytes, the non-finite V records below). The output is
+// staged through the same buffer.
 //
 // Masks: the kernel is templated on a mask policy of common/mask.cuh (Index int), built in
 // forward() from a.mask and passed in Params, and asks it which keys the CTA and each warp see,
@@ -142,7 +144,7 @@ __device__ __forceinline__ uint4 lds16(const void* p) {
 // Tile configuration: W warps of MT m16 strips (16·MT query rows) each.
 template <typename T, int D, int W, int MT>
 struct Cfg {
-  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static_assert(D == 64 || D == 96 || D == 128, "head_dim 64, 96 or 128 (the swizzle below)");
   static_assert((W == 4 || W == 8) && (MT == 1 || MT == 2) && W * MT <= 8, "W x MT");
   static constexpr int kWarps = W;
   static constexpr int kThreads = 32 * W;
@@ -157,11 +159,19 @@ struct Cfg {
   // own buffer (D = 128, 32-key tiles: 80 KB). Both fit the 99 KB per block of sm_86 / sm_89.
   static constexpr int kStages = 3;
   // CTAs per SM the register budget must allow: W4 MT1 D = 64 three (<= 170 registers; it
-  // needs 128-167), the others as many as 255 registers a thread permit.
+  // needs 128-167), the others as many as 255 registers a thread permit. (W4 MT1 D = 96 under
+  // the three-CTA cap of 168 registers spills 40 bytes non-causal, so it asks for two.)
   static constexpr int kMinBlocks = W == 8 ? 1 : (MT == 2 ? 2 : (D == 64 ? 3 : 2));
 
-  static constexpr int kChunks = D / 8;                 // 16-byte chunks per row
-  static constexpr int kPassRows = kThreads / kChunks;  // rows one cp.async pass covers
+  static constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  // Threads per row in the copies (global -> shared, and the output's shared -> global): thread
+  // i of a row copies its chunks i, i + kRowThreads, ... (kRowReps of them). Every chunk of the
+  // row at D = 64 and 128; at D = 96 one chunk of each aligned group of four, since 12 threads a
+  // row do not divide a warp and the swizzle permutes chunks within such a group.
+  static constexpr int kRowThreads = D == 96 ? 4 : kChunks;
+  static constexpr int kRowReps = kChunks / kRowThreads;
+  static constexpr int kPassRows = kThreads / kRowThreads;  // rows one cp.async pass covers
+  static_assert(kChunks % kRowThreads == 0 && 32 % kRowThreads == 0, "rows of whole threads");
   static_assert(kPassRows % 8 == 0, "a pass must keep each thread's swizzle phase");
   static constexpr int kTileElems = kBN * D;          // one K or V tile
   static constexpr int kStageElems = 2 * kTileElems;  // K then V
@@ -169,9 +179,10 @@ struct Cfg {
   static constexpr int kSmemBytes =
       (kStages * kStageElems + (kQReg ? 0 : kBM * D)) * int(sizeof(T));
   static_assert(!kQReg || kBM * D <= kStageElems, "Q is staged in one K/V stage");
+  static_assert(kBM % kPassRows == 0 && kBN % kPassRows == 0, "tiles of whole passes");
   // Launches under a mask that hides keys add the non-finite V check's records of the current V
-  // tile after the stages (192 or 384 bytes): they live from before the tile's first P·V to after
-  // its last, when every stage is busy. D = 128: 96.4 KB, still within sm_86 / sm_89's 99 KB.
+  // tile after the stages (3·D bytes): they live from before the tile's first P·V to after its
+  // last, when every stage is busy. D = 128: 96.4 KB, still within sm_86 / sm_89's 99 KB.
   static_assert(kBN < kNoKey, "tile-relative keys must fit NonFiniteCols");
   static constexpr int kSmemBytesMasked = kSmemBytes + int(sizeof(NonFiniteCols<D>));
   static_assert(kSmemBytesMasked <= 99 * 1024, "shared memory over sm_86 / sm_89's limit");
@@ -184,25 +195,46 @@ struct Cfg {
   static constexpr int kAheadK = 2;
   static constexpr int kAheadV = 2;
 
-  // Element offset of (row, col) in a [rows][D] tile: col's 16-byte chunk XOR row % 8.
-  using Sw = cute::Swizzle<3, 3, D == 64 ? 3 : 4>;
-  static __device__ __forceinline__ int off(int row, int col) { return Sw{}(row * D + col); }
+  // Shared-memory tiles are [rows][D], chunk c of row r stored at chunk c ^ phase(r): ldmatrix
+  // reads 8 rows of one chunk column, cp.async writes rows of chunks, and each must hit 8 distinct
+  // 16-byte bank groups (of the 8 in a 128-byte line).
+  //   D = 64, 128 (128- and 256-byte rows, every row starting in bank group 0): phase r % 8 spreads
+  //   the 8 rows over the 8 groups. CuTe's Swizzle<3, 3, log2(D) - 3> on the element offset.
+  //   D = 96 (192-byte rows): row r starts in group 4 (r % 2), so rows r and r + 1 already fall in
+  //   opposite halves of the line; phase (r / 2) % 4 then spreads each half's 4 rows over its 4
+  //   groups. The XOR only touches a chunk's low two bits, so it stays in its aligned group of four
+  //   and a row stays 12 chunks wide. (FlashAttention-2 stores this head dim as 64-byte column
+  //   blocks under Swizzle<2, 3, 3>, the same permutation per 8-row block; one [rows][96] tile
+  //   keeps this kernel's addressing: a row step is row · D, whatever D.)
+  static __device__ __forceinline__ int phase(int row) {
+    return D == 96 ? (row >> 1) & 3 : row & 7;
+  }
+  static_assert(D != 96 || kRowThreads == 4, "the D = 96 phase permutes within groups of four");
+  using Sw = cute::Swizzle<3, 3, D == 64 ? 3 : 4>;  // D = 64, 128
+  // Element offset of (row, col).
+  static __device__ __forceinline__ int off(int row, int col) {
+    if constexpr (D == 96)
+      return row * D + (col ^ (phase(row) << 3));
+    else
+      return Sw{}(row * D + col);
+  }
 };
 
 // Non-finite V check, step 1, between the cp.async wait and the barrier of a V tile: whether the
-// 16-byte chunks of it that load_kv made this thread copy (the first at `v`, then every kPassRows
-// rows) hold an Inf or a NaN. wait_group makes a thread's own copies visible to it, so the check
-// needs no barrier of its own: the tile's barrier ORs it over the CTA. Rows past seq_k are
-// zero-filled: finite.
+// 16-byte chunks of it that load_kv made this thread copy (the first at `v`, the others kRowThreads
+// chunks and kPassRows rows apart) hold an Inf or a NaN. wait_group makes a thread's own copies
+// visible to it, so the check needs no barrier of its own: the tile's barrier ORs it over the CTA.
+// Rows past seq_k are zero-filled: finite.
 template <typename T, int D, int W, int MT>
 __device__ __forceinline__ bool own_v_chunks_nonfinite(const T* v) {
   using C = Cfg<T, D, W, MT>;
   constexpr bool kBf16 = std::is_same_v<T, cute::bfloat16_t>;
   uint32_t bits = 0;
 #pragma unroll
-  for (int i = 0; i < C::kBN / C::kPassRows; ++i) {
-    bits |= nonfinite8_bits<kBf16>(lds16(v + i * C::kPassRows * D));
-  }
+  for (int i = 0; i < C::kBN / C::kPassRows; ++i)
+#pragma unroll
+    for (int j = 0; j < C::kRowReps; ++j)
+      bits |= nonfinite8_bits<kBf16>(lds16(v + i * C::kPassRows * D + j * C::kRowThreads * 8));
   return (bits & kNonFinite2Bits) != 0;
 }
 
@@ -242,7 +274,8 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
     fwd_kernel(const __grid_constant__ Params<T, Mask> p) {
 #ifdef SDPA_SM80_DEVICE
   using C = Cfg<T, D, W, MT>;
-  constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages, CH = C::kChunks, WM = C::kWM;
+  constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages, WM = C::kWM;
+  constexpr int RT = C::kRowThreads, RR = C::kRowReps;
   constexpr int kQK = C::kQK, kSN = C::kSN, kPV = C::kPV, kON = C::kON;
   constexpr bool kQReg = C::kQReg;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -281,9 +314,10 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
     }
 
   if (n_begin < n_tiles) {
-    // Global -> shared: thread tid copies chunk tid % CH of rows tid / CH + i·kPassRows. A pass
-    // moves 8k rows, so the swizzled destination only advances by whole rows.
-    const int crow = tid / CH, cchunk = tid % CH;
+    // Global -> shared: thread tid copies chunks tid % RT + j·RT of rows tid / RT + i·kPassRows. A
+    // pass moves 8k rows and a chunk stays in its group under the swizzle, so the swizzled
+    // destination only advances by whole rows and RT chunks.
+    const int crow = tid / RT, cchunk = tid % RT;
     const int c_soff = C::off(crow, cchunk * 8);
     // Per-thread base pointers stay live across the sweep; tile and pass offsets are recomputed
     // from the (constant-bank) strides where they are used.
@@ -296,12 +330,18 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
       T* const sk = smem + s * C::kStageElems + c_soff;
 #pragma unroll
       for (int i = 0; i < BN / C::kPassRows; ++i)
-        cp_async16(sk + i * C::kPassRows * D, kg + int64_t(n * BN + i * C::kPassRows) * p.ks.seq,
-                   i * C::kPassRows < rows);
+#pragma unroll
+        for (int j = 0; j < RR; ++j)
+          cp_async16(sk + i * C::kPassRows * D + j * RT * 8,
+                     kg + int64_t(n * BN + i * C::kPassRows) * p.ks.seq + j * RT * 8,
+                     i * C::kPassRows < rows);
 #pragma unroll
       for (int i = 0; i < BN / C::kPassRows; ++i)
-        cp_async16(sk + C::kTileElems + i * C::kPassRows * D,
-                   vg + int64_t(n * BN + i * C::kPassRows) * p.vs.seq, i * C::kPassRows < rows);
+#pragma unroll
+        for (int j = 0; j < RR; ++j)
+          cp_async16(sk + C::kTileElems + i * C::kPassRows * D + j * RT * 8,
+                     vg + int64_t(n * BN + i * C::kPassRows) * p.vs.seq + j * RT * 8,
+                     i * C::kPassRows < rows);
     };
 
     // Prologue: Q with the first K/V tile (group 0), then the next S-2, one commit group each.
@@ -313,7 +353,10 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
                     int64_t(m0 + crow) * p.qs.seq + cchunk * 8;
 #pragma unroll
       for (int i = 0; i < BM / C::kPassRows; ++i) {
-        cp_async16(sQ + c_soff + i * C::kPassRows * D, qp, i * C::kPassRows < rows);
+#pragma unroll
+        for (int j = 0; j < RR; ++j)
+          cp_async16(sQ + c_soff + i * C::kPassRows * D + j * RT * 8, qp + j * RT * 8,
+                     i * C::kPassRows < rows);
         qp += qpass;
       }
     }
@@ -327,12 +370,12 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
     //   A (Q):  matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15) -> a0 a1 a2 a3
     //   B (K):  matrices (k 0-7 | 8-15) x (keys 0-7 | 8-15) -> b0 b1 of key tile 0, then tile 1
     //   B (V, transposed): (keys 0-7 | 8-15) x (d 0-7 | 8-15) -> b0 b1 of d tile 0, then tile 1
-    // In all three a lane reads row (lane % 8) + 8i, so its swizzle phase is lane % 8 whatever
-    // the 8-row step: the address is a row offset (immediates, per step) plus the lane's
-    // swizzled chunk, x_chunk(c) = (c ^ lane % 8) · 8 elements = C::off(row, 8c) - row · D.
+    // In all three a lane reads row (lane % 8) + 8i, so its swizzle phase is C::phase(lane)
+    // whatever the 8-row step: the address is a row offset (immediates, per step) plus the lane's
+    // swizzled chunk, x_chunk(c) = (c ^ phase) · 8 elements = C::off(row, 8c) - row · D.
     // Spelled out like this the row steps become immediate offsets of one chunk address per
     // k-block (the compiler cannot see that a full Swizzle of (row + 16i, c) only adds 16i·D).
-    const int swz = lane & 7;
+    const int swz = C::phase(lane);
     const auto x_chunk = [swz](int c) { return (c ^ swz) << 3; };
     const int q_row = wrow + (lane & 15), q_chunk = lane >> 4;
     const int k_row = (lane & 7) + ((lane >> 4) << 3), k_chunk = (lane >> 3) & 1;
@@ -554,19 +597,23 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
     }
   }
   __syncwarp();
-  // This warp's rows out, 16 bytes a lane, predicated per row.
+  // This warp's rows out, 16 bytes a lane (RT lanes a row, RR chunks each), predicated per row.
   {
-    constexpr int kRowsPerStep = 32 / CH;
-    const int r0 = lane / CH, c = lane % CH;
+    constexpr int kRowsPerStep = 32 / RT;
+    static_assert(WM % kRowsPerStep == 0, "a warp's rows in whole steps");
+    const int r0 = lane / RT, c = lane % RT;
     T* op = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head + int64_t(mw0 + r0) * p.os.seq +
             c * 8;
     const int64_t ostep = int64_t(kRowsPerStep) * p.os.seq;
     const int rows = seq_q - mw0 - r0;
 #pragma unroll
     for (int i = 0; i < WM / kRowsPerStep; ++i) {
-      if (i * kRowsPerStep < rows)
-        *reinterpret_cast<uint4*>(op) =
-            *reinterpret_cast<const uint4*>(sQ + C::off(wrow + r0 + i * kRowsPerStep, c * 8));
+      if (i * kRowsPerStep < rows) {
+#pragma unroll
+        for (int j = 0; j < RR; ++j)
+          *reinterpret_cast<uint4*>(op + j * RT * 8) = *reinterpret_cast<const uint4*>(
+              sQ + C::off(wrow + r0 + i * kRowsPerStep, (c + j * RT) * 8));
+      }
       op += ostep;
     }
   }
@@ -634,14 +681,14 @@ inline int smem_per_sm(int dev) {
   return v;
 }
 
-// Warps per CTA that ship (16 query rows each, MT = 1; why in the header comment): 4, except
-// D = 128 on parts whose SM cannot hold two of its 96 KB CTAs (A100: 164 KB, sm_86 / sm_89: 100 KB;
-// +1 KB reserved per CTA): there one CTA of 8 warps with the same shared memory keeps 8 warps per
-// SM where 4-warp CTAs would leave 4.
+// Warps per CTA that ship (16 query rows each, MT = 1; why in the header comment): 4, except on
+// parts whose SM cannot hold two of the 4-warp CTAs (+1 KB reserved per CTA): D = 128 (96 KB) on
+// A100 (164 KB) and sm_86 / sm_89 (100 KB), D = 96 (72 KB) on sm_86 / sm_89. There one CTA of 8
+// warps with the same shared memory keeps 8 warps per SM where 4-warp CTAs would leave 4.
 template <typename T, int D>
 inline int shipping_warps(int dev) {
   if constexpr (D == 64) {
-    return 4;
+    return 4;  // 48 KB: two CTAs fit every sm_80+ part
   } else {
     return smem_per_sm(dev) >= 2 * (Cfg<T, D, 4, 1>::kSmemBytesMasked + 1024) ? 4 : 8;
   }
@@ -653,7 +700,7 @@ void forward(const FwdArgs& a, cudaStream_t stream) {
   SDPA_CUDA_CHECK(cudaGetDevice(&dev));
   const int warps = shipping_warps<T, D>(dev);
   mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), [&](const auto& mask) {
-    if constexpr (D == 128) {
+    if constexpr (D != 64) {
       if (warps == 8) return launch<T, D, 8, 1>(a, mask, stream);
     }
     launch<T, D, 4, 1>(a, mask, stream);
@@ -675,7 +722,7 @@ template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out) {
   int dev = 0;
   SDPA_CUDA_CHECK(cudaGetDevice(&dev));
-  if constexpr (D == 128) {
+  if constexpr (D != 64) {
     if (shipping_warps<T, D>(dev) == 8) return attributes_of<T, D, 8>(out);
   }
   attributes_of<T, D, 4>(out);
