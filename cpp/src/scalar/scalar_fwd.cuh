@@ -9,9 +9,11 @@
 // P·V with P broadcast from shared memory. Online softmax in the log2 domain, f32 throughout;
 // each lane keeps a partial row sum, reduced across the warp once at the end.
 //
-// The mask is a policy of common/mask.cuh (Index int64_t), built in forward() from a.mask: the
-// kernel asks it for the CTA's key range, whether a tile hides keys from some of a warp's rows,
-// and per row and key whether the row sees it.
+// The mask is a policy of common/mask.cuh (Index int64_t), its type chosen in forward() from
+// a.mask and its value built in the kernel from p's seq_q and seq_k (as a second kernel parameter
+// it changed the code of the unmasked kernels on sm_90a): the kernel asks it for the CTA's key
+// range, whether a tile hides keys from some of a warp's rows, and per row and key whether the row
+// sees it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -49,13 +51,8 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// `mask` carries seq_q and seq_k (the copies in p are not read): one source for both, so the
-// bounds and the mask's own tests share their loads. __grid_constant__: the policy's member
-// functions read it in place, as the kernel reads p (a local copy moved those loads and changed
-// the code around them).
 template <typename T, int D, class Mask>
-__global__ void __launch_bounds__(kThreads)
-    fwd_kernel(const Params p, const __grid_constant__ Mask mask) {
+__global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   constexpr int W = D / 2;     // 32-bit words (element pairs) per row
   constexpr int KW = W + 1;    // padded K row: lane j reads row j, banks (j + w) % 32 differ
   constexpr int CH = D / 8;    // 16-byte chunks per row
@@ -73,6 +70,7 @@ __global__ void __launch_bounds__(kThreads)
   const uint8_t* qb = p.q + 2 * (b * p.qs.batch + h * p.qs.head);
   const uint8_t* kb = p.k + 2 * (b * p.ks.batch + hk * p.ks.head);
   const uint8_t* vb = p.v + 2 * (b * p.vs.batch + hk * p.vs.head);
+  const Mask mask{p.seq_q, p.seq_k};  // which keys each row sees
   const int64_t seq_q = mask.seq_q, seq_k = mask.seq_k;
 
   // Q tile -> f32, pre-scaled. Rows past seq_q are zero and never stored.
@@ -208,17 +206,17 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T, int D, class Mask>
-void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
+void launch(const FwdArgs& a, cudaStream_t stream) {
   const Params p = make_params(a);
   const dim3 grid(unsigned((a.seq_q + kBM - 1) / kBM), unsigned(a.heads), unsigned(a.batch));
-  fwd_kernel<T, D, Mask><<<grid, kThreads, 0, stream>>>(p, mask);
+  fwd_kernel<T, D, Mask><<<grid, kThreads, 0, stream>>>(p);
   SDPA_LAUNCH_CHECK("scalar fwd_kernel launch");
 }
 
 template <typename T, int D>
 void forward(const FwdArgs& a, cudaStream_t stream) {
   mask::dispatch_mask(a.mask, a.seq_q, a.seq_k,
-                      [&](const auto& mask) { launch<T, D>(a, mask, stream); });
+                      [&](auto m) { launch<T, D, decltype(m)>(a, stream); });
 }
 
 template <typename T, int D>
