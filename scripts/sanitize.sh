@@ -5,6 +5,8 @@
 # report. Needs a GPU and compute-sanitizer (the GPU machine has both).
 #
 #   scripts/sanitize.sh [path/to/sdpa [path/to/concurrency-test]]   # default: target/release/sdpa
+# SANITIZE_TOOLS and SANITIZE_BACKENDS (space-separated) narrow the run, e.g. to the backends a
+# change touched: SANITIZE_TOOLS="memcheck racecheck" SANITIZE_BACKENDS="cutlass-sm80".
 # On the GPU machine with .gpu/ carried:  bash .gpu/run bin sdpa info >/dev/null;
 #   bash scripts/sanitize.sh /tmp/gpu-bundle/bin/sdpa /tmp/gpu-bundle/tests/concurrency-*
 # With the concurrency test executable given, its cross-stream test (tensors made and freed on
@@ -16,9 +18,12 @@ cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 [ -x "$cs" ] || { echo "sanitize: compute-sanitizer not found" >&2; exit 2; }
 args=(validate --dtype f16,bf16 --causal both --seed 7
       --shape 1,2,64,64,64 --shape 1,2,77,77,64 --shape 1,4,77,130,128 --shape 1,2,150,300,64)
+tools=${SANITIZE_TOOLS:-"memcheck racecheck synccheck initcheck"}
+backends=${SANITIZE_BACKENDS:-"scalar wmma cublas cutlass cutlass-sm80"}
+has_backend() { [[ " $backends " == *" $1 "* ]]; }
 rc=0
-for tool in memcheck racecheck synccheck initcheck; do
-  for backend in scalar wmma cublas cutlass cutlass-sm80; do
+for tool in $tools; do
+  for backend in $backends; do
     echo "== $tool $backend"
     log=/tmp/sanitize-$tool-$backend.log
     if "$cs" --tool "$tool" --error-exitcode 99 --print-limit 10 "$sdpa" "${args[@]}" \
@@ -30,14 +35,27 @@ for tool in memcheck racecheck synccheck initcheck; do
     fi
   done
 done
+# Head dims only some backends have (cpp/kernels.txt): cutlass-sm80 at 96.
+if has_backend cutlass-sm80; then
+  for tool in $tools; do
+    echo "== $tool cutlass-sm80 (head_dim 96)"
+    "$cs" --tool "$tool" --error-exitcode 99 --print-limit 10 "$sdpa" validate --backend cutlass-sm80 \
+      --dtype f16,bf16 --causal both --seed 10 --shape 1,2,77,77,96 --shape 1,4,77,130,96 \
+      --shape 1,2,150,300,96 > /tmp/sanitize-$tool-d96.log 2>&1 \
+      && grep -E "ERROR SUMMARY|checks passed" /tmp/sanitize-$tool-d96.log | tail -2 \
+      || { echo "sanitize: $tool on cutlass-sm80 d96 failed"; grep -v "Host Frame" /tmp/sanitize-$tool-d96.log \
+           | grep -m3 -A8 -E "^========= [A-Z]"; tail -5 /tmp/sanitize-$tool-d96.log; rc=1; }
+  done
+fi
 # GQA through the same path (kv_heads 1 of 4).
 echo "== memcheck (GQA)"
-"$cs" --tool memcheck --error-exitcode 99 "$sdpa" validate --backend scalar,wmma,cublas,cutlass,cutlass-sm80 \
+"$cs" --tool memcheck --error-exitcode 99 "$sdpa" validate --backend "$(echo $backends | tr ' ' ,)" \
   --dtype f16 --causal both --seed 8 --shape 2,4,77,77,128 --kv-heads 1 > /tmp/sanitize-gqa.log 2>&1 \
   && grep -E "ERROR SUMMARY|checks passed" /tmp/sanitize-gqa.log | tail -2 \
   || { echo "sanitize: GQA memcheck failed"; tail -40 /tmp/sanitize-gqa.log; rc=1; }
 # e4m3 inputs: the native kernel (cutlass, with its f16 V pre-pass) and one simulated path.
-for tool in memcheck racecheck synccheck initcheck; do
+for tool in $tools; do
+  has_backend cutlass || has_backend cutlass-sm80 || break
   echo "== $tool (e4m3)"
   "$cs" --tool "$tool" --error-exitcode 99 "$sdpa" validate --backend cutlass,cutlass-sm80 \
     --dtype e4m3 --causal both --seed 9 --shape 1,2,77,77,64 --shape 1,4,77,130,128 --kv-heads 2 \
