@@ -28,6 +28,8 @@ struct KeyTiles {
   int n_tiles, n_first;
 };
 
+// A consumer thread's view of its operands: the wgmma descriptors of Q, K and V in shared memory
+// and the (row, col) of each S element it holds (Mainloop::consumer_operands makes it).
 template <class TQ, class TK, class TV, class TC>
 struct ConsumerOperands {
   TQ q;
