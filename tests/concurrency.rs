@@ -176,3 +176,30 @@ fn tensors_used_across_streams_stay_ordered() {
     }
     assert!(!ran.is_empty(), "no GPU backend ran the cross-stream test");
 }
+
+/// A handle made from the caller's own stream queues there: the results equal those of a
+/// handle `Device::new` made, for every backend this GPU must run, and the caller's stream is
+/// the one the handle reports.
+#[test]
+fn a_device_on_the_callers_stream_matches_an_own_one() {
+    let Some(own) = common::device("caller's stream") else {
+        return;
+    };
+    let ctx = cudarc::driver::CudaContext::new(0).expect("the GPU's primary context");
+    let stream = ctx.new_stream().expect("a stream of the caller's");
+    let theirs = Device::from_stream(stream.clone()).unwrap();
+    assert!(std::sync::Arc::ptr_eq(theirs.stream(), &stream));
+    let seed = fresh_seed();
+    let p = Problem::new(2, 4, 300, 300, 64).with_causal(true);
+    let mut ran = Vec::new();
+    for b in common::expected_backends(&own) {
+        let expected = run(&own, &p, b, seed);
+        let got = run(&theirs, &p, b, seed);
+        assert!(
+            expected == got,
+            "{b} on {p}: the caller's stream gave other bits"
+        );
+        ran.push((b, p));
+    }
+    common::assert_all_ran("caller's stream", &own, &ran);
+}

@@ -83,6 +83,27 @@ impl Device {
         })
     }
 
+    /// A handle on the caller's `stream` (and the context it belongs to): every call through
+    /// it is queued on that stream, in order with the caller's own work there, without host
+    /// synchronisation, so a `forward` can be captured into the caller's CUDA graph.
+    ///
+    /// The context's cudarc event tracking is left as the caller set it. With it on (cudarc's
+    /// default), cudarc records an event at each use of a buffer made through this handle;
+    /// [`Device::new`] turns it off for its own context instead.
+    pub fn from_stream(stream: Arc<CudaStream>) -> Result<Device> {
+        if !driver_present() {
+            return Err(Error::NoDevice(
+                "the CUDA driver library (libcuda.so) is not installed on this machine".into(),
+            ));
+        }
+        Ok(Device {
+            ctx: stream.context().clone(),
+            stream,
+            blas: Arc::default(),
+            scratch: Arc::default(),
+        })
+    }
+
     /// A handle to the same GPU with a new stream of its own.
     pub fn fork(&self) -> Result<Device> {
         Ok(Device {
