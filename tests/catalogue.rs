@@ -582,6 +582,16 @@ fn fp8_tensor_errors_name_the_value() {
             "not e4m3",
         ),
         (
+            "zeros e4m3",
+            Tensor::zeros(&dev, DType::E4m3, 4),
+            "carry scales",
+        ),
+        (
+            "zeros empty",
+            Tensor::zeros(&dev, DType::Bf16, 0),
+            "at least one",
+        ),
+        (
             "quantize e4m3",
             e4(&[1.0], Scaling::PerTensor)
                 .and_then(|t| Tensor::quantize(&dev, &t, shape, Scaling::PerTensor)),

@@ -191,6 +191,8 @@ fn a_device_on_the_callers_stream_matches_an_own_one() {
     assert!(std::sync::Arc::ptr_eq(theirs.stream(), &stream));
     let seed = fresh_seed();
     let p = Problem::new(2, 4, 300, 300, 64).with_causal(true);
+    let zeros = Tensor::zeros(&theirs, sdpa::DType::Bf16, 1000).unwrap();
+    assert!(zeros.to_f32(&theirs).unwrap().iter().all(|&x| x == 0.0));
     let mut ran = Vec::new();
     for b in common::expected_backends(&own) {
         let expected = run(&own, &p, b, seed);

@@ -88,6 +88,22 @@ impl Tensor {
             fp8: None,
         })
     }
+    /// A tensor of `len` zeros (f16 or bf16), filled on the GPU (queued on `dev`'s stream; no
+    /// host buffer).
+    pub fn zeros(dev: &Device, dtype: DType, len: usize) -> Result<Tensor> {
+        if dtype == DType::E4m3 {
+            return Err(needs_scales("Tensor::zeros"));
+        }
+        if len == 0 {
+            return Err(invalid!("a tensor needs at least one element"));
+        }
+        dev.check_free(crate::memory::bytes_of::<u16>(len))?;
+        Ok(Tensor {
+            buf: Buf::Half(dev.stream().alloc_zeros::<u16>(len)?),
+            dtype,
+            fp8: None,
+        })
+    }
     /// A tensor of `len` NaNs (f16 or bf16), filled on the GPU: anything a kernel fails to
     /// write stays NaN and fails checks.
     pub fn poisoned(dev: &Device, dtype: DType, len: usize) -> Result<Tensor> {
