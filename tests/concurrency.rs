@@ -205,3 +205,55 @@ fn a_device_on_the_callers_stream_matches_an_own_one() {
     }
     common::assert_all_ran("caller's stream", &own, &ran);
 }
+
+/// Caller-owned buffers on the caller's stream: q, k, v made as cudarc slices of `half::f16`,
+/// taken over by `Tensor::from_cuda_slice` (no copy), the output handed back by
+/// `into_cuda_slice`: the same bits as the same inputs through an own handle.
+#[test]
+fn caller_owned_buffers_round_trip_without_copies() {
+    let Some(own) = common::device("caller-owned buffers") else {
+        return;
+    };
+    let ctx = cudarc::driver::CudaContext::new(0).expect("the GPU's primary context");
+    let stream = ctx.new_stream().expect("a stream of the caller's");
+    let theirs = Device::from_stream(stream.clone()).unwrap();
+    let p = Problem::new(1, 4, 130, 77, 64);
+    let n = p.q_len().unwrap();
+    let inputs = random_inputs(&p, fresh_seed()).unwrap();
+    let wrong = Tensor::zeros(&theirs, p.dtype, 4).unwrap();
+    assert!(wrong.into_cuda_slice::<half::bf16>().is_err());
+    let mut ran = Vec::new();
+    for b in common::expected_backends(&own) {
+        let [q, k, v] = inputs.upload(&own, p.dtype).unwrap();
+        let mut out = Tensor::poisoned(&own, p.dtype, n).unwrap();
+        sdpa::forward(&own, &p, b, &q, &k, &v, &mut out).unwrap();
+        let expected = out.to_bits(&own).unwrap();
+
+        let caller_slice = |t: &Tensor| {
+            let h: Vec<half::f16> = t
+                .to_bits(&own)
+                .unwrap()
+                .into_iter()
+                .map(half::f16::from_bits)
+                .collect();
+            stream.clone_htod(&h).unwrap()
+        };
+        let [q2, k2, v2] =
+            [&q, &k, &v].map(|t| Tensor::from_cuda_slice(&theirs, caller_slice(t)).unwrap());
+        let mut out2 = Tensor::zeros(&theirs, p.dtype, n).unwrap();
+        sdpa::forward(&theirs, &p, b, &q2, &k2, &v2, &mut out2).unwrap();
+        let handed_back = out2.into_cuda_slice::<half::f16>().unwrap();
+        let got: Vec<u16> = stream
+            .clone_dtoh(&handed_back)
+            .unwrap()
+            .into_iter()
+            .map(half::f16::to_bits)
+            .collect();
+        assert!(
+            got == expected,
+            "{b} on {p}: caller-owned buffers gave other bits"
+        );
+        ran.push((b, p));
+    }
+    common::assert_all_ran("caller-owned buffers", &own, &ran);
+}

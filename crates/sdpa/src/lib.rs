@@ -51,7 +51,7 @@ pub use error::{CudaError, Error, MemoryKind, Result};
 pub use problem::{DType, Layout, Mask, Problem, Scaling, Strides, TensorShape};
 
 use problem::Checked;
-pub use tensor::Tensor;
+pub use tensor::{Element, Tensor};
 
 use error::invalid;
 

@@ -65,7 +65,68 @@ fn needs_scales(what: &str) -> Error {
     )
 }
 
+/// Element types a [`Tensor`] can take over from, or hand back as, a cudarc buffer:
+/// `half::f16` and `half::bf16`. Sealed: e4m3 tensors carry scales and are made by
+/// [`Tensor::quantize`] or [`Tensor::from_e4m3`].
+pub trait Element: cudarc::driver::DeviceRepr + sealed::Sealed {
+    /// The dtype of a tensor of these elements.
+    const DTYPE: DType;
+}
+impl Element for half::f16 {
+    const DTYPE: DType = DType::F16;
+}
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::Bf16;
+}
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
 impl Tensor {
+    /// Takes over a cudarc buffer of f16 or bf16 elements without copying. The tensor belongs to
+    /// the buffer's stream (its memory is freed there), as if made through a handle on that
+    /// stream; `dev` only checks that the buffer is on its GPU.
+    pub fn from_cuda_slice<T: Element>(dev: &Device, slice: CudaSlice<T>) -> Result<Tensor> {
+        if slice.is_empty() {
+            return Err(invalid!("a tensor needs at least one element"));
+        }
+        if slice.context() != dev.ctx() {
+            return Err(invalid!(
+                "the buffer lives on another GPU than the device handle"
+            ));
+        }
+        let (stream, len) = (slice.stream().clone(), slice.len());
+        let ptr = slice.leak();
+        // SAFETY: the same allocation of `len` 16-bit elements, now seen as their bit patterns;
+        // the new slice owns it and frees it on the same stream.
+        let buf = unsafe { stream.upgrade_device_ptr::<u16>(ptr, len) };
+        Ok(Tensor {
+            buf: Buf::Half(buf),
+            dtype: T::DTYPE,
+            fp8: None,
+        })
+    }
+    /// Hands the tensor's memory back as a cudarc buffer of `T` without copying (on the stream
+    /// the tensor belongs to). `T` must match the tensor's dtype; e4m3 tensors are refused.
+    pub fn into_cuda_slice<T: Element>(self) -> Result<CudaSlice<T>> {
+        if self.dtype != T::DTYPE {
+            return Err(invalid!("the tensor is {}, not {}", self.dtype, T::DTYPE));
+        }
+        match self.buf {
+            Buf::Half(b) => {
+                let (stream, len) = (b.stream().clone(), b.len());
+                let ptr = b.leak();
+                // SAFETY: as in from_cuda_slice, the other way round.
+                Ok(unsafe { stream.upgrade_device_ptr::<T>(ptr, len) })
+            }
+            Buf::Byte(_) => Err(invalid!(
+                "e4m3 tensors cannot be handed out as {}",
+                T::DTYPE
+            )),
+        }
+    }
     /// Uploads `data`, rounded to `dtype` (f16 or bf16; e4m3 needs scales: see
     /// [`Tensor::quantize_f32`]).
     pub fn from_f32(dev: &Device, dtype: DType, data: &[f32]) -> Result<Tensor> {
