@@ -241,7 +241,13 @@ fn caller_owned_buffers_round_trip_without_copies() {
         let [q2, k2, v2] =
             [&q, &k, &v].map(|t| Tensor::from_cuda_slice(&theirs, caller_slice(t)).unwrap());
         let mut out2 = Tensor::zeros(&theirs, p.dtype, n).unwrap();
-        sdpa::forward(&theirs, &p, b, &q2, &k2, &v2, &mut out2).unwrap();
+        let named = sdpa::Operands {
+            q: &q2,
+            k: &k2,
+            v: &v2,
+            out: &mut out2,
+        };
+        p.forward(&theirs, b, named).unwrap();
         let handed_back = out2.into_cuda_slice::<half::f16>().unwrap();
         let got: Vec<u16> = stream
             .clone_dtoh(&handed_back)

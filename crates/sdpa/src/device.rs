@@ -242,14 +242,27 @@ impl StreamOrder {
 
 #[cfg(test)]
 mod tests {
-    /// Handles cross threads: a `Device` per thread (or a shared one) and tensors moved between
-    /// threads. This fails to compile if a field ever stops being `Send + Sync`.
+    /// Every public type crosses threads (the crate documentation promises it): a `Device` per
+    /// thread or a shared one, tensors and problems moved between threads, errors sent back.
+    /// This fails to compile if one ever stops being `Send + Sync`.
     #[test]
-    fn handles_are_send_and_sync() {
+    fn public_types_are_send_and_sync() {
         fn check<T: Send + Sync>() {}
         check::<super::Device>();
         check::<crate::Tensor>();
         check::<crate::Error>();
+        check::<crate::CudaError>();
+        check::<crate::MemoryKind>();
         check::<crate::Problem>();
+        check::<crate::Backend>();
+        check::<crate::DType>();
+        check::<crate::Layout>();
+        check::<crate::Mask>();
+        check::<crate::Scaling>();
+        check::<crate::Strides>();
+        check::<crate::TensorShape>();
+        check::<crate::backend::Instance>();
+        check::<crate::backend::auto::Row>();
+        check::<crate::backend::auto::SizeClass>();
     }
 }

@@ -31,6 +31,11 @@
 //! # Ok::<(), sdpa::Error>(())
 //! ```
 
+//! Threads: every public type is `Send + Sync`. A [`Device`] may be shared or cloned across
+//! threads (its calls bind the GPU's context to the calling thread); a [`Tensor`] may be moved
+//! or shared between threads, and calls through different handles are ordered as [`Device`]
+//! describes.
+
 #![warn(missing_docs)]
 
 pub mod backend;
@@ -78,6 +83,41 @@ pub fn forward(
     let backend = backend.resolve_checked(Some(dev), &p)?;
     let order = tensor::order_on(dev, &[q, k, v, &*out])?;
     order.finish(run(dev, &p, backend, q, k, v, out))
+}
+
+/// The tensors of one call, by name. Q, K and V have one type, so positional arguments let a
+/// swap compile; a struct literal does not.
+#[derive(Debug)]
+pub struct Operands<'a> {
+    /// Queries, `p.q_len()` elements.
+    pub q: &'a Tensor,
+    /// Keys, `p.kv_len()` elements.
+    pub k: &'a Tensor,
+    /// Values, `p.kv_len()` elements.
+    pub v: &'a Tensor,
+    /// The output, `p.q_len()` elements of `p.output_dtype()`; written only on success.
+    pub out: &'a mut Tensor,
+}
+
+impl Problem {
+    /// [`forward`] with named operands.
+    ///
+    /// ```no_run
+    /// # fn main() -> sdpa::Result<()> {
+    /// use sdpa::{Backend, DType, Device, Operands, Problem, Tensor};
+    /// let dev = Device::new(0)?;
+    /// let p = Problem::new(1, 8, 512, 512, 128).with_causal(true);
+    /// let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
+    /// let q = Tensor::zeros(&dev, DType::F16, ql)?;
+    /// let (k, v) = (Tensor::zeros(&dev, DType::F16, kl)?, Tensor::zeros(&dev, DType::F16, kl)?);
+    /// let mut out = Tensor::zeros(&dev, DType::F16, ql)?;
+    /// p.forward(&dev, Backend::Auto, Operands { q: &q, k: &k, v: &v, out: &mut out })?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn forward(&self, dev: &Device, backend: Backend, t: Operands<'_>) -> Result<()> {
+        forward(dev, self, backend, t.q, t.k, t.v, t.out)
+    }
 }
 
 /// `forward` once its arguments are checked, `backend` resolved to one that supports `p`, and
