@@ -3,8 +3,10 @@
 
 mod common;
 
+use cudarc::driver::CudaStream;
 use sdpa::{Backend, Device, Problem, Tensor};
 use sdpa_harness::check::{fresh_seed, random_inputs};
+use std::sync::Arc;
 
 /// `b` on fresh inputs from `seed`, all on `dev`'s stream: the output's bits.
 fn run(dev: &Device, p: &Problem, b: Backend, seed: u64) -> Vec<u16> {
@@ -177,18 +179,28 @@ fn tensors_used_across_streams_stay_ordered() {
     assert!(!ran.is_empty(), "no GPU backend ran the cross-stream test");
 }
 
+/// GPU 0 through an own handle, a stream the caller made with cudarc, and a handle on that
+/// stream (`None` after printing why, without a GPU).
+fn callers_stream(test: &str) -> Option<(Device, Arc<CudaStream>, Device)> {
+    let own = common::device(test)?;
+    let ctx = cudarc::driver::CudaContext::new(0).expect("the GPU's primary context");
+    let stream = ctx.new_stream().expect("a stream of the caller's");
+    let theirs = Device::from_stream(stream.clone()).unwrap();
+    assert!(
+        Arc::ptr_eq(theirs.stream(), &stream),
+        "the handle is on the caller's stream"
+    );
+    Some((own, stream, theirs))
+}
+
 /// A handle made from the caller's own stream queues there: the results equal those of a
 /// handle `Device::new` made, for every backend this GPU must run, and the caller's stream is
 /// the one the handle reports.
 #[test]
 fn a_device_on_the_callers_stream_matches_an_own_one() {
-    let Some(own) = common::device("caller's stream") else {
+    let Some((own, _, theirs)) = callers_stream("caller's stream") else {
         return;
     };
-    let ctx = cudarc::driver::CudaContext::new(0).expect("the GPU's primary context");
-    let stream = ctx.new_stream().expect("a stream of the caller's");
-    let theirs = Device::from_stream(stream.clone()).unwrap();
-    assert!(std::sync::Arc::ptr_eq(theirs.stream(), &stream));
     let seed = fresh_seed();
     let p = Problem::new(2, 4, 300, 300, 64).with_causal(true);
     let zeros = Tensor::zeros(&theirs, sdpa::DType::Bf16, 1000).unwrap();
@@ -211,12 +223,9 @@ fn a_device_on_the_callers_stream_matches_an_own_one() {
 /// `into_cuda_slice`: the same bits as the same inputs through an own handle.
 #[test]
 fn caller_owned_buffers_round_trip_without_copies() {
-    let Some(own) = common::device("caller-owned buffers") else {
+    let Some((own, stream, theirs)) = callers_stream("caller-owned buffers") else {
         return;
     };
-    let ctx = cudarc::driver::CudaContext::new(0).expect("the GPU's primary context");
-    let stream = ctx.new_stream().expect("a stream of the caller's");
-    let theirs = Device::from_stream(stream.clone()).unwrap();
     let p = Problem::new(1, 4, 130, 77, 64);
     let n = p.q_len().unwrap();
     let inputs = random_inputs(&p, fresh_seed()).unwrap();
