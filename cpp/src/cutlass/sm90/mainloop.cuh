@@ -194,9 +194,11 @@ struct Mainloop {
       const WorkTile w = Sched::decode(sp, t);
       const KeyTiles kt = key_tiles(mask_of(p), w.m_block * bm, bm);
       for (int n = 0; n < kt.n_tiles; ++n, ++it) {
-        const int s = it % S, s8 = it % S8;
-        Bar::wait(&sm.full_v8[s8], (it / S8) & 1);
-        if (it >= S) Bar::wait(&sm.empty_v[s], ((it / S) + 1) & 1);
+        const PipelineState<S> use{it};
+        const PipelineState<S8> use8{it};
+        const int s = use.stage(), s8 = use8.stage();
+        Bar::wait(&sm.full_v8[s8], use8.full_phase());
+        if (use.reuses()) Bar::wait(&sm.empty_v[s], use.empty_phase());
         bool nan8 = false;  // non-finite V: a NaN code among this thread's (no infinities)
         // Recomputed per tile from an opaque index: fewer registers held across the loop.
         int ci = ct;
