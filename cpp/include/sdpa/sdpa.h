@@ -93,8 +93,29 @@ struct KernelAttr {
 // The fused kernels of the core, one per backend folder under cpp/src/.
 enum class Kernel : int32_t { Scalar = 0, Wmma = 1, Cutlass = 2, CutlassSm80 = 3 };
 
-// Runs `kernel` on `args`, enqueued on `stream` (a CUstream / cudaStream_t).
-void forward(Kernel kernel, const FwdArgs& args, void* stream);
+// What the fused kernels need to know about the GPU they run on, read once per device by the
+// caller (crates/sdpa/src/device.rs), so that no kernel queries or caches device attributes
+// itself. All zero: an unknown device (a question asked without a GPU), for which
+// can_implement checks the problem alone.
+struct DeviceInfo {
+  int32_t cc_major, cc_minor;    // compute capability
+  int32_t sms;                   // multiprocessors
+  int32_t smem_optin_per_block;  // bytes of shared memory a block may opt in to
+  int32_t smem_per_sm;           // bytes of shared memory per multiprocessor
+  bool known() const { return cc_major > 0; }
+};
+
+// Why `kernel` cannot run `args` on `dev`, or "" where it can: that it is instantiated for
+// args.dtype and args.head_dim, and what the kernel itself requires (its device, its shared
+// memory against dev.smem_optin_per_block, its 32-bit and grid limits, TMA addressing), each
+// stated next to the kernel (its header's can_implement). The pointers of `args` may be null
+// (a question asked before any buffer exists); the ones set are checked for what the kernel
+// needs of them. Device requirements are skipped for an unknown `dev`.
+std::string can_implement(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
+
+// Runs `kernel` on `args`, enqueued on `stream` (a CUstream / cudaStream_t) of the device `dev`
+// describes; throws can_implement's reason where it is not empty.
+void forward(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev, void* stream);
 
 // Bytes of scratch memory `forward(kernel, args)` needs in args.workspace (0 for most).
 int64_t workspace_bytes(Kernel kernel, const FwdArgs& args);
@@ -129,7 +150,8 @@ void e4m3_dequantize(const uint8_t* x, void* y, Dtype out_dtype, int64_t n, Scal
 // Runs an empty kernel on `blocks` CTAs: the launch floor every timing is read against.
 void empty_kernel(int32_t blocks, void* stream);
 
-std::vector<KernelAttr> kernel_attributes();
+// The kernels forward() launches on the current device, which `dev` describes.
+std::vector<KernelAttr> kernel_attributes(const DeviceInfo& dev);
 
 // Whether the CUTLASS kernels were compiled in (CUTLASS headers found at build time).
 bool built_with_cutlass();

@@ -16,7 +16,7 @@ namespace sdpa {
 
 // Byte pointers (kernels add 2-byte-element offsets themselves) and 64-bit sizes and strides
 // (scalar, wmma). A kernel's own index arithmetic may still be 32-bit in places: its limits are
-// in fused::supports (crates/sdpa/src/backend/fused.rs).
+// in its can_implement.
 struct KernelParams {
   const uint8_t *q, *k, *v;
   uint8_t* o;

@@ -19,8 +19,8 @@
 // edge inside the range (a sliding window) needs both to learn first_key. The scalar kernel asks
 // `sees` per score and skips hidden keys in P·V: any policy.
 //
-// Index is the kernel's row/key type: int where the kernel's 32-bit limits hold (fused::supports
-// in crates/sdpa/src/backend/fused.rs), int64_t where the kernel computes in 64 bits.
+// Index is the kernel's row/key type: int where the kernel's 32-bit limits hold (its
+// can_implement), int64_t where the kernel computes in 64 bits.
 #pragma once
 
 #include <cuda_runtime.h>

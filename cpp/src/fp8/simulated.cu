@@ -114,7 +114,7 @@ Plan plan(const FwdArgs& a) {
 
 int64_t simulated_workspace_bytes(const FwdArgs& a) { return plan(a).bytes; }
 
-void simulated_forward(Kernel kernel, const FwdArgs& a, void* stream) {
+void simulated_forward(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev, void* stream) {
   if (a.out_dtype != Dtype::F16 && a.out_dtype != Dtype::BF16)
     throw Error("e4m3 (simulated): out_dtype must be f16 or bf16");
   if (!a.q_scale || !a.k_scale || !a.v_scale)
@@ -154,7 +154,7 @@ void simulated_forward(Kernel kernel, const FwdArgs& a, void* stream) {
   b.q_scale = b.k_scale = b.v_scale = nullptr;
   b.per_head_scales = false;
   b.workspace = nullptr;
-  forward(kernel, b, stream);
+  forward(kernel, b, dev, stream);
 }
 
 }  // namespace sdpa

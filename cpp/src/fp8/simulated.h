@@ -11,7 +11,7 @@ namespace sdpa {
 int64_t simulated_workspace_bytes(const FwdArgs& a);
 
 // Dequantizes Q, K, V (a.dtype E4M3, with scales) into a.workspace as a.out_dtype, then runs
-// `kernel`'s 16-bit instantiation on the copies, all on `stream`.
-void simulated_forward(Kernel kernel, const FwdArgs& a, void* stream);
+// `kernel`'s 16-bit instantiation on the copies, all on `stream` of the device `dev` describes.
+void simulated_forward(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev, void* stream);
 
 }  // namespace sdpa

@@ -1,7 +1,7 @@
 // Scalar backend: FlashAttention-style forward on CUDA cores only (no tensor cores).
 // Assumes validated arguments (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned
-// rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1; heads and batch <= 65535
-// (grid y and z, checked by fused::supports). Rows, keys and offsets are 64-bit.
+// rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1; and what can_implement
+// (below) checks. Rows, keys and offsets are 64-bit.
 //
 // One CTA = BM query rows of one (batch, head); 4 warps, each owning RPW rows. K/V stream
 // through shared memory in tiles of BN = 32 keys, one key per lane for Q·Kᵀ (so the row max is
@@ -26,6 +26,7 @@
 #include "common/check.cuh"
 #include "common/dtype.cuh"
 #include "common/launch.cuh"
+#include "common/limits.cuh"
 #include "common/mask.cuh"
 
 namespace sdpa::scalar {
@@ -213,14 +214,22 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   SDPA_LAUNCH_CHECK("scalar fwd_kernel launch");
 }
 
+// What this kernel takes beyond its instantiation: a grid of 32-row query tiles with (batch,
+// head) on grid z and y, and an sm_80+ device. Its shared memory is static and under the 48 KB
+// a block gets on every such device (ptxas refuses more).
 template <typename T, int D>
-void forward(const FwdArgs& a, cudaStream_t stream) {
+std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
+  return limits::first({limits::grid_of_query_tiles(a, kBM), limits::sm80_or_newer(dev)});
+}
+
+template <typename T, int D>
+void forward(const FwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
   mask::dispatch_mask(a.mask, a.seq_q, a.seq_k,
                       [&](auto m) { launch<T, D, decltype(m)>(a, stream); });
 }
 
 template <typename T, int D>
-void attributes(std::vector<KernelAttr>& out) {
+void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
   push_attributes(
       out, "scalar", dtype_name<T>(), D,
       {reinterpret_cast<const void*>(fwd_kernel<T, D, mask::NoMask<int64_t>>),

@@ -1,8 +1,8 @@
 // WMMA backend: FlashAttention-2 style forward on tensor cores through nvcuda::wmma (sm_80+).
 // Assumes validated arguments (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned
 // rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1, scale > 0; and the
-// 32-bit limits fused::supports checks (crates/sdpa/src/backend/fused.rs): heads and batch
-// <= 65535 (grid y and z), seq_k <= 2^30 (load_kv's tile offset).
+// limits can_implement (below) checks: heads and batch <= 65535 (grid y and z), seq_k <= 2^30
+// (load_kv's tile offset).
 //
 // One CTA = BM = 64 query rows of one (batch, head); 4 warps each own 16 rows (one wmma M) and
 // sweep every key tile themselves, so the softmax never has to merge state across warps. Per
@@ -32,6 +32,7 @@
 #include "common/check.cuh"
 #include "common/dtype.cuh"
 #include "common/launch.cuh"
+#include "common/limits.cuh"
 #include "common/mask.cuh"
 #include "common/nonfinite.cuh"
 #include "common/smem.cuh"
@@ -287,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
     return false;
   };
   // `tile * 2 * kBN` is an int product (then widened by the 64-bit stride): the last tile's
-  // must fit, so seq_k <= 2^30 (checked by fused::supports, crates/sdpa/src/backend/fused.rs).
+  // must fit, so seq_k <= 2^30 (checked by can_implement, below).
   auto load_kv = [&](int tile, int buf) {
     const int rows_left = int(min(mask.seq_k - int64_t(tile) * kBN, int64_t(kBN)));
     load_tile<D>(s_chunk + L::kK + buf * L::kTile, kg + tile * 2 * kBN * p.ks.seq,
@@ -544,14 +545,32 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   SDPA_LAUNCH_CHECK("wmma fwd_kernel launch");
 }
 
+// load_kv forms key tile t's offset as t * 2 * kBN * stride with the first two products in
+// `int`: for the last tile, t = ceil(seq_k / kBN) - 1, t * 2 * kBN must fit.
+constexpr int64_t kMaxSeqK = (limits::kIntMax / (2 * kBN) + 1) * kBN;
+static_assert(kMaxSeqK == int64_t(1) << 30, "can_implement's reason names 2^30");
+
+// What this kernel takes beyond its instantiation: a grid of kBM-row query tiles with (batch,
+// head) on grid z and y, key-tile offsets in `int`, an sm_80+ device with the shared memory of
+// its Layout.
 template <typename T, int D>
-void forward(const FwdArgs& a, cudaStream_t stream) {
+std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
+  std::string seq_k;
+  if (a.seq_k > kMaxSeqK)
+    seq_k = "seq_k = " + std::to_string(a.seq_k) +
+            " exceeds 2^30: the wmma kernel computes key-tile offsets in 32-bit int";
+  return limits::first({limits::grid_of_query_tiles(a, kBM), seq_k, limits::sm80_or_newer(dev),
+                        limits::smem_per_block(dev, Layout<D>::kBytes)});
+}
+
+template <typename T, int D>
+void forward(const FwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
   mask::dispatch_mask(a.mask, a.seq_q, a.seq_k,
                       [&](auto m) { launch<T, D, decltype(m)>(a, stream); });
 }
 
 template <typename T, int D>
-void attributes(std::vector<KernelAttr>& out) {
+void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
   // All of this kernel's shared memory is dynamic.
   push_attributes(
       out, "wmma", dtype_name<T>(), D,

@@ -71,7 +71,7 @@ pub fn parse_ptxas(report: &str) -> Vec<KernelReport> {
 pub fn device_kernels(dev: &Device) -> Result<Vec<sdpa_sys::ffi::KernelAttr>> {
     // The CUDA runtime inside the core asks whatever context is current.
     dev.stream().context().bind_to_thread()?;
-    Ok(sdpa_sys::ffi::kernel_attributes()?)
+    Ok(sdpa_sys::ffi::kernel_attributes(&dev.info())?)
 }
 
 /// The report of the kernels in this build.

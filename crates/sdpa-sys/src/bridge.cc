@@ -53,11 +53,19 @@ sdpa::NonFiniteVArgs convert(const NonFiniteVArgs& a) {
   return r;
 }
 
+sdpa::DeviceInfo convert(const DeviceInfo& d) {
+  return {d.cc_major, d.cc_minor, d.sms, d.smem_optin_per_block, d.smem_per_sm};
+}
+
 sdpa::ScaleMap map(const ScaleMap& m) { return {m.heads, m.inner, m.per_batch}; }
 }  // namespace
 
-void forward(Kernel kernel, const FwdArgs& args, std::size_t stream) {
-  sdpa::forward(kernel, convert(args), reinterpret_cast<void*>(stream));
+rust::String can_implement(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev) {
+  return sdpa::can_implement(kernel, convert(args), convert(dev));
+}
+
+void forward(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev, std::size_t stream) {
+  sdpa::forward(kernel, convert(args), convert(dev), reinterpret_cast<void*>(stream));
 }
 
 int64_t workspace_bytes(Kernel kernel, const FwdArgs& args) {
@@ -114,9 +122,9 @@ void empty_kernel(int32_t blocks, std::size_t stream) {
 
 bool built_with_cutlass() { return sdpa::built_with_cutlass(); }
 
-rust::Vec<KernelAttr> kernel_attributes() {
+rust::Vec<KernelAttr> kernel_attributes(const DeviceInfo& dev) {
   rust::Vec<KernelAttr> out;
-  for (const auto& k : sdpa::kernel_attributes()) {
+  for (const auto& k : sdpa::kernel_attributes(convert(dev))) {
     out.push_back(KernelAttr{k.backend, k.name, k.registers, k.static_smem, k.dynamic_smem,
                              k.local_bytes, k.max_threads});
   }

@@ -8,6 +8,7 @@
 #include "sdpa/sdpa.h"
 
 namespace sdpa_bridge {
+struct DeviceInfo;
 struct FwdArgs;
 struct KernelAttr;
 struct SoftmaxArgs;
@@ -17,7 +18,8 @@ using sdpa::Dtype;
 using sdpa::Kernel;
 using sdpa::Mask;
 
-void forward(Kernel kernel, const FwdArgs& args, std::size_t stream);
+rust::String can_implement(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
+void forward(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev, std::size_t stream);
 void masked_softmax(const SoftmaxArgs& args, std::size_t stream);
 void sanitize_v(const NonFiniteVArgs& args, std::size_t stream);
 void add_nonfinite_v(const NonFiniteVArgs& args, std::size_t stream);
@@ -30,6 +32,6 @@ void e4m3_quantize(uint64_t x, bool x_is_f32, Dtype dtype, uint64_t y, int64_t n
 void e4m3_dequantize(uint64_t x, uint64_t y, Dtype out_dtype, int64_t n, ScaleMap map,
                      uint64_t scale, std::size_t stream);
 void empty_kernel(int32_t blocks, std::size_t stream);
-rust::Vec<KernelAttr> kernel_attributes();
+rust::Vec<KernelAttr> kernel_attributes(const DeviceInfo& dev);
 bool built_with_cutlass();
 }  // namespace sdpa_bridge

@@ -79,6 +79,21 @@ pub mod ffi {
         pub workspace: u64,
     }
 
+    /// Mirrors `sdpa::DeviceInfo`: what the fused kernels need to know about their GPU, read
+    /// once per device. All zero: an unknown device (`can_implement` then checks the problem
+    /// alone; `forward` refuses it).
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+    pub struct DeviceInfo {
+        pub cc_major: i32,
+        pub cc_minor: i32,
+        /// Multiprocessors.
+        pub sms: i32,
+        /// Bytes of shared memory a block may opt in to.
+        pub smem_optin_per_block: i32,
+        /// Bytes of shared memory per multiprocessor.
+        pub smem_per_sm: i32,
+    }
+
     /// Mirrors `sdpa::ScaleMap`: element i is in scale group
     /// `(i / per_batch) * heads + (i / inner) % heads`.
     #[derive(Debug, Clone, Copy)]
@@ -147,10 +162,21 @@ pub mod ffi {
     unsafe extern "C++" {
         include!("sdpa-sys/src/bridge.h");
 
+        /// Why `kernel` cannot run `args` on the device `dev` describes, or "" where it can:
+        /// the kernel's own limits and device requirements (cpp/include/sdpa/sdpa.h). Pointers
+        /// in `args` may be 0 (not checked then); device requirements are skipped for an
+        /// unknown (all zero) `dev`. Calls nothing on the GPU.
+        fn can_implement(kernel: Kernel, args: &FwdArgs, dev: &DeviceInfo) -> Result<String>;
         /// # Safety
         /// `args` must describe live device buffers of the sizes its shape and strides address,
-        /// on the device current on this thread, and `stream` must be a valid stream there.
-        unsafe fn forward(kernel: Kernel, args: &FwdArgs, stream: usize) -> Result<()>;
+        /// on the device current on this thread, which `dev` describes, and `stream` must be a
+        /// valid stream there.
+        unsafe fn forward(
+            kernel: Kernel,
+            args: &FwdArgs,
+            dev: &DeviceInfo,
+            stream: usize,
+        ) -> Result<()>;
         /// Scratch bytes `forward(kernel, args)` needs in `args.workspace`.
         fn workspace_bytes(kernel: Kernel, args: &FwdArgs) -> Result<i64>;
         /// # Safety
@@ -209,7 +235,8 @@ pub mod ffi {
         /// # Safety
         /// `stream` must be a valid stream of the current context.
         unsafe fn empty_kernel(blocks: i32, stream: usize) -> Result<()>;
-        fn kernel_attributes() -> Result<Vec<KernelAttr>>;
+        /// The kernels `forward` launches on the current device, which `dev` describes.
+        fn kernel_attributes(dev: &DeviceInfo) -> Result<Vec<KernelAttr>>;
         /// Whether the CUTLASS kernels were compiled in.
         fn built_with_cutlass() -> bool;
     }

@@ -5,6 +5,7 @@ use crate::error::MemoryKind;
 use crate::error::{Error, Result};
 use crate::memory::{bytes_of, host_vec, out_of_memory};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, sys};
+use sdpa_sys::ffi::DeviceInfo;
 use std::sync::{Arc, Mutex};
 
 /// A GPU and one stream on it. Everything issued through one `Device` runs in order on its
@@ -30,6 +31,8 @@ pub struct Device {
     /// simulated path's 16-bit Q, K, V), grown on demand and reused: work on one stream runs in
     /// order, so one buffer per stream suffices.
     scratch: Arc<Mutex<Option<CudaSlice<u8>>>>,
+    /// What the fused kernels are told about the GPU, read once when it is opened.
+    info: DeviceInfo,
 }
 
 impl std::fmt::Debug for Device {
@@ -46,6 +49,19 @@ impl std::fmt::Debug for Device {
 pub fn driver_present() -> bool {
     // SAFETY: only tries to dlopen libcuda; no other state.
     unsafe { sys::is_culib_present() }
+}
+
+/// The attributes of `ctx`'s GPU the fused kernels are given.
+fn device_info(ctx: &CudaContext) -> Result<DeviceInfo> {
+    use sys::CUdevice_attribute::*;
+    Ok(DeviceInfo {
+        cc_major: ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        cc_minor: ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        sms: ctx.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+        smem_optin_per_block: ctx
+            .attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
+        smem_per_sm: ctx.attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
+    })
 }
 
 impl Device {
@@ -75,11 +91,13 @@ impl Device {
         // SAFETY: no other stream of this context exists yet.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
+        let info = device_info(&ctx)?;
         Ok(Device {
             ctx,
             stream,
             blas: Arc::default(),
             scratch: Arc::default(),
+            info,
         })
     }
 
@@ -111,6 +129,7 @@ impl Device {
             stream: self.ctx.new_stream()?,
             blas: Arc::default(),
             scratch: Arc::default(),
+            info: self.info,
         })
     }
 
@@ -120,15 +139,16 @@ impl Device {
     }
     /// Compute capability (major, minor).
     pub fn compute_capability(&self) -> Result<(u32, u32)> {
-        let (a, b) = self.ctx.compute_capability()?;
-        Ok((a as u32, b as u32))
+        Ok((self.info.cc_major as u32, self.info.cc_minor as u32))
     }
     /// Number of streaming multiprocessors.
     pub fn sm_count(&self) -> Result<u32> {
-        use sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
-        Ok(self
-            .ctx
-            .attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32)
+        Ok(self.info.sms as u32)
+    }
+    /// What the C++ core's fused kernels are told about this GPU (read once, when it was
+    /// opened): its compute capability, multiprocessors and shared memory.
+    pub fn info(&self) -> DeviceInfo {
+        self.info
     }
     /// Waits for everything issued on this handle's stream.
     pub fn synchronize(&self) -> Result<()> {

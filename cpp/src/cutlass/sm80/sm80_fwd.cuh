@@ -58,7 +58,7 @@
 // launched last query block first (under a causal mask, the heaviest first). Offsets into
 // Q/K/V/O are 64-bit, but seq_q, seq_k and the row and key indices are int and reach up to a tile
 // past the end: seq_q, seq_k <= 2^31 - 128; the grid is (query tiles, heads, batch), heads and
-// batch <= 65535 (checked by fused::supports, crates/sdpa/src/backend/fused.rs).
+// batch <= 65535 (checked by can_implement, below).
 //
 // The non-finite V check (common/nonfinite.cuh), under a mask that hides keys: a V tile partly
 // masked for the CTA (the mask's first_partial_tile on) is checked for Inf/NaN by the threads that
@@ -85,6 +85,7 @@
 #include "common/attributes.cuh"
 #include "common/check.cuh"
 #include "common/launch.cuh"
+#include "common/limits.cuh"
 #include "common/mask.cuh"
 #include "common/nonfinite.cuh"
 #include "common/smem.cuh"
@@ -622,29 +623,52 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
 
 // Host side ----------------------------------------------------------------------------------
 
-// Compute capability >= 8.0 and enough opt-in shared memory per block; cached per device.
-template <int kSmem>
-inline void check_device(int dev) {
-  static std::atomic<uint64_t> ok{0};
-  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-  if (bit && (ok.load(std::memory_order_relaxed) & bit)) return;
-  int major = 0, smem = 0;
-  SDPA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  SDPA_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (major < 8) throw Error("cutlass-sm80: needs an sm_80 or newer GPU");
-  if (smem < kSmem)
-    throw Error("cutlass-sm80: needs " + std::to_string(kSmem) +
-                " bytes of shared memory per block, the device offers " + std::to_string(smem));
-  ok.fetch_or(bit, std::memory_order_relaxed);
+// Warps per CTA that ship (16 query rows each, MT = 1; why in the header comment): 4, except on
+// parts whose SM cannot hold two of the 4-warp CTAs (+1 KB reserved per CTA): D = 128 (96 KB) on
+// A100 (164 KB) and sm_86 / sm_89 (100 KB), D = 96 (72 KB) on sm_86 / sm_89. There one CTA of 8
+// warps with the same shared memory keeps 8 warps per SM where 4-warp CTAs would leave 4.
+template <typename T, int D>
+inline int shipping_warps(const DeviceInfo& dev) {
+  if constexpr (D == 64) {
+    return 4;  // 48 KB: two CTAs fit every sm_80+ part
+  } else {
+    return dev.smem_per_sm >= 2 * (Cfg<T, D, 4, 1>::kSmemBytesMasked + 1024) ? 4 : 8;
+  }
+}
+
+// Dynamic shared memory of the kernel of configuration (W, MT) under Mask.
+template <typename T, int D, int W, int MT, class Mask>
+constexpr int smem_bytes() {
+  using C = Cfg<T, D, W, MT>;
+  return Mask::kMasksKeys ? C::kSmemBytesMasked : C::kSmemBytes;
+}
+
+// Query tiles have 16 · W · MT rows with W · MT <= 8 (Cfg's assert): at most 128.
+constexpr int kMaxTileRows = 16 * 8;
+
+// What this kernel takes beyond its instantiation: a grid of query tiles with (batch, head) on
+// grid z and y (the 4-warp configuration's 64-row tiles are the most), seq_q and seq_k in `int`
+// up to a tile past them, an sm_80+ device with the shared memory of the configuration forward()
+// picks there (the 4-warp one where the device is unknown: both take the same).
+template <typename T, int D>
+std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
+  const int warps = dev.known() ? shipping_warps<T, D>(dev) : 4;
+  const int smem = mask::dispatch_mask(a.mask, a.seq_q, a.seq_k, [&](const auto& m) {
+    using Mask = std::decay_t<decltype(m)>;
+    if constexpr (D != 64) {
+      if (warps == 8) return smem_bytes<T, D, 8, 1, Mask>();
+    }
+    return smem_bytes<T, D, 4, 1, Mask>();
+  });
+  return limits::first({limits::grid_of_query_tiles(a, Cfg<T, D, 4, 1>::kBM),
+                        limits::int_sequences(a, "cutlass-sm80", kMaxTileRows),
+                        limits::sm80_or_newer(dev), limits::smem_per_block(dev, smem)});
 }
 
 template <typename T, int D, int W, int MT, class Mask>
 void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
   using C = Cfg<T, D, W, MT>;
-  constexpr int kSmem = Mask::kMasksKeys ? C::kSmemBytesMasked : C::kSmemBytes;
-  int dev = 0;
-  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
-  check_device<kSmem>(dev);
+  constexpr int kSmem = smem_bytes<T, D, W, MT, Mask>();
   if constexpr (kSmem > 48 * 1024) {
     static std::atomic<uint64_t> configured{0};
     opt_in_smem(reinterpret_cast<const void*>(fwd_kernel<T, D, Mask, W, MT>), kSmem, configured);
@@ -668,36 +692,8 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
   SDPA_LAUNCH_CHECK("cutlass-sm80 fwd_kernel launch");
 }
 
-// Shared memory per SM of device `dev`, cached per device.
-inline int smem_per_sm(int dev) {
-  static std::atomic<int> cache[64] = {};
-  if (dev >= 0 && dev < 64) {
-    const int v = cache[dev].load(std::memory_order_relaxed);
-    if (v > 0) return v;
-  }
-  int v = 0;
-  SDPA_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-  if (dev >= 0 && dev < 64) cache[dev].store(v, std::memory_order_relaxed);
-  return v;
-}
-
-// Warps per CTA that ship (16 query rows each, MT = 1; why in the header comment): 4, except on
-// parts whose SM cannot hold two of the 4-warp CTAs (+1 KB reserved per CTA): D = 128 (96 KB) on
-// A100 (164 KB) and sm_86 / sm_89 (100 KB), D = 96 (72 KB) on sm_86 / sm_89. There one CTA of 8
-// warps with the same shared memory keeps 8 warps per SM where 4-warp CTAs would leave 4.
 template <typename T, int D>
-inline int shipping_warps(int dev) {
-  if constexpr (D == 64) {
-    return 4;  // 48 KB: two CTAs fit every sm_80+ part
-  } else {
-    return smem_per_sm(dev) >= 2 * (Cfg<T, D, 4, 1>::kSmemBytesMasked + 1024) ? 4 : 8;
-  }
-}
-
-template <typename T, int D>
-void forward(const FwdArgs& a, cudaStream_t stream) {
-  int dev = 0;
-  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
+void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   const int warps = shipping_warps<T, D>(dev);
   mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), [&](const auto& mask) {
     if constexpr (D != 64) {
@@ -717,11 +713,9 @@ void attributes_of(std::vector<KernelAttr>& out) {
   out.back().dynamic_smem = Cfg<T, D, W, 1>::kSmemBytesMasked;
 }
 
-// The kernels forward() launches on the current device.
+// The kernels forward() launches on the device `dev` describes.
 template <typename T, int D>
-void attributes(std::vector<KernelAttr>& out) {
-  int dev = 0;
-  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
+void attributes(std::vector<KernelAttr>& out, const DeviceInfo& dev) {
   if constexpr (D != 64) {
     if (shipping_warps<T, D>(dev) == 8) return attributes_of<T, D, 8>(out);
   }

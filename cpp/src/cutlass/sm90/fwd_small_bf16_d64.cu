@@ -4,7 +4,7 @@
 #include "cutlass/sm90/sm90_small.cuh"
 
 namespace sdpa::cutlass_sm90 {
-template bool small_forward<cute::bfloat16_t, 64>(const FwdArgs&, cudaStream_t);
+template bool small_forward<cute::bfloat16_t, 64>(const FwdArgs&, const DeviceInfo&, cudaStream_t);
 template void small_attributes<cute::bfloat16_t, 64>(std::vector<KernelAttr>&);
 }  // namespace sdpa::cutlass_sm90
 #endif

@@ -49,9 +49,9 @@ struct Mainloop {
   using Bar = cutlass::arch::ClusterTransactionBarrier;
   static constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages;
 
-  // 32-bit sizes, rows and keys (offsets are 64-bit): the Rust layer keeps seq_q, seq_k <=
-  // 2^31 - 128 (row and key indices reach a tile past the end) and masked seq_q + seq_k <=
-  // 2^31 - 1 (the producer's diagonal); fused::supports, crates/sdpa/src/backend/fused.rs.
+  // 32-bit sizes, rows and keys (offsets are 64-bit): can_implement (sm90_fwd.cuh) keeps seq_q,
+  // seq_k <= 2^31 - 128 (row and key indices reach a tile past the end) and masked seq_q + seq_k
+  // <= 2^31 - 1 (the producer's diagonal).
   struct Params {
     typename C::TmaQ tma_q;
     typename C::TmaK tma_k;

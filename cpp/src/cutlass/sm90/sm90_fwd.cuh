@@ -11,9 +11,9 @@
 //   epilogue.cuh        O to global memory
 // and the mask policy (common/mask.cuh) it is templated on. docs/design.md describes the tiles,
 // roles, register split, overlap and scheduling. Assumes validated arguments
-// (crates/sdpa/src/problem.rs and backend/fused.rs): head_dim == D, 16-byte aligned rows,
-// strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1, sizes within the 32-bit limits
-// fused.rs checks.
+// (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned rows, strides in elements,
+// heads % kv_heads == 0, seq_q, seq_k >= 1; and what can_implement (below) checks: the device,
+// the 32-bit limits, TMA addressing.
 //
 // What the compiler needs, said once here: every device function is force-inlined (a call
 // anywhere in the kernel makes ptxas serialize every wgmma); the producer warpgroup gives its
@@ -38,6 +38,7 @@
 #include "common/attributes.cuh"
 #include "common/check.cuh"
 #include "common/launch.cuh"
+#include "common/limits.cuh"
 #include "common/mask.cuh"
 #include "cutlass/sm90/epilogue.cuh"
 #include "cutlass/sm90/mainloop.cuh"
@@ -188,43 +189,17 @@ __global__ void __launch_bounds__(256)
 // Host side ----------------------------------------------------------------------------------
 
 // TMA needs a 16-byte aligned base and 16-byte multiple strides below 2^40 bytes (and dims
-// below 2^32: the shapes here are int); the Rust layer guarantees them (fused::supports), this
-// only turns a broken promise into an error instead of a fault.
-inline void check_tma_operand(const void* ptr, const Strides& s, const char* what,
-                              int elem_bytes = 2) {
+// below 2^32: the shapes here are int). A null pointer is not checked (can_implement asked before
+// the buffers exist).
+inline std::string tma_operand(const void* ptr, const Strides& s, const char* what,
+                               int elem_bytes) {
   const auto ok = [&](int64_t st) {
     return st >= 0 && (st * elem_bytes) % 16 == 0 && st * elem_bytes < (int64_t(1) << 40);
   };
   if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0 || !ok(s.batch) || !ok(s.head) || !ok(s.seq))
-    throw Error(std::string("cutlass-sm90: ") + what +
-                " is not TMA-addressable (16-byte aligned base and strides required)");
-}
-
-// Whether device `dev` is an sm_90 part, and its multiprocessor count; cached per device.
-inline bool is_sm90(int dev) {
-  static std::atomic<uint64_t> known{0}, yes{0};
-  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-  if (bit && (known.load(std::memory_order_relaxed) & bit))
-    return yes.load(std::memory_order_relaxed) & bit;
-  int major = 0;
-  SDPA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  if (bit) {
-    if (major == 9) yes.fetch_or(bit, std::memory_order_relaxed);
-    known.fetch_or(bit, std::memory_order_relaxed);
-  }
-  return major == 9;
-}
-inline int sm_count(int dev) {
-  static std::atomic<int> known[64];
-  const bool cached = dev >= 0 && dev < 64;
-  if (cached) {
-    const int n = known[dev].load(std::memory_order_relaxed);
-    if (n > 0) return n;
-  }
-  int n = 0;
-  SDPA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  if (cached) known[dev].store(n, std::memory_order_relaxed);
-  return n;
+    return std::string(what) +
+           " is not TMA-addressable (16-byte aligned base and strides required)";
+  return "";
 }
 
 // E4M3 with the pre-pass: the packed f16 V that convert_v writes into the workspace, and its
@@ -254,21 +229,72 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   return p;
 }
 
+// Work tiles are numbered in `int`, and a causal grid has one CTA per tile whose tile loop
+// steps t += gridDim.x: 2 · tiles - 1 must stay an `int`.
+constexpr int64_t kMaxTiles = int64_t(1) << 30;
+
+// Sizes, rows, keys and work tiles in `int` (one grid dimension: no grid y or z limit).
+template <class E, int D>
+std::string int_limits(const FwdArgs& a) {
+  using C = TileConfig<E, D>;
+  const std::string seqs = limits::int_sequences(a, "cutlass-sm90", std::max(C::kBM, C::kBN));
+  if (!seqs.empty()) return seqs;
+  // The causal producer forms row + seq_k before subtracting seq_q.
+  if (a.mask == Mask::CausalBottomRight && a.seq_q + a.seq_k > limits::kIntMax)
+    return "causal seq_q + seq_k = " + std::to_string(a.seq_q + a.seq_k) +
+           " exceeds 2^31 - 1: the cutlass-sm90 kernel computes the diagonal in 32-bit int";
+  // Tiles of C::kBM rows (64 only where there are no more than SMs). No overflow: validation
+  // caps batch x heads x seq_q at 2^40 / head_dim.
+  const int64_t tiles = (a.seq_q + C::kBM - 1) / C::kBM * a.batch * a.heads;
+  if (tiles > kMaxTiles)
+    return "ceil(seq_q / " + std::to_string(C::kBM) +
+           ") x batch x heads = " + std::to_string(tiles) +
+           " work tiles exceed 2^30: the cutlass-sm90 kernel numbers them in 32-bit int";
+  return "";
+}
+
+// Q, K and V through TMA descriptors: byte strides below 2^40 (bounded here by each tensor's
+// size, which exceeds every stride of it), 16-byte multiples, and 16-byte aligned bases.
+template <class E, int D>
+std::string tma_limits(const FwdArgs& a) {
+  // E4M3 with the pre-pass reads V through its 16-bit copy.
+  const int64_t in = sizeof(typename E::QK), v_in = E::kPrepass ? 2 : in;
+  const int64_t q_elems = a.batch * a.heads * a.seq_q * a.head_dim;
+  const int64_t kv_elems = a.batch * a.kv_heads * a.seq_k * a.head_dim;
+  for (const auto& [what, bytes] : {std::pair{"Q", q_elems * in}, std::pair{"K", kv_elems * in},
+                                    std::pair{"V", kv_elems * v_in}})
+    if (bytes >= (int64_t(1) << 40))
+      return std::string(what) + " is " + std::to_string(bytes) +
+             " bytes; TMA descriptor strides must stay below 2^40 bytes";
+  return limits::first({tma_operand(a.q, a.q_stride, "q", in),
+                        tma_operand(a.k, a.k_stride, "k", in),
+                        tma_operand(a.v, a.v_stride, "v", in)});
+}
+
+// wgmma, TMA, setmaxnreg and clusters as compiled for sm_90a: Hopper (H100, H200) alone.
+inline std::string sm90_only(const DeviceInfo& dev) {
+  if (!dev.known() || (dev.cc_major == 9 && dev.cc_minor == 0)) return "";
+  return "the sm_90a kernel runs on compute capability 9.0 (H100/H200), the GPU has " +
+         limits::cc(dev);
+}
+
+// What this kernel (element types E, head dim D) takes beyond its instantiation: the 32-bit
+// limits, TMA addressing, an sm_90 device with its TileConfig's shared memory. (The small path
+// applies only where it fits too: small_forward.)
+template <class E, int D>
+std::string can_implement_elems(const FwdArgs& a, const DeviceInfo& dev) {
+  return limits::first({int_limits<E, D>(a), tma_limits<E, D>(a), sm90_only(dev),
+                        limits::smem_per_block(dev, TileConfig<E, D>::kSmemBytes)});
+}
+
 template <class E, int D, class Mask>
-void launch(const FwdArgs& a, cudaStream_t stream) {
+void launch(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   using C = TileConfig<E, D>;
   constexpr int kSmem = C::kSmemBytes;
   const auto kernel = fwd_kernel<E, D, Mask>;
-  int dev = 0;
-  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
-  if (!is_sm90(dev)) throw Error("cutlass-sm90: needs an sm_90 (Hopper) GPU");
   static std::atomic<uint64_t> configured{0};
   opt_in_smem(reinterpret_cast<const void*>(kernel), kSmem, configured);
-  constexpr int kIn = sizeof(typename E::QK);
-  check_tma_operand(a.q, a.q_stride, "q", kIn);
-  check_tma_operand(a.k, a.k_stride, "k", kIn);
-  check_tma_operand(a.v, a.v_stride, "v", kIn);
-  const int sms = sm_count(dev);
+  const int sms = dev.sms;
   if constexpr (E::kFp8) {
     if (!a.q_scale || !a.k_scale || !a.v_scale)
       throw Error("cutlass-sm90 e4m3: q, k and v scales are required");
@@ -300,28 +326,41 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
 // The small-problem path at D = 64 (sm90_small.cuh, instantiated in fwd_small_<dtype>_d64.cu):
 // launches and returns true where it applies.
 template <typename T, int D>
-bool small_forward(const FwdArgs& a, cudaStream_t stream);
+bool small_forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream);
 template <typename T, int D>
 void small_attributes(std::vector<KernelAttr>& out);
 
 template <class E, int D>
-void forward_elems(const FwdArgs& a, cudaStream_t stream) {
+void forward_elems(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k),
-                      [&](auto m) { launch<E, D, decltype(m)>(a, stream); });
+                      [&](auto m) { launch<E, D, decltype(m)>(a, dev, stream); });
 }
 
 template <typename T, int D>
-void forward(const FwdArgs& a, cudaStream_t stream) {
+std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
+  return can_implement_elems<Same<T>, D>(a, dev);
+}
+
+template <typename T, int D>
+void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   if constexpr (D == 64)
-    if (small_forward<T, D>(a, stream)) return;
-  forward_elems<Same<T>, D>(a, stream);
+    if (small_forward<T, D>(a, dev, stream)) return;
+  forward_elems<Same<T>, D>(a, dev, stream);
 }
 
 // E4M3 Q, K, V; O in a.out_dtype.
 template <int D>
-void forward_e4m3(const FwdArgs& a, cudaStream_t stream) {
-  if (a.out_dtype == Dtype::F16) return forward_elems<E4m3<cute::half_t, D>, D>(a, stream);
-  if (a.out_dtype == Dtype::BF16) return forward_elems<E4m3<cute::bfloat16_t, D>, D>(a, stream);
+std::string can_implement_e4m3(const FwdArgs& a, const DeviceInfo& dev) {
+  if (a.out_dtype == Dtype::F16) return can_implement_elems<E4m3<cute::half_t, D>, D>(a, dev);
+  if (a.out_dtype == Dtype::BF16) return can_implement_elems<E4m3<cute::bfloat16_t, D>, D>(a, dev);
+  return "e4m3: out_dtype must be f16 or bf16";
+}
+
+template <int D>
+void forward_e4m3(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
+  if (a.out_dtype == Dtype::F16) return forward_elems<E4m3<cute::half_t, D>, D>(a, dev, stream);
+  if (a.out_dtype == Dtype::BF16)
+    return forward_elems<E4m3<cute::bfloat16_t, D>, D>(a, dev, stream);
   throw Error("cutlass-sm90 e4m3: out_dtype must be f16 or bf16");
 }
 
@@ -334,13 +373,13 @@ void push_elems_attributes(std::vector<KernelAttr>& out, const char* name) {
 }
 
 template <typename T, int D>
-void attributes(std::vector<KernelAttr>& out) {
+void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
   push_elems_attributes<Same<T>, D>(out, dtype_name<T>());
   if constexpr (D == 64) small_attributes<T, D>(out);
 }
 
 template <int D>
-void attributes_e4m3(std::vector<KernelAttr>& out) {
+void attributes_e4m3(std::vector<KernelAttr>& out, const DeviceInfo&) {
   push_elems_attributes<E4m3<cute::half_t, D>, D>(out, "e4m3_f16");
   push_elems_attributes<E4m3<cute::bfloat16_t, D>, D>(out, "e4m3_bf16");
 }

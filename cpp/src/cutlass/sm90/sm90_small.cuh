@@ -415,9 +415,6 @@ bool small_launch(const FwdArgs& a, cudaStream_t stream) {
   const auto kernel = small_kernel<T, D, KN, Mask>;
   static std::atomic<uint64_t> configured{0};
   opt_in_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, configured);
-  check_tma_operand(a.q, a.q_stride, "q");
-  check_tma_operand(a.k, a.k_stride, "k");
-  check_tma_operand(a.v, a.v_stride, "v");
   const SmallParams<T, D, KN> p = make_small_params<T, D, KN>(a, int(cluster));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(cluster), unsigned(m_blocks), unsigned(bh));
@@ -444,15 +441,14 @@ constexpr int kSmallKeys = 128;
 // bf16, causal or not), B1 H8 S512 and B1 H4 S1024 (causal or not). That is: grids the main kernel
 // would leave more than half empty (it then runs 64-row tiles, one per CTA: make_params) and 2 to 8
 // key slices. With a single slice (S <= 128) it was slower; D = 128 at S256 was even, so it stays
-// on the main kernel.
+// on the main kernel. can_implement states the main kernel's needs; the small kernel is taken
+// only where its shared memory fits as well.
 template <typename T, int D>
-bool small_forward(const FwdArgs& a, cudaStream_t stream) {
+bool small_forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   static_assert(D == 64, "the small path is built for head_dim 64 only");
-  int dev = 0;
-  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
-  if (!is_sm90(dev)) throw Error("cutlass-sm90: needs an sm_90 (Hopper) GPU");
   const int64_t tiles128 = (a.seq_q + 127) / 128 * a.batch * a.heads;
-  if (a.seq_k <= kSmallKeys || 2 * tiles128 > sm_count(dev)) return false;
+  if (a.seq_k <= kSmallKeys || 2 * tiles128 > dev.sms) return false;
+  if (SmallCfg<T, D, kSmallKeys>::kSmemBytes > dev.smem_optin_per_block) return false;
   return mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), [&](auto m) {
     return small_launch<T, D, kSmallKeys, decltype(m)>(a, stream);
   });

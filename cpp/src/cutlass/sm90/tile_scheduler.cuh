@@ -21,8 +21,8 @@ struct WorkTile {
 // interleaved heaviest first, so that the CTAs launched last are the cheap ones.
 template <bool kVaries>
 struct TileScheduler {
-  // 32-bit tile numbers: the Rust layer keeps ceil(seq_q / 128) x batch x heads <= 2^30 (tiles,
-  // and t + gridDim.x in the tile loops); fused::supports, crates/sdpa/src/backend/fused.rs.
+  // 32-bit tile numbers: can_implement (sm90_fwd.cuh) keeps ceil(seq_q / 128) x batch x heads
+  // <= 2^30 (tiles, and t + gridDim.x in the tile loops).
   struct Params {
     int wgs;       // consumer warpgroups in this launch (1 or 2); tiles of 64 * wgs rows
     int m_blocks;  // query tiles per (batch, head)

@@ -1,7 +1,9 @@
 //! The fused kernels of the C++ core (cpp/src/scalar, cpp/src/wmma, cpp/src/cutlass): one launch
 //! computes the whole attention with an online softmax. They share one argument block and one
-//! dispatch; `instances` lists which exist (cpp/kernels.txt), and `supports` states the 32-bit
-//! limits of each.
+//! dispatch; `instances` lists which exist (cpp/kernels.txt). What a kernel takes beyond its
+//! instantiation (its device, its shared memory, its 32-bit and grid limits, TMA addressing) it
+//! states itself, next to its tile constants (`can_implement` in its header under cpp/src/),
+//! and `can_implement` here asks it through the bridge.
 
 use super::Backend;
 use crate::device::Device;
@@ -11,7 +13,7 @@ use crate::problem::{Checked, DType, Problem, Scaling};
 use crate::tensor::Tensor;
 use cudarc::driver::DevicePtrMut;
 use sdpa_sys::INSTANCES;
-use sdpa_sys::ffi::Kernel;
+use sdpa_sys::ffi::{DeviceInfo, Kernel};
 use std::fmt;
 
 /// One fused-kernel instantiation of this build: a line of cpp/kernels.txt. A fused backend
@@ -60,146 +62,52 @@ pub fn instances() -> impl Iterator<Item = Instance> {
     })
 }
 
-/// Largest value of a C `int`, in which the kernels below hold some counts and indices.
-const INT_MAX: usize = i32::MAX as usize;
-/// Largest grid y and z dimension of a launch.
-const GRID_YZ_MAX: usize = 65535;
-
-/// wmma: `load_kv` computes the offset of key tile t as `t * 2 * kBN * stride`, the first two
-/// products in `int` (cpp/src/wmma/wmma_fwd.cuh). For the last tile, t = ceil(seq_k / 64) - 1,
-/// t · 128 must fit: seq_k <= 2^30.
-const WMMA_MAX_SEQ_K: usize = 1 << 30;
-
-/// cutlass-sm80 and cutlass-sm90 hold seq_q and seq_k as `int` and compute row and key
-/// indices up to one 128-row tile past them (tile start + tile size, last row + the causal
-/// offset) in `int`: each must be at most 2^31 - 1 - 127.
-const CUTLASS_MAX_SEQ: usize = INT_MAX - 127;
-
-/// cutlass-sm90: work tiles (128 query rows of one (batch, head); 64 only where there are no
-/// more than SMs) are numbered in `int`, and a causal grid has one CTA per tile whose tile loop
-/// steps t += gridDim.x: 2 · tiles - 1 must stay an `int`.
-const SM90_MAX_TILES: usize = 1 << 30;
-
-/// TMA descriptors take byte strides below 2^40 (and multiples of 16 bytes: every stride is a
-/// multiple of a row, head_dim elements of at least one byte).
-const TMA_MAX_BYTES: usize = 1 << 40;
-const _: () = {
-    let mut i = 0;
-    while i < INSTANCES.len() {
-        assert!(
-            INSTANCES[i].head_dim.is_multiple_of(16),
-            "TMA strides must be multiples of 16 bytes"
-        );
-        i += 1;
-    }
-};
-/// What fused kernel `kernel` (of backend `name`) accepts beyond `Problem::validate`: its
-/// instantiations (cpp/kernels.txt) and the 32-bit limits of its launch and index arithmetic
-/// (independent of the device). Each reason names the value and the limit.
-pub(crate) fn supports(name: &str, kernel: Kernel, p: &Problem) -> std::result::Result<(), String> {
+/// Whether cpp/kernels.txt instantiates backend `name` for `p`'s dtype and head dim; the reason
+/// names the head dims it has.
+pub(crate) fn instantiated(name: &str, p: &Problem) -> std::result::Result<(), String> {
     let dtype = p.dtype.name();
-    if !INSTANCES
+    if INSTANCES
         .iter()
         .any(|i| i.backend == name && i.dtype == dtype && i.head_dim == p.head_dim)
     {
-        let dims: Vec<String> = INSTANCES
-            .iter()
-            .filter(|i| i.backend == name && i.dtype == dtype)
-            .map(|i| i.head_dim.to_string())
-            .collect();
-        return Err(format!(
-            "head_dim {} is not instantiated for {dtype} (instantiated: {}; cpp/kernels.txt)",
-            p.head_dim,
-            if dims.is_empty() {
-                "none".to_string()
-            } else {
-                dims.join(", ")
-            }
-        ));
+        return Ok(());
     }
-    if kernel == Kernel::Cutlass {
-        return sm90_limits(p);
-    }
-    // Scalar, wmma, cutlass-sm80: grid x = query-row tiles, y = heads, z = batch, each CTA
-    // indexing its (batch, head) from blockIdx.
-    if p.heads > GRID_YZ_MAX || p.batch > GRID_YZ_MAX {
-        return Err(format!(
-            "batch ({}) and heads ({}) must each be at most 65535 (grid z and y)",
-            p.batch, p.heads
-        ));
-    }
-    // Smallest CTA tile: 32 query rows (scalar), 64 (wmma, cutlass-sm80).
-    let rows = if kernel == Kernel::Scalar { 32 } else { 64 };
-    let tiles = p.seq_q.div_ceil(rows);
-    if tiles > INT_MAX {
-        return Err(format!(
-            "seq_q = {} makes {tiles} query tiles of {rows} rows; grid x allows 2^31 - 1",
-            p.seq_q
-        ));
-    }
-    if kernel == Kernel::Wmma && p.seq_k > WMMA_MAX_SEQ_K {
-        return Err(format!(
-            "seq_k = {} exceeds 2^30: the wmma kernel computes key-tile offsets in 32-bit int",
-            p.seq_k
-        ));
-    }
-    if kernel == Kernel::CutlassSm80 {
-        cutlass_seq_limits("cutlass-sm80", p)?;
-    }
-    Ok(())
+    let dims: Vec<String> = INSTANCES
+        .iter()
+        .filter(|i| i.backend == name && i.dtype == dtype)
+        .map(|i| i.head_dim.to_string())
+        .collect();
+    Err(format!(
+        "head_dim {} is not instantiated for {dtype} (instantiated: {}; cpp/kernels.txt)",
+        p.head_dim,
+        if dims.is_empty() {
+            "none".to_string()
+        } else {
+            dims.join(", ")
+        }
+    ))
 }
 
-fn cutlass_seq_limits(name: &str, p: &Problem) -> std::result::Result<(), String> {
-    for (what, n) in [("seq_q", p.seq_q), ("seq_k", p.seq_k)] {
-        if n > CUTLASS_MAX_SEQ {
-            return Err(format!(
-                "{what} = {n} exceeds 2^31 - 128: the {name} kernel indexes rows and keys, up \
-                 to a tile past the end, in 32-bit int"
-            ));
-        }
-    }
-    Ok(())
+/// What fused kernel `kernel` says of running `p` on `dev`: its own limits, and with a device
+/// its device requirements (`None`: an unknown device, whose requirements it skips). Each
+/// reason names the value and the limit. Asks the C++ core, which launches nothing.
+pub(crate) fn can_implement(
+    kernel: Kernel,
+    dev: Option<&Device>,
+    p: &Problem,
+) -> std::result::Result<(), String> {
+    can_implement_on(kernel, &dev.map(Device::info).unwrap_or_default(), p)
 }
 
-/// The sm_90a kernel (cpp/src/cutlass/sm90): one grid dimension (work tiles), `int` sizes and
-/// indices, TMA descriptors for Q, K and V.
-fn sm90_limits(p: &Problem) -> std::result::Result<(), String> {
-    cutlass_seq_limits("cutlass-sm90", p)?;
-    // The causal producer forms row + seq_k before subtracting seq_q.
-    if p.is_causal() && p.seq_q + p.seq_k > INT_MAX {
-        return Err(format!(
-            "causal seq_q + seq_k = {} exceeds 2^31 - 1: the cutlass-sm90 kernel computes the \
-             diagonal in 32-bit int",
-            p.seq_q + p.seq_k
-        ));
-    }
-    // No overflow: validate caps batch x heads x seq_q at 2^40 / head_dim.
-    let tiles = p.seq_q.div_ceil(128) * p.batch * p.heads;
-    if tiles > SM90_MAX_TILES {
-        return Err(format!(
-            "ceil(seq_q / 128) x batch x heads = {tiles} work tiles exceed 2^30: the \
-             cutlass-sm90 kernel numbers them in 32-bit int"
-        ));
-    }
-    // Each stride is below its tensor's size (the batch stride is the largest). E4m3 at
-    // head_dim 128 reads V through a 16-bit copy (the kernel's pre-pass).
-    let v_size = if p.dtype == DType::E4m3 && p.head_dim == 128 {
-        2
-    } else {
-        p.dtype.size()
-    };
-    for (what, bytes) in [
-        ("Q", p.q_len().unwrap() * p.dtype.size()),
-        ("K", p.kv_len().unwrap() * p.dtype.size()),
-        ("V", p.kv_len().unwrap() * v_size),
-    ] {
-        if bytes >= TMA_MAX_BYTES {
-            return Err(format!(
-                "{what} is {bytes} bytes; TMA descriptor strides must stay below 2^40 bytes"
-            ));
-        }
-    }
-    Ok(())
+/// `can_implement` on the device `info` describes (all zero: unknown).
+fn can_implement_on(
+    kernel: Kernel,
+    info: &DeviceInfo,
+    p: &Problem,
+) -> std::result::Result<(), String> {
+    let why =
+        sdpa_sys::ffi::can_implement(kernel, &problem_args(p), info).map_err(|e| e.to_string())?;
+    if why.is_empty() { Ok(()) } else { Err(why) }
 }
 
 pub(crate) fn forward(
@@ -236,27 +144,20 @@ pub(crate) fn forward(
     // SAFETY: `forward` validated shapes, dtypes, lengths and context of every buffer against
     // `p`; the strides in `args` address only elements inside them; the workspace holds the
     // bytes the kernel asked for.
-    unsafe { sdpa_sys::ffi::forward(kernel, &args, stream)? };
+    unsafe { sdpa_sys::ffi::forward(kernel, &args, &dev.info(), stream)? };
     drop(guard);
     Ok(())
 }
 
-/// The argument block the C++ core takes; built only from checked arguments.
-fn fwd_args(
-    dev: &Device,
-    p: &Problem,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &mut Tensor,
-) -> sdpa_sys::ffi::FwdArgs {
+/// The argument block the C++ core takes for `p`, with no buffers (every pointer 0).
+fn problem_args(p: &Problem) -> sdpa_sys::ffi::FwdArgs {
     let (qs, ks) = (p.q_strides().as_i64(), p.kv_strides().as_i64());
     let fp8 = p.dtype == DType::E4m3;
     sdpa_sys::ffi::FwdArgs {
-        q: q.ptr(dev),
-        k: k.ptr(dev),
-        v: v.ptr(dev),
-        o: out.ptr_mut(dev),
+        q: 0,
+        k: 0,
+        v: 0,
+        o: 0,
         batch: p.batch as i64,
         heads: p.heads as i64,
         kv_heads: p.kv_heads as i64,
@@ -271,21 +172,244 @@ fn fwd_args(
         mask: ffi::mask(p.mask),
         dtype: ffi::dtype(p.dtype),
         out_dtype: ffi::dtype(p.output_dtype()),
+        q_scale: 0,
+        k_scale: 0,
+        v_scale: 0,
+        per_head_scales: fp8 && p.fp8_scaling == Scaling::PerHead,
+        workspace: 0,
+    }
+}
+
+/// The argument block of a launch; built only from checked arguments.
+fn fwd_args(
+    dev: &Device,
+    p: &Problem,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &mut Tensor,
+) -> sdpa_sys::ffi::FwdArgs {
+    sdpa_sys::ffi::FwdArgs {
+        q: q.ptr(dev),
+        k: k.ptr(dev),
+        v: v.ptr(dev),
+        o: out.ptr_mut(dev),
         q_scale: q.scales_ptr(dev),
         k_scale: k.scales_ptr(dev),
         v_scale: v.scales_ptr(dev),
-        per_head_scales: fp8 && p.fp8_scaling == Scaling::PerHead,
-        workspace: 0,
+        ..problem_args(p)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::problem::Mask;
+
+    /// Parts as the kernels are told about them (their cudaDeviceGetAttribute values).
+    const T4: DeviceInfo = DeviceInfo {
+        cc_major: 7,
+        cc_minor: 5,
+        sms: 40,
+        smem_optin_per_block: 64 << 10,
+        smem_per_sm: 64 << 10,
+    };
+    const A100: DeviceInfo = DeviceInfo {
+        cc_major: 8,
+        cc_minor: 0,
+        sms: 108,
+        smem_optin_per_block: 163 << 10,
+        smem_per_sm: 164 << 10,
+    };
+    /// sm_86 (A10, RTX 30xx): 99 KB a block, 100 KB an SM.
+    const SM86: DeviceInfo = DeviceInfo {
+        cc_major: 8,
+        cc_minor: 6,
+        sms: 82,
+        smem_optin_per_block: 99 << 10,
+        smem_per_sm: 100 << 10,
+    };
+    const H100: DeviceInfo = DeviceInfo {
+        cc_major: 9,
+        cc_minor: 0,
+        sms: 132,
+        smem_optin_per_block: 227 << 10,
+        smem_per_sm: 228 << 10,
+    };
+
+    fn kernel(b: Backend) -> Kernel {
+        b.fused_kernel().unwrap()
+    }
+
+    /// The fused backends whose kernels this build holds (the CUTLASS ones need its headers).
+    fn built(b: Backend) -> bool {
+        !matches!(b, Backend::Cutlass | Backend::CutlassSm80) || sdpa_sys::ffi::built_with_cutlass()
+    }
+
+    fn refuses(b: Backend, info: &DeviceInfo, p: &Problem, fragment: &str) {
+        match can_implement_on(kernel(b), info, p) {
+            Err(why) => assert!(
+                why.contains(fragment),
+                "{b} {p}: {why:?} lacks {fragment:?}"
+            ),
+            Ok(()) => panic!("{b} {p} on {info:?}: accepted, expected {fragment:?}"),
+        }
+    }
+
+    /// The parts each kernel ships on take every instance of it, causal or not, at a size with
+    /// several tiles; the unknown device (no GPU) too.
+    #[test]
+    fn each_kernel_takes_the_parts_it_ships_on() {
+        for i in instances().filter(|i| built(i.backend)) {
+            let parts: &[DeviceInfo] = match i.backend {
+                Backend::Cutlass => &[H100, DeviceInfo::default()],
+                _ => &[A100, SM86, H100, DeviceInfo::default()],
+            };
+            for info in parts {
+                for causal in [false, true] {
+                    let p = Problem::new(2, 8, 1000, 1100, i.head_dim)
+                        .with_dtype(i.dtype)
+                        .with_causal(causal);
+                    assert_eq!(
+                        can_implement_on(kernel(i.backend), info, &p),
+                        Ok(()),
+                        "{i} {p} on {info:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_sm80_device_refuses_the_sm90_kernel() {
+        if !built(Backend::Cutlass) {
+            return;
+        }
+        let p = Problem::new(1, 1, 8, 8, 64);
+        for (info, cc) in [(A100, "8.0"), (SM86, "8.6")] {
+            refuses(
+                Backend::Cutlass,
+                &info,
+                &p,
+                &format!(
+                    "the sm_90a kernel runs on compute capability 9.0 (H100/H200), the GPU has {cc}"
+                ),
+            );
+        }
+    }
+
+    #[test]
+    fn a_device_older_than_sm80_refuses_every_fused_kernel() {
+        let p = Problem::new(1, 1, 8, 8, 64);
+        for b in [Backend::Scalar, Backend::Wmma, Backend::CutlassSm80] {
+            if built(b) {
+                refuses(
+                    b,
+                    &T4,
+                    &p,
+                    "needs compute capability 8.0 or newer, the GPU has 7.5",
+                );
+            }
+        }
+        // Unknown: the device is not checked.
+        assert_eq!(
+            can_implement_on(Kernel::Scalar, &DeviceInfo::default(), &p),
+            Ok(())
+        );
+    }
+
+    /// A kernel asks for the shared memory of the configuration it launches; more than 48 KB
+    /// only where the device lets a block opt in to it.
+    #[test]
+    fn too_little_opt_in_shared_memory_is_refused() {
+        let small = DeviceInfo {
+            smem_optin_per_block: 48 << 10,
+            smem_per_sm: 64 << 10,
+            ..A100
+        };
+        let fragment = "bytes of shared memory per block, the device offers 49152";
+        let d128 = Problem::new(1, 1, 8, 8, 128);
+        refuses(Backend::Wmma, &small, &d128, fragment);
+        if built(Backend::CutlassSm80) {
+            // 96 KB at D = 128. At D = 64 48 KB need no opt-in, but the causal kernel adds the
+            // non-finite V check's records.
+            refuses(Backend::CutlassSm80, &small, &d128, fragment);
+            let d64 = Problem::new(1, 1, 8, 8, 64).with_mask(Mask::None);
+            assert_eq!(can_implement_on(Kernel::CutlassSm80, &small, &d64), Ok(()));
+            let causal = d64.with_mask(Mask::CausalBottomRight);
+            refuses(Backend::CutlassSm80, &small, &causal, fragment);
+        }
+        // The static 48 KB or less of the scalar kernel fits anywhere.
+        assert_eq!(can_implement_on(Kernel::Scalar, &small, &d128), Ok(()));
+        if built(Backend::Cutlass) {
+            let h100 = DeviceInfo {
+                smem_optin_per_block: 48 << 10,
+                ..H100
+            };
+            refuses(Backend::Cutlass, &h100, &d128, fragment);
+        }
+    }
+
+    /// Limits of the problem come before the device's: both wrong, the limit is named.
+    #[test]
+    fn limits_come_before_the_device() {
+        let p = Problem::new(70000, 1, 4, 4, 64);
+        refuses(Backend::Scalar, &T4, &p, "batch (70000)");
+    }
+
+    /// e4m3 on a kernel without FP8 math: the core asks the 16-bit instance of the output type
+    /// that its simulated path runs (`supports` asks with the dequantized problem instead).
+    #[test]
+    fn simulated_e4m3_has_the_limits_of_the_16_bit_kernel() {
+        let p = Problem::new(1, 1, 1, (1 << 30) + 1, 64).with_dtype(DType::E4m3);
+        refuses(Backend::Wmma, &A100, &p, "seq_k = 1073741825 exceeds 2^30");
+        refuses(
+            Backend::Scalar,
+            &T4,
+            &p,
+            "needs compute capability 8.0 or newer",
+        );
+    }
+
+    /// The pointers, where given, must suit TMA (16-byte aligned bases).
+    #[test]
+    fn the_sm90_kernel_checks_tma_alignment_of_given_pointers() {
+        if !built(Backend::Cutlass) {
+            return;
+        }
+        let p = Problem::new(1, 1, 8, 8, 64);
+        let args = sdpa_sys::ffi::FwdArgs {
+            k: 0x1000 + 8,
+            ..problem_args(&p)
+        };
+        let why = sdpa_sys::ffi::can_implement(Kernel::Cutlass, &args, &H100).unwrap();
+        assert!(why.contains("k is not TMA-addressable"), "{why}");
+    }
+
+    /// `forward` asks `can_implement` first and launches nothing it refuses; it needs a known
+    /// device (its launches size their grids by it).
+    #[test]
+    fn forward_refuses_before_launching() {
+        let args = problem_args(&Problem::new(1, 1, 8, 8, 64));
+        // SAFETY: both calls are refused before any pointer or stream is used.
+        let e = unsafe { sdpa_sys::ffi::forward(Kernel::Scalar, &args, &T4, 0) }.unwrap_err();
+        assert!(
+            e.what()
+                .contains("scalar: needs compute capability 8.0 or newer"),
+            "{e}"
+        );
+        let e = unsafe { sdpa_sys::ffi::forward(Kernel::Wmma, &args, &DeviceInfo::default(), 0) }
+            .unwrap_err();
+        assert!(
+            e.what().contains("wmma: forward needs a known device"),
+            "{e}"
+        );
+    }
 
     /// Each line of cpp/kernels.txt names a fused backend and a dtype this crate knows, e4m3
     /// only for a backend with FP8 math (the others never reach an e4m3 kernel: they run e4m3
-    /// problems on the simulated path), each line once, and `supports` accepts each.
+    /// problems on the simulated path), each line once, and each kernel built takes a small
+    /// problem of its own.
     #[test]
     fn kernel_list_is_consistent_with_the_backends() {
         let all: Vec<Instance> = instances().collect();
@@ -300,7 +424,12 @@ mod tests {
             );
             let p = Problem::new(1, 1, 8, 8, k.head_dim).with_dtype(k.dtype);
             let kernel = k.backend.fused_kernel().unwrap();
-            assert_eq!(supports(k.backend.name(), kernel, &p), Ok(()), "{k}");
+            assert_eq!(instantiated(k.backend.name(), &p), Ok(()), "{k}");
+            let built = !matches!(k.backend, Backend::Cutlass | Backend::CutlassSm80)
+                || sdpa_sys::ffi::built_with_cutlass();
+            if built {
+                assert_eq!(can_implement(kernel, None, &p), Ok(()), "{k}");
+            }
         }
     }
 }

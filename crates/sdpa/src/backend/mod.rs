@@ -114,23 +114,11 @@ impl Backend {
                 ));
             }
         }
-        // The fused kernels' head dims and 32-bit limits (the native e4m3 kernel's included):
-        // properties of the problem, checked with or without a device.
         if let Some(kernel) = self.fused_kernel() {
-            fused::supports(self.name(), kernel, p).map_err(unsupported)?;
+            return self.fused_supports(kernel, dev, p).map_err(unsupported);
         }
         match self {
             Backend::Cpu => Ok(()),
-            Backend::Scalar | Backend::Wmma => {
-                let dev = dev.ok_or_else(|| unsupported("needs a GPU".into()))?;
-                let (major, minor) = dev.compute_capability()?;
-                if major < 8 {
-                    return Err(unsupported(format!(
-                        "needs compute capability 8.0 or newer, the GPU has {major}.{minor}"
-                    )));
-                }
-                Ok(())
-            }
             Backend::Cublas => {
                 cublas::limits(p).map_err(unsupported)?;
                 let dev = dev.ok_or_else(|| unsupported("needs a GPU".into()))?;
@@ -142,45 +130,39 @@ impl Backend {
                 }
                 cublas::supports(dev, p).map_err(unsupported)
             }
-            Backend::Cutlass => {
-                if !sdpa_sys::ffi::built_with_cutlass() {
-                    return Err(unsupported(
-                        "this build has no CUTLASS headers (set CUTLASS_DIR and rebuild)".into(),
-                    ));
-                }
-                if !sdpa_sys::CUDA_ARCHS.split(';').any(|a| a == "90a") {
-                    return Err(unsupported(format!(
-                        "built for CUDA archs {}, without 90a",
-                        sdpa_sys::CUDA_ARCHS
-                    )));
-                }
-                let dev = dev.ok_or_else(|| unsupported("needs a GPU".into()))?;
-                let (major, minor) = dev.compute_capability()?;
-                if (major, minor) != (9, 0) {
-                    return Err(unsupported(format!(
-                        "the sm_90a kernel runs on compute capability 9.0 (H100/H200), the GPU has \
-                         {major}.{minor}"
-                    )));
-                }
-                Ok(())
-            }
-            Backend::CutlassSm80 => {
-                if !sdpa_sys::ffi::built_with_cutlass() {
-                    return Err(unsupported(
-                        "this build has no CUTLASS headers (set CUTLASS_DIR and rebuild)".into(),
-                    ));
-                }
-                let dev = dev.ok_or_else(|| unsupported("needs a GPU".into()))?;
-                let (major, minor) = dev.compute_capability()?;
-                if major < 8 {
-                    return Err(unsupported(format!(
-                        "needs compute capability 8.0 or newer, the GPU has {major}.{minor}"
-                    )));
-                }
-                Ok(())
-            }
             Backend::Auto => self.resolve_checked(dev, p).map(|_| ()),
+            Backend::Scalar | Backend::Wmma | Backend::Cutlass | Backend::CutlassSm80 => {
+                unreachable!("{self} has a fused kernel")
+            }
         }
+    }
+
+    /// `supports` for a fused backend: its instantiations (cpp/kernels.txt), whether this build
+    /// holds its code, and what the kernel itself takes (its `can_implement` in the C++ core).
+    /// The limits of the problem come before the build and the device (with no device they are
+    /// all that is checked), so a caller without a GPU still learns them.
+    fn fused_supports(
+        self,
+        kernel: sdpa_sys::ffi::Kernel,
+        dev: Option<&Device>,
+        p: &Checked,
+    ) -> std::result::Result<(), String> {
+        fused::instantiated(self.name(), p)?;
+        let cutlass = matches!(self, Backend::Cutlass | Backend::CutlassSm80);
+        // Without CUTLASS headers the core has no instance of these to ask.
+        if cutlass && !sdpa_sys::ffi::built_with_cutlass() {
+            return Err("this build has no CUTLASS headers (set CUTLASS_DIR and rebuild)".into());
+        }
+        fused::can_implement(kernel, dev, p)?;
+        // Without sm_90a code the kernel's host side is built and answers, but the kernel is
+        // empty.
+        if self == Backend::Cutlass && !sdpa_sys::CUDA_ARCHS.split(';').any(|a| a == "90a") {
+            return Err(format!(
+                "built for CUDA archs {}, without 90a",
+                sdpa_sys::CUDA_ARCHS
+            ));
+        }
+        dev.map(|_| ()).ok_or_else(|| "needs a GPU".into())
     }
 
     /// The concrete backend `Auto` stands for on this device and problem (others: themselves).
