@@ -114,11 +114,13 @@ impl Device {
                 "the CUDA driver library (libcuda.so) is not installed on this machine".into(),
             ));
         }
+        let info = device_info(stream.context())?;
         Ok(Device {
             ctx: stream.context().clone(),
             stream,
             blas: Arc::default(),
             scratch: Arc::default(),
+            info,
         })
     }
 
