@@ -39,6 +39,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+mod buffers;
 mod codec;
 mod device;
 mod error;
@@ -47,6 +48,7 @@ pub mod fp8;
 pub mod memory;
 mod problem;
 mod tensor;
+mod view;
 
 pub use backend::Backend;
 pub use backend::cpu::reference;
@@ -55,8 +57,10 @@ pub use device::{Device, driver_present};
 pub use error::{CudaError, Error, MemoryKind, Result};
 pub use problem::{DType, Layout, Mask, Problem, Scaling, Strides, TensorShape};
 
+use buffers::Buffers;
 use problem::Checked;
 pub use tensor::{Element, Tensor};
+pub use view::{View, ViewMut, Views, forward_views};
 
 use error::invalid;
 
@@ -83,6 +87,23 @@ pub fn forward(
     let backend = backend.resolve_checked(Some(dev), &p)?;
     let order = tensor::order_on(dev, &[q, k, v, &*out])?;
     order.finish(run(dev, &p, backend, q, k, v, out))
+}
+
+/// Makes ready on `dev` what `backend` needs to run `p` (the cuBLAS handle and workspace, the
+/// scratch of the e4m3 kernels), so that later calls of `p` or smaller problems allocate
+/// nothing and can be captured into a CUDA graph. Returns the backend that will run `p`
+/// (`Auto` resolved).
+///
+/// The e4m3 simulated path of cublas and cpu dequantizes into new tensors and still allocates.
+pub fn reserve(dev: &Device, p: &Problem, backend: Backend) -> Result<Backend> {
+    let p = p.checked()?;
+    let chosen = backend.resolve_checked(Some(dev), &p)?;
+    if let Some(kernel) = chosen.fused_kernel() {
+        backend::fused::reserve(kernel, dev, &p)?;
+    } else if chosen == Backend::Cublas {
+        backend::cublas::reserve(dev, &p.dequantized())?;
+    }
+    Ok(chosen)
 }
 
 /// The tensors of one call, by name. Q, K and V have one type, so positional arguments let a
@@ -135,7 +156,7 @@ fn run(
         return fp8_simulated(dev, p, backend, q, k, v, out);
     }
     if let Some(kernel) = backend.fused_kernel() {
-        return backend::fused::forward(kernel, dev, p, q, k, v, out);
+        return backend::fused::forward(kernel, dev, p, &Buffers::of_tensors(dev, p, q, k, v, out));
     }
     match backend {
         Backend::Cpu => {
@@ -143,7 +164,9 @@ fn run(
             let o32: Vec<f32> = o.iter().map(|&x| x as f32).collect();
             out.write_bits(dev, &encode(p.output_dtype(), &o32))
         }
-        Backend::Cublas => backend::cublas::forward(dev, p, q, k, v, out),
+        Backend::Cublas => {
+            backend::cublas::forward(dev, p, &Buffers::of_tensors(dev, p, q, k, v, out))
+        }
         Backend::Auto => unreachable!("resolve() returns a concrete backend"),
         _ => unreachable!("fused backends returned above"),
     }
@@ -186,7 +209,7 @@ fn fp8_simulated(
     // The fused kernels dequantize into the device's scratch in one launch (C++ side,
     // cpp/src/fp8/simulated.cu); cublas and cpu take dequantized tensors.
     if let Some(kernel) = backend.fused_kernel() {
-        return backend::fused::forward(kernel, dev, p, q, k, v, out);
+        return backend::fused::forward(kernel, dev, p, &Buffers::of_tensors(dev, p, q, k, v, out));
     }
     let (q, k, v) = (
         q.dequantize(dev, dtype)?,

@@ -6,15 +6,16 @@
 //! and `can_implement` here asks it through the bridge.
 
 use super::Backend;
+use crate::buffers::Buffers;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ffi;
 use crate::problem::{Checked, DType, Problem, Scaling};
-use crate::tensor::Tensor;
-use cudarc::driver::DevicePtrMut;
+use cudarc::driver::{CudaSlice, DevicePtrMut};
 use sdpa_sys::INSTANCES;
 use sdpa_sys::ffi::{DeviceInfo, Kernel};
 use std::fmt;
+use std::sync::MutexGuard;
 
 /// One fused-kernel instantiation of this build: a line of cpp/kernels.txt. A fused backend
 /// runs a problem natively only where it has an instance of the problem's dtype and head dim.
@@ -110,42 +111,54 @@ fn can_implement_on(
     if why.is_empty() { Ok(()) } else { Err(why) }
 }
 
-pub(crate) fn forward(
-    kernel: Kernel,
-    dev: &Device,
-    p: &Checked,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &mut Tensor,
-) -> Result<()> {
-    let mut args = fwd_args(dev, p, q, k, v, out);
+pub(crate) fn forward(kernel: Kernel, dev: &Device, p: &Checked, b: &Buffers) -> Result<()> {
+    let mut args = fwd_args(p, b);
     // Scratch the kernel asks for (e4m3 inputs: the native kernel's V copy, the simulated
     // path's 16-bit Q, K, V; each written by a pre-pass of the same call before any read): the
-    // device's buffer, grown when too small. The lock is held until the launch is enqueued, so a
-    // concurrent grow cannot free it under us; stream order does the rest.
+    // device's buffer, grown when too small (`Device::reserve` grows it ahead of a capture). The
+    // lock is held until the launch is enqueued, so a concurrent grow cannot free it under us;
+    // stream order does the rest. Only kernels that asked for scratch take it (the 16-bit ones
+    // never do).
     let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &args)? as usize;
-    // Only kernels that asked for scratch take the lock (the 16-bit ones never do).
     let mut guard = None;
     if bytes > 0 {
-        let scratch = guard.insert(
-            dev.scratch()
-                .lock()
-                .map_err(|_| Error::Cuda("scratch buffer poisoned by a panic".into()))?,
-        );
-        if scratch.as_ref().is_none_or(|w| w.len() < bytes) {
-            **scratch = None; // free the old one before asking for the larger
-            // SAFETY: the kernel's pre-pass writes every byte it later reads.
-            **scratch = Some(unsafe { dev.alloc::<u8>(bytes)? });
-        }
+        let scratch = guard.insert(lock_scratch(dev)?);
+        grow(dev, scratch, bytes)?;
         args.workspace = scratch.as_mut().unwrap().device_ptr_mut(dev.stream()).0;
     }
     let stream = dev.raw_stream()?;
-    // SAFETY: `forward` validated shapes, dtypes, lengths and context of every buffer against
-    // `p`; the strides in `args` address only elements inside them; the workspace holds the
-    // bytes the kernel asked for.
+    // SAFETY: the caller validated shapes, dtypes, lengths, strides and context of every buffer
+    // against `p`; the strides in `args` address only elements inside them; the workspace holds
+    // the bytes the kernel asked for.
     unsafe { sdpa_sys::ffi::forward(kernel, &args, &dev.info(), stream)? };
     drop(guard);
+    Ok(())
+}
+
+/// Grows the device's scratch to what `kernel` asks for on `p`, so that a later call (one
+/// captured into a graph, say) allocates nothing.
+pub(crate) fn reserve(kernel: Kernel, dev: &Device, p: &Problem) -> Result<()> {
+    let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &problem_args(p))? as usize;
+    if bytes > 0 {
+        grow(dev, &mut *lock_scratch(dev)?, bytes)?;
+    }
+    Ok(())
+}
+
+type Scratch = Option<CudaSlice<u8>>;
+
+fn lock_scratch(dev: &Device) -> Result<MutexGuard<'_, Scratch>> {
+    dev.scratch()
+        .lock()
+        .map_err(|_| Error::Cuda("scratch buffer poisoned by a panic".into()))
+}
+
+fn grow(dev: &Device, scratch: &mut Scratch, bytes: usize) -> Result<()> {
+    if scratch.as_ref().is_none_or(|w| w.len() < bytes) {
+        *scratch = None; // free the old one before asking for the larger
+        // SAFETY: the kernel's pre-pass writes every byte it later reads.
+        *scratch = Some(unsafe { dev.alloc::<u8>(bytes)? });
+    }
     Ok(())
 }
 
@@ -181,22 +194,20 @@ fn problem_args(p: &Problem) -> sdpa_sys::ffi::FwdArgs {
 }
 
 /// The argument block of a launch; built only from checked arguments.
-fn fwd_args(
-    dev: &Device,
-    p: &Problem,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &mut Tensor,
-) -> sdpa_sys::ffi::FwdArgs {
+fn fwd_args(p: &Problem, b: &Buffers) -> sdpa_sys::ffi::FwdArgs {
+    let [qs, ks, vs, os] = b.strides.map(|s| s.as_i64());
     sdpa_sys::ffi::FwdArgs {
-        q: q.ptr(dev),
-        k: k.ptr(dev),
-        v: v.ptr(dev),
-        o: out.ptr_mut(dev),
-        q_scale: q.scales_ptr(dev),
-        k_scale: k.scales_ptr(dev),
-        v_scale: v.scales_ptr(dev),
+        q: b.q,
+        k: b.k,
+        v: b.v,
+        o: b.o,
+        q_stride: qs,
+        k_stride: ks,
+        v_stride: vs,
+        o_stride: os,
+        q_scale: b.scales[0],
+        k_scale: b.scales[1],
+        v_scale: b.scales[2],
         ..problem_args(p)
     }
 }

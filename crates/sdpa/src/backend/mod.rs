@@ -176,6 +176,16 @@ impl Backend {
     /// The concrete backend that runs `p`, having checked that it supports it: `self`, or for
     /// `Auto` the first supported backend of the measured order.
     pub(crate) fn resolve_checked(self, dev: Option<&Device>, p: &Checked) -> Result<Backend> {
+        self.resolve_checked_where(dev, p, |_| Ok(()))
+    }
+
+    /// `resolve_checked` among the backends `takes` accepts (its error: why not).
+    pub(crate) fn resolve_checked_where(
+        self,
+        dev: Option<&Device>,
+        p: &Checked,
+        takes: impl Fn(Backend) -> std::result::Result<(), String>,
+    ) -> Result<Backend> {
         if self != Backend::Auto {
             self.supports_checked(dev, p)?;
             return Ok(self);
@@ -192,6 +202,10 @@ impl Backend {
         // Backends the table has not measured yet (added since it was made) come last.
         let unmeasured = auto::FALLBACK.iter().filter(|b| !measured.contains(b));
         for &b in measured.iter().chain(unmeasured) {
+            if let Err(why) = takes(b) {
+                reasons.push(format!("{b}: {why}"));
+                continue;
+            }
             match b.supports_checked(dev, p) {
                 Ok(()) => return Ok(b),
                 Err(e) => reasons.push(e.to_string()),

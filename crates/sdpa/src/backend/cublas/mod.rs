@@ -17,14 +17,15 @@
 
 pub(crate) mod state;
 
+use crate::buffers::Buffers;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ffi;
 use crate::problem::{Checked, DType, Problem, Strides};
-use crate::tensor::Tensor;
 use cudarc::cublas::{CudaBlas, sys as cb};
 use cudarc::driver::DevicePtrMut;
 use state::BlasState;
+use std::sync::MutexGuard;
 
 /// Byte offsets into the workspace. S (f32 scores) and P (dtype) for every (batch, head);
 /// causal problems add V's finite copy and its first-key records (`NonFiniteVArgs`), each
@@ -263,21 +264,25 @@ impl Gemm {
     }
 }
 
-pub(crate) fn forward(
-    dev: &Device,
-    p: &Checked,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &mut Tensor,
-) -> Result<()> {
-    let layout = workspace_layout(p).ok_or_else(|| Error::Unsupported {
+/// The workspace layout of `p`, or `Unsupported` when its size overflows.
+fn layout_of(p: &Problem) -> Result<WorkspaceLayout> {
+    workspace_layout(p).ok_or_else(|| Error::Unsupported {
         backend: "cublas",
         reason: "workspace size overflows".into(),
-    })?;
-    let need = layout.total;
-    let state = dev.blas_state();
-    let mut guard = state
+    })
+}
+
+/// Makes the stream's cuBLAS handle and a workspace of `p`'s size ahead of a call, so that the
+/// call (one captured into a graph, say) allocates nothing.
+pub(crate) fn reserve(dev: &Device, p: &Problem) -> Result<()> {
+    prepared(dev, layout_of(p)?.total).map(drop)
+}
+
+/// The stream's cuBLAS state, with a handle and a workspace of at least `need` bytes: made or
+/// grown here when missing or too small.
+fn prepared(dev: &Device, need: usize) -> Result<MutexGuard<'_, Option<BlasState>>> {
+    let mut guard = dev
+        .blas_state()
         .lock()
         .map_err(|_| Error::Cuda("cuBLAS state poisoned by a panic".into()))?;
     if guard.is_none() {
@@ -288,7 +293,7 @@ pub(crate) fn forward(
             workspace: None,
         });
     }
-    let st = guard.as_mut().unwrap();
+    let st = guard.as_mut().expect("made above");
     if st.workspace.as_ref().is_none_or(|w| w.len() < need) {
         st.workspace = None; // free the old one before asking for the larger
         // SAFETY: filled right below, before any use.
@@ -307,6 +312,25 @@ pub(crate) fn forward(
         }
         st.workspace = Some(w);
     }
+    Ok(guard)
+}
+
+/// Runs `p` on buffers laid out as its layout says (`Buffers::in_layout`; the GEMMs are batched
+/// over the layout's strides).
+pub(crate) fn forward(dev: &Device, p: &Checked, b: &Buffers) -> Result<()> {
+    if !b.in_layout(p) {
+        return Err(Error::Unsupported {
+            backend: "cublas",
+            reason: format!(
+                "takes operands with the {} layout's own strides only; the fused backends take \
+                 any strides",
+                p.layout
+            ),
+        });
+    }
+    let layout = layout_of(p)?;
+    let mut guard = prepared(dev, layout.total)?;
+    let st = guard.as_mut().expect("prepared makes the state");
     let ws = st.workspace.as_mut().unwrap();
     let (s_ptr, _g) = ws.device_ptr_mut(dev.stream());
     let scores = (p.batch * p.heads * p.seq_q * p.seq_k) as u64;
@@ -317,10 +341,7 @@ pub(crate) fn forward(
     let (sq, sk, d) = (p.seq_q as i64, p.seq_k as i64, p.head_dim as i64);
     let es = p.dtype.size() as u64;
     let ty = data_type(p.dtype);
-    let qp = q.ptr(dev);
-    let kp = k.ptr(dev);
-    let vp = v.ptr(dev);
-    let op = out.ptr_mut(dev);
+    let (qp, kp, vp, op) = (b.q, b.k, b.v, b.o);
     // `outer` calls of `count` matrices (see `batching`), one per member r of a GQA group:
     // head h = hk * g + r.
     let (outer, count) = batching(p);

@@ -1,0 +1,50 @@
+//! What a GPU backend is handed once a call's operands are checked: device addresses and element
+//! strides, whether they came from owned [`Tensor`]s or borrowed views of the caller's memory.
+
+use crate::device::Device;
+use crate::problem::{Problem, Strides};
+use crate::tensor::Tensor;
+
+/// Device addresses and element strides of one call's Q, K, V and output, each checked against
+/// the call's problem: the strides address only memory inside its buffer, rows are 16-byte
+/// aligned, and the output overlaps no input.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Buffers {
+    pub(crate) q: u64,
+    pub(crate) k: u64,
+    pub(crate) v: u64,
+    pub(crate) o: u64,
+    /// Device addresses of the e4m3 dequantization scales of Q, K and V (0 for f16/bf16).
+    pub(crate) scales: [u64; 3],
+    /// Of Q, K, V and the output, in that order.
+    pub(crate) strides: [Strides; 4],
+}
+
+impl Buffers {
+    /// Owned tensors, laid out contiguously as the problem's layout says.
+    pub(crate) fn of_tensors(
+        dev: &Device,
+        p: &Problem,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &mut Tensor,
+    ) -> Buffers {
+        let (qs, ks) = (p.q_strides(), p.kv_strides());
+        Buffers {
+            q: q.ptr(dev),
+            k: k.ptr(dev),
+            v: v.ptr(dev),
+            o: out.ptr_mut(dev),
+            scales: [q.scales_ptr(dev), k.scales_ptr(dev), v.scales_ptr(dev)],
+            strides: [qs, ks, ks, qs],
+        }
+    }
+
+    /// Whether every operand has the strides of the problem's own layout (what the backends
+    /// that index by layout, cpu and cublas, need).
+    pub(crate) fn in_layout(&self, p: &Problem) -> bool {
+        let (qs, ks) = (p.q_strides(), p.kv_strides());
+        self.strides == [qs, ks, ks, qs]
+    }
+}

@@ -1,0 +1,338 @@
+//! Borrowed views of the caller's device memory as operands: no copy, any element strides with a
+//! contiguous head_dim (as FlashAttention takes them), checked like owned tensors.
+
+use crate::backend::Backend;
+use crate::buffers::Buffers;
+use crate::device::Device;
+use crate::error::{Error, Result, invalid};
+use crate::problem::{Checked, Problem, Strides, TensorShape};
+use crate::tensor::Element;
+use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
+
+/// Q, K or V in the caller's device memory: a `[batch, heads, seq, head_dim]` tensor at element
+/// `strides` inside `data` (head_dim contiguous), borrowed for the call.
+///
+/// Make one from a `CudaSlice` with `slice.as_view()` or `slice.slice(start..)`.
+pub struct View<'a, T> {
+    data: CudaView<'a, T>,
+    strides: Strides,
+}
+
+/// The output in the caller's device memory, as [`View`] but written.
+pub struct ViewMut<'a, T> {
+    data: CudaViewMut<'a, T>,
+    strides: Strides,
+}
+
+impl<'a, T: Element> View<'a, T> {
+    /// The tensor at element `strides` inside `data`. Checked against the problem at the call.
+    pub fn new(data: CudaView<'a, T>, strides: Strides) -> Self {
+        View { data, strides }
+    }
+    /// The element strides.
+    pub fn strides(&self) -> Strides {
+        self.strides
+    }
+}
+
+impl<'a, T: Element> ViewMut<'a, T> {
+    /// The tensor at element `strides` inside `data`. Checked against the problem at the call.
+    pub fn new(data: CudaViewMut<'a, T>, strides: Strides) -> Self {
+        ViewMut { data, strides }
+    }
+    /// The element strides.
+    pub fn strides(&self) -> Strides {
+        self.strides
+    }
+}
+
+impl<T> std::fmt::Debug for View<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("View")
+            .field("len", &self.data.len())
+            .field("strides", &self.strides)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T> std::fmt::Debug for ViewMut<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ViewMut")
+            .field("len", &self.data.len())
+            .field("strides", &self.strides)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The operands of a call on views, by name.
+#[derive(Debug)]
+pub struct Views<'a, 'o, T> {
+    /// Queries, `[batch, heads, seq_q, head_dim]`.
+    pub q: View<'a, T>,
+    /// Keys, `[batch, kv_heads, seq_k, head_dim]`.
+    pub k: View<'a, T>,
+    /// Values, as the keys.
+    pub v: View<'a, T>,
+    /// The output, as the queries; written only on success.
+    pub out: ViewMut<'o, T>,
+}
+
+/// [`crate::forward`] on views of the caller's memory: nothing is copied or allocated (once
+/// [`crate::reserve`] has run for the problem), and the work is queued on `dev`'s stream.
+///
+/// `p`'s layout is not used: each view brings its own strides. Every view must be on `dev`'s
+/// GPU, have `p`'s dtype (the output too), 16-byte aligned rows (base address and every stride
+/// a multiple of 16 bytes), and hold every element its strides address; the output's strides
+/// must give each element its own address and the output may not overlap an input. The fused
+/// backends take any such strides; cublas only the strides of `p`'s layout; cpu takes owned
+/// tensors only. `Auto` picks among the backends that take these strides.
+///
+/// Stream order: a view of a buffer made on another stream is ordered like a [`crate::Tensor`]
+/// of that stream (the call waits for the work queued there, and that stream waits for the
+/// call), and cudarc's own event tracking, where the buffer's context has it on, adds its waits.
+/// On `dev`'s own stream nothing is waited for or recorded, so the call can be captured into a
+/// CUDA graph.
+///
+/// ```no_run
+/// # fn main() -> sdpa::Result<()> {
+/// use half::f16;
+/// use sdpa::{Backend, Device, Problem, View, ViewMut, Views};
+/// let ctx = cudarc::driver::CudaContext::new(0).expect("GPU 0");
+/// let stream = ctx.default_stream();
+/// let dev = Device::from_stream(stream.clone())?;
+/// let p = Problem::new(1, 8, 512, 512, 128).with_causal(true);
+/// let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
+/// let q = stream.alloc_zeros::<f16>(ql).expect("alloc");
+/// let kv = stream.alloc_zeros::<f16>(kl).expect("alloc");
+/// let mut out = stream.alloc_zeros::<f16>(ql).expect("alloc");
+/// let (qs, ks) = (p.q_strides(), p.kv_strides());
+/// let views = Views {
+///     q: View::new(q.as_view(), qs),
+///     k: View::new(kv.as_view(), ks),
+///     v: View::new(kv.as_view(), ks),
+///     out: ViewMut::new(out.as_view_mut(), qs),
+/// };
+/// sdpa::forward_views(&dev, &p, Backend::Auto, views)?;
+/// # Ok(())
+/// # }
+/// ```
+pub fn forward_views<T: Element>(
+    dev: &Device,
+    p: &Problem,
+    backend: Backend,
+    views: Views<'_, '_, T>,
+) -> Result<()> {
+    let p = p.checked()?;
+    let Views { q, k, v, mut out } = views;
+    if T::DTYPE != p.dtype || p.output_dtype() != p.dtype {
+        return Err(invalid!(
+            "the views are {}, the problem's inputs {} and output {}",
+            T::DTYPE,
+            p.dtype,
+            p.output_dtype()
+        ));
+    }
+    let (qs, ks) = (p.q_shape(), p.kv_shape());
+    let spans = [
+        span("q", dev, &q.data, q.strides, qs)?,
+        span("k", dev, &k.data, k.strides, ks)?,
+        span("v", dev, &v.data, v.strides, ks)?,
+        span("out", dev, &out.data, out.strides, qs)?,
+    ];
+    rows_distinct(out.strides, qs)?;
+    for (name, input) in ["q", "k", "v"].into_iter().zip(&spans) {
+        if input.start < spans[3].end && spans[3].start < input.end {
+            return Err(invalid!(
+                "out overlaps {name}: the kernels read {name} while out is written"
+            ));
+        }
+    }
+    let (qd, kd) = (p.q_strides(), p.kv_strides());
+    let in_layout = [q.strides, k.strides, v.strides, out.strides] == [qd, kd, kd, qd];
+    let backend = resolve(dev, &p, backend, in_layout)?;
+    let order = dev.order_after([
+        q.data.stream(),
+        k.data.stream(),
+        v.data.stream(),
+        out.data.stream(),
+    ])?;
+    let stream = dev.stream();
+    // The guards record cudarc's read/write events (where tracking is on) once dropped, after
+    // the launch is queued.
+    let (qp, _qg) = q.data.device_ptr(stream);
+    let (kp, _kg) = k.data.device_ptr(stream);
+    let (vp, _vg) = v.data.device_ptr(stream);
+    let (op, _og) = out.data.device_ptr_mut(stream);
+    let b = Buffers {
+        q: qp,
+        k: kp,
+        v: vp,
+        o: op,
+        scales: [0; 3],
+        strides: [q.strides, k.strides, v.strides, out.strides],
+    };
+    let ran = match backend.fused_kernel() {
+        Some(kernel) => crate::backend::fused::forward(kernel, dev, &p, &b),
+        None => crate::backend::cublas::forward(dev, &p, &b),
+    };
+    order.finish(ran)
+}
+
+impl Problem {
+    /// [`forward_views`] for this problem.
+    pub fn forward_views<T: Element>(
+        &self,
+        dev: &Device,
+        backend: Backend,
+        views: Views<'_, '_, T>,
+    ) -> Result<()> {
+        forward_views(dev, self, backend, views)
+    }
+}
+
+/// The backend that runs `p` on views: `backend` if it takes them, for `Auto` the first of the
+/// measured order that does. cpu reads owned tensors; cublas only the layout's strides.
+fn resolve(dev: &Device, p: &Checked, backend: Backend, in_layout: bool) -> Result<Backend> {
+    let takes = |b: Backend| match b {
+        Backend::Cpu => Err("reads owned tensors (Tensor), not views".to_string()),
+        Backend::Cublas if !in_layout => Err(format!(
+            "takes views with the {} layout's own strides only",
+            p.layout
+        )),
+        _ => Ok(()),
+    };
+    if backend != Backend::Auto {
+        takes(backend).map_err(|reason| Error::Unsupported {
+            backend: backend.name(),
+            reason,
+        })?;
+    }
+    backend.resolve_checked_where(Some(dev), p, takes)
+}
+
+/// The byte range a view's strides reach inside its buffer, having checked the buffer's GPU, its
+/// alignment, and that it holds every element `shape` addresses.
+fn span<T>(
+    name: &str,
+    dev: &Device,
+    data: &impl DevicePtr<T>,
+    s: Strides,
+    shape: TensorShape,
+) -> Result<std::ops::Range<u64>> {
+    let stream = data.stream();
+    if stream.context() != dev.ctx() {
+        return Err(invalid!(
+            "{name} lives on another GPU than the device handle"
+        ));
+    }
+    let es = std::mem::size_of::<T>();
+    // Where the kernels run over a dimension, its stride must keep rows 16-byte aligned.
+    for (dim, size, stride) in [
+        ("batch", shape.batch, s.batch),
+        ("head", shape.heads, s.head),
+        ("seq", shape.seq, s.seq),
+    ] {
+        if size > 1 && !(stride * es).is_multiple_of(16) {
+            return Err(invalid!(
+                "{name}'s {dim} stride {stride} is not a multiple of {} elements (16 bytes): \
+                 the kernels read rows 16 bytes at a time",
+                16 / es
+            ));
+        }
+    }
+    let (ptr, _g) = data.device_ptr(stream);
+    if !ptr.is_multiple_of(16) {
+        return Err(invalid!(
+            "{name} starts at {ptr:#x}, not 16-byte aligned: the kernels read rows 16 bytes at a \
+             time"
+        ));
+    }
+    let last = [
+        (shape.batch, s.batch),
+        (shape.heads, s.head),
+        (shape.seq, s.seq),
+    ]
+    .iter()
+    .try_fold(shape.head_dim, |acc, &(n, st)| {
+        (n - 1).checked_mul(st)?.checked_add(acc)
+    });
+    match last {
+        Some(n) if n <= data.len() => Ok(ptr..ptr + (n * es) as u64),
+        _ => Err(invalid!(
+            "{name} holds {} elements; shape {shape} at strides {s:?} reaches beyond them",
+            data.len()
+        )),
+    }
+}
+
+/// That the output's strides give each element its own address: ordered by stride, each
+/// dimension it runs over steps past everything the inner ones span (a zero or overlapping
+/// stride would have two CTAs write one element).
+fn rows_distinct(s: Strides, shape: TensorShape) -> Result<()> {
+    let mut dims = [
+        (s.seq, shape.seq),
+        (s.head, shape.heads),
+        (s.batch, shape.batch),
+    ];
+    dims.sort();
+    let mut spanned = shape.head_dim;
+    for (stride, size) in dims.into_iter().filter(|&(_, n)| n > 1) {
+        if stride < spanned {
+            return Err(invalid!(
+                "out's strides {s:?} make elements of shape {shape} share addresses"
+            ));
+        }
+        spanned += stride * (size - 1);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::Layout;
+
+    fn shape(batch: usize, heads: usize, seq: usize) -> TensorShape {
+        TensorShape {
+            batch,
+            heads,
+            seq,
+            head_dim: 64,
+            layout: Layout::Bhsd,
+        }
+    }
+
+    #[test]
+    fn output_strides_must_give_each_element_its_own_address() {
+        let s = shape(2, 4, 100);
+        let dense = Strides {
+            batch: 4 * 100 * 64,
+            head: 100 * 64,
+            seq: 64,
+        };
+        rows_distinct(dense, s).unwrap();
+        // Sequence-major with padding, and heads interleaved: still distinct.
+        rows_distinct(
+            Strides {
+                batch: 100 * 4 * 72,
+                head: 72,
+                seq: 4 * 72,
+            },
+            s,
+        )
+        .unwrap();
+        for bad in [
+            Strides { seq: 32, ..dense },
+            Strides { head: 0, ..dense },
+            Strides {
+                batch: 100 * 64,
+                ..dense
+            },
+        ] {
+            let e = rows_distinct(bad, s).unwrap_err();
+            assert!(e.to_string().contains("share addresses"), "{bad:?}: {e}");
+        }
+        // A dimension of size one has no stride to speak of.
+        rows_distinct(Strides { batch: 0, ..dense }, shape(1, 4, 100)).unwrap();
+    }
+}
