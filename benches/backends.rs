@@ -1,12 +1,14 @@
 //! `cargo bench`: every available backend on the named problems (sdpa_harness::problems), timed on
 //! the GPU with CUDA events through `iter_custom` (not host clocks). Without a GPU it benches the
 //! f64 CPU reference on the mission problem and says so. e4m3 rows: per-head scales, f16 output
-//! (the native kernel where built, else each backend's simulated path).
+//! (the native kernel where built, else each backend's simulated path). First, the host cost of
+//! a call through tensors and through views (`call_overhead`).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use sdpa::{Backend, DType, Device, Problem, Tensor};
+use half::f16;
+use sdpa::{Backend, DType, Device, Problem, Tensor, View, ViewMut, Views};
 use sdpa_harness::NAMED_PROBLEMS;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 fn gpu_benches(c: &mut Criterion, dev: &Device) {
     for &(name, _, _) in NAMED_PROBLEMS.iter() {
@@ -69,9 +71,57 @@ fn cpu_benches(c: &mut Criterion) {
     group.finish();
 }
 
+/// What a call costs the host through owned tensors and through views of the caller's memory
+/// (the views made afresh each call, as a framework would), on the mission problem with `Auto`:
+/// wall time of `iters` calls and one synchronisation. The mission kernel is shorter than a
+/// call's host work, so this is the host path; in graph replay both are the same kernel.
+fn call_overhead(c: &mut Criterion, dev: &Device) {
+    let p = sdpa_harness::named_problem("mission").unwrap();
+    let inputs = sdpa_harness::check::random_inputs(&p, 1).unwrap();
+    let [q, k, v] = inputs.upload(dev, p.dtype).unwrap();
+    let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap()).unwrap();
+    let host = |bits: &[u16]| -> Vec<f16> { bits.iter().map(|&b| f16::from_bits(b)).collect() };
+    let stream = dev.stream();
+    let [qc, kc, vc] = [0, 1, 2].map(|i| stream.clone_htod(&host(&inputs.bits[i])).unwrap());
+    let mut oc = stream.alloc_zeros::<f16>(p.q_len().unwrap()).unwrap();
+    let (qs, ks) = (p.q_strides(), p.kv_strides());
+    let mut group = c.benchmark_group("call_overhead");
+    group.sample_size(20);
+    let wall = |iters: u64, f: &mut dyn FnMut()| {
+        let t0 = Instant::now();
+        (0..iters).for_each(|_| f());
+        dev.synchronize().unwrap();
+        t0.elapsed()
+    };
+    group.bench_function("tensors", |b| {
+        b.iter_custom(|iters| {
+            wall(iters, &mut || {
+                sdpa::forward(dev, &p, Backend::Auto, &q, &k, &v, &mut out).unwrap()
+            })
+        })
+    });
+    group.bench_function("views", |b| {
+        b.iter_custom(|iters| {
+            wall(iters, &mut || {
+                let views = Views {
+                    q: View::new(qc.as_view(), qs),
+                    k: View::new(kc.as_view(), ks),
+                    v: View::new(vc.as_view(), ks),
+                    out: ViewMut::new(oc.as_view_mut(), qs),
+                };
+                sdpa::forward_views(dev, &p, Backend::Auto, views).unwrap()
+            })
+        })
+    });
+    group.finish();
+}
+
 fn benches(c: &mut Criterion) {
     match Device::new(0) {
-        Ok(dev) => gpu_benches(c, &dev),
+        Ok(dev) => {
+            call_overhead(c, &dev);
+            gpu_benches(c, &dev)
+        }
         Err(e) => {
             eprintln!("no GPU ({e}): benching the CPU reference on the mission problem only");
             cpu_benches(c);

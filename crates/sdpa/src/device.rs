@@ -47,8 +47,10 @@ impl std::fmt::Debug for Device {
 /// Whether the CUDA driver library can be loaded at all. Without it cudarc would panic on
 /// first use, so every entry point checks this first.
 pub fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen libcuda; no other state.
-    unsafe { sys::is_culib_present() }
+    // Opened here rather than through cudarc, whose check exists only when it loads the driver
+    // at run time: a build that also holds candle links it instead.
+    // SAFETY: libcuda's initialisers only register the library; nothing of it is called here.
+    unsafe { libloading::Library::new("libcuda.so.1") }.is_ok()
 }
 
 /// The attributes of `ctx`'s GPU the fused kernels are given.
