@@ -90,9 +90,9 @@ pub fn forward(
 }
 
 /// Makes ready on `dev` what `backend` needs to run `p` (the cuBLAS handle and workspace, the
-/// scratch of the e4m3 kernels), so that later calls of `p` or smaller problems allocate
-/// nothing and can be captured into a CUDA graph. Returns the backend that will run `p`
-/// (`Auto` resolved).
+/// scratch of the e4m3 kernels; for cublas one run of `p` on zeros, which loads its GEMM
+/// kernels), so that later calls of `p` or smaller problems allocate nothing and can be
+/// captured into a CUDA graph. Returns the backend that will run `p` (`Auto` resolved).
 ///
 /// The e4m3 simulated path of cublas and cpu dequantizes into new tensors and still allocates.
 pub fn reserve(dev: &Device, p: &Problem, backend: Backend) -> Result<Backend> {
@@ -101,7 +101,16 @@ pub fn reserve(dev: &Device, p: &Problem, backend: Backend) -> Result<Backend> {
     if let Some(kernel) = chosen.fused_kernel() {
         backend::fused::reserve(kernel, dev, &p)?;
     } else if chosen == Backend::Cublas {
-        backend::cublas::reserve(dev, &p.dequantized())?;
+        // cuBLAS loads a GEMM's kernels at their first launch, which a graph capture does not
+        // allow: run the problem once, on zeros, besides making the handle and workspace.
+        let p = p.dequantized();
+        backend::cublas::reserve(dev, &p)?;
+        let (ql, kl) = (p.q_elems(), p.kv_elems());
+        let zeros = |n| Tensor::zeros(dev, p.dtype, n);
+        let (q, k, v, mut out) = (zeros(ql)?, zeros(kl)?, zeros(kl)?, zeros(ql)?);
+        let b = Buffers::of_tensors(dev, &p, &q, &k, &v, &mut out);
+        backend::cublas::forward(dev, &p, &b)?;
+        dev.synchronize()?;
     }
     Ok(chosen)
 }
