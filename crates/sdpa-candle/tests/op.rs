@@ -1,0 +1,138 @@
+//! `flash_attn` against candle's own attention (`attention_unfused`: matmul, softmax, matmul in
+//! f32) on the same tensors: on the CPU (sdpa's float64 reference) always, on GPU 0 with the
+//! `cuda` feature. f16 and bf16, causal or not, grouped-query, inputs at non-contiguous strides.
+
+use candle_core::{DType, Device, Result, Tensor};
+use sdpa_candle::{attention_unfused, flash_attn};
+
+/// ‖a − b‖ / ‖b‖ in f32.
+fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+    let num = (&a - &b)?.sqr()?.sum_all()?.sqrt()?;
+    (num / b.sqr()?.sum_all()?.sqrt()?)?.to_scalar::<f32>()
+}
+
+/// Q as a transposed `(batch, heads, seq, head_dim)` tensor (strided, head_dim contiguous), K
+/// and V contiguous with `kv_heads` heads.
+fn inputs(
+    dev: &Device,
+    dtype: DType,
+    (b, h, kv_heads, sq, sk, d): (usize, usize, usize, usize, usize, usize),
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let q = Tensor::randn(0f32, 1.0, (b, h, sq, d), dev)?
+        .to_dtype(dtype)?
+        .transpose(1, 2)?;
+    let k = Tensor::randn(0f32, 1.0, (b, sk, kv_heads, d), dev)?.to_dtype(dtype)?;
+    let v = Tensor::randn(0f32, 1.0, (b, sk, kv_heads, d), dev)?.to_dtype(dtype)?;
+    Ok((q, k, v))
+}
+
+/// Every case on `dev`: the op's result against candle's own, to within the dtype's rounding.
+fn matches_candles_attention(dev: &Device) -> Result<usize> {
+    let mut ran = 0;
+    for dtype in [DType::F16, DType::BF16] {
+        for causal in [false, true] {
+            for dims in [(1, 4, 4, 64, 64, 64), (2, 8, 2, 77, 130, 128)] {
+                let (q, k, v) = inputs(dev, dtype, dims)?;
+                assert!(!q.is_contiguous(), "the test means to pass a strided Q");
+                let scale = 1.0 / (dims.5 as f32).sqrt();
+                let ours = flash_attn(&q, &k, &v, scale, causal)?;
+                let theirs = attention_unfused(&q, &k, &v, scale, causal)?;
+                assert_eq!(ours.dims(), q.dims());
+                assert_eq!(ours.dtype(), dtype);
+                let rel = rel_diff(&ours, &theirs)?;
+                let tol = if dtype == DType::F16 { 2e-3 } else { 1.5e-2 };
+                assert!(
+                    rel < tol,
+                    "{dev:?} {dtype:?} causal={causal} {dims:?}: relative difference {rel:e}"
+                );
+                ran += 1;
+            }
+        }
+    }
+    Ok(ran)
+}
+
+#[test]
+fn cpu_op_matches_candles_attention() -> Result<()> {
+    assert_eq!(matches_candles_attention(&Device::Cpu)?, 8);
+    Ok(())
+}
+
+#[test]
+fn bad_inputs_are_errors() -> Result<()> {
+    let dev = Device::Cpu;
+    let (q, k, v) = inputs(&dev, DType::F16, (1, 4, 4, 8, 8, 64))?;
+    let cases = [
+        (
+            flash_attn(&q.to_dtype(DType::F32)?, &k, &v, 0.125, false),
+            "must match",
+        ),
+        (
+            flash_attn(
+                &q.to_dtype(DType::F32)?,
+                &k.to_dtype(DType::F32)?,
+                &v.to_dtype(DType::F32)?,
+                0.125,
+                false,
+            ),
+            "F32 tensors are not supported",
+        ),
+        (
+            flash_attn(&q, &k.narrow(3, 0, 32)?, &v.narrow(3, 0, 32)?, 0.125, false),
+            "batch and head_dim must match",
+        ),
+        (
+            flash_attn(&q, &k, &v.narrow(1, 0, 4)?, 0.125, false),
+            "they must match",
+        ),
+        (
+            flash_attn(
+                &Tensor::randn(0f32, 1.0, (1, 8, 64, 4), &dev)?
+                    .to_dtype(DType::F16)?
+                    .transpose(2, 3)?,
+                &k,
+                &v,
+                0.125,
+                false,
+            ),
+            "must be contiguous",
+        ),
+        (
+            flash_attn(&q, &k.narrow(2, 0, 3)?, &v.narrow(2, 0, 3)?, 0.125, false),
+            "must be a multiple of kv_heads",
+        ),
+    ];
+    for (i, (got, fragment)) in cases.into_iter().enumerate() {
+        let e = got.expect_err("a bad input was accepted");
+        assert!(e.to_string().contains(fragment), "case {i}: {e}");
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_op_matches_candles_attention() -> Result<()> {
+    let dev = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) if std::env::var("SDPA_REQUIRE_GPU").as_deref() != Ok("1") => {
+            eprintln!("gpu op: skipped (no CUDA device: {e})");
+            return Ok(());
+        }
+        Err(e) => panic!("SDPA_REQUIRE_GPU=1 but candle has no CUDA device: {e}"),
+    };
+    assert_eq!(matches_candles_attention(&dev)?, 8);
+    // The GPU op and the CPU op (sdpa's float64 reference) on the same inputs.
+    let (q, k, v) = inputs(&dev, DType::BF16, (2, 8, 2, 200, 300, 128))?;
+    let gpu = flash_attn(&q, &k, &v, 0.08, true)?;
+    let cpu = flash_attn(
+        &q.to_device(&Device::Cpu)?,
+        &k.to_device(&Device::Cpu)?,
+        &v.to_device(&Device::Cpu)?,
+        0.08,
+        true,
+    )?;
+    let rel = rel_diff(&gpu.to_device(&Device::Cpu)?, &cpu)?;
+    assert!(rel < 1e-2, "GPU vs float64 reference: {rel:e}");
+    Ok(())
+}
