@@ -47,10 +47,17 @@ impl std::fmt::Debug for Device {
 /// Whether the CUDA driver library can be loaded at all. Without it cudarc would panic on
 /// first use, so every entry point checks this first.
 pub fn driver_present() -> bool {
-    // Opened here rather than through cudarc, whose check exists only when it loads the driver
-    // at run time: a build that also holds candle links it instead.
-    // SAFETY: libcuda's initialisers only register the library; nothing of it is called here.
-    unsafe { libloading::Library::new("libcuda.so.1") }.is_ok()
+    loadable(&["libcuda.so.1", "libcuda.so"])
+}
+
+/// Whether one of `names` can be opened: checked here rather than through cudarc, whose check
+/// exists only when it loads the CUDA libraries at run time (a build that also holds candle
+/// links them instead).
+pub(crate) fn loadable(names: &[&str]) -> bool {
+    names.iter().any(|name| {
+        // SAFETY: a CUDA library's initialisers only register it; nothing of it is called here.
+        unsafe { libloading::Library::new(*name) }.is_ok()
+    })
 }
 
 /// The attributes of `ctx`'s GPU the fused kernels are given.

@@ -75,8 +75,7 @@ fn gib(bytes: usize) -> f64 {
 }
 
 pub(crate) fn library_present() -> bool {
-    // SAFETY: only tries to dlopen libcublas.
-    unsafe { cb::is_culib_present() }
+    crate::device::loadable(&["libcublas.so.13", "libcublas.so"])
 }
 
 /// Largest value of a C `int`: cuBLAS's m, n, k, leading dimensions and batch count are `int`
