@@ -592,6 +592,16 @@ fn fp8_tensor_errors_name_the_value() {
             "at least one",
         ),
         (
+            "uninit e4m3",
+            Tensor::uninit(&dev, DType::E4m3, 4),
+            "carry scales",
+        ),
+        (
+            "uninit empty",
+            Tensor::uninit(&dev, DType::F16, 0),
+            "at least one",
+        ),
+        (
             "quantize e4m3",
             e4(&[1.0], Scaling::PerTensor)
                 .and_then(|t| Tensor::quantize(&dev, &t, shape, Scaling::PerTensor)),

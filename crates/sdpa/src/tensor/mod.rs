@@ -165,6 +165,24 @@ impl Tensor {
             fp8: None,
         })
     }
+    /// A tensor of `len` elements (f16 or bf16) whose contents are whatever the allocation
+    /// held: for an output that a call overwrites, without the cost of a fill.
+    pub fn uninit(dev: &Device, dtype: DType, len: usize) -> Result<Tensor> {
+        if dtype == DType::E4m3 {
+            return Err(needs_scales("Tensor::uninit"));
+        }
+        if len == 0 {
+            return Err(invalid!("a tensor needs at least one element"));
+        }
+        // SAFETY: device memory of any bit pattern is a valid f16/bf16 value; nothing on the
+        // host reads it before the caller's writes.
+        let buf = unsafe { dev.alloc::<u16>(len)? };
+        Ok(Tensor {
+            buf: Buf::Half(buf),
+            dtype,
+            fp8: None,
+        })
+    }
     /// A tensor of `len` NaNs (f16 or bf16), filled on the GPU: anything a kernel fails to
     /// write stays NaN and fails checks.
     pub fn poisoned(dev: &Device, dtype: DType, len: usize) -> Result<Tensor> {
