@@ -24,6 +24,9 @@ pub struct Args {
     /// Write records (JSON list) here.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Also draw the records (TFLOP/s per problem and backend) into this SVG file.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
     /// Time budget per measurement, milliseconds.
     #[arg(long, default_value_t = 1000.0)]
     budget_ms: f64,
@@ -71,6 +74,14 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         }
         None => ("cpu".to_string(), None),
     };
+    // Read before the runs: the clock a run starts from (it falls under sustained load).
+    let machine = match &dev {
+        Some(_) => crate::machine::metadata(0),
+        None => crate::machine::metadata(u32::MAX),
+    };
+    if dev.is_some() {
+        outln!("{}", crate::machine::describe(&machine))?;
+    }
     let mut records = Vec::new();
     let mut failed = false;
     let unix_time = std::time::SystemTime::now()
@@ -98,6 +109,9 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                         "us_event_max": t.event.max,
                         "us_event_ci95": [t.event.ci95.0, t.event.ci95.1],
                         "commit": env!("SDPA_COMMIT"), "time": unix_time,
+                        "driver": machine["driver"], "sm_clock_mhz": machine["sm_clock_mhz"],
+                        "sm_clock_max_mhz": machine["sm_clock_max_mhz"],
+                        "power_limit_w": machine["power_limit_w"],
                     }));
                 }
                 Err(e @ sdpa::Error::Unsupported { .. }) => eprintln!("skipped: {e}"),
@@ -144,6 +158,15 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         let text = serde_json::to_string_pretty(&records).expect("records serialize");
         npy::write_atomically(path, |w| w.write_all(text.as_bytes()))?;
         outln!("wrote {} records to {}", records.len(), path.display())?;
+    }
+    if let Some(path) = &a.plot {
+        let bars: Vec<_> = records
+            .iter()
+            .filter_map(|r| crate::plot::bar(r, &crate::plot::label(r), false))
+            .collect();
+        let title = format!("sdpa bench on {device}: TFLOP/s from us_graph (higher is better)");
+        crate::plot::write_svg(path, &title, &bars)?;
+        outln!("wrote {}", path.display())?;
     }
     Ok(if failed {
         ExitCode::FAILURE

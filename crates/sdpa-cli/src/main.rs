@@ -11,7 +11,10 @@ macro_rules! outln {
 
 mod autotable;
 mod bench;
+mod compare;
+mod machine;
 mod npy;
+mod plot;
 mod run;
 mod validate;
 
@@ -43,6 +46,8 @@ enum Cmd {
     Run(run::Args),
     /// Prints crates/sdpa/src/backend/auto/table.rs from `sdpa bench --json` records.
     Autotable(autotable::Args),
+    /// Our bench records against the anchors' (speedup table; `--plot` draws both).
+    Compare(compare::Args),
 }
 
 /// Why a command failed: the library said so, or standard output refused a write.
@@ -79,6 +84,7 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => bench::main(a),
         Cmd::Run(a) => run::main(a),
         Cmd::Autotable(a) => autotable::main(a).map_err(Failure::from),
+        Cmd::Compare(a) => compare::main(a),
     };
     // Whatever is still buffered must reach standard output too, or the run did not succeed.
     let result =

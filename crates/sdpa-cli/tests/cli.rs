@@ -304,6 +304,15 @@ fn validate_and_bench_work_with_or_without_a_gpu() {
     ] {
         assert!(!r[field].is_null(), "record lacks {field}: {r}");
     }
+    // The machine's state: null where NVML is missing (no driver here), but always recorded.
+    for field in [
+        "driver",
+        "sm_clock_mhz",
+        "sm_clock_max_mhz",
+        "power_limit_w",
+    ] {
+        assert!(r.get(field).is_some(), "record lacks {field}: {r}");
+    }
     assert!(r["us_graph"].as_f64().unwrap() > 0.0);
     let (lo, hi) = (
         r["us_graph_ci95"][0].as_f64(),
@@ -814,4 +823,71 @@ fn a_layout_mismatch_names_the_layout_and_float64_is_read() {
     }));
     assert!(c.output().unwrap().status.success());
     assert_eq!(std::fs::read(&out).unwrap(), want);
+}
+
+/// `sdpa compare` on recorded H100 figures: the speedup table against the fastest anchor per
+/// problem, and a chart naming every problem, backend and anchor; `sdpa bench --plot` on the
+/// CPU backend writes one too.
+#[test]
+fn compare_tabulates_and_plots_recorded_runs() {
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    let svg = tmp("compare.svg");
+    let out = sdpa()
+        .arg("compare")
+        .args([data.join("bench-h100.json"), data.join("anchors-h100.json")])
+        .arg("--plot")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = |problem: &str, ours: &str| {
+        text.lines()
+            .find(|l| l.starts_with(problem) && l.split_whitespace().nth(2) == Some(ours))
+            .unwrap_or_else(|| panic!("no {problem} {ours} line in\n{text}"))
+            .to_string()
+    };
+    // 6.80 / 3.72 and 800 / 872.
+    assert!(line("mission bf16", "cutlass").ends_with("1.83x"), "{text}");
+    let s8k = line("s8k-d128 bf16", "cutlass");
+    assert!(s8k.contains("fa4") && s8k.ends_with("0.92x"), "{s8k}");
+    let chart = std::fs::read_to_string(&svg).unwrap();
+    for name in [
+        "mission bf16",
+        "s16k-d128-causal bf16",
+        "cutlass-sm80",
+        "torch-cudnn",
+        "fa4",
+    ] {
+        assert!(chart.contains(name), "the chart lacks {name}");
+    }
+
+    let bench_svg = tmp("bench.svg");
+    let out = sdpa()
+        .args(["bench", "--backend", "cpu", "--shape", "1,1,64,64,64"])
+        .args(["--budget-ms", "20", "--plot", bench_svg.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let chart = std::fs::read_to_string(&bench_svg).unwrap();
+    assert!(
+        chart.starts_with("<svg") && chart.contains("cpu"),
+        "{chart:.200}"
+    );
+
+    let e = sdpa()
+        .args(["compare", "/nonexistent.json", "/nonexistent2.json"])
+        .output()
+        .unwrap();
+    assert!(!e.status.success());
+    let msg = String::from_utf8_lossy(&e.stderr);
+    assert!(msg.contains("/nonexistent.json"), "{msg}");
 }
