@@ -1,6 +1,7 @@
 //! `sdpa bench`: named problems x backends, CUDA-event timing (`us_graph`, `us_event`),
 //! TFLOP/s, rel_err, and `--json` records in the format of shared/anchors/compare.py.
 
+use crate::progress::Progress;
 use crate::validate::{ProblemArgs, auto_note, backends, require_runnable};
 use crate::{CliResult, chosen_backend, device_for, npy, open_device};
 use sdpa::{Backend, Device, Problem, Result, Tensor};
@@ -87,14 +88,24 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     let unix_time = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
+    let progress = Progress::new(problems.len() * backends.len(), "bench");
     for (name, p) in &problems {
         for &b in &backends {
             let chosen = chosen_backend(dev.as_ref(), p, b);
             let note = chosen.as_ref().map_or(String::new(), |&c| auto_note(b, c));
-            eprint!("bench {name} {} {}{note} ... ", p.dtype, b.name());
+            let what = format!("bench {name} {} {}{note} ... ", p.dtype, b.name());
+            // On a terminal the bar names the run; in a log the line starts before it.
+            progress.step(what.clone());
+            if !progress.shown() {
+                eprint!("{what}");
+            }
+            let said = |result: String| match progress.shown() {
+                true => progress.done(format!("{what}{result}")),
+                false => eprintln!("{result}"),
+            };
             match chosen.and_then(|c| bench_one(dev.as_ref(), p, c, a.budget_ms)) {
                 Ok((t, rel_err)) => {
-                    eprintln!("{:.2} us", t.us_graph);
+                    said(format!("{:.2} us", t.us_graph));
                     records.push(json!({
                         "name": name, "batch": p.batch, "heads": p.heads, "seq_q": p.seq_q,
                         "seq_k": p.seq_k, "head_dim": p.head_dim, "causal": p.is_causal(),
@@ -114,14 +125,15 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                         "power_limit_w": machine["power_limit_w"],
                     }));
                 }
-                Err(e @ sdpa::Error::Unsupported { .. }) => eprintln!("skipped: {e}"),
+                Err(e @ sdpa::Error::Unsupported { .. }) => said(format!("skipped: {e}")),
                 Err(e) => {
-                    eprintln!("FAILED: {e}");
+                    said(format!("FAILED: {e}"));
                     failed = true;
                 }
             }
         }
     }
+    drop(progress);
     outln!(
         "\n{:<18} {:<5} {:<8} {:>11} {:>21} {:>11} {:>8} {:>10}",
         "problem",

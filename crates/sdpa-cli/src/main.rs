@@ -15,6 +15,7 @@ mod compare;
 mod machine;
 mod npy;
 mod plot;
+mod progress;
 mod run;
 mod validate;
 

@@ -1,5 +1,6 @@
 //! `sdpa validate`: backend x problem -> rel_err, max_err, pass/fail against the f64 reference.
 
+use crate::progress::Progress;
 use crate::{CliResult, chosen_backend, device_for};
 use sdpa::{Backend, DType, Device, Layout, Problem, Result, Scaling};
 use sdpa_harness::check::{Inputs, compare, fresh_seed, random_inputs, run_backend};
@@ -211,6 +212,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         "max_tol"
     )?;
     let (mut failed, mut ran) = (0, 0);
+    let progress = Progress::new(problems.len() * backends.len(), "validate");
     for (i, (name, p)) in problems.iter().enumerate() {
         let inputs: Inputs = random_inputs(p, seed.wrapping_add(i as u64))?;
         let [q, k, v] = &inputs.values;
@@ -224,12 +226,15 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         };
         for &b in &backends {
             let line = |r: &str| format!("{:<8} {:<22} {:<8} {r}", b.name(), name, dtype_label(p));
+            progress.step(format!("{} {name} {}", b.name(), dtype_label(p)));
+            progress.tick();
             let chosen = chosen_backend(dev.as_ref(), p, b);
             let runs = chosen.and_then(|c| c.supports(dev.as_ref(), p).map(|()| c));
             let ran_as = match runs {
                 Ok(c) => c,
                 Err(e) => {
-                    outln!("{}", line(&format!("{:>43}  skipped: {e}", "")))?;
+                    progress
+                        .suspend(|| outln!("{}", line(&format!("{:>43}  skipped: {e}", ""))))?;
                     continue;
                 }
             };
@@ -250,29 +255,29 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                     };
                     let verdict = if r.pass() { "pass" } else { "FAIL" };
                     failed += usize::from(!r.pass());
-                    outln!(
-                        "{}",
-                        line(&format!(
-                            "{:>10.3e} {:>10.1e} {:>10.3e} {:>10.1e}  {verdict}{}{note}",
-                            r.rel_err,
-                            r.tol.rel,
-                            r.max_err,
-                            r.tol.max_abs,
-                            if r.nan_count > 0 {
-                                format!(" ({} NaN)", r.nan_count)
-                            } else {
-                                e2e
-                            }
-                        ))
-                    )?;
+                    let text = line(&format!(
+                        "{:>10.3e} {:>10.1e} {:>10.3e} {:>10.1e}  {verdict}{}{note}",
+                        r.rel_err,
+                        r.tol.rel,
+                        r.max_err,
+                        r.tol.max_abs,
+                        if r.nan_count > 0 {
+                            format!(" ({} NaN)", r.nan_count)
+                        } else {
+                            e2e
+                        }
+                    ));
+                    progress.suspend(|| outln!("{text}"))?;
                 }
                 Err(e) => {
                     failed += 1;
-                    outln!("{}", line(&format!("{:>43}  FAIL: {e}{note}", "")))?;
+                    progress
+                        .suspend(|| outln!("{}", line(&format!("{:>43}  FAIL: {e}{note}", ""))))?;
                 }
             }
         }
     }
+    drop(progress);
     outln!("{} of {ran} checks passed", ran - failed)?;
     Ok(if failed == 0 && ran > 0 {
         ExitCode::SUCCESS
