@@ -7,7 +7,10 @@ mod common;
 use cudarc::driver::sys::CUstreamCaptureMode;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::f16;
-use sdpa::{Backend, DType, Device, Problem, Strides, TensorShape, View, ViewMut, Views};
+use sdpa::{
+    Backend, DType, Device, Fp8View, Fp8Views, Problem, Scaling, Strides, TensorShape, View,
+    ViewMut, Views,
+};
 use sdpa_harness::check::{compare, fresh_seed, random_inputs};
 use std::sync::Arc;
 
@@ -339,4 +342,99 @@ fn a_call_on_callers_buffers_is_captured_in_a_graph() {
         }
     }
     common::assert_all_ran("graph capture", &dev, &ran);
+}
+
+/// e4m3 codes and per-head scales read in place: on the native kernel (cutlass, sm_90a) at
+/// padded sequence-major strides, on the simulated path of the other fused backends at the
+/// layout's strides (bf16 output); both against the float64 reference of the dequantized
+/// inputs. Padded per-head views and f16 output on the simulated path are refused with the
+/// reason.
+#[test]
+fn e4m3_views_match_the_reference() {
+    let Some((stream, dev)) = callers_stream("e4m3 views") else {
+        return;
+    };
+    let seed = fresh_seed();
+    let p = Problem::new(2, 4, 130, 77, 128)
+        .with_kv_heads(2)
+        .with_causal(true)
+        .with_dtype(DType::E4m3)
+        .with_out_dtype(DType::Bf16)
+        .with_fp8_scaling(Scaling::PerHead);
+    let inputs = random_inputs(&p, seed).unwrap();
+    let fp8 = inputs.fp8.as_ref().unwrap();
+    let reference =
+        sdpa::reference(&p, &inputs.values[0], &inputs.values[1], &inputs.values[2]).unwrap();
+    let (qshape, kshape) = (p.q_shape(), p.kv_shape());
+    // Codes written at strides `s` into a buffer of 0x7F (an e4m3 NaN) elsewhere.
+    let codes = |i: usize, shape: TensorShape, s: Strides| {
+        let mut buf = vec![0x7Fu8; extent(shape, s)];
+        for (c, (b, h, n, d)) in inputs.bits[i].iter().zip(indices(shape)) {
+            buf[s.offset(b, h, n, d)] = *c as u8;
+        }
+        stream.clone_htod(&buf).unwrap()
+    };
+    let scales = [0, 1, 2].map(|i| stream.clone_htod(&fp8.scales[i]).unwrap());
+    let run = |b: Backend, qs: Strides, ks: Strides, f16_out: bool| {
+        let (q, k, v) = (
+            codes(0, qshape, qs),
+            codes(1, kshape, ks),
+            codes(2, kshape, ks),
+        );
+        let os = p.q_strides();
+        if f16_out {
+            let p16 = p.with_out_dtype(DType::F16);
+            let mut out = stream.alloc_zeros::<f16>(p.q_len().unwrap()).unwrap();
+            let views = Fp8Views {
+                q: Fp8View::new(q.as_view(), scales[0].as_view(), qs),
+                k: Fp8View::new(k.as_view(), scales[1].as_view(), ks),
+                v: Fp8View::new(v.as_view(), scales[2].as_view(), ks),
+                out: ViewMut::new(out.as_view_mut(), os),
+            };
+            return sdpa::forward_fp8_views(&dev, &p16, b, views).map(|()| Vec::new());
+        }
+        let mut out = stream
+            .clone_htod(&vec![half::bf16::NAN; p.q_len().unwrap()])
+            .unwrap();
+        let views = Fp8Views {
+            q: Fp8View::new(q.as_view(), scales[0].as_view(), qs),
+            k: Fp8View::new(k.as_view(), scales[1].as_view(), ks),
+            v: Fp8View::new(v.as_view(), scales[2].as_view(), ks),
+            out: ViewMut::new(out.as_view_mut(), os),
+        };
+        sdpa::forward_fp8_views(&dev, &p, b, views)?;
+        let host = stream.clone_dtoh(&out).unwrap();
+        Ok(host
+            .iter()
+            .map(|x| f64::from(x.to_f32()))
+            .collect::<Vec<f64>>())
+    };
+    let (qp, kp) = (padded(qshape, 16), padded(kshape, 32));
+    let (ql, kl) = (p.q_strides(), p.kv_strides());
+    let mut ran = Vec::new();
+    for b in common::expected_backends(&dev) {
+        let got = match b {
+            Backend::Cublas => {
+                let e = run(b, ql, kl, false).unwrap_err();
+                assert!(e.to_string().contains("owned tensors only"), "{e}");
+                continue;
+            }
+            Backend::Cutlass => run(b, qp, kp, false),
+            _ => {
+                let e = run(b, qp, kp, false).unwrap_err();
+                assert!(
+                    e.to_string().contains("layout's own strides only"),
+                    "{b}: {e}"
+                );
+                let e = run(b, ql, kl, true).unwrap_err();
+                assert!(e.to_string().contains("to bf16 only"), "{b}: {e}");
+                run(b, ql, kl, false)
+            }
+        }
+        .unwrap_or_else(|e| panic!("{b} on e4m3 views: {e}"));
+        let r = compare(&got, &reference, DType::E4m3, seed);
+        assert!(r.pass(), "{b} on e4m3 views of {p}: {r:?}");
+        ran.push(b);
+    }
+    common::assert_ran("e4m3 views", &ran);
 }

@@ -45,6 +45,7 @@ mod device;
 mod error;
 mod ffi;
 pub mod fp8;
+mod fp8_view;
 pub mod memory;
 mod problem;
 mod tensor;
@@ -58,6 +59,7 @@ pub use error::{CudaError, Error, MemoryKind, Result};
 pub use problem::{DType, Layout, Mask, Problem, Scaling, Strides, TensorShape};
 
 use buffers::Buffers;
+pub use fp8_view::{Fp8View, Fp8Views, forward_fp8_views};
 use problem::Checked;
 pub use tensor::{Element, Tensor};
 pub use view::{View, ViewMut, Views, forward_views};

@@ -20,8 +20,8 @@ pub struct View<'a, T> {
 
 /// The output in the caller's device memory, as [`View`] but written.
 pub struct ViewMut<'a, T> {
-    data: CudaViewMut<'a, T>,
-    strides: Strides,
+    pub(crate) data: CudaViewMut<'a, T>,
+    pub(crate) strides: Strides,
 }
 
 impl<'a, T: Element> View<'a, T> {
@@ -212,7 +212,7 @@ fn resolve(dev: &Device, p: &Checked, backend: Backend, in_layout: bool) -> Resu
 
 /// The byte range a view's strides reach inside its buffer, having checked the buffer's GPU, its
 /// alignment, and that it holds every element `shape` addresses.
-fn span<T>(
+pub(crate) fn span<T>(
     name: &str,
     dev: &Device,
     data: &impl DevicePtr<T>,
@@ -268,7 +268,7 @@ fn span<T>(
 /// That the output's strides give each element its own address: ordered by stride, each
 /// dimension it runs over steps past everything the inner ones span (a zero or overlapping
 /// stride would have two CTAs write one element).
-fn rows_distinct(s: Strides, shape: TensorShape) -> Result<()> {
+pub(crate) fn rows_distinct(s: Strides, shape: TensorShape) -> Result<()> {
     let mut dims = [
         (s.seq, shape.seq),
         (s.head, shape.heads),

@@ -1,0 +1,175 @@
+//! e4m3 operands in the caller's memory: codes at any strides (head_dim contiguous) and their
+//! dequantization scales, read in place like the 16-bit views of `view.rs`.
+
+use crate::backend::Backend;
+use crate::buffers::Buffers;
+use crate::device::Device;
+use crate::error::{Error, Result, invalid};
+use crate::problem::{DType, Problem, Scaling, Strides};
+use crate::tensor::Element;
+use crate::view::{ViewMut, rows_distinct, span};
+use cudarc::driver::{CudaView, DevicePtr, DeviceSlice};
+
+/// Q, K or V as e4m3 codes in the caller's device memory: a `[batch, heads, seq, head_dim]`
+/// tensor of codes at element `strides` inside `codes`, and `scales` (real value = code · scale):
+/// one, or one per (batch, head) pair in batch-major order, as the problem's `fp8_scaling` says.
+pub struct Fp8View<'a> {
+    codes: CudaView<'a, u8>,
+    scales: CudaView<'a, f32>,
+    strides: Strides,
+}
+
+impl<'a> Fp8View<'a> {
+    /// The codes at element `strides` inside `codes`, with their `scales`. Checked against the
+    /// problem at the call.
+    pub fn new(codes: CudaView<'a, u8>, scales: CudaView<'a, f32>, strides: Strides) -> Self {
+        Fp8View {
+            codes,
+            scales,
+            strides,
+        }
+    }
+}
+
+impl std::fmt::Debug for Fp8View<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fp8View")
+            .field("len", &self.codes.len())
+            .field("scales", &self.scales.len())
+            .field("strides", &self.strides)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The operands of an e4m3 call on views, by name; the output is f16 or bf16.
+#[derive(Debug)]
+pub struct Fp8Views<'a, 'o, T> {
+    /// Queries.
+    pub q: Fp8View<'a>,
+    /// Keys.
+    pub k: Fp8View<'a>,
+    /// Values.
+    pub v: Fp8View<'a>,
+    /// The output, `p.output_dtype()`; written only on success.
+    pub out: ViewMut<'o, T>,
+}
+
+/// [`crate::forward_views`] for an e4m3 problem: codes and scales read in place, the output
+/// written in place, nothing copied or allocated (once [`crate::reserve`] has run).
+///
+/// Each view is checked as a 16-bit one is (its GPU, rows of 16-byte multiples, that it holds
+/// what its strides reach), and its scales hold one value, or one per (batch, head) pair. The
+/// native e4m3 kernel (cutlass on sm_90a) takes any strides. The other fused backends
+/// dequantize first (the simulated path): they need bf16 output (the scales stay on the GPU,
+/// so whether f16 holds code · scale exactly cannot be checked), and per-head scales there need
+/// the strides of the problem's layout. cpu and cublas take owned tensors only.
+pub fn forward_fp8_views<T: Element>(
+    dev: &Device,
+    p: &Problem,
+    backend: Backend,
+    views: Fp8Views<'_, '_, T>,
+) -> Result<()> {
+    let p = p.checked()?;
+    let Fp8Views { q, k, v, mut out } = views;
+    if p.dtype != DType::E4m3 || p.output_dtype() != T::DTYPE {
+        return Err(invalid!(
+            "e4m3 views need an e4m3 problem with {} output; the problem's inputs are {} and \
+             output {}",
+            T::DTYPE,
+            p.dtype,
+            p.output_dtype()
+        ));
+    }
+    let (qs, ks) = (p.q_shape(), p.kv_shape());
+    let spans = [
+        span("q", dev, &q.codes, q.strides, qs)?,
+        span("k", dev, &k.codes, k.strides, ks)?,
+        span("v", dev, &v.codes, v.strides, ks)?,
+        span("out", dev, &out.data, out.strides, qs)?,
+    ];
+    rows_distinct(out.strides, qs)?;
+    let groups = |heads: usize| match p.fp8_scaling {
+        Scaling::PerTensor => 1,
+        Scaling::PerHead => p.batch * heads,
+    };
+    for (name, view, need) in [
+        ("q", &q, groups(p.heads)),
+        ("k", &k, groups(p.kv_heads)),
+        ("v", &v, groups(p.kv_heads)),
+    ] {
+        if view.scales.len() < need {
+            return Err(invalid!(
+                "{name} has {} scales, {} scaling of {p} needs {need}",
+                view.scales.len(),
+                p.fp8_scaling.name()
+            ));
+        }
+        if view.scales.stream().context() != dev.ctx() {
+            return Err(invalid!(
+                "{name}'s scales live on another GPU than the device handle"
+            ));
+        }
+        let (sp, _g) = view.scales.device_ptr(view.scales.stream());
+        let scales = sp..sp + (view.scales.len() * 4) as u64;
+        if scales.start < spans[3].end && spans[3].start < scales.end {
+            return Err(invalid!("out overlaps {name}'s scales"));
+        }
+    }
+    for (name, input) in ["q", "k", "v"].into_iter().zip(&spans) {
+        if input.start < spans[3].end && spans[3].start < input.end {
+            return Err(invalid!(
+                "out overlaps {name}: the kernels read {name} while out is written"
+            ));
+        }
+    }
+    let (qd, kd) = (p.q_strides(), p.kv_strides());
+    let in_layout = [q.strides, k.strides, v.strides] == [qd, kd, kd];
+    let takes = |b: Backend| match b {
+        Backend::Cpu | Backend::Cublas => Err("takes e4m3 as owned tensors only".to_string()),
+        b if b.native_fp8() => Ok(()),
+        _ if T::DTYPE != DType::Bf16 => Err(
+            "dequantizes e4m3 views to bf16 only (whether f16 holds code · scale exactly depends \
+             on scales that stay on the GPU)"
+                .to_string(),
+        ),
+        _ if p.fp8_scaling == Scaling::PerHead && !in_layout => Err(format!(
+            "dequantizes per-head e4m3 views at the {} layout's own strides only",
+            p.layout
+        )),
+        _ => Ok(()),
+    };
+    if backend != Backend::Auto {
+        takes(backend).map_err(|reason| Error::Unsupported {
+            backend: backend.name(),
+            reason,
+        })?;
+    }
+    let backend = backend.resolve_checked_where(Some(dev), &p, takes)?;
+    let kernel = backend
+        .fused_kernel()
+        .expect("cpu and cublas were refused above");
+    let streams = [&q, &k, &v].map(|x| (x.codes.stream(), x.scales.stream()));
+    let order = dev.order_after(
+        streams
+            .iter()
+            .flat_map(|(a, b)| [*a, *b])
+            .chain([out.data.stream()]),
+    )?;
+    let stream = dev.stream();
+    let (qp, _qg) = q.codes.device_ptr(stream);
+    let (kp, _kg) = k.codes.device_ptr(stream);
+    let (vp, _vg) = v.codes.device_ptr(stream);
+    let (qsp, _qsg) = q.scales.device_ptr(stream);
+    let (ksp, _ksg) = k.scales.device_ptr(stream);
+    let (vsp, _vsg) = v.scales.device_ptr(stream);
+    let (op, _og) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut out.data, stream);
+    let b = Buffers {
+        q: qp,
+        k: kp,
+        v: vp,
+        o: op,
+        scales: [qsp, ksp, vsp],
+        strides: [q.strides, k.strides, v.strides, out.strides],
+    };
+    order.finish(crate::backend::fused::forward(kernel, dev, &p, &b))
+}
