@@ -49,6 +49,28 @@ pub fn flash_attn(
     )
 }
 
+/// [`flash_attn`] with candle-flash-attn's window arguments: query row i sees keys j with
+/// `i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right`, `None` meaning no bound on that
+/// side. The windows sdpa computes today are the whole sequence (`None, None`) and causal
+/// (`None, Some(0)`); a finite window is an error until the kernels take sliding windows.
+pub fn flash_attn_windowed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+) -> Result<Tensor> {
+    match (window_size_left, window_size_right) {
+        (None, None) => flash_attn(q, k, v, softmax_scale, false),
+        (None, Some(0)) => flash_attn(q, k, v, softmax_scale, true),
+        (left, right) => bail!(
+            "sdpa-candle: window ({left:?}, {right:?}) is not supported yet: sdpa computes the \
+             whole sequence (None, None) and causal (None, Some(0))"
+        ),
+    }
+}
+
 /// The op behind [`flash_attn`]: one call of [`sdpa::forward_views`] on the GPU (backend
 /// `Auto`), [`sdpa::reference`] on the CPU.
 #[derive(Debug, Clone, Copy)]

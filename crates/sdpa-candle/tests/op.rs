@@ -60,6 +60,19 @@ fn cpu_op_matches_candles_attention() -> Result<()> {
 }
 
 #[test]
+fn windowed_takes_the_whole_sequence_and_causal_and_refuses_finite_windows() -> Result<()> {
+    let (q, k, v) = inputs(&Device::Cpu, DType::BF16, (1, 4, 2, 40, 50, 64))?;
+    for (right, causal) in [(None, false), (Some(0), true)] {
+        let windowed = sdpa_candle::flash_attn_windowed(&q, &k, &v, 0.125, None, right)?;
+        let plain = flash_attn(&q, &k, &v, 0.125, causal)?;
+        assert_eq!(rel_diff(&windowed, &plain)?, 0.0, "{right:?}");
+    }
+    let e = sdpa_candle::flash_attn_windowed(&q, &k, &v, 0.125, Some(16), Some(0)).unwrap_err();
+    assert!(e.to_string().contains("not supported yet"), "{e}");
+    Ok(())
+}
+
+#[test]
 fn bad_inputs_are_errors() -> Result<()> {
     let dev = Device::Cpu;
     let (q, k, v) = inputs(&dev, DType::F16, (1, 4, 4, 8, 8, 64))?;
