@@ -7,7 +7,7 @@ use crate::device::Device;
 use crate::error::{Error, Result, invalid};
 use crate::problem::{DType, Problem, Scaling, Strides};
 use crate::tensor::Element;
-use crate::view::{ViewMut, rows_distinct, span};
+use crate::view::{ViewMut, out_apart, rows_distinct, span};
 use cudarc::driver::{CudaView, DevicePtr, DeviceSlice};
 
 /// Q, K or V as e4m3 codes in the caller's device memory: a `[batch, heads, seq, head_dim]`
@@ -92,36 +92,30 @@ pub fn forward_fp8_views<T: Element>(
         Scaling::PerTensor => 1,
         Scaling::PerHead => p.batch * heads,
     };
+    let mut scale_spans = Vec::with_capacity(3);
     for (name, view, need) in [
-        ("q", &q, groups(p.heads)),
-        ("k", &k, groups(p.kv_heads)),
-        ("v", &v, groups(p.kv_heads)),
+        ("q's scales", &q, groups(p.heads)),
+        ("k's scales", &k, groups(p.kv_heads)),
+        ("v's scales", &v, groups(p.kv_heads)),
     ] {
         if view.scales.len() < need {
             return Err(invalid!(
-                "{name} has {} scales, {} scaling of {p} needs {need}",
+                "{name}: {} values, {} scaling of {p} needs {need}",
                 view.scales.len(),
                 p.fp8_scaling.name()
             ));
         }
         if view.scales.stream().context() != dev.ctx() {
             return Err(invalid!(
-                "{name}'s scales live on another GPU than the device handle"
+                "{name} live on another GPU than the device handle"
             ));
         }
         let (sp, _g) = view.scales.device_ptr(view.scales.stream());
-        let scales = sp..sp + (view.scales.len() * 4) as u64;
-        if scales.start < spans[3].end && spans[3].start < scales.end {
-            return Err(invalid!("out overlaps {name}'s scales"));
-        }
+        scale_spans.push((name, sp..sp + (view.scales.len() * 4) as u64));
     }
-    for (name, input) in ["q", "k", "v"].into_iter().zip(&spans) {
-        if input.start < spans[3].end && spans[3].start < input.end {
-            return Err(invalid!(
-                "out overlaps {name}: the kernels read {name} while out is written"
-            ));
-        }
-    }
+    let mut inputs = vec![("q", &spans[0]), ("k", &spans[1]), ("v", &spans[2])];
+    inputs.extend(scale_spans.iter().map(|(name, r)| (*name, r)));
+    out_apart(&spans[3], &inputs)?;
     let (qd, kd) = (p.q_strides(), p.kv_strides());
     let in_layout = [q.strides, k.strides, v.strides] == [qd, kd, kd];
     let takes = |b: Backend| match b {

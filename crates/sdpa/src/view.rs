@@ -8,6 +8,7 @@ use crate::error::{Error, Result, invalid};
 use crate::problem::{Checked, Problem, Strides, TensorShape};
 use crate::tensor::Element;
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
+use std::ops::Range;
 
 /// Q, K or V in the caller's device memory: a `[batch, heads, seq, head_dim]` tensor at element
 /// `strides` inside `data` (head_dim contiguous), borrowed for the call.
@@ -140,13 +141,10 @@ pub fn forward_views<T: Element>(
         span("out", dev, &out.data, out.strides, qs)?,
     ];
     rows_distinct(out.strides, qs)?;
-    for (name, input) in ["q", "k", "v"].into_iter().zip(&spans) {
-        if input.start < spans[3].end && spans[3].start < input.end {
-            return Err(invalid!(
-                "out overlaps {name}: the kernels read {name} while out is written"
-            ));
-        }
-    }
+    out_apart(
+        &spans[3],
+        &[("q", &spans[0]), ("k", &spans[1]), ("v", &spans[2])],
+    )?;
     let (qd, kd) = (p.q_strides(), p.kv_strides());
     let in_layout = [q.strides, k.strides, v.strides, out.strides] == [qd, kd, kd, qd];
     let backend = resolve(dev, &p, backend, in_layout)?;
@@ -218,7 +216,7 @@ pub(crate) fn span<T>(
     data: &impl DevicePtr<T>,
     s: Strides,
     shape: TensorShape,
-) -> Result<std::ops::Range<u64>> {
+) -> Result<Range<u64>> {
     let stream = data.stream();
     if stream.context() != dev.ctx() {
         return Err(invalid!(
@@ -265,6 +263,19 @@ pub(crate) fn span<T>(
     }
 }
 
+/// That the output's bytes `out` overlap none of the `inputs` the kernels read while writing it.
+pub(crate) fn out_apart(out: &Range<u64>, inputs: &[(&str, &Range<u64>)]) -> Result<()> {
+    match inputs
+        .iter()
+        .find(|(_, r)| r.start < out.end && out.start < r.end)
+    {
+        Some((name, _)) => Err(invalid!(
+            "out overlaps {name}: the kernels read {name} while out is written"
+        )),
+        None => Ok(()),
+    }
+}
+
 /// That the output's strides give each element its own address: ordered by stride, each
 /// dimension it runs over steps past everything the inner ones span (a zero or overlapping
 /// stride would have two CTAs write one element).
@@ -300,6 +311,16 @@ mod tests {
             head_dim: 64,
             layout: Layout::Bhsd,
         }
+    }
+
+    #[test]
+    fn the_output_may_touch_but_not_overlap_an_input() {
+        let (q, scales) = (100..200, 300..304);
+        out_apart(&(200..300), &[("q", &q), ("q's scales", &scales)]).unwrap();
+        let e = out_apart(&(302..400), &[("q", &q), ("q's scales", &scales)]).unwrap_err();
+        assert!(e.to_string().contains("out overlaps q's scales"), "{e}");
+        let e = out_apart(&(0..101), &[("q", &q)]).unwrap_err();
+        assert!(e.to_string().contains("out overlaps q:"), "{e}");
     }
 
     #[test]
