@@ -11,7 +11,7 @@ use sdpa_harness::NAMED_PROBLEMS;
 use std::time::{Duration, Instant};
 
 fn gpu_benches(c: &mut Criterion, dev: &Device) {
-    for &(name, _, _) in NAMED_PROBLEMS.iter() {
+    for name in NAMED_PROBLEMS.iter().map(|n| n.name) {
         let base = sdpa_harness::named_problem(name).unwrap();
         let mut group = c.benchmark_group(name);
         group

@@ -142,10 +142,10 @@ fn api_cases() -> Vec<ApiCase> {
             "K/V would hold",
         ),
         (
-            "scalar d96",
-            sup(Backend::Scalar, p(1, 1, 4, 4, 96)),
+            "scalar d80",
+            sup(Backend::Scalar, p(1, 1, 4, 4, 80)),
             Unsupported,
-            "head_dim 96",
+            "head_dim 80",
         ),
         (
             "wmma d32",
@@ -154,8 +154,8 @@ fn api_cases() -> Vec<ApiCase> {
             "head_dim 32",
         ),
         (
-            "scalar d256",
-            sup(Backend::Scalar, p(1, 1, 4, 4, 256)),
+            "cutlass d256",
+            sup(Backend::Cutlass, p(1, 1, 4, 4, 256)),
             Unsupported,
             "head_dim 256",
         ),

@@ -19,8 +19,10 @@ struct Error : std::runtime_error {
 enum class Dtype : int32_t { F16 = 0, BF16 = 1, E4M3 = 2 };
 
 // Which keys each query row sees. CausalBottomRight: row i sees keys j <= i + seq_k - seq_q (the
-// causal diagonal aligned to the last key, as FlashAttention for seq_q != seq_k).
-enum class Mask : int32_t { NoMask = 0, CausalBottomRight = 1 };
+// causal diagonal aligned to the last key, as FlashAttention for seq_q != seq_k). CausalTopLeft:
+// j <= i. Window: i + seq_k - seq_q - window_left <= j <= i + seq_k - seq_q + window_right
+// (FwdArgs; a negative side is unbounded), FlashAttention's window_size.
+enum class Mask : int32_t { NoMask = 0, CausalBottomRight = 1, CausalTopLeft = 2, Window = 3 };
 
 // Strides are in elements; the innermost (head_dim) stride is 1. The Rust layer has validated
 // every field (shapes, strides, alignment, that the buffers hold what the strides address).
@@ -35,6 +37,18 @@ struct FwdArgs {
   Strides q_stride, k_stride, v_stride, o_stride;
   float scale;
   Mask mask;
+  int64_t window_left, window_right;  // Window only; negative: unbounded
+  // > 0: scores become softcap * tanh(scale * q.k / softcap) before the softmax; 0: off.
+  float softcap;
+  // ALiBi: (b, h) adds -slope * |i + seq_k - seq_q - j| to row i, key j, slope =
+  // alibi_slopes[b * alibi_batch_stride + h] (stride 0: one slope per head), device f32.
+  bool alibi;
+  const float* alibi_slopes;
+  int64_t alibi_batch_stride;
+  // The log-sum-exp out: device f32 [batch][heads][seq_q], the natural log of each row's sum of
+  // exponentials of its logits (-inf for a row that sees no key).
+  bool has_lse;
+  float* lse;
   Dtype dtype;      // of q, k, v
   Dtype out_dtype;  // of o: F16 or BF16; equal to dtype unless dtype is E4M3
   // E4M3 only (null otherwise): dequantization scales, real value = code * scale. Device f32
@@ -109,8 +123,8 @@ struct DeviceInfo {
 // args.dtype and args.head_dim, and what the kernel itself requires (its device, its shared
 // memory against dev.smem_optin_per_block, its 32-bit and grid limits, TMA addressing), each
 // stated next to the kernel (its header's can_implement). The pointers of `args` may be null
-// (a question asked before any buffer exists); the ones set are checked for what the kernel
-// needs of them. Device requirements are skipped for an unknown `dev`.
+// (a question asked before any buffer exists; `alibi` and `has_lse` say what the call will
+// pass); the ones set are checked for what the kernel needs of them. Device requirements are skipped for an unknown `dev`.
 std::string can_implement(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
 
 // Runs `kernel` on `args`, enqueued on `stream` (a CUstream / cudaStream_t) of the device `dev`

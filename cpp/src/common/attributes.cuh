@@ -1,5 +1,5 @@
 // What `sdpa info` shows per kernel on the device (cudaFuncGetAttributes), shared by every
-// backend: one entry for the non-causal and one for the causal instantiation.
+// backend: one entry per mask instantiation.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,18 +12,21 @@
 
 namespace sdpa {
 
-// `kernels` = {non-causal, causal}; `dynamic_smem` = bytes the launch requests (cudaFuncGet-
-// Attributes only knows static shared memory).
-inline void push_attributes(std::vector<KernelAttr>& out, const char* backend, const char* dtype,
-                            int head_dim, const void* const (&kernels)[2], int32_t dynamic_smem) {
-  for (int causal = 0; causal < 2; ++causal) {
+// `kernels` = {non-causal, causal} or {non-causal, causal, band} (the general path of the
+// kernels that have one: windows, top-left causal, softcap, ALiBi); `dynamic_smem` = bytes the
+// launch requests (cudaFuncGetAttributes only knows static shared memory).
+template <int N>
+void push_attributes(std::vector<KernelAttr>& out, const char* backend, const char* dtype,
+                     int head_dim, const void* const (&kernels)[N], int32_t dynamic_smem) {
+  static_assert(N == 2 || N == 3);
+  constexpr const char* kSuffix[3] = {"", "_causal", "_band"};
+  for (int i = 0; i < N; ++i) {
     cudaFuncAttributes fa;
-    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernels[causal]));
-    out.push_back(
-        {backend,
-         std::string("fwd_") + dtype + "_d" + std::to_string(head_dim) + (causal ? "_causal" : ""),
-         fa.numRegs, int32_t(fa.sharedSizeBytes), dynamic_smem, int32_t(fa.localSizeBytes),
-         fa.maxThreadsPerBlock});
+    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernels[i]));
+    out.push_back({backend,
+                   std::string("fwd_") + dtype + "_d" + std::to_string(head_dim) + kSuffix[i],
+                   fa.numRegs, int32_t(fa.sharedSizeBytes), dynamic_smem,
+                   int32_t(fa.localSizeBytes), fa.maxThreadsPerBlock});
   }
 }
 

@@ -19,6 +19,11 @@
 // edge inside the range (a sliding window) needs both to learn first_key. The scalar kernel asks
 // `sees` per score and skips hidden keys in P·V: any policy.
 //
+// Band (a sliding window, top-left causal) has a lower edge too, so its tiles can be partly
+// masked at both ends of a block's key range; it answers the tile tests only with the block's row
+// count (`tile_hides(m0, rows, n0, bn)`), and `lower_partial_end` says where its lower partly
+// masked tiles end. The kernels that take it (scalar, cutlass-sm90) mask with both edges.
+//
 // Index is the kernel's row/key type: int where the kernel's 32-bit limits hold (its
 // can_implement), int64_t where the kernel computes in 64 bits.
 #pragma once
@@ -26,6 +31,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "common/check.cuh"
@@ -56,6 +62,11 @@ struct NoMask {
   __host__ __device__ __forceinline__ bool tile_hides(Index /*m0*/, Index /*n0*/,
                                                       Index /*bn*/) const {
     return false;
+  }
+  // The same for a block of `rows` rows (Band's form; rows change nothing here).
+  __host__ __device__ __forceinline__ bool tile_hides(Index m0, Index /*rows*/, Index n0,
+                                                      Index bn) const {
+    return tile_hides(m0, n0, bn);
   }
   // Whether row `row` sees key `key`, for a key below seq_k.
   __host__ __device__ __forceinline__ bool sees(Index /*row*/, Index /*key*/) const { return true; }
@@ -97,6 +108,10 @@ struct CausalBottomRight {
   __host__ __device__ __forceinline__ bool tile_hides(Index m0, Index n0, Index bn) const {
     return n0 + bn - 1 > m0 + diagonal();
   }
+  __host__ __device__ __forceinline__ bool tile_hides(Index m0, Index /*rows*/, Index n0,
+                                                      Index bn) const {
+    return tile_hides(m0, n0, bn);
+  }
   __host__ __device__ __forceinline__ bool sees(Index row, Index key) const {
     return key <= row + diagonal();
   }
@@ -107,6 +122,95 @@ struct CausalBottomRight {
   }
 };
 
+// A band of keys around each row's diagonal key i + diag: row i sees [i + diag - left,
+// i + diag + right] within [0, seq_k). Sliding windows (diag = seq_k - seq_q, FlashAttention's
+// window_size), top-left causal (diag = 0, left unbounded, right = 0), and, for the kernels'
+// general path, causal and no mask too. left and right are clamped to seq_q + seq_k (every larger
+// value sees the same keys), so the indices formed stay within 2 (seq_q + seq_k) of zero.
+template <typename Index = int>
+struct Band {
+  static constexpr bool kMasksKeys = true;
+  Index seq_q, seq_k, diag, left, right;
+
+  __host__ __device__ __forceinline__ Index first_key(Index row) const {
+    const Index f = row + diag - left;
+    return f > 0 ? f : 0;
+  }
+  __host__ __device__ __forceinline__ Index last_key(Index row) const {
+    const Index l = row + diag + right;
+    return l < seq_k - 1 ? l : seq_k - 1;
+  }
+  // From the first row's first key to the last real row's last key.
+  __host__ __device__ __forceinline__ Index key_begin(Index m0, Index /*rows*/) const {
+    const Index b = first_key(m0);
+    return b < seq_k ? b : seq_k;
+  }
+  __host__ __device__ __forceinline__ Index key_end(Index m0, Index rows) const {
+    const Index last_row = (m0 + rows < seq_q ? m0 + rows : seq_q) - 1;
+    const Index end = last_row + diag + right + 1;
+    return end < 0 ? 0 : (end < seq_k ? end : seq_k);
+  }
+  // Whether some row of [m0, m0 + rows) does not see some key of [n0, n0 + bn) below seq_k: a
+  // key past the first row's last, or before the last row's first.
+  __host__ __device__ __forceinline__ bool tile_hides(Index m0, Index rows, Index n0,
+                                                      Index bn) const {
+    const Index last_row = (m0 + rows < seq_q ? m0 + rows : seq_q) - 1;
+    return n0 + bn - 1 > m0 + diag + right || n0 < last_row + diag - left;
+  }
+  __host__ __device__ __forceinline__ bool tile_masked(Index m0, Index rows, Index n0,
+                                                       Index bn) const {
+    return n0 + bn > seq_k || tile_hides(m0, rows, n0, bn);
+  }
+  __host__ __device__ __forceinline__ bool sees(Index row, Index key) const {
+    return key >= row + diag - left && key <= row + diag + right;
+  }
+  // The upper partly masked tiles: from the first tile holding a key below seq_k past the first
+  // row's last key (`none` if there is none).
+  __host__ __device__ __forceinline__ int first_partial_tile(Index m0, Index bn, int none) const {
+    const Index hidden = m0 + diag + right + 1;  // the first row's first hidden key above
+    if (hidden >= seq_k) return none;
+    return int((hidden > 0 ? hidden : 0) / bn);
+  }
+  // The lower partly masked tiles: tiles [0, lower_partial_end) hold a key before the last real
+  // row's first key (those below key_begin are not loaded at all).
+  __host__ __device__ __forceinline__ int lower_partial_end(Index m0, Index rows, Index bn) const {
+    const Index last_row = (m0 + rows < seq_q ? m0 + rows : seq_q) - 1;
+    const Index first = first_key(last_row);
+    return int((first + bn - 1) / bn);
+  }
+};
+
+// The band of a Window or CausalTopLeft mask, or (for a kernel's general path) of NoMask and
+// CausalBottomRight.
+template <typename Index>
+Band<Index> band_of(const FwdArgs& a) {
+  const int64_t unbounded = a.seq_q + a.seq_k;
+  const auto side = [&](int64_t x) { return x < 0 || x > unbounded ? unbounded : x; };
+  int64_t diag = a.seq_k - a.seq_q, left = unbounded, right = unbounded;
+  switch (a.mask) {
+    case Mask::NoMask:
+      break;
+    case Mask::CausalBottomRight:
+      right = 0;
+      break;
+    case Mask::CausalTopLeft:
+      diag = 0;
+      right = 0;
+      break;
+    case Mask::Window:
+      left = side(a.window_left);
+      right = side(a.window_right);
+      break;
+  }
+  return {Index(a.seq_q), Index(a.seq_k), Index(diag), Index(left), Index(right)};
+}
+
+// Whether `a` needs a kernel's general path: a mask with a lower edge or a top-left diagonal,
+// a softcap, or ALiBi.
+inline bool needs_band(const FwdArgs& a) {
+  return a.mask == Mask::CausalTopLeft || a.mask == Mask::Window || a.softcap > 0.f || a.alibi;
+}
+
 // Calls f with the policy for `mask` (a value of the policy type, for seq_q and seq_k): where a
 // backend's forward turns the runtime mask into the kernel's template argument.
 template <typename Index, class F>
@@ -116,8 +220,30 @@ decltype(auto) dispatch_mask(Mask mask, Index seq_q, Index seq_k, F&& f) {
       return std::forward<F>(f)(NoMask<Index>{seq_q, seq_k});
     case Mask::CausalBottomRight:
       return std::forward<F>(f)(CausalBottomRight<Index>{seq_q, seq_k});
+    case Mask::CausalTopLeft:
+    case Mask::Window:
+      break;  // can_implement refuses them for the kernels that dispatch here
   }
-  throw Error("unknown mask");
+  throw Error("this kernel runs no mask but causal bottom-right");
+}
+
+// dispatch_mask for the kernels with a general path: NoMask and CausalBottomRight as their own
+// policies where `a` needs nothing else (needs_band), every other case as its Band.
+template <typename Index, class F>
+decltype(auto) dispatch_band(const FwdArgs& a, F&& f) {
+  if (needs_band(a)) return std::forward<F>(f)(band_of<Index>(a));
+  return dispatch_mask(a.mask, Index(a.seq_q), Index(a.seq_k), std::forward<F>(f));
+}
+
+// The reason a kernel without a general path cannot run `a` ("" where it can), its name in
+// the message.
+inline std::string plain_only(const FwdArgs& a, const char* kernel) {
+  if (needs_band(a))
+    return std::string(kernel) +
+           " runs no mask but causal bottom-right, and no softcap or ALiBi (scalar and cutlass "
+           "run them)";
+  if (a.has_lse) return std::string(kernel) + " does not write the log-sum-exp";
+  return "";
 }
 
 }  // namespace sdpa::mask

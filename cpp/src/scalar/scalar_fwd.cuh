@@ -5,19 +5,20 @@
 //
 // One CTA = BM query rows of one (batch, head); 4 warps, each owning RPW rows. K/V stream
 // through shared memory in tiles of BN = 32 keys, one key per lane for Q·Kᵀ (so the row max is
-// one 5-step shuffle reduction per row and tile), then each lane owns D/32 output columns for
-// P·V with P broadcast from shared memory. Online softmax in the log2 domain, f32 throughout;
-// each lane keeps a partial row sum, reduced across the warp once at the end.
+// one 5-step shuffle reduction per row and tile), then each lane owns column pairs lane, lane +
+// 32, ... of the output for P·V with P broadcast from shared memory. Online softmax in the log2
+// domain, f32 throughout; each lane keeps a partial row sum, reduced across the warp once at the
+// end. Being the GPU reference path, it takes every head dim of kernels.txt, every mask, softcap,
+// ALiBi and the log-sum-exp.
 //
-// The mask is a policy of common/mask.cuh (Index int64_t), its type chosen in forward() from
-// a.mask and its value built in the kernel from p's seq_q and seq_k (as a second kernel parameter
-// it changed the code of the unmasked kernels on sm_90a): the kernel asks it for the CTA's key
-// range, whether a tile hides keys from some of a warp's rows, and per row and key whether the row
-// sees it.
+// The mask is a policy of common/mask.cuh (Index int64_t) carried in the parameters, its type
+// chosen in forward() (mask::dispatch_band): the kernel asks it for the CTA's key range, whether
+// a tile hides keys from some of a warp's rows, and per row and key whether the row sees it.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -39,7 +40,26 @@ constexpr int kBM = 32;
 constexpr int kRPW = kBM / kWarps;
 constexpr int kBN = 32;  // one key per lane
 
-using Params = KernelParams;
+template <class Mask>
+struct Params {
+  KernelParams base;
+  Mask mask;
+  // Logits in the log2 domain: softcap: x -> cap2 * tanh(x * inv_cap2) (cap2 = softcap * log2 e);
+  // ALiBi: - slope * log2 e * |i + seq_k - seq_q - j|.
+  float cap2, inv_cap2;  // cap2 = 0: no softcap
+  const float* alibi;    // null: none
+  int64_t alibi_bstride;
+  float* lse;  // null: none
+};
+
+// The shared memory of one CTA at head dim D (dynamic: over 48 KB at D = 256).
+template <int D>
+struct Smem {
+  float q[kBM][D];
+  uint32_t k[kBN][D / 2 + 1];  // padded: lane j reads row j, banks (j + w) % 32 differ
+  uint32_t v[kBN][D / 2];
+  float p[kWarps][kRPW][kBN];
+};
 
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
@@ -53,17 +73,20 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 template <typename T, int D, class Mask>
-__global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
-  constexpr int W = D / 2;     // 32-bit words (element pairs) per row
-  constexpr int KW = W + 1;    // padded K row: lane j reads row j, banks (j + w) % 32 differ
-  constexpr int CH = D / 8;    // 16-byte chunks per row
-  constexpr int CPL = D / 64;  // output words per lane: lane owns words lane, lane+32, ...
+__global__ void __launch_bounds__(kThreads) fwd_kernel(const __grid_constant__ Params<Mask> pm) {
+  static_assert(D % 8 == 0, "rows are read in 16-byte chunks");
+  constexpr int W = D / 2;               // 32-bit words (element pairs) per row
+  constexpr int CH = D / 8;              // 16-byte chunks per row
+  constexpr int CPL = (W + 31) / 32;     // output words per lane: lane owns words lane, lane+32, ...
   using P2 = Pair<T>;
+  const KernelParams& p = pm.base;
 
-  __shared__ __align__(16) float sQ[kBM][D];
-  __shared__ uint32_t sK[kBN][KW];
-  __shared__ __align__(16) uint32_t sV[kBN][W];
-  __shared__ __align__(16) float sP[kWarps][kRPW][kBN];
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  auto& sm = *reinterpret_cast<Smem<D>*>(smem_raw);
+  auto& sQ = sm.q;
+  auto& sK = sm.k;
+  auto& sV = sm.v;
+  auto& sP = sm.p;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t m0 = int64_t(blockIdx.x) * kBM;
@@ -71,8 +94,12 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   const uint8_t* qb = p.q + 2 * (b * p.qs.batch + h * p.qs.head);
   const uint8_t* kb = p.k + 2 * (b * p.ks.batch + hk * p.ks.head);
   const uint8_t* vb = p.v + 2 * (b * p.vs.batch + hk * p.vs.head);
-  const Mask mask{p.seq_q, p.seq_k};  // which keys each row sees
-  const int64_t seq_q = mask.seq_q, seq_k = mask.seq_k;
+  const Mask mask = pm.mask;  // which keys each row sees
+  const int64_t seq_q = p.seq_q, seq_k = p.seq_k;
+  // ALiBi's slope in the log2 domain, and the diagonal its distances are measured from.
+  const float slope2 =
+      pm.alibi ? pm.alibi[b * pm.alibi_bstride + h] * 1.4426950408889634f : 0.f;
+  const int64_t alibi_diag = seq_k - seq_q;
 
   // Q tile -> f32, pre-scaled. Rows past seq_q are zero and never stored.
   for (int c = tid; c < kBM * CH; c += kThreads) {
@@ -126,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 #pragma unroll
     for (int r = 0; r < kRPW; ++r) s[r] = 0.f;
 #pragma unroll 4
-    for (int w = 0; w < W; w += 2) {
+    for (int w = 0; w < W; w += 2) {  // D % 4 == 0: W is even
       const float2 k01 = P2::to_float2(sK[lane][w]);
       const float2 k23 = P2::to_float2(sK[lane][w + 1]);
 #pragma unroll
@@ -136,10 +163,13 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
       }
     }
 
-    // Online softmax: mask, new row max, rescale.
+    // Softcap and ALiBi on the log2-domain scores; then the online softmax: mask, new row max,
+    // rescale.
     const int64_t j = n0 + lane;
 #pragma unroll
     for (int r = 0; r < kRPW; ++r) {
+      if (pm.cap2 > 0.f) s[r] = pm.cap2 * tanhf(s[r] * pm.inv_cap2);
+      if (pm.alibi) s[r] -= slope2 * float(llabs(row0 + r + alibi_diag - j));
       const bool visible = j < seq_k && mask.sees(row0 + r, j);
       const float sv = visible ? s[r] : -INFINITY;
       const float m_new = fmaxf(m[r], warp_max(sv));
@@ -168,7 +198,9 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 #pragma unroll
         for (int t = 0; t < 4; ++t)
 #pragma unroll
-          for (int c = 0; c < CPL; ++c) v[t][c] = P2::to_float2(sV[jj + t][lane + 32 * c]);
+          for (int c = 0; c < CPL; ++c)
+            v[t][c] = lane + 32 * c < W ? P2::to_float2(sV[jj + t][lane + 32 * c])
+                                        : make_float2(0.f, 0.f);
 #pragma unroll
         for (int r = 0; r < kRPW; ++r) {
           const float4 pr = *reinterpret_cast<const float4*>(&sP[warp][r][jj]);
@@ -185,7 +217,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
         }
       }
     };
-    if (mask.tile_hides(row0, n0, kBN))
+    if (mask.tile_hides(row0, kRPW, n0, kBN))
       accumulate(std::true_type{});
     else
       accumulate(std::false_type{});
@@ -202,30 +234,51 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
     uint32_t* orow = reinterpret_cast<uint32_t*>(ob + 2 * (i * p.os.seq));
 #pragma unroll
     for (int c = 0; c < CPL; ++c)
-      orow[lane + 32 * c] = P2::from_float2(acc[r][2 * c] * inv, acc[r][2 * c + 1] * inv);
+      if (lane + 32 * c < W)
+        orow[lane + 32 * c] = P2::from_float2(acc[r][2 * c] * inv, acc[r][2 * c + 1] * inv);
+    // ln(sum_j 2^(x_j)) = (m + log2(l)) ln 2, x the log2-domain logits.
+    if (pm.lse && lane == 0)
+      pm.lse[(b * p.heads + h) * seq_q + i] =
+          lsum > 0.f ? (m[r] + log2f(lsum)) * 0.6931471805599453f : -INFINITY;
   }
 }
 
 template <typename T, int D, class Mask>
-void launch(const FwdArgs& a, cudaStream_t stream) {
-  const Params p = make_params(a);
+void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
+  if ((a.alibi && !a.alibi_slopes) || (a.has_lse && !a.lse))
+    throw Error("scalar: the ALiBi slopes or the log-sum-exp buffer is missing");
+  Params<Mask> p{};
+  p.base = make_params(a);
+  p.mask = mask;
+  if (a.softcap > 0.f) {
+    p.cap2 = a.softcap * 1.4426950408889634f;
+    p.inv_cap2 = 1.f / p.cap2;
+  }
+  p.alibi = a.alibi ? a.alibi_slopes : nullptr;
+  p.alibi_bstride = a.alibi_batch_stride;
+  p.lse = a.has_lse ? a.lse : nullptr;
+  const auto kernel = fwd_kernel<T, D, Mask>;
+  constexpr int kSmem = int(sizeof(Smem<D>));
+  if constexpr (kSmem > 48 * 1024) {
+    static std::atomic<uint64_t> configured{0};
+    opt_in_smem(reinterpret_cast<const void*>(kernel), kSmem, configured);
+  }
   const dim3 grid(unsigned((a.seq_q + kBM - 1) / kBM), unsigned(a.heads), unsigned(a.batch));
-  fwd_kernel<T, D, Mask><<<grid, kThreads, 0, stream>>>(p);
+  kernel<<<grid, kThreads, kSmem, stream>>>(p);
   SDPA_LAUNCH_CHECK("scalar fwd_kernel launch");
 }
 
 // What this kernel takes beyond its instantiation: a grid of 32-row query tiles with (batch,
-// head) on grid z and y, and an sm_80+ device. Its shared memory is static and under the 48 KB
-// a block gets on every such device (ptxas refuses more).
+// head) on grid z and y, and an sm_80+ device with the shared memory of its Smem<D>.
 template <typename T, int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
-  return limits::first({limits::grid_of_query_tiles(a, kBM), limits::sm80_or_newer(dev)});
+  return limits::first({limits::grid_of_query_tiles(a, kBM), limits::sm80_or_newer(dev),
+                        limits::smem_per_block(dev, int(sizeof(Smem<D>)))});
 }
 
 template <typename T, int D>
 void forward(const FwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
-  mask::dispatch_mask(a.mask, a.seq_q, a.seq_k,
-                      [&](auto m) { launch<T, D, decltype(m)>(a, stream); });
+  mask::dispatch_band<int64_t>(a, [&](auto m) { launch<T, D, decltype(m)>(a, m, stream); });
 }
 
 template <typename T, int D>
@@ -233,8 +286,9 @@ void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
   push_attributes(
       out, "scalar", dtype_name<T>(), D,
       {reinterpret_cast<const void*>(fwd_kernel<T, D, mask::NoMask<int64_t>>),
-       reinterpret_cast<const void*>(fwd_kernel<T, D, mask::CausalBottomRight<int64_t>>)},
-      0);
+       reinterpret_cast<const void*>(fwd_kernel<T, D, mask::CausalBottomRight<int64_t>>),
+       reinterpret_cast<const void*>(fwd_kernel<T, D, mask::Band<int64_t>>)},
+      int(sizeof(Smem<D>)));
 }
 
 }  // namespace sdpa::scalar

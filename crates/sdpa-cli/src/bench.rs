@@ -47,7 +47,10 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         };
         (dev, backends)
     };
-    let all: Vec<&str> = sdpa_harness::NAMED_PROBLEMS.iter().map(|p| p.0).collect();
+    let all: Vec<&str> = sdpa_harness::NAMED_PROBLEMS
+        .iter()
+        .map(|p| p.name)
+        .collect();
     let default: &[&str] = if dev.is_some() { &all } else { &["mission"] };
     let problems = a.problems.problems(default, "named")?;
     if named {
@@ -109,6 +112,8 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                     records.push(json!({
                         "name": name, "batch": p.batch, "heads": p.heads, "seq_q": p.seq_q,
                         "seq_k": p.seq_k, "head_dim": p.head_dim, "causal": p.is_causal(),
+                        "kv_heads": p.kv_heads, "mask": p.mask.name(), "softcap": p.softcap,
+                        "alibi": p.alibi.is_some(), "lse": p.lse,
                         "dtype": p.dtype.name(), "out_dtype": p.output_dtype().name(),
                         "backend": b.name(), "us_graph": t.us_graph,
                         "us_event": t.us_event, "tflops": tflops(p, t.us_graph),
@@ -202,11 +207,32 @@ fn bench_one(
     let inputs = random_inputs(p, seed)?;
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
-    sdpa::forward(dev, p, b, &q, &k, &v, &mut out)?;
+    let stream = dev.stream();
+    let slopes = match &inputs.alibi_slopes {
+        Some(s) => Some(stream.clone_htod(s)?),
+        None => None,
+    };
+    let mut lse = match p.lse {
+        true => Some(stream.alloc_zeros::<f32>(p.lse_len())?),
+        false => None,
+    };
+    let mut call = |out: &mut Tensor| {
+        let t = sdpa::Operands {
+            q: &q,
+            k: &k,
+            v: &v,
+            out,
+        };
+        let extras = sdpa::Extras {
+            alibi_slopes: slopes.as_ref().map(|s| s.as_view()),
+            lse: lse.as_mut().map(|l| l.as_view_mut()),
+        };
+        sdpa::forward_with(dev, p, b, t, extras)
+    };
+    call(&mut out)?;
     let rel_err = if p.flops() <= REFERENCE_FLOP_LIMIT {
-        let [qv, kv, vv] = &inputs.values;
-        let want = sdpa::reference(p, qv, kv, vv)?;
-        let r = compare(&out.to_f64(dev)?, &want, p.dtype, seed);
+        let want = inputs.reference(p)?;
+        let r = compare(&out.to_f64(dev)?, &want.out, p.dtype, seed);
         if !r.pass() {
             return Err(sdpa::Error::Cuda(
                 format!("wrong result before timing: {r:?}").into(),
@@ -216,8 +242,6 @@ fn bench_one(
     } else {
         None
     };
-    let t = time_gpu(dev, budget_ms, || {
-        sdpa::forward(dev, p, b, &q, &k, &v, &mut out)
-    })?;
+    let t = time_gpu(dev, budget_ms, || call(&mut out))?;
     Ok((t, rel_err))
 }

@@ -1,7 +1,7 @@
 //! `sdpa run`: attention on .npy files, so PyTorch/NumPy users can check us.
 
 use crate::{CliResult, chosen_backend, device_for, npy};
-use sdpa::{Backend, DType, Error, Layout, Problem, Result, Scaling, Tensor};
+use sdpa::{Alibi, Backend, DType, Error, Layout, Problem, Result, Scaling, Tensor};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -23,6 +23,22 @@ pub struct Args {
     /// Causal mask (aligned bottom-right when Sq != Sk).
     #[arg(long)]
     causal: bool,
+    /// A mask instead of --causal: none, causal, causal-top-left, or a sliding window L,R.
+    #[arg(long, allow_hyphen_values = true)]
+    mask: Option<String>,
+    /// Sliding window L,R: keys left and right of the bottom-right diagonal a row sees (-1:
+    /// unbounded), FlashAttention's window_size; `L,0` is causal with a window.
+    #[arg(long, allow_hyphen_values = true)]
+    window: Option<String>,
+    /// Logit cap: scores become softcap · tanh(scores / softcap).
+    #[arg(long)]
+    softcap: Option<f32>,
+    /// ALiBi slopes as .npy: [H] or [B, H].
+    #[arg(long)]
+    alibi: Option<PathBuf>,
+    /// Also write each row's log-sum-exp here (.npy, float32 [B, H, Sq]).
+    #[arg(long)]
+    lse: Option<PathBuf>,
     /// Backend; `cpu` is the float64 reference. Default `auto`: the best GPU backend, or the
     /// CPU reference where there is no GPU. A named backend that cannot run is an error.
     #[arg(long)]
@@ -88,14 +104,28 @@ fn canonical_dir(dir: &Path) -> PathBuf {
 
 /// Refuses an `--out` that names one of the inputs: the result would replace it.
 fn refuse_overwriting_inputs(a: &Args) -> Result<()> {
-    for (flag, input) in [("--q", &a.q), ("--k", &a.k), ("--v", &a.v)] {
-        if same_file(&a.out, input) {
-            return Err(Error::InvalidArgument(format!(
-                "--out {} is the same file as {flag} {}; refusing to overwrite an input",
-                a.out.display(),
-                input.display()
-            )));
+    let mut inputs = vec![("--q", &a.q), ("--k", &a.k), ("--v", &a.v)];
+    inputs.extend(a.alibi.as_ref().map(|p| ("--alibi", p)));
+    let mut outputs = vec![("--out", &a.out)];
+    outputs.extend(a.lse.as_ref().map(|p| ("--lse", p)));
+    for (out_flag, out) in &outputs {
+        for (flag, input) in &inputs {
+            if same_file(out, input) {
+                return Err(Error::InvalidArgument(format!(
+                    "{out_flag} {} is the same file as {flag} {}; refusing to overwrite an input",
+                    out.display(),
+                    input.display()
+                )));
+            }
         }
+    }
+    if let Some(lse) = &a.lse
+        && same_file(lse, &a.out)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "--lse and --out are the same file ({})",
+            lse.display()
+        )));
     }
     Ok(())
 }
@@ -144,10 +174,41 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         .with_kv_heads(hk)
         .with_causal(a.causal)
         .with_dtype(dtype)
-        .with_layout(layout);
+        .with_layout(layout)
+        .with_lse(a.lse.is_some());
+    if usize::from(a.causal) + usize::from(a.mask.is_some()) + usize::from(a.window.is_some()) > 1 {
+        return Err(
+            Error::InvalidArgument("give one of --causal, --mask and --window".into()).into(),
+        );
+    }
+    if let Some(m) = a.mask.as_ref().or(a.window.as_ref()) {
+        p = p.with_mask(m.parse()?);
+    }
     if let Some(s) = a.scale {
         p = p.with_scale(s);
     }
+    if let Some(c) = a.softcap {
+        p = p.with_softcap(c);
+    }
+    let slopes = match &a.alibi {
+        Some(path) => {
+            let (s, shape) = npy::read(path)?;
+            let layout = match shape[..] {
+                [n] if n == h => Alibi::PerHead,
+                [nb, n] if nb == b && n == h => Alibi::PerBatchHead,
+                _ => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{}: ALiBi slopes of shape {shape:?}; expected [{h}] or [{b}, {h}]",
+                        path.display()
+                    ))
+                    .into());
+                }
+            };
+            p = p.with_alibi(layout);
+            Some(s)
+        }
+        None => None,
+    };
     if dtype == DType::E4m3 {
         p = p.with_fp8_scaling(scaling).with_out_dtype(out_dtype);
     }
@@ -164,7 +225,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     let dev = device_for(&[requested], a.backend.is_some())?;
     let backend = chosen_backend(dev.as_ref(), &p, requested)?;
     let gpu = dev.as_ref().filter(|_| backend != Backend::Cpu);
-    let out: Vec<f32> = match gpu {
+    let (out, lse): (Vec<f32>, Vec<f32>) = match gpu {
         Some(dev) => {
             let up = |x: &[f32], i: usize| match dtype {
                 DType::E4m3 => Tensor::quantize_f32(dev, x, shapes[i], scaling),
@@ -172,8 +233,35 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
             };
             let (qt, kt, vt) = (up(&q, 0)?, up(&k, 1)?, up(&v, 2)?);
             let mut ot = Tensor::poisoned(dev, od, p.q_len().unwrap())?;
-            sdpa::forward(dev, &p, backend, &qt, &kt, &vt, &mut ot)?;
-            ot.to_f32(dev)?
+            let stream = dev.stream();
+            let slopes = match &slopes {
+                Some(s) => Some(stream.clone_htod(s).map_err(Error::from)?),
+                None => None,
+            };
+            let mut lse = match p.lse {
+                true => Some(
+                    stream
+                        .alloc_zeros::<f32>(p.lse_len())
+                        .map_err(Error::from)?,
+                ),
+                false => None,
+            };
+            let t = sdpa::Operands {
+                q: &qt,
+                k: &kt,
+                v: &vt,
+                out: &mut ot,
+            };
+            let extras = sdpa::Extras {
+                alibi_slopes: slopes.as_ref().map(|s| s.as_view()),
+                lse: lse.as_mut().map(|l| l.as_view_mut()),
+            };
+            sdpa::forward_with(dev, &p, backend, t, extras)?;
+            let lse = match &lse {
+                Some(l) => stream.clone_dtoh(l).map_err(Error::from)?,
+                None => Vec::new(),
+            };
+            (ot.to_f32(dev)?, lse)
         }
         None => {
             let round = |x: &[f32], i: usize| -> Result<Vec<f64>> {
@@ -186,11 +274,21 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                     _ => sdpa::decode(dtype, &sdpa::encode(dtype, x)),
                 })
             };
-            let o = sdpa::reference(&p, &round(&q, 0)?, &round(&k, 1)?, &round(&v, 2)?)?;
-            o.into_iter().map(|x| x as f32).collect()
+            let r = sdpa::reference_with(
+                &p,
+                &round(&q, 0)?,
+                &round(&k, 1)?,
+                &round(&v, 2)?,
+                slopes.as_deref(),
+            )?;
+            let f32s = |x: Vec<f64>| x.into_iter().map(|x| x as f32).collect();
+            (f32s(r.out), f32s(r.lse))
         }
     };
     npy::write(&a.out, &out, &qshape)?;
+    if let Some(path) = &a.lse {
+        npy::write(path, &lse, &[b, h, sq])?;
+    }
     outln!("{p}: wrote {} ({backend} backend)", a.out.display())?;
     Ok(ExitCode::SUCCESS)
 }

@@ -2,8 +2,10 @@
 
 use crate::progress::Progress;
 use crate::{CliResult, chosen_backend, device_for};
-use sdpa::{Backend, DType, Device, Layout, Problem, Result, Scaling};
-use sdpa_harness::check::{Inputs, compare, fresh_seed, random_inputs, run_backend};
+use sdpa::{Alibi, Backend, DType, Device, Layout, Mask, Problem, Result, Scaling};
+use sdpa_harness::check::{
+    Inputs, compare, compare_lse, fresh_seed, random_inputs, run_backend_with_lse,
+};
 use std::process::ExitCode;
 
 /// Arguments shared by `validate` and `bench`: which problems.
@@ -35,6 +37,23 @@ pub struct ProblemArgs {
     /// e4m3 inputs: output dtype, f16 or bf16.
     #[arg(long, default_value = "f16")]
     pub out_dtype: String,
+    /// A mask instead of --causal: none, causal, causal-top-left, or a sliding window L,R (keys
+    /// left and right of the bottom-right diagonal, -1 unbounded; FlashAttention's window_size).
+    #[arg(long, allow_hyphen_values = true)]
+    pub mask: Option<String>,
+    /// Sliding window L,R: the same as --mask L,R.
+    #[arg(long, allow_hyphen_values = true)]
+    pub window: Option<String>,
+    /// Logit cap: scores become softcap · tanh(scores / softcap).
+    #[arg(long)]
+    pub softcap: Option<f32>,
+    /// ALiBi with generated slopes (2^(-8 (h + 1) / heads)): per head (`head`) or per batch and
+    /// head (`batch-head`).
+    #[arg(long)]
+    pub alibi: Option<String>,
+    /// Also check (validate) or write (bench) each row's log-sum-exp.
+    #[arg(long)]
+    pub lse: bool,
 }
 
 impl ProblemArgs {
@@ -45,6 +64,25 @@ impl ProblemArgs {
         default_causal: &str,
     ) -> Result<Vec<(String, Problem)>> {
         let layout: Layout = self.layout.parse()?;
+        let mask: Option<Mask> = match (&self.mask, &self.window) {
+            (Some(_), Some(_)) => {
+                return Err(sdpa::Error::InvalidArgument(
+                    "give --mask or --window, not both".into(),
+                ));
+            }
+            (Some(m), None) | (None, Some(m)) => Some(m.parse()?),
+            (None, None) => None,
+        };
+        let alibi = match self.alibi.as_deref() {
+            None => None,
+            Some("head") => Some(Alibi::PerHead),
+            Some("batch-head") => Some(Alibi::PerBatchHead),
+            Some(a) => {
+                return Err(sdpa::Error::InvalidArgument(format!(
+                    "--alibi {a:?}: expected head or batch-head"
+                )));
+            }
+        };
         let scaling: Scaling = self.scaling.parse()?;
         let out_dtype: DType = self.out_dtype.parse()?;
         let causal: &[bool] = match self.causal.as_deref().unwrap_or(default_causal) {
@@ -92,13 +130,24 @@ impl ProblemArgs {
         for dtype in &self.dtype {
             let dtype: DType = dtype.parse()?;
             for (name, base) in &bases {
+                // A named problem's own band (a window) stays: --causal does not replace it.
                 let named = [base.is_causal()];
-                for &c in if causal.is_empty() {
-                    &named[..]
-                } else {
-                    causal
-                } {
-                    let mut p = base.with_causal(c).with_dtype(dtype).with_layout(layout);
+                let keep = causal.is_empty() || !base.is_plain();
+                for &c in if keep { &named[..] } else { causal } {
+                    let mut p = base.with_dtype(dtype).with_layout(layout);
+                    if !keep {
+                        p = p.with_causal(c);
+                    }
+                    if let Some(m) = mask {
+                        p = p.with_mask(m);
+                    }
+                    if let Some(cap) = self.softcap {
+                        p = p.with_softcap(cap);
+                    }
+                    if let Some(a) = alibi {
+                        p = p.with_alibi(a);
+                    }
+                    p = p.with_lse(self.lse);
                     if let Some(kv) = self.kv_heads {
                         p = p.with_kv_heads(kv);
                     }
@@ -106,10 +155,13 @@ impl ProblemArgs {
                         p = p.with_fp8_scaling(scaling).with_out_dtype(out_dtype);
                     }
                     p.validate()?;
-                    let name = if c && !name.ends_with("-causal") {
-                        format!("{name}-causal")
-                    } else {
-                        name.clone()
+                    let name = match p.mask.canonical() {
+                        Mask::CausalBottomRight if !name.ends_with("-causal") => {
+                            format!("{name}-causal")
+                        }
+                        Mask::None | Mask::CausalBottomRight => name.clone(),
+                        _ if mask.is_some() => format!("{name}-{}", p.mask),
+                        _ => name.clone(),
                     };
                     if !out.iter().any(|(_, q)| *q == p) {
                         out.push((name, p));
@@ -215,12 +267,12 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     let progress = Progress::new(problems.len() * backends.len(), "validate");
     for (i, (name, p)) in problems.iter().enumerate() {
         let inputs: Inputs = random_inputs(p, seed.wrapping_add(i as u64))?;
-        let [q, k, v] = &inputs.values;
-        let want = sdpa::reference(p, q, k, v)?;
+        let want = inputs.reference(p)?;
         let e2e_want = match &inputs.fp8 {
             Some(f) => {
                 let [q, k, v] = &f.unquantized;
-                Some(sdpa::reference(p, q, k, v)?)
+                let slopes = inputs.alibi_slopes.as_deref();
+                Some(sdpa::reference_with(p, q, k, v, slopes)?.out)
             }
             None => None,
         };
@@ -240,9 +292,14 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
             };
             let note = auto_note(b, ran_as);
             ran += 1;
-            match run_backend(dev.as_ref(), p, ran_as, &inputs, Some(&want)) {
-                Ok(got) => {
-                    let r = compare(&got, &want, p.dtype, seed);
+            match run_backend_with_lse(dev.as_ref(), p, ran_as, &inputs, Some(&want)) {
+                Ok((got, lse)) => {
+                    let mut r = compare(&got, &want.out, p.dtype, seed);
+                    if let Some(lse) = &lse {
+                        let (err, mismatched) = compare_lse(lse, &want.lse);
+                        r.lse_err = Some(err);
+                        r.nan_count += mismatched;
+                    }
                     // e4m3: also the error against the unquantized inputs (quantization included).
                     let e2e = match (&inputs.fp8, &e2e_want) {
                         (Some(_), Some(w)) => {
@@ -252,6 +309,10 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                             )
                         }
                         _ => String::new(),
+                    };
+                    let e2e = match r.lse_err {
+                        Some(e) => format!("{e2e} (lse {e:.1e})"),
+                        None => e2e,
                     };
                     let verdict = if r.pass() { "pass" } else { "FAIL" };
                     failed += usize::from(!r.pass());

@@ -47,6 +47,43 @@ pub fn tolerance(dtype: DType) -> Tolerance {
     }
 }
 
+/// Bound on |lse − ref| / max(1, |ref|) for the log-sum-exp (f32 out of f32 logits: the
+/// logits' own rounding and the approximate exp2, log2 and tanh of the kernels, far below what a
+/// wrong row sum or scale gives).
+pub const LSE_TOLERANCE: f64 = 2e-3;
+
+/// The log-sum-exp's error against the reference: max |lse − ref| / max(1, |ref|) over the rows
+/// where both are finite, and the rows that disagree otherwise (one side NaN or infinite alone,
+/// or infinities of different sign).
+pub fn compare_lse(got: &[f64], want: &[f64]) -> (f64, usize) {
+    let mut worst = 0f64;
+    let mut mismatched = got.len().abs_diff(want.len());
+    for (&g, &w) in got.iter().zip(want) {
+        if g.is_finite() && w.is_finite() {
+            worst = worst.max((g - w).abs() / w.abs().max(1.0));
+        } else if !(g == w || (g.is_nan() && w.is_nan())) {
+            mismatched += 1;
+        }
+    }
+    (worst, mismatched)
+}
+
+/// ALiBi slopes for `p`'s layout (None without ALiBi): the standard geometric slopes
+/// 2^(-8 (h + 1) / heads), scaled by 1 + b / 4 per batch where the layout has one per batch.
+pub fn alibi_slopes(p: &Problem) -> Option<Vec<f32>> {
+    let a = p.alibi?;
+    let n = a.len(p.batch, p.heads);
+    Some(
+        (0..n)
+            .map(|i| {
+                let (b, h) = (i / p.heads, i % p.heads);
+                let base = 2f32.powf(-8.0 * (h + 1) as f32 / p.heads as f32);
+                base * (1.0 + b as f32 / 4.0)
+            })
+            .collect(),
+    )
+}
+
 /// The result of one check.
 #[derive(Debug, Clone, Copy)]
 pub struct Report {
@@ -61,12 +98,19 @@ pub struct Report {
     pub tol: Tolerance,
     /// The seed that drew the inputs (rerun with it to reproduce).
     pub seed: u64,
+    /// Where the log-sum-exp was checked: its error ([`compare_lse`]; its mismatched rows count
+    /// in `nan_count`).
+    pub lse_err: Option<f64>,
 }
 
 impl Report {
-    /// Whether the output is within tolerance and fully written.
+    /// Whether the output (and the log-sum-exp, where checked) is within tolerance and fully
+    /// written.
     pub fn pass(&self) -> bool {
-        self.nan_count == 0 && self.rel_err <= self.tol.rel && self.max_err <= self.tol.max_abs
+        self.nan_count == 0
+            && self.rel_err <= self.tol.rel
+            && self.max_err <= self.tol.max_abs
+            && self.lse_err.is_none_or(|e| e <= LSE_TOLERANCE)
     }
 }
 
@@ -107,6 +151,7 @@ pub fn compare(out: &[f64], reference: &[f64], dtype: DType, seed: u64) -> Repor
         nan_count,
         tol,
         seed,
+        lse_err: None,
     }
 }
 
@@ -118,6 +163,8 @@ pub struct Inputs {
     pub values: [Vec<f64>; 3],
     /// e4m3 inputs only: the scales and the values before quantization.
     pub fp8: Option<Fp8Inputs>,
+    /// The ALiBi slopes of problems with ALiBi ([`alibi_slopes`]).
+    pub alibi_slopes: Option<Vec<f32>>,
 }
 
 /// What e4m3 inputs carry beyond their codes.
@@ -145,7 +192,14 @@ impl Inputs {
             bits,
             values,
             fp8: None,
+            alibi_slopes: None,
         }
+    }
+
+    /// The float64 reference of `p` on these inputs (output and log-sum-exp).
+    pub fn reference(&self, p: &Problem) -> Result<sdpa::Reference> {
+        let [q, k, v] = &self.values;
+        sdpa::reference_with(p, q, k, v, self.alibi_slopes.as_deref())
     }
 
     /// e4m3 inputs of `p` quantized from given values (per `p.fp8_scaling`, amax scales).
@@ -173,6 +227,7 @@ impl Inputs {
                 scaling: p.fp8_scaling,
                 unquantized,
             }),
+            alibi_slopes: alibi_slopes(p),
         })
     }
 
@@ -247,6 +302,7 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
         bits,
         values,
         fp8: None,
+        alibi_slopes: alibi_slopes(p),
     })
 }
 
@@ -269,6 +325,22 @@ pub fn run_backend(
     inputs: &Inputs,
     reference: Option<&[f64]>,
 ) -> Result<Vec<f64>> {
+    let want = reference.map(|r| sdpa::Reference {
+        out: r.to_vec(),
+        lse: Vec::new(),
+    });
+    Ok(run_backend_with_lse(dev, p, backend, inputs, want.as_ref())?.0)
+}
+
+/// [`run_backend`] that also returns the log-sum-exp where `p.lse` asks for it (poisoned with
+/// NaN before the run, f32 as f64).
+pub fn run_backend_with_lse(
+    dev: Option<&Device>,
+    p: &Problem,
+    backend: Backend,
+    inputs: &Inputs,
+    reference: Option<&sdpa::Reference>,
+) -> Result<(Vec<f64>, Option<Vec<f64>>)> {
     p.validate()?;
     let backend = backend.resolve(dev, p)?;
     backend.supports(dev, p)?;
@@ -276,22 +348,53 @@ pub fn run_backend(
         (Backend::Cpu, _) | (_, None) => {
             let owned;
             let want = match reference {
-                Some(r) => r,
-                None => {
-                    let [q, k, v] = &inputs.values;
-                    owned = sdpa::reference(p, q, k, v)?;
+                Some(r) if !p.lse || !r.lse.is_empty() => r,
+                _ => {
+                    owned = inputs.reference(p)?;
                     &owned
                 }
             };
-            let o32: Vec<f32> = want.iter().map(|&x| x as f32).collect();
+            let o32: Vec<f32> = want.out.iter().map(|&x| x as f32).collect();
             let od = p.output_dtype();
-            Ok(decode(od, &encode(od, &o32)))
+            let lse = p
+                .lse
+                .then(|| want.lse.iter().map(|&x| f64::from(x as f32)).collect());
+            Ok((decode(od, &encode(od, &o32)), lse))
         }
         (_, Some(dev)) => {
             let [q, k, v] = inputs.upload(dev, p.dtype)?;
             let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
-            sdpa::forward(dev, p, backend, &q, &k, &v, &mut out)?;
-            out.to_f64(dev)
+            let stream = dev.stream();
+            let slopes = match &inputs.alibi_slopes {
+                Some(s) => Some(stream.clone_htod(s)?),
+                None => None,
+            };
+            let mut lse = match p.lse {
+                true => Some(stream.clone_htod(&vec![f32::NAN; p.lse_len()])?),
+                false => None,
+            };
+            let t = sdpa::Operands {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &mut out,
+            };
+            let extras = sdpa::Extras {
+                alibi_slopes: slopes.as_ref().map(|s| s.as_view()),
+                lse: lse.as_mut().map(|l| l.as_view_mut()),
+            };
+            sdpa::forward_with(dev, p, backend, t, extras)?;
+            let lse = match &lse {
+                Some(l) => Some(
+                    stream
+                        .clone_dtoh(l)?
+                        .into_iter()
+                        .map(f64::from)
+                        .collect::<Vec<_>>(),
+                ),
+                None => None,
+            };
+            Ok((out.to_f64(dev)?, lse))
         }
     }
 }
@@ -306,10 +409,15 @@ pub fn check_backend(
     p.validate()?;
     backend.supports(dev, p)?;
     let inputs = random_inputs(p, seed)?;
-    let [q, k, v] = &inputs.values;
-    let want = sdpa::reference(p, q, k, v)?;
-    let got = run_backend(dev, p, backend, &inputs, Some(&want))?;
-    Ok(compare(&got, &want, p.dtype, seed))
+    let want = inputs.reference(p)?;
+    let (got, lse) = run_backend_with_lse(dev, p, backend, &inputs, Some(&want))?;
+    let mut report = compare(&got, &want.out, p.dtype, seed);
+    if let Some(lse) = lse {
+        let (err, mismatched) = compare_lse(&lse, &want.lse);
+        report.lse_err = Some(err);
+        report.nan_count += mismatched;
+    }
+    Ok(report)
 }
 
 /// Encodes `x * inv_scale` on the GPU with its own conversion instruction (the behaviour the
@@ -405,6 +513,36 @@ mod tests {
             let rep = check_backend(None, &p, Backend::Cpu, 5).unwrap();
             assert!(rep.pass(), "{rep:?}");
         }
+    }
+
+    #[test]
+    fn variants_and_lse_check_on_the_reference() {
+        let p = Problem::new(2, 3, 33, 40, 64)
+            .with_mask(sdpa::Mask::Window {
+                left: Some(5),
+                right: Some(2),
+            })
+            .with_softcap(5.0)
+            .with_alibi(sdpa::Alibi::PerBatchHead)
+            .with_lse(true);
+        let rep = check_backend(None, &p, Backend::Cpu, 3).unwrap();
+        assert!(rep.pass(), "{rep:?}");
+        assert!(rep.lse_err.unwrap() < 1e-6, "{rep:?}");
+        let slopes = alibi_slopes(&p).unwrap();
+        assert_eq!(slopes.len(), 6);
+        assert_eq!(
+            (slopes[0], slopes[3]),
+            (2f32.powf(-8.0 / 3.0), 1.25 * slopes[0])
+        );
+    }
+
+    #[test]
+    fn lse_comparison_flags_wrong_rows() {
+        let want = [0.5, f64::NEG_INFINITY, 3.0];
+        assert_eq!(compare_lse(&want, &want), (0.0, 0));
+        let (err, bad) = compare_lse(&[0.5, 0.0, 3.3], &want);
+        assert_eq!(bad, 1, "a row with keys where the reference has none");
+        assert!((err - 0.1).abs() < 1e-12, "{err}");
     }
 
     #[test]

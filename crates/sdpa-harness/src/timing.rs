@@ -156,12 +156,11 @@ pub fn time_backend(
     backend.supports(dev, p)?;
     let inputs = crate::check::random_inputs(p, crate::check::fresh_seed())?;
     if backend == Backend::Cpu {
-        let [q, k, v] = &inputs.values;
         let mut ts = Vec::new();
         let t0 = Instant::now();
         while ts.is_empty() || (t0.elapsed().as_secs_f64() * 1e3 < budget_ms && ts.len() < 20) {
             let t = Instant::now();
-            std::hint::black_box(sdpa::reference(p, q, k, v)?);
+            std::hint::black_box(inputs.reference(p)?);
             ts.push(t.elapsed().as_secs_f64() * 1e6);
         }
         return Ok(Timing::from_samples(&ts, &ts));
@@ -169,8 +168,27 @@ pub fn time_backend(
     let dev = dev.expect("supports() requires a device for GPU backends");
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
+    let stream = dev.stream();
+    let slopes = match &inputs.alibi_slopes {
+        Some(s) => Some(stream.clone_htod(s)?),
+        None => None,
+    };
+    let mut lse = match p.lse {
+        true => Some(stream.alloc_zeros::<f32>(p.lse_len())?),
+        false => None,
+    };
     time_gpu(dev, budget_ms, || {
-        sdpa::forward(dev, p, backend, &q, &k, &v, &mut out)
+        let t = sdpa::Operands {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &mut out,
+        };
+        let extras = sdpa::Extras {
+            alibi_slopes: slopes.as_ref().map(|s| s.as_view()),
+            lse: lse.as_mut().map(|l| l.as_view_mut()),
+        };
+        sdpa::forward_with(dev, p, backend, t, extras)
     })
 }
 

@@ -25,6 +25,14 @@ sdpa::FwdArgs convert(const FwdArgs& a) {
   r.o_stride = strides(a.o_stride);
   r.scale = a.scale;
   r.mask = a.mask;
+  r.window_left = a.window_left;
+  r.window_right = a.window_right;
+  r.softcap = a.softcap;
+  r.alibi = a.alibi;
+  r.alibi_slopes = reinterpret_cast<const float*>(a.alibi_slopes);
+  r.alibi_batch_stride = a.alibi_batch_stride;
+  r.has_lse = a.has_lse;
+  r.lse = reinterpret_cast<float*>(a.lse);
   r.dtype = a.dtype;
   r.out_dtype = a.out_dtype;
   r.q_scale = reinterpret_cast<const float*>(a.q_scale);

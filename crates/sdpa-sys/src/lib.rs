@@ -32,6 +32,8 @@ pub mod ffi {
     enum Mask {
         NoMask = 0,
         CausalBottomRight = 1,
+        CausalTopLeft = 2,
+        Window = 3,
     }
 
     /// The fused kernels of the core, one per backend folder under cpp/src/: `sdpa::Kernel`,
@@ -65,6 +67,19 @@ pub mod ffi {
         pub o_stride: [i64; 3],
         pub scale: f32,
         pub mask: Mask,
+        /// Window only: keys left and right of the diagonal (negative: unbounded).
+        pub window_left: i64,
+        pub window_right: i64,
+        /// > 0: the logit cap; 0: none.
+        pub softcap: f32,
+        /// ALiBi: device f32 slopes (0 in a question asked before the buffers exist), slope
+        /// of (b, h) at `b * alibi_batch_stride + h`.
+        pub alibi: bool,
+        pub alibi_slopes: u64,
+        pub alibi_batch_stride: i64,
+        /// The log-sum-exp out: device f32 [batch][heads][seq_q] (0 as for the slopes).
+        pub has_lse: bool,
+        pub lse: u64,
         /// Of q, k, v
         pub dtype: Dtype,
         /// Of o: F16 or BF16

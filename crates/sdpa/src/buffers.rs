@@ -18,6 +18,10 @@ pub(crate) struct Buffers {
     pub(crate) scales: [u64; 3],
     /// Of Q, K, V and the output, in that order.
     pub(crate) strides: [Strides; 4],
+    /// Device addresses of the ALiBi slopes and the log-sum-exp output (0: none), checked
+    /// against the problem's sizes.
+    pub(crate) alibi_slopes: u64,
+    pub(crate) lse: u64,
 }
 
 impl Buffers {
@@ -38,6 +42,17 @@ impl Buffers {
             o: out.ptr_mut(dev),
             scales: [q.scales_ptr(dev), k.scales_ptr(dev), v.scales_ptr(dev)],
             strides: [qs, ks, ks, qs],
+            alibi_slopes: 0,
+            lse: 0,
+        }
+    }
+
+    /// The same buffers with the call's extras (ALiBi slopes, log-sum-exp).
+    pub(crate) fn with_extras(self, e: &crate::extras::ExtraPtrs<'_>) -> Buffers {
+        Buffers {
+            alibi_slopes: e.alibi_slopes,
+            lse: e.lse,
+            ..self
         }
     }
 

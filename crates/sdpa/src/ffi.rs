@@ -14,10 +14,15 @@ pub(crate) fn dtype(d: DType) -> Dtype {
     }
 }
 
-/// The core's spelling of a mask.
-pub(crate) fn mask(m: Mask) -> sdpa_sys::ffi::Mask {
-    match m {
-        Mask::None => sdpa_sys::ffi::Mask::NoMask,
-        Mask::CausalBottomRight => sdpa_sys::ffi::Mask::CausalBottomRight,
+/// The core's spelling of a mask (in its canonical form) and its window sides (-1: unbounded,
+/// and for masks without a window).
+pub(crate) fn mask(m: Mask) -> (sdpa_sys::ffi::Mask, i64, i64) {
+    use sdpa_sys::ffi::Mask as M;
+    let side = |x: Option<usize>| x.map_or(-1, |n| n.min(i64::MAX as usize) as i64);
+    match m.canonical() {
+        Mask::None => (M::NoMask, -1, -1),
+        Mask::CausalBottomRight => (M::CausalBottomRight, -1, -1),
+        Mask::CausalTopLeft => (M::CausalTopLeft, -1, -1),
+        Mask::Window { left, right } => (M::Window, side(left), side(right)),
     }
 }

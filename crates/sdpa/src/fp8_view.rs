@@ -164,6 +164,8 @@ pub fn forward_fp8_views<T: Element>(
         o: op,
         scales: [qsp, ksp, vsp],
         strides: [q.strides, k.strides, v.strides, out.strides],
+        alibi_slopes: 0,
+        lse: 0,
     };
     order.finish(crate::backend::fused::forward(kernel, dev, &p, &b))
 }

@@ -43,6 +43,7 @@ mod buffers;
 mod codec;
 mod device;
 mod error;
+mod extras;
 mod ffi;
 pub mod fp8;
 mod fp8_view;
@@ -52,17 +53,18 @@ mod tensor;
 mod view;
 
 pub use backend::Backend;
-pub use backend::cpu::reference;
+pub use backend::cpu::{Reference, reference, reference_with};
 pub use codec::{decode, encode};
 pub use device::{Device, driver_present};
 pub use error::{CudaError, Error, MemoryKind, Result};
-pub use problem::{DType, Layout, Mask, Problem, Scaling, Strides, TensorShape};
+pub use extras::Extras;
+pub use problem::{Alibi, DType, Layout, Mask, Problem, Scaling, Strides, TensorShape};
 
 use buffers::Buffers;
 pub use fp8_view::{Fp8View, Fp8Views, forward_fp8_views};
 use problem::Checked;
 pub use tensor::{Element, Tensor};
-pub use view::{View, ViewMut, Views, forward_views};
+pub use view::{View, ViewMut, Views, forward_views, forward_views_with};
 
 use error::invalid;
 
@@ -84,11 +86,65 @@ pub fn forward(
     v: &Tensor,
     out: &mut Tensor,
 ) -> Result<()> {
+    let t = Operands { q, k, v, out };
+    forward_with(dev, p, backend, t, Extras::default())
+}
+
+/// [`forward`] with the operands a problem may ask for beyond Q, K, V and the output: ALiBi
+/// slopes (`p.alibi`) and the log-sum-exp output (`p.lse`), caller-owned f32 device buffers.
+///
+/// ```no_run
+/// # fn main() -> sdpa::Result<()> {
+/// use sdpa::{Alibi, Backend, DType, Device, Extras, Mask, Operands, Problem, Tensor};
+/// let dev = Device::new(0)?;
+/// let p = Problem::new(1, 8, 4096, 4096, 128)
+///     .with_mask(Mask::Window { left: Some(1024), right: Some(0) })
+///     .with_softcap(30.0)
+///     .with_alibi(Alibi::PerHead)
+///     .with_lse(true);
+/// let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
+/// let q = Tensor::zeros(&dev, DType::F16, ql)?;
+/// let (k, v) = (Tensor::zeros(&dev, DType::F16, kl)?, Tensor::zeros(&dev, DType::F16, kl)?);
+/// let mut out = Tensor::zeros(&dev, DType::F16, ql)?;
+/// let slopes: Vec<f32> = (1..=8).map(|h| 2f32.powi(-h)).collect();
+/// let slopes = dev.stream().clone_htod(&slopes).expect("upload");
+/// let mut lse = dev.stream().alloc_zeros::<f32>(p.lse_len()).expect("alloc");
+/// let t = Operands { q: &q, k: &k, v: &v, out: &mut out };
+/// let extras = Extras { alibi_slopes: Some(slopes.as_view()), lse: Some(lse.as_view_mut()) };
+/// sdpa::forward_with(&dev, &p, Backend::Auto, t, extras)?;
+/// # Ok(())
+/// # }
+/// ```
+pub fn forward_with(
+    dev: &Device,
+    p: &Problem,
+    backend: Backend,
+    t: Operands<'_>,
+    mut extras: Extras<'_>,
+) -> Result<()> {
     let p = p.checked()?;
+    let Operands { q, k, v, out } = t;
     check_tensors(dev, &p, q, k, v, out)?;
+    let spans = [q, k, v, &*out].map(|t| t.byte_span(dev));
+    extras.check(
+        dev,
+        &p,
+        &[
+            ("q", &spans[0]),
+            ("k", &spans[1]),
+            ("v", &spans[2]),
+            ("out", &spans[3]),
+        ],
+    )?;
     let backend = backend.resolve_checked(Some(dev), &p)?;
-    let order = tensor::order_on(dev, &[q, k, v, &*out])?;
-    order.finish(run(dev, &p, backend, q, k, v, out))
+    let extra_streams: Vec<_> = extras.streams().cloned().collect();
+    let order = dev.order_after(
+        [q, k, v, &*out]
+            .into_iter()
+            .flat_map(|t| t.streams())
+            .chain(&extra_streams),
+    )?;
+    order.finish(run(dev, &p, backend, q, k, v, out, &mut extras))
 }
 
 /// Makes ready on `dev` what `backend` needs to run `p` (the cuBLAS handle and workspace, the
@@ -150,10 +206,21 @@ impl Problem {
     pub fn forward(&self, dev: &Device, backend: Backend, t: Operands<'_>) -> Result<()> {
         forward(dev, self, backend, t.q, t.k, t.v, t.out)
     }
+    /// [`forward_with`] for this problem.
+    pub fn forward_with(
+        &self,
+        dev: &Device,
+        backend: Backend,
+        t: Operands<'_>,
+        extras: Extras<'_>,
+    ) -> Result<()> {
+        forward_with(dev, self, backend, t, extras)
+    }
 }
 
 /// `forward` once its arguments are checked, `backend` resolved to one that supports `p`, and
 /// the streams ordered.
+#[allow(clippy::too_many_arguments)]
 fn run(
     dev: &Device,
     p: &Checked,
@@ -162,17 +229,35 @@ fn run(
     k: &Tensor,
     v: &Tensor,
     out: &mut Tensor,
+    extras: &mut Extras<'_>,
 ) -> Result<()> {
     if p.dtype == DType::E4m3 && !backend.native_fp8() {
-        return fp8_simulated(dev, p, backend, q, k, v, out);
+        return fp8_simulated(dev, p, backend, q, k, v, out, extras);
     }
+    let stream = dev.stream().clone();
     if let Some(kernel) = backend.fused_kernel() {
-        return backend::fused::forward(kernel, dev, p, &Buffers::of_tensors(dev, p, q, k, v, out));
+        let ptrs = extras.pointers(&stream);
+        let b = Buffers::of_tensors(dev, p, q, k, v, out).with_extras(&ptrs);
+        return backend::fused::forward(kernel, dev, p, &b);
     }
     match backend {
         Backend::Cpu => {
-            let o = reference(p, &q.to_f64(dev)?, &k.to_f64(dev)?, &v.to_f64(dev)?)?;
-            let o32: Vec<f32> = o.iter().map(|&x| x as f32).collect();
+            let slopes = match &extras.alibi_slopes {
+                Some(s) => Some(stream.clone_dtoh(s)?),
+                None => None,
+            };
+            let r = reference_with(
+                p,
+                &q.to_f64(dev)?,
+                &k.to_f64(dev)?,
+                &v.to_f64(dev)?,
+                slopes.as_deref(),
+            )?;
+            if let Some(lse) = extras.lse.as_mut() {
+                let l32: Vec<f32> = r.lse.iter().map(|&x| x as f32).collect();
+                stream.memcpy_htod(&l32, &mut lse.slice_mut(..l32.len()))?;
+            }
+            let o32: Vec<f32> = r.out.iter().map(|&x| x as f32).collect();
             out.write_bits(dev, &encode(p.output_dtype(), &o32))
         }
         Backend::Cublas => {
@@ -185,6 +270,7 @@ fn run(
 
 /// The simulated FP8 path: Q, K, V dequantized to the output dtype (code · scale, rounded
 /// once), then the backend's f16/bf16 kernel on the same problem.
+#[allow(clippy::too_many_arguments)]
 fn fp8_simulated(
     dev: &Device,
     p: &Checked,
@@ -193,6 +279,7 @@ fn fp8_simulated(
     k: &Tensor,
     v: &Tensor,
     out: &mut Tensor,
+    extras: &mut Extras<'_>,
 ) -> Result<()> {
     let dtype = p.output_dtype();
     // With power-of-two scales, code·scale is exact in bf16 always and in f16 for scales in
@@ -220,14 +307,17 @@ fn fp8_simulated(
     // The fused kernels dequantize into the device's scratch in one launch (C++ side,
     // cpp/src/fp8/simulated.cu); cublas and cpu take dequantized tensors.
     if let Some(kernel) = backend.fused_kernel() {
-        return backend::fused::forward(kernel, dev, p, &Buffers::of_tensors(dev, p, q, k, v, out));
+        let stream = dev.stream().clone();
+        let ptrs = extras.pointers(&stream);
+        let b = Buffers::of_tensors(dev, p, q, k, v, out).with_extras(&ptrs);
+        return backend::fused::forward(kernel, dev, p, &b);
     }
     let (q, k, v) = (
         q.dequantize(dev, dtype)?,
         k.dequantize(dev, dtype)?,
         v.dequantize(dev, dtype)?,
     );
-    run(dev, &p.dequantized(), backend, &q, &k, &v, out)
+    run(dev, &p.dequantized(), backend, &q, &k, &v, out, extras)
 }
 
 /// Each tensor's dtype, scales, length and GPU against the (valid) problem.

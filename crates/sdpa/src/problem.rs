@@ -204,7 +204,9 @@ impl FromStr for Layout {
     }
 }
 
-/// Which keys each query row sees.
+/// Which keys each query row sees. The diagonal of the causal and window masks is aligned
+/// bottom-right (the last query row with the last key) as in FlashAttention, except
+/// [`Mask::CausalTopLeft`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Mask {
     /// Every key.
@@ -213,21 +215,144 @@ pub enum Mask {
     /// Causal, aligned bottom-right: query row i sees keys j <= i + seq_k - seq_q (the last
     /// query row sees every key, as FlashAttention does when seq_q != seq_k).
     CausalBottomRight,
+    /// Causal, aligned top-left: query row i sees keys j <= i (PyTorch's `is_causal` when
+    /// seq_q != seq_k).
+    CausalTopLeft,
+    /// Sliding window around the bottom-right diagonal, as FlashAttention's `window_size`: row
+    /// i sees keys j with i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right; `None` is
+    /// unbounded on that side. `right: Some(0)` is causal with a window.
+    Window {
+        /// Keys before the diagonal a row sees (`None`: all).
+        left: Option<usize>,
+        /// Keys after the diagonal a row sees (`None`: all).
+        right: Option<usize>,
+    },
 }
 
 impl Mask {
-    /// Name as the CLI and bench records spell it.
-    pub fn name(self) -> &'static str {
+    /// Name as the CLI and bench records spell it: `none`, `causal`, `causal-top-left`,
+    /// `window(L,R)` (`-1` for an unbounded side).
+    pub fn name(self) -> String {
         match self {
-            Mask::None => "none",
-            Mask::CausalBottomRight => "causal",
+            Mask::None => "none".into(),
+            Mask::CausalBottomRight => "causal".into(),
+            Mask::CausalTopLeft => "causal-top-left".into(),
+            Mask::Window { left, right } => {
+                let side = |x: Option<usize>| x.map_or("-1".to_string(), |n| n.to_string());
+                format!("window({},{})", side(left), side(right))
+            }
+        }
+    }
+
+    /// The same mask in its simplest form: a window unbounded on both sides is no mask, one
+    /// unbounded on the left and closed at the diagonal is causal.
+    pub fn canonical(self) -> Mask {
+        match self {
+            Mask::Window {
+                left: None,
+                right: None,
+            } => Mask::None,
+            Mask::Window {
+                left: None,
+                right: Some(0),
+            } => Mask::CausalBottomRight,
+            m => m,
+        }
+    }
+
+    /// The keys `[first, end)` query row `i` of a `seq_q` x `seq_k` problem sees (empty when
+    /// none).
+    pub fn visible(self, i: usize, seq_q: usize, seq_k: usize) -> std::ops::Range<usize> {
+        // Row i's diagonal key, i + seq_k - seq_q (or i), in i128: no overflow for any sizes.
+        let (i, sq, sk) = (i as i128, seq_q as i128, seq_k as i128);
+        let (diag, left, right) = match self {
+            Mask::None => return 0..seq_k,
+            Mask::CausalBottomRight => (i + sk - sq, None, Some(0)),
+            Mask::CausalTopLeft => (i, None, Some(0)),
+            Mask::Window { left, right } => (i + sk - sq, left, right),
+        };
+        let first = left.map_or(0, |l| (diag - l as i128).max(0));
+        let end = right.map_or(sk, |r| (diag + r as i128 + 1).clamp(0, sk));
+        let first = first.min(end);
+        first as usize..end as usize
+    }
+
+    /// Whether the mask hides any key from some row (every mask but `None` and an unbounded
+    /// window).
+    pub fn hides_keys(self) -> bool {
+        self.canonical() != Mask::None
+    }
+}
+
+impl FromStr for Mask {
+    type Err = crate::Error;
+    /// `none`, `causal`, `causal-top-left`, or a window `L,R` (also `window(L,R)`) with `-1` for
+    /// an unbounded side.
+    fn from_str(s: &str) -> Result<Self> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "none" | "false" => return Ok(Mask::None),
+            "causal" | "true" | "causal-bottom-right" => return Ok(Mask::CausalBottomRight),
+            "causal-top-left" | "top-left" => return Ok(Mask::CausalTopLeft),
+            _ => {}
+        }
+        let inner = t
+            .strip_prefix("window(")
+            .and_then(|x| x.strip_suffix(')'))
+            .unwrap_or(&t);
+        let side = |x: &str| -> Result<Option<usize>> {
+            match x.trim() {
+                "-1" => Ok(None),
+                n => n.parse::<usize>().map(Some).map_err(|_| {
+                    invalid!(
+                        "window side {n:?} in {s:?} is not a key count (a non-negative integer,                          or -1 for unbounded)"
+                    )
+                }),
+            }
+        };
+        match inner.split_once(',') {
+            Some((l, r)) => Ok(Mask::Window {
+                left: side(l)?,
+                right: side(r)?,
+            }),
+            None => Err(invalid!(
+                "unknown mask {s:?} (expected none, causal, causal-top-left or a window L,R)"
+            )),
         }
     }
 }
 
 impl fmt::Display for Mask {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+        f.write_str(&self.name())
+    }
+}
+
+/// How ALiBi slopes are laid out (FlashAttention-2's `alibi_slopes`): f32, one per query head
+/// (`[heads]`) or one per (batch, query head) pair (`[batch, heads]`). Row i, key j of head h
+/// adds `-slope · |i + seq_k - seq_q - j|` to the scaled (and capped) score.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Alibi {
+    /// `[heads]`: one slope per head, shared by the batch.
+    PerHead,
+    /// `[batch, heads]`.
+    PerBatchHead,
+}
+
+impl Alibi {
+    /// Slopes the layout holds for a problem of `batch` x `heads`.
+    pub fn len(self, batch: usize, heads: usize) -> usize {
+        match self {
+            Alibi::PerHead => heads,
+            Alibi::PerBatchHead => batch * heads,
+        }
+    }
+    /// Index of the slope of (b, h).
+    pub fn index(self, b: usize, h: usize, heads: usize) -> usize {
+        match self {
+            Alibi::PerHead => h,
+            Alibi::PerBatchHead => b * heads + h,
+        }
     }
 }
 
@@ -252,7 +377,9 @@ impl Strides {
     }
 }
 
-/// One attention problem: out = softmax(scale · Q·Kᵀ + mask) · V.
+/// One attention problem: out = softmax(cap(scale · Q·Kᵀ) + alibi + mask) · V, where
+/// cap(x) = softcap · tanh(x / softcap) when `softcap` is set (Gemma 2's logit capping) and the
+/// ALiBi bias is added when `alibi` is set (its slopes come with the call).
 ///
 /// Q is `[batch, heads, seq_q, head_dim]`, K and V `[batch, kv_heads, seq_k, head_dim]` (in the
 /// order `layout` says), the output has Q's shape. `kv_heads < heads` is grouped-query attention:
@@ -277,6 +404,12 @@ pub struct Problem {
     pub mask: Mask,
     /// Softmax scale; `None` means 1/sqrt(head_dim).
     pub scale: Option<f32>,
+    /// Logit cap: scores become `softcap · tanh(scores / softcap)` before the softmax.
+    pub softcap: Option<f32>,
+    /// ALiBi bias, with slopes of this layout passed to the call.
+    pub alibi: Option<Alibi>,
+    /// Whether the call also writes each row's log-sum-exp (f32 `[batch, heads, seq_q]`).
+    pub lse: bool,
     /// Element type of Q, K and V.
     pub dtype: DType,
     /// Element type of the output; `None` means the input dtype (f16 for e4m3 inputs).
@@ -305,6 +438,9 @@ impl Problem {
             head_dim,
             mask: Mask::None,
             scale: None,
+            softcap: None,
+            alibi: None,
+            lse: false,
             dtype: DType::F16,
             out_dtype: None,
             fp8_scaling: Scaling::PerHead,
@@ -329,9 +465,35 @@ impl Problem {
             Mask::None
         })
     }
-    /// Whether the mask is causal.
+    /// Whether the mask is causal aligned bottom-right (also as a window unbounded on the left).
     pub fn is_causal(&self) -> bool {
-        self.mask == Mask::CausalBottomRight
+        self.mask.canonical() == Mask::CausalBottomRight
+    }
+    /// Sets the logit cap (`softcap · tanh(scores / softcap)`).
+    pub fn with_softcap(mut self, softcap: f32) -> Self {
+        self.softcap = Some(softcap);
+        self
+    }
+    /// Sets the layout of the ALiBi slopes the calls will pass.
+    pub fn with_alibi(mut self, alibi: Alibi) -> Self {
+        self.alibi = Some(alibi);
+        self
+    }
+    /// Asks the call for each row's log-sum-exp too ([`crate::Extras::lse`]).
+    pub fn with_lse(mut self, lse: bool) -> Self {
+        self.lse = lse;
+        self
+    }
+    /// Entries of the log-sum-exp output: batch · heads · seq_q.
+    pub fn lse_len(&self) -> usize {
+        self.batch * self.heads * self.seq_q
+    }
+    /// Whether the problem is plain attention with no mask beyond causal bottom-right, no
+    /// softcap and no ALiBi: what every backend runs.
+    pub fn is_plain(&self) -> bool {
+        matches!(self.mask.canonical(), Mask::None | Mask::CausalBottomRight)
+            && self.softcap.is_none()
+            && self.alibi.is_none()
     }
     /// Sets an explicit softmax scale.
     pub fn with_scale(mut self, scale: f32) -> Self {
@@ -440,6 +602,11 @@ impl Problem {
         {
             return Err(invalid!("scale must be finite and positive, got {s}"));
         }
+        if let Some(c) = self.softcap
+            && !(c.is_finite() && c > 0.0)
+        {
+            return Err(invalid!("softcap must be finite and positive, got {c}"));
+        }
         for (name, n) in [("Q/O", self.q_len()), ("K/V", self.kv_len())] {
             match n {
                 Some(n) if n <= MAX_ELEMENTS => {}
@@ -507,26 +674,27 @@ impl Problem {
         self.strides(self.kv_heads, self.seq_k)
     }
 
+    /// The keys `[first, end)` query row `i` attends to (empty for rows that see none).
+    pub fn visible_range(&self, i: usize) -> std::ops::Range<usize> {
+        self.mask.visible(i, self.seq_q, self.seq_k)
+    }
+
     /// Number of keys query row `i` attends to (0 for rows that see none).
     pub fn visible_keys(&self, i: usize) -> usize {
-        if !self.is_causal() {
-            return self.seq_k;
-        }
-        // j <= i + seq_k - seq_q  <=>  j < i + 1 + seq_k - seq_q
-        (i + 1 + self.seq_k)
-            .saturating_sub(self.seq_q)
-            .min(self.seq_k)
+        self.visible_range(i).len()
     }
 
     /// Floating-point operations of the two matrix products, counting only visible scores
-    /// (so a causal square problem counts about half).
+    /// (so a causal square problem counts about half, a window its band).
     pub fn flops(&self) -> f64 {
         let (sq, sk) = (self.seq_q as f64, self.seq_k as f64);
-        // Row i sees i + 1 + sk - sq keys (at least 0): an arithmetic series ending at sk.
-        let visible = match (self.is_causal(), self.seq_q <= self.seq_k) {
-            (false, _) => sq * sk,
-            (true, true) => sq * (2.0 * sk - sq + 1.0) / 2.0,
-            (true, false) => sk * (sk + 1.0) / 2.0,
+        // Causal: row i sees i + 1 + sk - sq keys (at least 0), an arithmetic series ending at
+        // sk; other masks row by row.
+        let visible = match (self.mask.canonical(), self.seq_q <= self.seq_k) {
+            (Mask::None, _) => sq * sk,
+            (Mask::CausalBottomRight, true) => sq * (2.0 * sk - sq + 1.0) / 2.0,
+            (Mask::CausalBottomRight, false) => sk * (sk + 1.0) / 2.0,
+            _ => (0..self.seq_q).map(|i| self.visible_keys(i) as f64).sum(),
         };
         4.0 * (self.batch * self.heads) as f64 * visible * self.head_dim as f64
     }
@@ -580,8 +748,19 @@ impl fmt::Display for Problem {
         if self.dtype == DType::E4m3 {
             write!(f, "/{}->{}", self.fp8_scaling.name(), self.output_dtype())?;
         }
-        if self.is_causal() {
-            f.write_str(" causal")?;
+        match self.mask.canonical() {
+            Mask::None => {}
+            Mask::CausalBottomRight => f.write_str(" causal")?,
+            m => write!(f, " {m}")?,
+        }
+        if let Some(c) = self.softcap {
+            write!(f, " softcap {c}")?;
+        }
+        if self.alibi.is_some() {
+            f.write_str(" alibi")?;
+        }
+        if self.lse {
+            f.write_str(" +lse")?;
         }
         if self.layout == Layout::Bshd {
             f.write_str(" bshd")?;
@@ -615,6 +794,67 @@ mod tests {
             let visible: usize = (0..sq).map(|i| p.visible_keys(i)).sum();
             assert_eq!(p.flops(), 4.0 * visible as f64 * 8.0, "{sq}x{sk}");
         }
+    }
+
+    #[test]
+    fn windows_and_top_left_see_their_bands() {
+        let vis = |m: Mask, sq, sk| (0..sq).map(|i| m.visible(i, sq, sk)).collect::<Vec<_>>();
+        assert_eq!(vis(Mask::CausalTopLeft, 3, 5), [0..1, 0..2, 0..3]);
+        assert_eq!(vis(Mask::CausalTopLeft, 4, 2), [0..1, 0..2, 0..2, 0..2]);
+        let w = |l, r| Mask::Window { left: l, right: r };
+        // Diagonal of row i at i + 2 (sq 3, sk 5).
+        assert_eq!(vis(w(Some(1), Some(0)), 3, 5), [1..3, 2..4, 3..5]);
+        assert_eq!(vis(w(Some(0), Some(1)), 3, 5), [2..4, 3..5, 4..5]);
+        assert_eq!(
+            vis(w(None, Some(0)), 3, 5),
+            vis(Mask::CausalBottomRight, 3, 5)
+        );
+        assert_eq!(vis(w(None, None), 3, 5), vis(Mask::None, 3, 5));
+        // seq_q > seq_k: the diagonal starts below key 0, early rows see nothing.
+        assert_eq!(vis(w(Some(1), Some(0)), 4, 2), [0..0, 0..0, 0..1, 0..2]);
+        assert_eq!(vis(w(Some(0), Some(0)), 4, 2), [0..0, 0..0, 0..1, 1..2]);
+        assert_eq!(w(None, Some(0)).canonical(), Mask::CausalBottomRight);
+        assert_eq!(w(None, None).canonical(), Mask::None);
+    }
+
+    #[test]
+    fn masks_parse_as_they_print() {
+        for m in [
+            Mask::None,
+            Mask::CausalBottomRight,
+            Mask::CausalTopLeft,
+            Mask::Window {
+                left: Some(1024),
+                right: Some(0),
+            },
+            Mask::Window {
+                left: None,
+                right: Some(3),
+            },
+        ] {
+            assert_eq!(m.name().parse::<Mask>().unwrap(), m);
+        }
+        assert_eq!(
+            "1024,0".parse::<Mask>().unwrap(),
+            Mask::Window {
+                left: Some(1024),
+                right: Some(0)
+            }
+        );
+        let e = "-2,0".parse::<Mask>().unwrap_err().to_string();
+        assert!(e.contains("-2"), "{e}");
+    }
+
+    #[test]
+    fn window_flops_count_the_band() {
+        let p = Problem::new(1, 1, 6, 6, 8).with_mask(Mask::Window {
+            left: Some(2),
+            right: Some(0),
+        });
+        // Rows see 1, 2, 3, 3, 3, 3 keys.
+        assert_eq!(p.flops(), 4.0 * 15.0 * 8.0);
+        let e = Problem::new(1, 1, 4, 4, 64).with_softcap(0.0).validate();
+        assert!(e.unwrap_err().to_string().contains("softcap"));
     }
 
     #[test]

@@ -5,6 +5,7 @@ use crate::backend::Backend;
 use crate::buffers::Buffers;
 use crate::device::Device;
 use crate::error::{Error, Result, invalid};
+use crate::extras::Extras;
 use crate::problem::{Checked, Problem, Strides, TensorShape};
 use crate::tensor::Element;
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
@@ -123,6 +124,18 @@ pub fn forward_views<T: Element>(
     backend: Backend,
     views: Views<'_, '_, T>,
 ) -> Result<()> {
+    forward_views_with(dev, p, backend, views, Extras::default())
+}
+
+/// [`forward_views`] with the ALiBi slopes and the log-sum-exp output the problem asks for
+/// (see [`crate::forward_with`]).
+pub fn forward_views_with<T: Element>(
+    dev: &Device,
+    p: &Problem,
+    backend: Backend,
+    views: Views<'_, '_, T>,
+    mut extras: Extras<'_>,
+) -> Result<()> {
     let p = p.checked()?;
     let Views { q, k, v, mut out } = views;
     if T::DTYPE != p.dtype || p.output_dtype() != p.dtype {
@@ -145,15 +158,30 @@ pub fn forward_views<T: Element>(
         &spans[3],
         &[("q", &spans[0]), ("k", &spans[1]), ("v", &spans[2])],
     )?;
+    extras.check(
+        dev,
+        &p,
+        &[
+            ("q", &spans[0]),
+            ("k", &spans[1]),
+            ("v", &spans[2]),
+            ("out", &spans[3]),
+        ],
+    )?;
     let (qd, kd) = (p.q_strides(), p.kv_strides());
     let in_layout = [q.strides, k.strides, v.strides, out.strides] == [qd, kd, kd, qd];
     let backend = resolve(dev, &p, backend, in_layout)?;
-    let order = dev.order_after([
-        q.data.stream(),
-        k.data.stream(),
-        v.data.stream(),
-        out.data.stream(),
-    ])?;
+    let extra_streams: Vec<_> = extras.streams().cloned().collect();
+    let order = dev.order_after(
+        [
+            q.data.stream(),
+            k.data.stream(),
+            v.data.stream(),
+            out.data.stream(),
+        ]
+        .into_iter()
+        .chain(&extra_streams),
+    )?;
     let stream = dev.stream();
     // The guards record cudarc's read/write events (where tracking is on) once dropped, after
     // the launch is queued.
@@ -161,6 +189,7 @@ pub fn forward_views<T: Element>(
     let (kp, _kg) = k.data.device_ptr(stream);
     let (vp, _vg) = v.data.device_ptr(stream);
     let (op, _og) = out.data.device_ptr_mut(stream);
+    let extra_ptrs = extras.pointers(stream);
     let b = Buffers {
         q: qp,
         k: kp,
@@ -168,7 +197,10 @@ pub fn forward_views<T: Element>(
         o: op,
         scales: [0; 3],
         strides: [q.strides, k.strides, v.strides, out.strides],
-    };
+        alibi_slopes: 0,
+        lse: 0,
+    }
+    .with_extras(&extra_ptrs);
     let ran = match backend.fused_kernel() {
         Some(kernel) => crate::backend::fused::forward(kernel, dev, &p, &b),
         None => crate::backend::cublas::forward(dev, &p, &b),

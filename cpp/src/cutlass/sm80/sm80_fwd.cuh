@@ -652,6 +652,8 @@ constexpr int kMaxTileRows = 16 * 8;
 // picks there (the 4-warp one where the device is unknown: both take the same).
 template <typename T, int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
+  const std::string plain = mask::plain_only(a, "cutlass-sm80");
+  if (!plain.empty()) return plain;
   const int warps = dev.known() ? shipping_warps<T, D>(dev) : 4;
   const int smem = mask::dispatch_mask(a.mask, a.seq_q, a.seq_k, [&](const auto& m) {
     using Mask = std::decay_t<decltype(m)>;

@@ -19,7 +19,25 @@ struct Epilogue {
     Out* o;
     Strides os;
     int seq_q;
+    float* lse;  // null: none; [batch][heads][seq_q]
+    int heads;
   };
+
+  // Each row's log-sum-exp (softmax: the tile's finished online softmax, which stepped with
+  // scale sl2; cS: the (row, col) of each S element this thread holds), where asked for. One lane
+  // of the quad that holds a row writes it.
+  template <class Softmax, class TC>
+  __device__ __forceinline__ static void store_lse(const Params& p, const Softmax& softmax,
+                                                   const TC& cS, int b, int h, int m0, float sl2) {
+    if (p.lse == nullptr) return;
+    float* lb = p.lse + (int64_t(b) * p.heads + h) * p.seq_q;
+    CUTE_UNROLL
+    for (int r = 0; r < decltype(size<0>(cS))::value; ++r) {
+      const float v = softmax.lse(r, sl2);
+      const int row = m0 + int(get<0>(cS(r, 0)));
+      if (threadIdx.x % 4 == 0 && row < p.seq_q) lb[row] = v;
+    }
+  }
 
   // Warpgroup wg's rows [m0 + 64 wg, m0 + 64 wg + 64) of the tile, the qi-th this CTA stores,
   // through its 64-row staging area: row r, 16-byte chunk j lives at chunk j ^ (r % 8), so the

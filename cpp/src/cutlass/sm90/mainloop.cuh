@@ -5,7 +5,10 @@
 
 #include <cutlass/arch/barrier.h>
 
+#include <type_traits>
+
 #include "common/launch.cuh"
+#include "common/mask.cuh"
 #include "cutlass/sm90/nonfinite_v.cuh"
 #include "cutlass/sm90/pipeline.cuh"
 #include "cutlass/sm90/primitives.cuh"
@@ -23,10 +26,17 @@ enum NamedBarrier : int {
 };
 
 // The key tiles of one query tile: how many it sees, and from which on they are partly masked
-// (n_tiles where none is).
+// (n_tiles where none is). A band's tiles start at `begin`, and its n_cross partly masked ones
+// (n_upper across the diagonal, the rest across the lower edge) are visited first.
 struct KeyTiles {
   int n_tiles, n_first;
+  int begin, n_cross, n_upper;
 };
+
+template <class Mask>
+struct IsBand : std::false_type {};
+template <class Index>
+struct IsBand<mask::Band<Index>> : std::true_type {};
 
 // A consumer thread's view of its operands: the wgmma descriptors of Q, K and V in shared memory
 // and the (row, col) of each S element it holds (Mainloop::consumer_operands makes it).
@@ -48,6 +58,9 @@ struct Mainloop {
   using Sched = TileScheduler<Mask::kMasksKeys>;
   using Bar = cutlass::arch::ClusterTransactionBarrier;
   static constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages;
+  // The general path: a band mask (windows, top-left causal) with softcap and ALiBi.
+  static constexpr bool kBand = IsBand<Mask>::value;
+  static_assert(!(kBand && E::kConvertV), "no band kernel for e4m3 V converted in shared memory");
 
   // 32-bit sizes, rows and keys (offsets are 64-bit): can_implement (sm90_fwd.cuh) keeps seq_q,
   // seq_k <= 2^31 - 128 (row and key indices reach a tile past the end) and masked seq_q + seq_k
@@ -63,24 +76,58 @@ struct Mainloop {
     // E4M3 only: dequantization scales, one per tensor or one per (batch, head) (per_head).
     const float *q_scale, *k_scale, *v_scale;
     int per_head;
+    // Band only: the band (mask::Band's diag, left, right) and the score mods: softcap · log2 e
+    // (0: none), ALiBi slopes (null: none) of (b, h) at b * alibi_bstride + h.
+    int diag, left, right;
+    float cap2;
+    const float* alibi;
+    int alibi_bstride;
   };
 
-  __device__ __forceinline__ static Mask mask_of(const Params& p) { return Mask{p.seq_q, p.seq_k}; }
-
-  __device__ __forceinline__ static KeyTiles key_tiles(const Mask& mask, int m0, int rows) {
-    const int n_tiles = (mask.key_end(m0, rows) + BN - 1) / BN;
-    return {n_tiles, mask.first_partial_tile(m0, BN, n_tiles)};
+  __device__ __forceinline__ static Mask mask_of(const Params& p) {
+    if constexpr (kBand)
+      return Mask{p.seq_q, p.seq_k, p.diag, p.left, p.right};
+    else
+      return Mask{p.seq_q, p.seq_k};
   }
 
-  // The key tile of a query tile's i-th ring use (of n). Masked query tiles walk their keys from
-  // the last: the (at most two) partly masked tiles, which the non-finite V check holds back, come
+  __device__ __forceinline__ static KeyTiles key_tiles(const Mask& mask, int m0, int rows) {
+    if constexpr (kBand) {
+      const int begin = mask.key_begin(m0, rows) / BN;
+      const int end = max(begin, (mask.key_end(m0, rows) + BN - 1) / BN);
+      const int upper = max(begin, min(end, mask.first_partial_tile(m0, BN, end)));
+      const int lower = max(begin, min(upper, mask.lower_partial_end(m0, rows, BN)));
+      return {end - begin, upper, begin, (end - upper) + (lower - begin), end - upper};
+    } else {
+      const int n_tiles = (mask.key_end(m0, rows) + BN - 1) / BN;
+      return {n_tiles, mask.first_partial_tile(m0, BN, n_tiles), 0, 0, 0};
+    }
+  }
+
+  // The key tile of a query tile's i-th ring use. Masked query tiles walk their keys from the
+  // last: the (at most two) partly masked tiles, which the non-finite V check holds back, come
   // first, and their check runs while the consumers compute the first S = Q·Kᵀ and softmax
   // instead of sitting between the last V load and the last P·V. (The online softmax does not
   // depend on the order; rows that see nothing of the first tiles keep m = -inf and p = 0 until
-  // they do.) An involution: use i holds key tile key_tile(i, n), and key tile j was use
-  // key_tile(j, n).
-  __device__ __forceinline__ static int key_tile(int i, int n) {
-    return Mask::kMasksKeys ? n - 1 - i : i;
+  // they do.) A band visits its upper partly masked tiles from the last, then its lower ones,
+  // then the rest from the last.
+  __device__ __forceinline__ static int key_tile(int i, const KeyTiles& kt) {
+    if constexpr (kBand) {
+      const int end = kt.begin + kt.n_tiles;
+      if (i < kt.n_upper) return end - 1 - i;
+      if (i < kt.n_cross) return kt.begin + (i - kt.n_upper);
+      return end - 1 - kt.n_upper - (i - kt.n_cross);
+    } else {
+      return Mask::kMasksKeys ? kt.n_tiles - 1 - i : i;
+    }
+  }
+
+  // How many of a query tile's first ring uses the non-finite V check takes (partly masked).
+  __device__ __forceinline__ static int checked_uses(const KeyTiles& kt) {
+    if constexpr (kBand)
+      return kt.n_cross;
+    else
+      return max(0, kt.n_tiles - kt.n_first);
   }
 
   __device__ __forceinline__ static void prefetch_descriptors(const Params& p) {
@@ -149,7 +196,7 @@ struct Mainloop {
         const int s = use.stage();
         if (use.reuses()) Bar::wait(&sm.empty_k[s], use.empty_phase());
         Bar::arrive_and_expect_tx(&sm.full_k[s], kKBytes);
-        const int j = key_tile(n, kt.n_tiles);
+        const int j = key_tile(n, kt);
         copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, j), get<1>(tK)(_, s));
         if (n == 0) load_q();  // after K_0: the previous tile frees both at about the same time
         if constexpr (E::kConvertV) {
@@ -163,7 +210,8 @@ struct Mainloop {
             if (use.u == 0) pdl_wait();  // V comes from convert_v
           if (use.reuses()) Bar::wait(&sm.empty_v[s], use.empty_phase());
           // Partly masked tiles land on full_vd: the non-finite V check waits for them.
-          uint64_t& full = Mask::kMasksKeys && j >= kt.n_first ? sm.full_vd[s] : sm.full_v[s];
+          const bool checked = kBand ? n < kt.n_cross : j >= kt.n_first;
+          uint64_t& full = Mask::kMasksKeys && checked ? sm.full_vd[s] : sm.full_v[s];
           Bar::arrive_and_expect_tx(&full, kVBytes);
           copy(p.tma_v.with(full), get<0>(tV)(_, j), get<1>(tV)(_, s));
         }
@@ -213,8 +261,8 @@ struct Mainloop {
         }
         // The check, on the converted tile (its barrier is also the one after which every
         // converted value is visible to all).
-        if (key_tile(n, kt.n_tiles) >= kt.n_first)
-          settle_nonfinite<C>(sm, s, nan8, ct, kCheckBarrier);
+        if (key_tile(n, kt) >= kt.n_first)
+          settle_nonfinite<C>(sm, s, s, nan8, ct, kCheckBarrier);
         // These generic-proxy writes must be visible to the wgmmas (async proxy).
         cutlass::arch::fence_view_async_shared();
         Bar::arrive(&sm.empty_v8[s8]);
@@ -231,18 +279,22 @@ struct Mainloop {
                                                  typename C::Smem& sm, int ct) {
     static_assert(Sched::kOneTile && S >= 2);
     const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
-    // One tile a CTA, its keys walked from the last (key_tile): the partly masked tiles are ring
-    // uses 0 and 1, stages 0 and 1, full_vd's first phase.
+    // One tile a CTA, its keys walked as key_tile says: the partly masked tiles are its first
+    // ring uses (two across the diagonal: stages 0 and 1, full_vd's first phase; a band's lower
+    // edge adds up to two more, which take the stages again), each recorded in its own slot.
     int t = blockIdx.x;
     asm volatile("" : "+r"(t));  // opaque: nothing shared with the TMA thread's registers
     const WorkTile w = Sched::decode(sp, t);
     const int bm = 64 * sp.wgs;
     const KeyTiles kt = key_tiles(mask_of(p), w.m_block * bm, bm);
-    for (int s = 0; s < kt.n_tiles - kt.n_first; ++s) {
-      Bar::wait(&sm.full_vd[s], 0);
+    const int n_checked = checked_uses(kt);
+    for (int u = 0; u < n_checked; ++u) {
+      const PipelineState<S> use{u};
+      const int s = use.stage();
+      Bar::wait(&sm.full_vd[s], use.full_phase());
       const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
-      const bool any = settle_nonfinite<C>(
-          sm, s, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters), ct, kCheckBarrier);
+      const bool any = settle_nonfinite<C, kBand>(
+          sm, s, u, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters), ct, kCheckBarrier);
       if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
       Bar::arrive(&sm.checked_v[s]);
     }
@@ -260,6 +312,17 @@ struct Mainloop {
       sl2 *= __ldg(p.q_scale + qsi) * __ldg(p.k_scale + kvi);
       o_scale = __ldg(p.v_scale + kvi);
     }
+  }
+
+  // Band: the score mods of work tile w (slope of its (batch, head)).
+  __device__ __forceinline__ static ScoreMods mods(const Params& p, const WorkTile& w, float sl2) {
+    ScoreMods m{false, sl2, 0.f, 0.f, p.seq_k - p.seq_q};
+    if constexpr (kBand) {
+      m.cap2 = p.cap2;
+      if (p.alibi) m.slope2 = __ldg(p.alibi + w.b * p.alibi_bstride + w.h) * 1.4426950408889634f;
+      m.on = m.cap2 > 0.f || p.alibi != nullptr;
+    }
+    return m;
   }
 
   // A consumer thread's wgmma operands in shared memory (descriptors of Q, K and V over the
@@ -294,8 +357,9 @@ struct Mainloop {
   template <class Ops, class TO, class Softmax>
   __device__ __forceinline__ static void mma(const Params& p, typename C::Smem& sm, const Ops& ops,
                                              const Mask& mask, int m0, const KeyTiles& kt, int& it,
-                                             int qi, TO& tOrO, Softmax& softmax, float sl2,
-                                             int wg) {
+                                             int qi, TO& tOrO, Softmax& softmax,
+                                             const ScoreMods& mods, int wg) {
+    const float sl2 = mods.step_scale();
     const int n_tiles = kt.n_tiles;
     const bool turns = C::kPingPong && p.turns;
     const auto turn_sync = [&](int w) {
@@ -335,14 +399,22 @@ struct Mainloop {
       warpgroup_fence_operand(rP);
     };
     const auto softmax_step = [&](int n) {
-      apply_mask(Srow, cSrc, mask, m0, key_tile(n, n_tiles) * BN, BN);
+      if constexpr (kBand)
+        apply_band(Srow, cSrc, mask, mods, m0, BM, key_tile(n, kt) * BN, BN);
+      else
+        apply_mask(Srow, cSrc, mask, m0, key_tile(n, kt) * BN, BN);
       softmax.step(Srow, sl2);
     };
     // V of the tile's i-th ring use: landed, and checked if partly masked. Masked: one tile a
     // CTA, and the n_cross partly masked tiles are its first uses (key_tile), completing
     // checked_v (first phase) instead of full_v.
     const auto wait_v = [&](int i, const PipelineState<S>& use) {
-      if constexpr (Mask::kMasksKeys && !E::kConvertV) {
+      if constexpr (kBand) {
+        if (i < kt.n_cross)
+          Bar::wait(&sm.checked_v[use.stage()], use.full_phase());
+        else
+          Bar::wait(&sm.full_v[use.stage()], use.full_phase_after_uses(kt.n_cross));
+      } else if constexpr (Mask::kMasksKeys && !E::kConvertV) {
         const int n_cross = max(0, n_tiles - kt.n_first);
         if (i < n_cross)
           Bar::wait(&sm.checked_v[use.stage()], 0);
@@ -430,10 +502,22 @@ struct Mainloop {
                                                               const Mask& mask, int m0,
                                                               const KeyTiles& kt, int it, TO& tOrO,
                                                               int ctid) {
-    if constexpr (Mask::kMasksKeys) {
+    if constexpr (kBand) {
+      Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+      for (int u = 0; u < kt.n_cross; ++u) {  // check slot u: the tile's ring use u
+        if (!sm.nf_any[u]) continue;
+        int etid = ctid;
+        asm volatile("" : "+r"(etid));
+        typename C::MmaPV mma_pv;
+        Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
+            make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+        add_band_nonfinite_terms(O, make_tensor(cO.data(), rowcol(cO.layout())), sm.nf[u],
+                                 sm.nf_last[u], mask, m0, key_tile(u, kt) * BN);
+      }
+    } else if constexpr (Mask::kMasksKeys) {
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
       for (int j = kt.n_first; j < kt.n_tiles; ++j) {
-        const int sv = (it - kt.n_tiles + key_tile(j, kt.n_tiles)) % S;
+        const int sv = (it - kt.n_tiles + key_tile(j, kt)) % S;  // an involution here
         if (!sm.nf_any[sv]) continue;
         int etid = ctid;  // opaque: keeps the coordinates out of the main loop's registers
         asm volatile("" : "+r"(etid));
@@ -482,6 +566,15 @@ struct Mainloop {
     p.k_scale = a.k_scale;
     p.v_scale = a.v_scale;
     p.per_head = a.per_head_scales ? 1 : 0;
+    if constexpr (kBand) {
+      const mask::Band<int> band = mask::band_of<int>(a);
+      p.diag = band.diag;
+      p.left = band.left;
+      p.right = band.right;
+      p.cap2 = a.softcap > 0.f ? a.softcap * 1.4426950408889634f : 0.f;
+      p.alibi = a.alibi ? a.alibi_slopes : nullptr;
+      p.alibi_bstride = int(a.alibi_batch_stride);
+    }
     return p;
   }
 };

@@ -37,20 +37,26 @@ __device__ __forceinline__ bool scan_nonfinite(uint32_t tile, int i, int n) {
 
 // The rare path, once some thread's share had a non-finite value: one thread a column (thread i
 // of n) records into nf (shared address of a NonFiniteCols<D>) the first NaN, +Inf and -Inf of
-// its column and zeroes them. addr(key, col): the shared address of one value. The zeros are
-// generic-proxy writes: the caller fences them before any wgmma reads the tile.
-template <typename T, int BN, int D, class Addr>
-__device__ __forceinline__ void record_nonfinite_cols(uint32_t nf, Addr addr, int i, int n) {
+// its column, with kLast into nf_last the last ones too, and zeroes them. addr(key, col): the
+// shared address of one value. The zeros are generic-proxy writes: the caller fences them before
+// any wgmma reads the tile.
+template <typename T, int BN, int D, bool kLast = false, class Addr>
+__device__ __forceinline__ void record_nonfinite_cols(uint32_t nf, uint32_t nf_last, Addr addr,
+                                                      int i, int n) {
   constexpr bool kBf16 = std::is_same_v<T, cute::bfloat16_t>;
   static_assert(sizeof(T) == 2 && BN < kNoKey && sizeof(NonFiniteCols<D>) == 3 * D);
   for (int col = i; col < D; col += n) {
-    for (int j = 0; j < 3; ++j) st_shared_8(nf + uint32_t(j * D + col), kNoKey);
+    for (int j = 0; j < 3; ++j) {
+      st_shared_8(nf + uint32_t(j * D + col), kNoKey);
+      if constexpr (kLast) st_shared_8(nf_last + uint32_t(j * D + col), kNoKey);
+    }
     for (int key = 0; key < BN; ++key) {
       const uint32_t a = addr(key, col);
       const int kind = nonfinite_kind<kBf16>(ld_shared_16(a));
       if (kind == 0) continue;
       const uint32_t f = nf + uint32_t((kind - 1) * D + col);
       if (ld_shared_8(f) == kNoKey) st_shared_8(f, uint8_t(key));
+      if constexpr (kLast) st_shared_8(nf_last + uint32_t((kind - 1) * D + col), uint8_t(key));
       st_shared_16(a, 0);
     }
   }
@@ -70,27 +76,61 @@ __device__ __forceinline__ void add_nonfinite_terms(TO& O, TC const& cO, const N
   }
 }
 
+// A band's rows may see a lower part of a tile too: what the keys [lo, BN) of the tile
+// (tile-relative, lo > 0) add to column col, from the last key of each kind (kNoKey: none).
+template <int D>
+__device__ __forceinline__ float nonfinite_term_from(const NonFiniteCols<D>& last, int col,
+                                                     int lo) {
+  const auto at_or_after = [&](int k) { return int(last.first[k][col]) != kNoKey &&
+                                               int(last.first[k][col]) >= lo; };
+  return nonfinite_value(at_or_after(0), at_or_after(1), at_or_after(2));
+}
+
+// add_nonfinite_terms for a band (rows see [first_key, last_key] of the tile from n0): a row's
+// visible keys there start at the tile's first key (the first records answer) or end at its last
+// real key (the last records answer); a window at least a tile wide (can_implement) never leaves
+// both edges of a row inside one tile.
+template <int D, class Mask, class TO, class TC>
+__device__ __forceinline__ void add_band_nonfinite_terms(TO& O, TC const& cO,
+                                                         const NonFiniteCols<D>& nf,
+                                                         const NonFiniteCols<D>& nf_last,
+                                                         const Mask& mask, int m0, int n0) {
+  CUTE_UNROLL
+  for (int r = 0; r < decltype(size<0>(O))::value; ++r) {
+    const int row = m0 + int(get<0>(cO(r, 0)));
+    const int lo = mask.first_key(row) - n0, hi = mask.last_key(row) - n0;
+    if (hi < lo || hi < 0 || lo >= int(kNoKey)) continue;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(O); ++c) {
+      const int col = get<1>(cO(r, c));
+      O(r, c) += lo <= 0 ? nonfinite_term(nf, col, hi) : nonfinite_term_from(nf_last, col, lo);
+    }
+  }
+}
+
 // The check of the main kernel's stage s, by the producer's spare warps (thread ct of
 // C::kConverters, named barrier `bar`) once each has scanned its share (hit: it had a non-finite
-// value): whether any share had one, and if so the tile's records and zeros (sm.nf[s]; the
-// caller fences the zeros for the wgmmas). Publishes the answer in sm.nf_any[s].
-template <class C>
-__device__ __forceinline__ bool settle_nonfinite(typename C::Smem& sm, int s, bool hit, int ct,
-                                                 int bar) {
+// value): whether any share had one, and if so the tile's records (into check slot `slot`: with
+// kLast the last keys too) and zeros (the caller fences the zeros for the wgmmas). Publishes the
+// answer in sm.nf_any[slot].
+template <class C, bool kLast = false>
+__device__ __forceinline__ bool settle_nonfinite(typename C::Smem& sm, int s, int slot, bool hit,
+                                                 int ct, int bar) {
   using PV = typename C::PV;
   const bool any = named_or(bar, C::kConverters, hit);
   if (any) {
     constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
     constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
     const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
-    record_nonfinite_cols<PV, C::kBN, C::kHD>(
-        uint32_t(__cvta_generic_to_shared(&sm.nf[s])),
+    record_nonfinite_cols<PV, C::kBN, C::kHD, kLast>(
+        uint32_t(__cvta_generic_to_shared(&sm.nf[slot])),
+        uint32_t(__cvta_generic_to_shared(&sm.nf_last[slot])),
         [&](int key, int col) {
           return kSwizzle(v16 + uint32_t(kFlatV(key, col, s) * sizeof(PV)));
         },
         ct, C::kConverters);
   }
-  if (ct == 0) sm.nf_any[s] = any;
+  if (ct == 0) sm.nf_any[slot] = any;
   return any;
 }
 

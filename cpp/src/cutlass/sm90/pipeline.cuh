@@ -22,6 +22,11 @@ struct PipelineState {
   __device__ __forceinline__ uint32_t full_phase_after(int diverted) const {
     return ((u / S) - (stage() < diverted ? 1 : 0)) & 1;
   }
+  // As full_phase_after, where the first `diverted` uses (any number) completed on another
+  // barrier: this stage's full barrier runs as many phases behind as those uses it held.
+  __device__ __forceinline__ uint32_t full_phase_after_uses(int diverted) const {
+    return ((u / S) - (diverted + S - 1 - stage()) / S) & 1;
+  }
   // Whether the producer must wait for the stage to be released before filling it (use u - S
   // was on it), and the phase of that release on the stage's empty barrier.
   __device__ __forceinline__ bool reuses() const { return u >= S; }

@@ -152,10 +152,12 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
     const KeyTiles kt = Main::key_tiles(mask, m0, bm);
     float sl2, o_scale;
     Main::scales(p.mainloop, w, sl2, o_scale);
+    const ScoreMods mods = Main::mods(p.mainloop, w, sl2);
     OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop> softmax;
     clear(tOrO);
-    Main::mma(p.mainloop, sm, ops, mask, m0, kt, it, qi, tOrO, softmax, sl2, wg);
+    Main::mma(p.mainloop, sm, ops, mask, m0, kt, it, qi, tOrO, softmax, mods, wg);
     Main::add_masked_nonfinite(sm, mask, m0, kt, it, tOrO, ctid);
+    Epilogue<E, D>::store_lse(p.epilogue, softmax, ops.coords, w.b, w.h, m0, mods.step_scale());
     softmax.normalize(O, o_scale);
     Epilogue<E, D>::store(p.epilogue, sm, tOrO, w.b, w.h, m0, wg, ctid, qi, kEpilogueBarrier + wg);
   }
@@ -225,7 +227,8 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   const void* v = E::kPrepass ? a.workspace : a.v;
   const Strides vs = E::kPrepass ? packed_v_strides(a) : a.v_stride;
   p.mainloop = Mainloop<E, D, Mask>::make(a, v, vs, turns);
-  p.epilogue = {static_cast<typename E::Out*>(a.o), a.o_stride, int(a.seq_q)};
+  p.epilogue = {static_cast<typename E::Out*>(a.o), a.o_stride, int(a.seq_q),
+                a.has_lse ? a.lse : nullptr, int(a.heads)};
   return p;
 }
 
@@ -239,10 +242,14 @@ std::string int_limits(const FwdArgs& a) {
   using C = TileConfig<E, D>;
   const std::string seqs = limits::int_sequences(a, "cutlass-sm90", std::max(C::kBM, C::kBN));
   if (!seqs.empty()) return seqs;
-  // The causal producer forms row + seq_k before subtracting seq_q.
+  // The causal producer forms row + seq_k before subtracting seq_q; a band row +- its sides,
+  // clamped to seq_q + seq_k (mask::Band).
   if (a.mask == Mask::CausalBottomRight && a.seq_q + a.seq_k > limits::kIntMax)
     return "causal seq_q + seq_k = " + std::to_string(a.seq_q + a.seq_k) +
            " exceeds 2^31 - 1: the cutlass-sm90 kernel computes the diagonal in 32-bit int";
+  if (mask::needs_band(a) && 2 * (a.seq_q + a.seq_k) > limits::kIntMax)
+    return "2 (seq_q + seq_k) = " + std::to_string(2 * (a.seq_q + a.seq_k)) +
+           " exceeds 2^31 - 1: the cutlass-sm90 kernel computes a band's keys in 32-bit int";
   // Tiles of C::kBM rows (64 only where there are no more than SMs). No overflow: validation
   // caps batch x heads x seq_q at 2^40 / head_dim.
   const int64_t tiles = (a.seq_q + C::kBM - 1) / C::kBM * a.batch * a.heads;
@@ -271,6 +278,24 @@ std::string tma_limits(const FwdArgs& a) {
                         tma_operand(a.v, a.v_stride, "v", in)});
 }
 
+// The general path (mask::needs_band: windows, top-left causal, softcap, ALiBi) for 16-bit inputs,
+// with a window at least one key tile wide: the non-finite V check's records of a partly masked
+// tile answer for rows whose visible keys there reach one of its ends (nonfinite_v.cuh).
+template <class E, int D>
+std::string band_limits(const FwdArgs& a) {
+  if (!mask::needs_band(a)) return "";
+  if (E::kFp8)
+    return "cutlass-sm90 e4m3 runs no mask but causal bottom-right, and no softcap or ALiBi "
+           "(its simulated path on scalar does)";
+  constexpr int64_t kBN = TileConfig<E, D>::kBN;
+  if (a.mask == Mask::Window && a.window_left >= 0 && a.window_right >= 0 &&
+      a.window_left + a.window_right + 1 < kBN)
+    return "a window of " + std::to_string(a.window_left + a.window_right + 1) +
+           " keys (left + right + 1) is narrower than the cutlass-sm90 kernel's " +
+           std::to_string(kBN) + "-key tile, which its non-finite V check needs (scalar runs it)";
+  return "";
+}
+
 // wgmma, TMA, setmaxnreg and clusters as compiled for sm_90a: Hopper (H100, H200) alone.
 inline std::string sm90_only(const DeviceInfo& dev) {
   if (!dev.known() || (dev.cc_major == 9 && dev.cc_minor == 0)) return "";
@@ -283,8 +308,8 @@ inline std::string sm90_only(const DeviceInfo& dev) {
 // applies only where it fits too: small_forward.)
 template <class E, int D>
 std::string can_implement_elems(const FwdArgs& a, const DeviceInfo& dev) {
-  return limits::first({int_limits<E, D>(a), tma_limits<E, D>(a), sm90_only(dev),
-                        limits::smem_per_block(dev, TileConfig<E, D>::kSmemBytes)});
+  return limits::first({band_limits<E, D>(a), int_limits<E, D>(a), tma_limits<E, D>(a),
+                        sm90_only(dev), limits::smem_per_block(dev, TileConfig<E, D>::kSmemBytes)});
 }
 
 template <class E, int D, class Mask>
@@ -332,8 +357,13 @@ void small_attributes(std::vector<KernelAttr>& out);
 
 template <class E, int D>
 void forward_elems(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
-  mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k),
-                      [&](auto m) { launch<E, D, decltype(m)>(a, dev, stream); });
+  if ((a.alibi && !a.alibi_slopes) || (a.has_lse && !a.lse))
+    throw Error("cutlass-sm90: the ALiBi slopes or the log-sum-exp buffer is missing");
+  const auto run = [&](auto m) { launch<E, D, decltype(m)>(a, dev, stream); };
+  if constexpr (E::kFp8)
+    mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), run);
+  else
+    mask::dispatch_band<int>(a, run);
 }
 
 template <typename T, int D>
@@ -366,10 +396,17 @@ void forward_e4m3(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) 
 
 template <class E, int D>
 void push_elems_attributes(std::vector<KernelAttr>& out, const char* name) {
-  const void* const fns[2] = {
-      reinterpret_cast<const void*>(fwd_kernel<E, D, mask::NoMask<int>>),
-      reinterpret_cast<const void*>(fwd_kernel<E, D, mask::CausalBottomRight<int>>)};
-  push_attributes(out, "cutlass-sm90", name, D, fns, TileConfig<E, D>::kSmemBytes);
+  const auto fn = [](auto m) {
+    return reinterpret_cast<const void*>(fwd_kernel<E, D, decltype(m)>);
+  };
+  if constexpr (E::kFp8) {
+    const void* const fns[2] = {fn(mask::NoMask<int>{}), fn(mask::CausalBottomRight<int>{})};
+    push_attributes(out, "cutlass-sm90", name, D, fns, TileConfig<E, D>::kSmemBytes);
+  } else {
+    const void* const fns[3] = {fn(mask::NoMask<int>{}), fn(mask::CausalBottomRight<int>{}),
+                                fn(mask::Band<int>{})};
+    push_attributes(out, "cutlass-sm90", name, D, fns, TileConfig<E, D>::kSmemBytes);
+  }
 }
 
 template <typename T, int D>

@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(128, 1)
       constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
       __syncthreads();  // every warp's part of P·V is done reading V
       record_nonfinite_cols<T, KN, D>(
-          uint32_t(__cvta_generic_to_shared(&sm.nf)),
+          uint32_t(__cvta_generic_to_shared(&sm.nf)), 0u,
           [&](int key, int col) { return kSwizzle(v + uint32_t(kFlatV(key, col) * sizeof(T))); },
           tid, 128);
       cutlass::arch::fence_view_async_shared();  // the zeros, before P·V's wgmmas read V
@@ -448,6 +448,7 @@ bool small_forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream)
   static_assert(D == 64, "the small path is built for head_dim 64 only");
   const int64_t tiles128 = (a.seq_q + 127) / 128 * a.batch * a.heads;
   if (a.seq_k <= kSmallKeys || 2 * tiles128 > dev.sms) return false;
+  if (mask::needs_band(a) || a.has_lse) return false;  // the main kernel's general path
   if (SmallCfg<T, D, kSmallKeys>::kSmemBytes > dev.smem_optin_per_block) return false;
   return mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), [&](auto m) {
     return small_launch<T, D, kSmallKeys, decltype(m)>(a, stream);

@@ -33,6 +33,64 @@ __device__ __forceinline__ void apply_mask(TS& S, TC const& cSrc, const Mask& ma
   }
 }
 
+// What a band kernel does to the scores of one work tile before its mask: softcap and ALiBi,
+// turning raw scores into log2-domain logits (the softmax then runs with scale 1). `on` where
+// either is set; otherwise the scores stay raw and the softmax scales them as usual.
+struct ScoreMods {
+  bool on;
+  float sl2;           // the softmax scale in the log2 domain
+  float cap2;          // softcap · log2 e; 0: no softcap
+  float slope2;        // ALiBi slope · log2 e; 0: none
+  int alibi_diagonal;  // seq_k - seq_q: ALiBi distances are from row i's key i + this
+
+  // The scale the softmax step takes after `apply`.
+  __device__ __forceinline__ float step_scale() const { return on ? 1.f : sl2; }
+};
+
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Band kernels: the score mods (when on), then the band's mask on both edges, for the bn keys from
+// n0 of the `rows` rows from m0 (S in the row/col view, cSrc each element's (row, col)).
+template <class Mask, class TS, class TC>
+__device__ __forceinline__ void apply_band(TS& S, TC const& cSrc, const Mask& mask,
+                                           const ScoreMods& mods, int m0, int rows, int n0,
+                                           int bn) {
+  if (mods.on) {
+    if (mods.cap2 > 0.f) {
+      const float in = mods.sl2 / mods.cap2;
+      CUTE_UNROLL
+      for (int i = 0; i < size(S); ++i) S(i) = mods.cap2 * tanh_approx(S(i) * in);
+    } else {
+      CUTE_UNROLL
+      for (int i = 0; i < size(S); ++i) S(i) *= mods.sl2;
+    }
+    if (mods.slope2 != 0.f) {
+      CUTE_UNROLL
+      for (int r = 0; r < decltype(size<0>(S))::value; ++r) {
+        const int d0 = m0 + get<0>(cSrc(r, 0)) + mods.alibi_diagonal - n0;  // distance at col 0
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c)
+          S(r, c) -= mods.slope2 * fabsf(float(d0 - get<1>(cSrc(r, c))));
+      }
+    }
+  }
+  if (!mask.tile_masked(m0, rows, n0, bn)) return;
+  CUTE_UNROLL
+  for (int r = 0; r < decltype(size<0>(S))::value; ++r) {
+    const int row = m0 + get<0>(cSrc(r, 0));
+    const int first = mask.first_key(row) - n0, last = mask.last_key(row) - n0;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(S); ++c) {
+      const int col = get<1>(cSrc(r, c));
+      if (col < first || col > last) S(r, c) = -INFINITY;
+    }
+  }
+}
+
 // Row state of the online softmax for the kRows accumulator rows a thread holds: the running
 // max m (raw score units), this thread's partial row sum l (the quad adds them last), and alpha,
 // the factor by which O must be rescaled after the latest step.
@@ -125,6 +183,13 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(O); ++c) O(r, c) *= alpha[r];
     }
+  }
+
+  // The natural log-sum-exp of row r, for the scale sl2 the steps took: ln 2 · (m · sl2 +
+  // log2 l); -inf for a row with no visible key. Every lane of the quad calls it.
+  __device__ __forceinline__ float lse(int r, float sl2) const {
+    const float sum = row_sum(r);
+    return sum > 0.f ? (m[r] * sl2 + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
   }
 
   // O *= f / row sum (f: 1, or V's dequantization scale); a row with no visible key has l = 0

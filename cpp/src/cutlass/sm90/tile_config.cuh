@@ -117,6 +117,10 @@ struct TileConfig {
   // the converting warps to read.
   static constexpr int kV8Stages = 2;
   static constexpr int kConverters = 96;  // producer warps 1-3 (warp 0 issues the TMA loads)
+  // Partly masked V tiles of one query tile the non-finite V check records: two across the
+  // causal diagonal, two more across a band's lower edge (kBM <= kBN).
+  static constexpr int kCheckSlots = 4;
+  static_assert(kBM <= kBN, "a block's diagonal crosses at most two key tiles");
   using BM = Int<kBM>;
   using BN = Int<kBN>;
   using HD = Int<D>;
@@ -184,13 +188,15 @@ struct TileConfig {
     // tile land on full_vd instead of full_v, are checked by the producer's spare warps, which
     // then arrive on checked_v, and the consumers wait for that (kConvertV: the converting warps
     // check, full_v as for every tile). These are the first ring uses of the CTA's one query tile
-    // (Mainloop::key_tile), phase 0 of both barriers of stages 0 and 1, and full_v's phases on
-    // those stages run one behind. nf_any: whether the stage's tile had any non-finite value, nf
-    // what it had.
+    // (Mainloop::key_tile): at most two for causal (phase 0 of both barriers of stages 0 and 1),
+    // at most four for a band (its lower edge's too), and full_v's phases on those stages run
+    // behind by as many. Per checked use (a slot): nf_any, whether its tile had any non-finite
+    // value, nf the first key of each kind per column, and for a band nf_last the last.
     uint64_t full_vd[kStages];
     uint64_t checked_v[kStages];
-    uint32_t nf_any[kStages];
-    NonFiniteCols<D> nf[kStages];
+    uint32_t nf_any[kCheckSlots];
+    NonFiniteCols<D> nf[kCheckSlots];
+    NonFiniteCols<D> nf_last[kCheckSlots];
   };
   // +1 KB: the kernel aligns the dynamic smem base up to 1024 bytes (128-byte swizzle atoms).
   static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;

@@ -1,13 +1,36 @@
 //! The float64 reference: the truth every other backend is checked against. Any shape, both
-//! layouts, GQA, causal aligned bottom-right; a row with no visible key is all zeros.
+//! layouts, GQA, every mask, softcap, ALiBi, and the log-sum-exp of each row; a row with no
+//! visible key is all zeros (its log-sum-exp -inf).
 
 use crate::error::{Result, invalid};
 use crate::problem::Problem;
 use rayon::prelude::*;
 
+/// What the reference computes: the output, in the problem's layout, and the natural-log
+/// log-sum-exp of each row's logits, `[batch][heads][seq_q]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reference {
+    /// The attention output.
+    pub out: Vec<f64>,
+    /// ln Σ_j exp(logit_ij) over the keys row i sees (-inf where it sees none).
+    pub lse: Vec<f64>,
+}
+
 /// Computes attention in f64 on the host. `q`, `k`, `v` and the result are in the problem's
-/// layout; their lengths must match the problem exactly.
+/// layout; their lengths must match the problem exactly. A problem with ALiBi needs its slopes:
+/// [`reference_with`].
 pub fn reference(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Result<Vec<f64>> {
+    Ok(reference_with(p, q, k, v, None)?.out)
+}
+
+/// [`reference`] with the ALiBi slopes (`p.alibi`'s layout) and the log-sum-exp.
+pub fn reference_with(
+    p: &Problem,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    alibi_slopes: Option<&[f32]>,
+) -> Result<Reference> {
     p.validate()?;
     let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
     for (name, len, want) in [("q", q.len(), ql), ("k", k.len(), kl), ("v", v.len(), kl)] {
@@ -17,35 +40,71 @@ pub fn reference(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Result<Vec<f64
             ));
         }
     }
+    match (p.alibi, alibi_slopes) {
+        (None, None) => {}
+        (Some(a), Some(s)) if s.len() == a.len(p.batch, p.heads) => {}
+        (Some(a), Some(s)) => {
+            return Err(invalid!(
+                "reference: {} ALiBi slopes, the problem's {a:?} layout needs {}",
+                s.len(),
+                a.len(p.batch, p.heads)
+            ));
+        }
+        (Some(_), None) => {
+            return Err(invalid!(
+                "reference: the problem has ALiBi, no slopes given"
+            ));
+        }
+        (None, Some(_)) => {
+            return Err(invalid!(
+                "reference: ALiBi slopes given for a problem without ALiBi"
+            ));
+        }
+    }
     // The per-head blocks and the output they are copied into.
     crate::memory::check_host(ql.checked_mul(2 * std::mem::size_of::<f64>()))?;
     let (qs, ks) = (p.q_strides(), p.kv_strides());
     let (d, group, scale) = (p.head_dim, p.heads / p.kv_heads, f64::from(p.scale()));
+    let cap = p.softcap.map(f64::from);
+    let offset = p.seq_k as f64 - p.seq_q as f64; // row i's diagonal key is i + offset
 
-    // One task per (batch, head); each returns its [seq_q][head_dim] block.
-    let blocks: Vec<Vec<f64>> = (0..p.batch * p.heads)
+    // One task per (batch, head); each returns its [seq_q][head_dim] block and its rows' LSE.
+    let blocks: Vec<(Vec<f64>, Vec<f64>)> = (0..p.batch * p.heads)
         .into_par_iter()
         .map(|bh| {
             let (b, h) = (bh / p.heads, bh % p.heads);
             let hk = h / group;
+            let slope = match (p.alibi, alibi_slopes) {
+                (Some(a), Some(s)) => f64::from(s[a.index(b, h, p.heads)]),
+                _ => 0.0,
+            };
             let mut out = vec![0.0; p.seq_q * d];
+            let mut lse = vec![f64::NEG_INFINITY; p.seq_q];
             let mut s = vec![0.0; p.seq_k];
             for i in 0..p.seq_q {
-                let n = p.visible_keys(i);
-                if n == 0 {
+                let keys = p.visible_range(i);
+                if keys.is_empty() {
                     continue; // nothing visible: zeros
                 }
                 let qi = &q[qs.offset(b, h, i, 0)..][..d];
-                for (j, sj) in s[..n].iter_mut().enumerate() {
+                let s = &mut s[keys.clone()];
+                for (j, sj) in keys.clone().zip(s.iter_mut()) {
                     let kj = &k[ks.offset(b, hk, j, 0)..][..d];
-                    *sj = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>();
+                    let mut x = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>();
+                    if let Some(c) = cap {
+                        x = c * (x / c).tanh();
+                    }
+                    if slope != 0.0 {
+                        x -= slope * (i as f64 + offset - j as f64).abs();
+                    }
+                    *sj = x;
                 }
                 // f64::max skips NaN, and exp(NaN - m) then carries the NaN into the row.
-                let m = s[..n].iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let m = if m == f64::NEG_INFINITY { 0.0 } else { m };
                 let mut sum = 0.0;
                 let o = &mut out[i * d..][..d];
-                for (j, &sj) in s[..n].iter().enumerate() {
+                for (j, &sj) in keys.zip(s.iter()) {
                     let e = (sj - m).exp();
                     sum += e;
                     let vj = &v[ks.offset(b, hk, j, 0)..][..d];
@@ -54,19 +113,22 @@ pub fn reference(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Result<Vec<f64
                     }
                 }
                 o.iter_mut().for_each(|x| *x /= sum);
+                lse[i] = m + sum.ln();
             }
-            out
+            (out, lse)
         })
         .collect();
 
     let mut out = vec![0.0; ql];
-    for (bh, block) in blocks.into_iter().enumerate() {
+    let mut lse = Vec::with_capacity(p.batch * p.heads * p.seq_q);
+    for (bh, (block, rows)) in blocks.into_iter().enumerate() {
         let (b, h) = (bh / p.heads, bh % p.heads);
         for i in 0..p.seq_q {
             out[qs.offset(b, h, i, 0)..][..d].copy_from_slice(&block[i * d..][..d]);
         }
+        lse.extend(rows);
     }
-    Ok(out)
+    Ok(Reference { out, lse })
 }
 
 #[cfg(test)]
@@ -86,8 +148,13 @@ mod tests {
                 for i in 0..p.seq_q {
                     let mut w = vec![f64::NEG_INFINITY; p.seq_k];
                     for (j, wj) in w.iter_mut().enumerate() {
-                        let masked = p.is_causal()
-                            && (j as i64) > i as i64 + p.seq_k as i64 - p.seq_q as i64;
+                        let masked = match p.mask {
+                            crate::Mask::None => false,
+                            crate::Mask::CausalBottomRight => {
+                                (j as i64) > i as i64 + p.seq_k as i64 - p.seq_q as i64
+                            }
+                            _ => !p.visible_range(i).contains(&j),
+                        };
                         if !masked {
                             let mut dot = 0.0;
                             for t in 0..d {
@@ -209,6 +276,80 @@ mod tests {
         )
         .unwrap();
         assert_eq!(out, permute(&bhsd, qa, qb, 3, 5));
+    }
+
+    #[test]
+    fn windows_match_the_naive_formula() {
+        use crate::Mask;
+        for (sq, sk, mask) in [
+            (
+                9,
+                9,
+                Mask::Window {
+                    left: Some(2),
+                    right: Some(0),
+                },
+            ),
+            (
+                5,
+                9,
+                Mask::Window {
+                    left: Some(3),
+                    right: Some(1),
+                },
+            ),
+            (
+                9,
+                4,
+                Mask::Window {
+                    left: Some(1),
+                    right: None,
+                },
+            ),
+            (6, 9, Mask::CausalTopLeft),
+            (9, 6, Mask::CausalTopLeft),
+        ] {
+            let p = Problem::new(1, 2, sq, sk, 8).with_mask(mask);
+            let q = pseudo_random(p.q_len().unwrap(), 21);
+            let k = pseudo_random(p.kv_len().unwrap(), 22);
+            let v = pseudo_random(p.kv_len().unwrap(), 23);
+            let got = reference(&p, &q, &k, &v).unwrap();
+            let want = naive(&p, &q, &k, &v);
+            for (g, w) in got.iter().zip(&want) {
+                assert_relative_eq!(g, w, epsilon = 1e-12, max_relative = 1e-12);
+            }
+        }
+    }
+
+    #[test]
+    fn softcap_and_alibi_by_hand() {
+        // d = 1, scale 1, one row, keys at the diagonal offsets 1 and 0 (sq 1, sk 2).
+        let p = Problem::new(1, 1, 1, 2, 1)
+            .with_scale(1.0)
+            .with_softcap(2.0);
+        let r = reference_with(&p, &[1.0], &[1.0, 3.0], &[2.0, 6.0], None).unwrap();
+        let (l0, l1) = (2.0 * (0.5f64).tanh(), 2.0 * (1.5f64).tanh());
+        let (w0, w1) = (l0.exp(), l1.exp());
+        assert_relative_eq!(r.out[0], (w0 * 2.0 + w1 * 6.0) / (w0 + w1), epsilon = 1e-14);
+        assert_relative_eq!(r.lse[0], (w0 + w1).ln(), epsilon = 1e-14);
+        // ALiBi: key 0 is one step from row 0's diagonal key 1: bias -0.5.
+        let p = Problem::new(1, 1, 1, 2, 1)
+            .with_scale(1.0)
+            .with_alibi(crate::Alibi::PerHead);
+        let r = reference_with(&p, &[1.0], &[1.0, 3.0], &[2.0, 6.0], Some(&[0.5])).unwrap();
+        let (w0, w1) = ((1.0f64 - 0.5).exp(), 3.0f64.exp());
+        assert_relative_eq!(r.out[0], (w0 * 2.0 + w1 * 6.0) / (w0 + w1), epsilon = 1e-14);
+        assert_relative_eq!(r.lse[0], (w0 + w1).ln(), epsilon = 1e-14);
+        assert!(reference_with(&p, &[1.0], &[1.0, 3.0], &[2.0, 6.0], None).is_err());
+    }
+
+    #[test]
+    fn rows_without_keys_have_lse_minus_infinity() {
+        let p = Problem::new(1, 1, 4, 2, 2).with_causal(true);
+        let r = reference_with(&p, &[0.5; 8], &[0.25; 4], &[1.0; 4], None).unwrap();
+        assert_eq!(r.lse[..2], [f64::NEG_INFINITY; 2]);
+        // Row 2 sees key 0 alone: lse is its logit, 0.5·0.25·2 times the (f32) scale.
+        assert_relative_eq!(r.lse[2], 0.25 * f64::from(p.scale()), epsilon = 1e-14);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use crate::buffers::Buffers;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ffi;
-use crate::problem::{Checked, DType, Problem, Scaling};
+use crate::problem::{Alibi, Checked, DType, Problem, Scaling};
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use sdpa_sys::INSTANCES;
 use sdpa_sys::ffi::{DeviceInfo, Kernel};
@@ -166,6 +166,7 @@ fn grow(dev: &Device, scratch: &mut Scratch, bytes: usize) -> Result<()> {
 fn problem_args(p: &Problem) -> sdpa_sys::ffi::FwdArgs {
     let (qs, ks) = (p.q_strides().as_i64(), p.kv_strides().as_i64());
     let fp8 = p.dtype == DType::E4m3;
+    let (mask, window_left, window_right) = ffi::mask(p.mask);
     sdpa_sys::ffi::FwdArgs {
         q: 0,
         k: 0,
@@ -182,7 +183,18 @@ fn problem_args(p: &Problem) -> sdpa_sys::ffi::FwdArgs {
         v_stride: ks,
         o_stride: qs,
         scale: p.scale(),
-        mask: ffi::mask(p.mask),
+        mask,
+        window_left,
+        window_right,
+        softcap: p.softcap.unwrap_or(0.0),
+        alibi: p.alibi.is_some(),
+        alibi_slopes: 0,
+        alibi_batch_stride: match p.alibi {
+            Some(Alibi::PerBatchHead) => p.heads as i64,
+            _ => 0,
+        },
+        has_lse: p.lse,
+        lse: 0,
         dtype: ffi::dtype(p.dtype),
         out_dtype: ffi::dtype(p.output_dtype()),
         q_scale: 0,
@@ -208,6 +220,8 @@ fn fwd_args(p: &Problem, b: &Buffers) -> sdpa_sys::ffi::FwdArgs {
         q_scale: b.scales[0],
         k_scale: b.scales[1],
         v_scale: b.scales[2],
+        alibi_slopes: b.alibi_slopes,
+        lse: b.lse,
         ..problem_args(p)
     }
 }

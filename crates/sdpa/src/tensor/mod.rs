@@ -309,8 +309,13 @@ impl Tensor {
             .as_ref()
             .map_or(0, |f| f.dev.device_ptr(dev.stream()).0)
     }
+    /// The device bytes the tensor's elements occupy.
+    pub(crate) fn byte_span(&self, dev: &Device) -> std::ops::Range<u64> {
+        let start = self.ptr(dev);
+        start..start + (self.len() * self.dtype().size()) as u64
+    }
     /// The streams this tensor's buffers belong to (where they were made and will be freed).
-    fn streams(&self) -> impl Iterator<Item = &Arc<CudaStream>> {
+    pub(crate) fn streams(&self) -> impl Iterator<Item = &Arc<CudaStream>> {
         let data = match &self.buf {
             Buf::Half(b) => b.stream(),
             Buf::Byte(b) => b.stream(),

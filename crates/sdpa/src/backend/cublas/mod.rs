@@ -98,6 +98,15 @@ fn batching(p: &Problem) -> (usize, usize) {
 /// `int` fits one; depends on the problem alone, so it applies without a device. Each reason
 /// names the value and the limit.
 pub(crate) fn limits(p: &Problem) -> std::result::Result<(), String> {
+    // Its softmax kernel masks causally (bottom-right) or not at all, and keeps no row sums.
+    if !p.is_plain() {
+        return Err(format!(
+            "runs no mask but causal bottom-right, and no softcap or ALiBi ({p})"
+        ));
+    }
+    if p.lse {
+        return Err("does not write the log-sum-exp".into());
+    }
     let (qs, ks) = (p.q_strides(), p.kv_strides());
     let (_, count) = batching(p);
     for (what, value) in [
@@ -380,7 +389,7 @@ pub(crate) fn forward(dev: &Device, p: &Checked, b: &Buffers) -> Result<()> {
         rows: scores as i64 / sk,
         seq_q: sq,
         seq_k: sk,
-        mask: ffi::mask(p.mask),
+        mask: ffi::mask(p.mask).0,
         dtype: ffi::dtype(p.dtype),
     };
     let stream = dev.raw_stream()?;

@@ -1,0 +1,174 @@
+//! The attention variants on the GPU against the float64 reference: sliding windows, top-left
+//! causal, softcap, ALiBi and the log-sum-exp, on the backends that run them (scalar everywhere,
+//! cutlass on Hopper), and the typed refusals of the others. Fresh inputs every run.
+
+mod common;
+
+use sdpa::{Alibi, Backend, DType, Mask, Problem};
+use sdpa_harness::check::{check_backend, compare, fresh_seed, random_inputs, run_backend};
+
+/// The backends that run every variant on `dev`.
+fn variant_backends(dev: &sdpa::Device) -> Vec<Backend> {
+    common::expected_backends(dev)
+        .into_iter()
+        .filter(|b| matches!(b, Backend::Scalar | Backend::Cutlass))
+        .collect()
+}
+
+fn window(left: Option<usize>, right: Option<usize>) -> Mask {
+    Mask::Window { left, right }
+}
+
+/// Every mask, softcap, ALiBi (both layouts) and the log-sum-exp, over one and several key
+/// tiles, seq_q below and above seq_k, GQA, D = 64 and 128, f16 and bf16.
+#[test]
+fn variants_match_the_reference() {
+    let Some(dev) = common::device("variants") else {
+        return;
+    };
+    let masks = [
+        window(Some(200), Some(0)),
+        window(Some(130), Some(40)),
+        window(Some(300), None),
+        window(None, Some(50)),
+        Mask::CausalTopLeft,
+        Mask::CausalBottomRight,
+        Mask::None,
+    ];
+    // (heads, kv_heads, seq_q, seq_k, head_dim)
+    let shapes = [
+        (2, 2, 77, 77, 64),
+        (4, 2, 1000, 1000, 128),
+        (2, 1, 257, 700, 64),
+        (2, 2, 700, 257, 128),
+    ];
+    let backends = variant_backends(&dev);
+    let (mut ran, mut failures) = (Vec::new(), Vec::new());
+    for (i, &mask) in masks.iter().enumerate() {
+        for (j, &(h, hk, sq, sk, d)) in shapes.iter().enumerate() {
+            let n = i * shapes.len() + j;
+            let dtype = DType::ALL[n % 2];
+            let mut p = Problem::new(2, h, sq, sk, d)
+                .with_kv_heads(hk)
+                .with_mask(mask)
+                .with_dtype(dtype)
+                .with_lse(n % 3 != 1);
+            if n % 3 == 0 {
+                p = p.with_softcap(if n % 2 == 0 { 5.0 } else { 30.0 });
+            }
+            if n % 4 == 1 {
+                p = p.with_alibi(Alibi::PerHead);
+            } else if n % 4 == 3 {
+                p = p.with_alibi(Alibi::PerBatchHead);
+            }
+            for &b in &backends {
+                if let Err(e) = b.supports(Some(&dev), &p) {
+                    failures.push(format!("{b} refused {p}: {e}"));
+                    continue;
+                }
+                let rep = check_backend(Some(&dev), &p, b, fresh_seed()).unwrap();
+                ran.push((b, p));
+                if !rep.pass() {
+                    failures.push(format!("{b} {p}: {rep:?}"));
+                }
+            }
+        }
+    }
+    common::assert_ran("variants", &ran);
+    for b in &backends {
+        assert!(ran.iter().any(|(r, _)| r == b), "{b} ran no variant");
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A window narrower than cutlass's key tile runs on scalar; cutlass refuses it with the reason,
+/// as wmma, cublas and cutlass-sm80 refuse every variant and the log-sum-exp.
+#[test]
+fn narrow_windows_and_refusals() {
+    let Some(dev) = common::device("narrow windows") else {
+        return;
+    };
+    let narrow = Problem::new(1, 2, 300, 300, 64).with_mask(window(Some(20), Some(5)));
+    let mut ran = Vec::new();
+    for b in variant_backends(&dev) {
+        match b {
+            Backend::Scalar => {
+                let rep = check_backend(Some(&dev), &narrow, b, fresh_seed()).unwrap();
+                assert!(rep.pass(), "{b} {narrow}: {rep:?}");
+                ran.push((b, narrow));
+            }
+            _ => {
+                let e = b.supports(Some(&dev), &narrow).unwrap_err().to_string();
+                assert!(e.contains("narrower than"), "{b}: {e}");
+            }
+        }
+    }
+    common::assert_ran("narrow windows", &ran);
+    let plain = Problem::new(1, 2, 64, 64, 64);
+    for b in [Backend::Wmma, Backend::Cublas, Backend::CutlassSm80] {
+        for p in [
+            plain.with_mask(Mask::CausalTopLeft),
+            plain.with_softcap(10.0),
+            plain.with_alibi(Alibi::PerHead),
+            plain.with_lse(true),
+        ] {
+            let e = b.supports(Some(&dev), &p).unwrap_err();
+            assert!(
+                matches!(e, sdpa::Error::Unsupported { .. }),
+                "{b} {p}: {e:?}"
+            );
+        }
+    }
+    // Auto picks a backend that runs them.
+    let p = plain.with_mask(window(Some(10), Some(0))).with_lse(true);
+    let rep = check_backend(Some(&dev), &p, Backend::Auto, fresh_seed()).unwrap();
+    assert!(rep.pass(), "auto {p}: {rep:?}");
+}
+
+/// NaN, +Inf and -Inf in V at keys below some rows' windows and above others', inside the key
+/// tiles the window's edges cross: each row gets what the reference gives it.
+#[test]
+fn nonfinite_v_outside_a_window_stays_out() {
+    let Some(dev) = common::device("nonfinite v outside a window") else {
+        return;
+    };
+    let mut ran = Vec::new();
+    let mut failures = Vec::new();
+    for (sq, sk, d, mask) in [
+        (600, 600, 128, window(Some(200), Some(0))),
+        (500, 700, 64, window(Some(150), Some(30))),
+        (700, 500, 128, window(Some(256), None)),
+    ] {
+        for dtype in DType::ALL {
+            let p = Problem::new(1, 2, sq, sk, d)
+                .with_kv_heads(1)
+                .with_mask(mask)
+                .with_dtype(dtype);
+            let mut inputs = random_inputs(&p, fresh_seed()).unwrap();
+            let keys = [sk / 5, sk / 3, sk / 2, sk - 40];
+            let kinds = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, f64::NAN];
+            for (i, (&key, &x)) in keys.iter().zip(&kinds).enumerate() {
+                for col in [3, 3 + 8 * i] {
+                    let at = key * d + col;
+                    inputs.values[2][at] = x;
+                    inputs.bits[2][at] = match dtype {
+                        DType::Bf16 => half::bf16::from_f64(x).to_bits(),
+                        _ => half::f16::from_f64(x).to_bits(),
+                    };
+                }
+            }
+            let [q, k, v] = &inputs.values;
+            let want = sdpa::reference(&p, q, k, v).unwrap();
+            for b in variant_backends(&dev) {
+                let got = run_backend(Some(&dev), &p, b, &inputs, Some(&want)).unwrap();
+                ran.push((b, p));
+                let r = compare(&got, &want, dtype, 0);
+                if !r.pass() {
+                    failures.push(format!("{b} on {p}: {r:?}"));
+                }
+            }
+        }
+    }
+    common::assert_ran("nonfinite v outside a window", &ran);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
