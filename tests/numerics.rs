@@ -208,6 +208,7 @@ fn nonfinite_v_at_masked_keys_stays_out_of_rows_that_do_not_see_it() {
         (2, 2, 300, 150, 128),
         (1, 1, 256, 256, 64),
         (1, 1, 384, 384, 128),
+        (1, 1, 300, 300, 256),
     ];
     let mut failures = Vec::new();
     let mut ran = Vec::new();

@@ -20,7 +20,7 @@ fn window(left: Option<usize>, right: Option<usize>) -> Mask {
 }
 
 /// Every mask, softcap, ALiBi (both layouts) and the log-sum-exp, over one and several key
-/// tiles, seq_q below and above seq_k, GQA, D = 64 and 128, f16 and bf16.
+/// tiles, seq_q below and above seq_k, GQA, D = 64, 128, 192 and 256, f16 and bf16.
 #[test]
 fn variants_match_the_reference() {
     let Some(dev) = common::device("variants") else {
@@ -41,6 +41,8 @@ fn variants_match_the_reference() {
         (4, 2, 1000, 1000, 128),
         (2, 1, 257, 700, 64),
         (2, 2, 700, 257, 128),
+        (2, 1, 300, 520, 256),
+        (1, 2, 333, 333, 192),
     ];
     let backends = variant_backends(&dev);
     let (mut ran, mut failures) = (Vec::new(), Vec::new());
@@ -138,6 +140,7 @@ fn nonfinite_v_outside_a_window_stays_out() {
         (600, 600, 128, window(Some(200), Some(0))),
         (500, 700, 64, window(Some(150), Some(30))),
         (700, 500, 128, window(Some(256), None)),
+        (400, 400, 256, window(Some(200), Some(0))),
     ] {
         for dtype in DType::ALL {
             let p = Problem::new(1, 2, sq, sk, d)

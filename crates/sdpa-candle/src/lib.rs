@@ -21,7 +21,7 @@
 mod cuda;
 mod unfused;
 
-pub use unfused::attention_unfused;
+pub use unfused::{attention_unfused, attention_unfused_windowed};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
@@ -39,20 +39,25 @@ pub fn flash_attn(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<Tensor> {
+    let mask = if causal {
+        sdpa::Mask::CausalBottomRight
+    } else {
+        sdpa::Mask::None
+    };
     q.apply_op3_no_bwd(
         k,
         v,
         &FlashAttn {
             softmax_scale,
-            causal,
+            mask,
+            softcap: None,
         },
     )
 }
 
 /// [`flash_attn`] with candle-flash-attn's window arguments: query row i sees keys j with
 /// `i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right`, `None` meaning no bound on that
-/// side. The windows sdpa computes today are the whole sequence (`None, None`) and causal
-/// (`None, Some(0)`); a finite window is an error until the kernels take sliding windows.
+/// side (`None, Some(0)` is causal; Mistral's sliding window is `Some(w), Some(0)`).
 pub fn flash_attn_windowed(
     q: &Tensor,
     k: &Tensor,
@@ -61,14 +66,42 @@ pub fn flash_attn_windowed(
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    match (window_size_left, window_size_right) {
-        (None, None) => flash_attn(q, k, v, softmax_scale, false),
-        (None, Some(0)) => flash_attn(q, k, v, softmax_scale, true),
-        (left, right) => bail!(
-            "sdpa-candle: window ({left:?}, {right:?}) is not supported yet: sdpa computes the \
-             whole sequence (None, None) and causal (None, Some(0))"
-        ),
+    flash_attn_windowed_softcap(
+        q,
+        k,
+        v,
+        softmax_scale,
+        None,
+        window_size_left,
+        window_size_right,
+    )
+}
+
+/// [`flash_attn_windowed`] with Gemma 2's logit cap: scores become `softcap · tanh(scores /
+/// softcap)` before the softmax (`None`: no cap).
+pub fn flash_attn_windowed_softcap(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f32,
+    softcap: Option<f32>,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+) -> Result<Tensor> {
+    let mask = sdpa::Mask::Window {
+        left: window_size_left,
+        right: window_size_right,
     }
+    .canonical();
+    q.apply_op3_no_bwd(
+        k,
+        v,
+        &FlashAttn {
+            softmax_scale,
+            mask,
+            softcap,
+        },
+    )
 }
 
 /// The op behind [`flash_attn`]: one call of [`sdpa::forward_views`] on the GPU (backend
@@ -77,8 +110,10 @@ pub fn flash_attn_windowed(
 pub struct FlashAttn {
     /// The factor of Q·Kᵀ before the softmax (usually `1 / sqrt(head_dim)`).
     pub softmax_scale: f32,
-    /// Bottom-right aligned causal mask.
-    pub causal: bool,
+    /// Which keys each query row sees.
+    pub mask: sdpa::Mask,
+    /// The logit cap, if any.
+    pub softcap: Option<f32>,
 }
 
 impl FlashAttn {
@@ -113,12 +148,15 @@ impl FlashAttn {
                 );
             }
         }
-        let p = Problem::new(b, h, sq, sk, d)
+        let mut p = Problem::new(b, h, sq, sk, d)
             .with_kv_heads(hk)
             .with_scale(self.softmax_scale)
-            .with_causal(self.causal)
+            .with_mask(self.mask)
             .with_dtype(dtype)
             .with_layout(sdpa::Layout::Bshd);
+        if let Some(c) = self.softcap {
+            p = p.with_softcap(c);
+        }
         p.validate().map_err(candle_core::Error::wrap)?;
         Ok(p)
     }

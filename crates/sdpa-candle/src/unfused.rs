@@ -13,6 +13,21 @@ pub fn attention_unfused(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<Tensor> {
+    let right = if causal { Some(0) } else { None };
+    attention_unfused_windowed(q, k, v, softmax_scale, None, None, right)
+}
+
+/// [`crate::flash_attn_windowed_softcap`] computed with candle's ops in f32. Every query row
+/// must see at least one key (a row that sees none is NaN here, zeros in the fused op).
+pub fn attention_unfused_windowed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f32,
+    softcap: Option<f32>,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+) -> Result<Tensor> {
     let (_, sq, h, _) = q.dims4()?;
     let (_, sk, hk, _) = k.dims4()?;
     // (batch, heads, seq, head_dim), f32, K and V heads repeated g times each.
@@ -32,12 +47,20 @@ pub fn attention_unfused(
         heads_first(v, h / hk)?,
     );
     let mut scores = (q32.matmul(&k32.t()?)? * f64::from(softmax_scale))?;
-    if causal {
-        // Row i sees keys j <= i + sk - sq.
+    if let Some(c) = softcap {
+        scores = ((scores / f64::from(c))?.tanh()? * f64::from(c))?;
+    }
+    let window = sdpa::Mask::Window {
+        left: window_size_left,
+        right: window_size_right,
+    };
+    if window.hides_keys() {
+        // Row i sees keys [i + sk - sq - left, i + sk - sq + right].
         let mask: Vec<f32> = (0..sq)
             .flat_map(|i| {
+                let keys = window.visible(i, sq, sk);
                 (0..sk).map(move |j| {
-                    if j + sq <= i + sk {
+                    if keys.contains(&j) {
                         0.0
                     } else {
                         f32::NEG_INFINITY

@@ -1,9 +1,10 @@
 //! `flash_attn` against candle's own attention (`attention_unfused`: matmul, softmax, matmul in
 //! f32) on the same tensors: on the CPU (sdpa's float64 reference) always, on GPU 0 with the
-//! `cuda` feature. f16 and bf16, causal or not, grouped-query, inputs at non-contiguous strides.
+//! `cuda` feature. f16 and bf16, causal or not, sliding windows, softcap, grouped-query, inputs
+//! at non-contiguous strides.
 
 use candle_core::{DType, Device, Result, Tensor};
-use sdpa_candle::{attention_unfused, flash_attn};
+use sdpa_candle::{attention_unfused_windowed, flash_attn, flash_attn_windowed_softcap};
 
 /// ‖a − b‖ / ‖b‖ in f32.
 fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
@@ -30,21 +31,30 @@ fn inputs(
 /// Every case on `dev`: the op's result against candle's own, to within the dtype's rounding.
 fn matches_candles_attention(dev: &Device) -> Result<usize> {
     let mut ran = 0;
+    // (window left, window right, softcap): whole sequence, causal, a causal sliding window, a
+    // two-sided window with a cap.
+    let variants = [
+        (None, None, None),
+        (None, Some(0), None),
+        (Some(20), Some(0), None),
+        (Some(30), Some(5), Some(8.0)),
+    ];
     for dtype in [DType::F16, DType::BF16] {
-        for causal in [false, true] {
+        for (left, right, cap) in variants {
             for dims in [(1, 4, 4, 64, 64, 64), (2, 8, 2, 77, 130, 128)] {
                 let (q, k, v) = inputs(dev, dtype, dims)?;
                 assert!(!q.is_contiguous(), "the test means to pass a strided Q");
                 let scale = 1.0 / (dims.5 as f32).sqrt();
-                let ours = flash_attn(&q, &k, &v, scale, causal)?;
-                let theirs = attention_unfused(&q, &k, &v, scale, causal)?;
+                let ours = flash_attn_windowed_softcap(&q, &k, &v, scale, cap, left, right)?;
+                let theirs = attention_unfused_windowed(&q, &k, &v, scale, cap, left, right)?;
                 assert_eq!(ours.dims(), q.dims());
                 assert_eq!(ours.dtype(), dtype);
                 let rel = rel_diff(&ours, &theirs)?;
                 let tol = if dtype == DType::F16 { 2e-3 } else { 1.5e-2 };
                 assert!(
                     rel < tol,
-                    "{dev:?} {dtype:?} causal={causal} {dims:?}: relative difference {rel:e}"
+                    "{dev:?} {dtype:?} window ({left:?}, {right:?}) softcap {cap:?} {dims:?}: \
+                     relative difference {rel:e}"
                 );
                 ran += 1;
             }
@@ -55,20 +65,24 @@ fn matches_candles_attention(dev: &Device) -> Result<usize> {
 
 #[test]
 fn cpu_op_matches_candles_attention() -> Result<()> {
-    assert_eq!(matches_candles_attention(&Device::Cpu)?, 8);
+    assert_eq!(matches_candles_attention(&Device::Cpu)?, 16);
     Ok(())
 }
 
 #[test]
-fn windowed_takes_the_whole_sequence_and_causal_and_refuses_finite_windows() -> Result<()> {
+fn windowed_takes_the_whole_sequence_causal_and_sliding_windows() -> Result<()> {
     let (q, k, v) = inputs(&Device::Cpu, DType::BF16, (1, 4, 2, 40, 50, 64))?;
     for (right, causal) in [(None, false), (Some(0), true)] {
         let windowed = sdpa_candle::flash_attn_windowed(&q, &k, &v, 0.125, None, right)?;
         let plain = flash_attn(&q, &k, &v, 0.125, causal)?;
         assert_eq!(rel_diff(&windowed, &plain)?, 0.0, "{right:?}");
     }
-    let e = sdpa_candle::flash_attn_windowed(&q, &k, &v, 0.125, Some(16), Some(0)).unwrap_err();
-    assert!(e.to_string().contains("not supported yet"), "{e}");
+    // A sliding window is the band the reference computes.
+    let windowed = sdpa_candle::flash_attn_windowed(&q, &k, &v, 0.125, Some(16), Some(0))?;
+    let theirs = attention_unfused_windowed(&q, &k, &v, 0.125, None, Some(16), Some(0))?;
+    assert!(rel_diff(&windowed, &theirs)? < 1.5e-2);
+    let causal = flash_attn(&q, &k, &v, 0.125, true)?;
+    assert!(rel_diff(&windowed, &causal)? > 1e-2, "the window changed nothing");
     Ok(())
 }
 
@@ -134,7 +148,7 @@ fn gpu_op_matches_candles_attention() -> Result<()> {
         }
         Err(e) => panic!("SDPA_REQUIRE_GPU=1 but candle has no CUDA device: {e}"),
     };
-    assert_eq!(matches_candles_attention(&dev)?, 8);
+    assert_eq!(matches_candles_attention(&dev)?, 16);
     // The GPU op and the CPU op (sdpa's float64 reference) on the same inputs.
     let (q, k, v) = inputs(&dev, DType::BF16, (2, 8, 2, 200, 300, 128))?;
     let gpu = flash_attn(&q, &k, &v, 0.08, true)?;

@@ -155,14 +155,13 @@ impl ProblemArgs {
                         p = p.with_fp8_scaling(scaling).with_out_dtype(out_dtype);
                     }
                     p.validate()?;
-                    let name = match p.mask.canonical() {
-                        Mask::CausalBottomRight if !name.ends_with("-causal") => {
-                            format!("{name}-causal")
-                        }
-                        Mask::None | Mask::CausalBottomRight => name.clone(),
-                        _ if mask.is_some() => format!("{name}-{}", p.mask),
-                        _ => name.clone(),
-                    };
+                    let mut name = name.clone();
+                    if !keep && c && !name.ends_with("-causal") {
+                        name.push_str("-causal");
+                    }
+                    if mask.is_some() && !matches!(p.mask.canonical(), Mask::None) {
+                        name = format!("{name}-{}", p.mask);
+                    }
                     if !out.iter().any(|(_, q)| *q == p) {
                         out.push((name, p));
                     }

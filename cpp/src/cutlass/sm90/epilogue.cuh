@@ -54,7 +54,7 @@ struct Epilogue {
     int etid = ctid;
     asm volatile("" : "+r"(etid));
     const uint32_t so =
-        uint32_t(__cvta_generic_to_shared(sm.o)) + uint32_t(wg * 64 * D * sizeof(Out));
+        uint32_t(__cvta_generic_to_shared(C::staging(sm))) + uint32_t(wg * 64 * D * sizeof(Out));
     if (qi > 0) named_sync(bar, 128);
     {
       typename C::MmaPV mma_pv;

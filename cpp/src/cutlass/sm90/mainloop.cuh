@@ -23,6 +23,7 @@ enum NamedBarrier : int {
   kTurnBarrier = 1,      // + w: consumer warpgroup w may issue (turns)
   kEpilogueBarrier = 3,  // + w: warpgroup w's output staging
   kCheckBarrier = 5,     // the producer's spare warps (non-finite V check)
+  kStagingBarrier = 6,   // kAliasO: both consumer warpgroups are done reading Q
 };
 
 // The key tiles of one query tile: how many it sees, and from which on they are partly masked
@@ -314,7 +315,8 @@ struct Mainloop {
     }
   }
 
-  // Band: the score mods of work tile w (slope of its (batch, head)).
+  // Band: the score mods of work tile w (slope of its (batch, head)). Made where they are used,
+  // from the parameters (constant memory) rather than held in registers across the main loop.
   __device__ __forceinline__ static ScoreMods mods(const Params& p, const WorkTile& w, float sl2) {
     ScoreMods m{false, sl2, 0.f, 0.f, p.seq_k - p.seq_q};
     if constexpr (kBand) {
@@ -323,6 +325,15 @@ struct Mainloop {
       m.on = m.cap2 > 0.f || p.alibi != nullptr;
     }
     return m;
+  }
+
+  // The scale the softmax steps take: 1 where the band's mods turned the scores into log2-domain
+  // logits, else the softmax scale.
+  __device__ __forceinline__ static float step_scale(const Params& p, float sl2) {
+    if constexpr (kBand)
+      return p.cap2 > 0.f || p.alibi != nullptr ? 1.f : sl2;
+    else
+      return sl2;
   }
 
   // A consumer thread's wgmma operands in shared memory (descriptors of Q, K and V over the
@@ -358,8 +369,8 @@ struct Mainloop {
   __device__ __forceinline__ static void mma(const Params& p, typename C::Smem& sm, const Ops& ops,
                                              const Mask& mask, int m0, const KeyTiles& kt, int& it,
                                              int qi, TO& tOrO, Softmax& softmax,
-                                             const ScoreMods& mods, int wg) {
-    const float sl2 = mods.step_scale();
+                                             const WorkTile& w, float sl2_raw, int wg) {
+    const float sl2 = step_scale(p, sl2_raw);
     const int n_tiles = kt.n_tiles;
     const bool turns = C::kPingPong && p.turns;
     const auto turn_sync = [&](int w) {
@@ -370,7 +381,7 @@ struct Mainloop {
     };
     if (n_tiles == 0) {
       Bar::wait(&sm.bar_q, qi & 1);  // every loaded Q is waited for before it is freed
-      Bar::arrive(&sm.empty_q);
+      if constexpr (!C::kAliasO) Bar::arrive(&sm.empty_q);
       return;
     }
 
@@ -400,7 +411,8 @@ struct Mainloop {
     };
     const auto softmax_step = [&](int n) {
       if constexpr (kBand)
-        apply_band(Srow, cSrc, mask, mods, m0, BM, key_tile(n, kt) * BN, BN);
+        // The band and the mods from the parameters, not held across the loop.
+        apply_band(Srow, cSrc, mask_of(p), mods(p, w, sl2_raw), m0, BM, key_tile(n, kt) * BN, BN);
       else
         apply_mask(Srow, cSrc, mask, m0, key_tile(n, kt) * BN, BN);
       softmax.step(Srow, sl2);
@@ -409,11 +421,12 @@ struct Mainloop {
     // CTA, and the n_cross partly masked tiles are its first uses (key_tile), completing
     // checked_v (first phase) instead of full_v.
     const auto wait_v = [&](int i, const PipelineState<S>& use) {
-      if constexpr (kBand) {
-        if (i < kt.n_cross)
+      if constexpr (kBand || C::kBN < C::kBM) {
+        // Possibly more checked uses than stages: each stage's barriers count its own.
+        if (i < checked_uses(kt))
           Bar::wait(&sm.checked_v[use.stage()], use.full_phase());
         else
-          Bar::wait(&sm.full_v[use.stage()], use.full_phase_after_uses(kt.n_cross));
+          Bar::wait(&sm.full_v[use.stage()], use.full_phase_after_uses(checked_uses(kt)));
       } else if constexpr (Mask::kMasksKeys && !E::kConvertV) {
         const int n_cross = max(0, n_tiles - kt.n_first);
         if (i < n_cross)
@@ -441,7 +454,7 @@ struct Mainloop {
       warpgroup_wait<0>();
       fence_all();
       Bar::arrive(&sm.empty_k[k.stage()]);
-      if (n_tiles == 1) Bar::arrive(&sm.empty_q);
+      if (!C::kAliasO && n_tiles == 1) Bar::arrive(&sm.empty_q);
       softmax_step(0);
       convert_p<PV>(rP, tSrS);  // O is still zero: no rescale
     }
@@ -466,7 +479,7 @@ struct Mainloop {
       warpgroup_wait<1>();  // S_n done; P_{n-1}·V_{n-1} may still run
       warpgroup_fence_operand(tSrS);
       Bar::arrive(&sm.empty_k[k.stage()]);
-      if (n == n_tiles - 1) Bar::arrive(&sm.empty_q);
+      if (!C::kAliasO && n == n_tiles - 1) Bar::arrive(&sm.empty_q);
       softmax_step(n);
       warpgroup_wait<0>();
       fence_all();
@@ -517,7 +530,8 @@ struct Mainloop {
     } else if constexpr (Mask::kMasksKeys) {
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
       for (int j = kt.n_first; j < kt.n_tiles; ++j) {
-        const int sv = (it - kt.n_tiles + key_tile(j, kt)) % S;  // an involution here
+        // Check slot = the tile's ring use (key_tile is an involution here).
+        const int sv = it - kt.n_tiles + key_tile(j, kt);
         if (!sm.nf_any[sv]) continue;
         int etid = ctid;  // opaque: keeps the coordinates out of the main loop's registers
         asm volatile("" : "+r"(etid));

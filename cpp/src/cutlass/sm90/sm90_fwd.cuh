@@ -152,14 +152,23 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
     const KeyTiles kt = Main::key_tiles(mask, m0, bm);
     float sl2, o_scale;
     Main::scales(p.mainloop, w, sl2, o_scale);
-    const ScoreMods mods = Main::mods(p.mainloop, w, sl2);
     OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop> softmax;
     clear(tOrO);
-    Main::mma(p.mainloop, sm, ops, mask, m0, kt, it, qi, tOrO, softmax, mods, wg);
+    Main::mma(p.mainloop, sm, ops, mask, m0, kt, it, qi, tOrO, softmax, w, sl2, wg);
     Main::add_masked_nonfinite(sm, mask, m0, kt, it, tOrO, ctid);
-    Epilogue<E, D>::store_lse(p.epilogue, softmax, ops.coords, w.b, w.h, m0, mods.step_scale());
+    Epilogue<E, D>::store_lse(p.epilogue, softmax, ops.coords, w.b, w.h, m0,
+                              Main::step_scale(p.mainloop, sl2));
     softmax.normalize(O, o_scale);
+    // kAliasO: Q's buffer takes O once every consumer warpgroup's last S = Q·Kᵀ is done (a
+    // warpgroup's Q rows are spread over the whole buffer).
+    if constexpr (C::kAliasO) named_sync(kStagingBarrier, 128 * p.sched.wgs);
     Epilogue<E, D>::store(p.epilogue, sm, tOrO, w.b, w.h, m0, wg, ctid, qi, kEpilogueBarrier + wg);
+    if constexpr (C::kAliasO) {
+      // O was staged in Q's buffer: Q is free once the staging is read, and the next Q's TMA
+      // (async proxy) is ordered after these generic-proxy accesses.
+      cutlass::arch::fence_view_async_shared();
+      Main::Bar::arrive(&sm.empty_q);
+    }
   }
 #endif
 }

@@ -42,9 +42,6 @@ struct ScoreMods {
   float cap2;          // softcap · log2 e; 0: no softcap
   float slope2;        // ALiBi slope · log2 e; 0: none
   int alibi_diagonal;  // seq_k - seq_q: ALiBi distances are from row i's key i + this
-
-  // The scale the softmax step takes after `apply`.
-  __device__ __forceinline__ float step_scale() const { return on ? 1.f : sl2; }
 };
 
 __device__ __forceinline__ float tanh_approx(float x) {

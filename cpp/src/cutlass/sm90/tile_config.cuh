@@ -44,6 +44,10 @@ using namespace cute;
 //   kConvertV    e4m3: V converted to f16 in shared memory by the producer's spare warps (D =
 //                64), or by a pre-pass the attention grid overlaps (D = 128). The converting
 //                warps take issue slots and shared-memory bandwidth that D = 128 needs more.
+//   kBN          keys per tile: 128, or 64 where two stages of 128-key K and V tiles and Q do
+//                not fit (D = 192: Q 48 + O 48 + 2 x (K 24 + V 24) = 192 KB).
+//   kAliasO      the output staging reuses Q's buffer (D = 256: Q 64 + 2 x (K 32 + V 32) =
+//                192 KB leaves no room for O's 64 KB); Q is then released after the epilogue.
 template <int D, bool kFp8>
 struct Tuning;
 template <bool kFp8>
@@ -52,6 +56,8 @@ struct Tuning<64, kFp8> {
   static constexpr bool kPingPong = true;
   static constexpr bool kOneExpLoop = false;
   static constexpr bool kConvertV = true;
+  static constexpr int kBN = 128;
+  static constexpr bool kAliasO = false;
 };
 template <bool kFp8>
 struct Tuning<128, kFp8> {
@@ -59,6 +65,26 @@ struct Tuning<128, kFp8> {
   static constexpr bool kPingPong = false;
   static constexpr bool kOneExpLoop = true;
   static constexpr bool kConvertV = false;
+  static constexpr int kBN = 128;
+  static constexpr bool kAliasO = false;
+};
+template <bool kFp8>
+struct Tuning<192, kFp8> {
+  static constexpr int kStages = 2;
+  static constexpr bool kPingPong = false;
+  static constexpr bool kOneExpLoop = true;
+  static constexpr bool kConvertV = false;
+  static constexpr int kBN = 64;
+  static constexpr bool kAliasO = false;
+};
+template <bool kFp8>
+struct Tuning<256, kFp8> {
+  static constexpr int kStages = 2;
+  static constexpr bool kPingPong = false;
+  static constexpr bool kOneExpLoop = true;
+  static constexpr bool kConvertV = false;
+  static constexpr int kBN = 64;
+  static constexpr bool kAliasO = true;
 };
 
 // Element types of one instantiation: QK for Q and K (the operands of S = Q·Kᵀ), PV for V and
@@ -109,18 +135,20 @@ struct TileConfig {
   static constexpr int kWG = 2;  // consumer warpgroups at most, each 64 query rows
   static constexpr int kThreads = 128 * (kWG + 1);  // + the producer warpgroup
   static constexpr int kBM = 64 * kWG;
-  static constexpr int kBN = 128;
+  static constexpr int kBN = Tune::kBN;
   static constexpr int kHD = D;
+  static constexpr bool kAliasO = Tune::kAliasO;
+  static_assert(!(kAliasO && E::kFp8), "O staging reuses a 16-bit Q buffer");
   static constexpr int kStages = Tune::kStages;
   static constexpr bool kPingPong = Tune::kPingPong;
   // kConvertV: e4m3 V tiles land by TMA in a ring of their own, unswizzled rows of D bytes, for
   // the converting warps to read.
   static constexpr int kV8Stages = 2;
   static constexpr int kConverters = 96;  // producer warps 1-3 (warp 0 issues the TMA loads)
-  // Partly masked V tiles of one query tile the non-finite V check records: two across the
-  // causal diagonal, two more across a band's lower edge (kBM <= kBN).
-  static constexpr int kCheckSlots = 4;
-  static_assert(kBM <= kBN, "a block's diagonal crosses at most two key tiles");
+  // Partly masked V tiles of one query tile the non-finite V check records: those a block's
+  // diagonal crosses (two where kBM <= kBN), as many again across a band's lower edge.
+  static constexpr int kCrossTiles = (kBM + kBN - 1) / kBN + 1;
+  static constexpr int kCheckSlots = 2 * kCrossTiles;
   using BM = Int<kBM>;
   using BN = Int<kBN>;
   using HD = Int<D>;
@@ -171,11 +199,16 @@ struct TileConfig {
     alignas(1024) QK v8[kV8Stages * kBN * D];
   };
   struct NoRing {};
-  struct Smem : std::conditional_t<E::kConvertV, V8Ring, NoRing> {
+  // The output staging, 64 rows per consumer warpgroup: its own buffer, or (kAliasO) Q's.
+  struct OStage {
+    alignas(1024) Out o[kBM * D];
+  };
+  struct NoOStage {};
+  struct Smem : std::conditional_t<E::kConvertV, V8Ring, NoRing>,
+                std::conditional_t<kAliasO, NoOStage, OStage> {
     alignas(1024) QK q[kBM * D];
     alignas(1024) QK k[kStages * kBN * D];
     alignas(1024) PV v[kStages * kBN * D];
-    alignas(1024) Out o[kBM * D];  // output staging, 64 rows per consumer warpgroup
     alignas(8) uint64_t bar_q;
     uint64_t empty_q;
     uint64_t full_k[kStages];
@@ -198,6 +231,13 @@ struct TileConfig {
     NonFiniteCols<D> nf[kCheckSlots];
     NonFiniteCols<D> nf_last[kCheckSlots];
   };
+  // Where the epilogue stages warpgroup rows of O.
+  __device__ __forceinline__ static Out* staging(Smem& sm) {
+    if constexpr (kAliasO)
+      return reinterpret_cast<Out*>(sm.q);
+    else
+      return sm.o;
+  }
   // +1 KB: the kernel aligns the dynamic smem base up to 1024 bytes (128-byte swizzle atoms).
   static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit");
