@@ -154,10 +154,10 @@ fn api_cases() -> Vec<ApiCase> {
             "head_dim 32",
         ),
         (
-            "cutlass d256",
-            sup(Backend::Cutlass, p(1, 1, 4, 4, 256)),
+            "cutlass d80",
+            sup(Backend::Cutlass, p(1, 1, 4, 4, 80)),
             Unsupported,
-            "head_dim 256",
+            "head_dim 80",
         ),
         (
             "wmma batch 70000",

@@ -82,7 +82,10 @@ fn windowed_takes_the_whole_sequence_causal_and_sliding_windows() -> Result<()> 
     let theirs = attention_unfused_windowed(&q, &k, &v, 0.125, None, Some(16), Some(0))?;
     assert!(rel_diff(&windowed, &theirs)? < 1.5e-2);
     let causal = flash_attn(&q, &k, &v, 0.125, true)?;
-    assert!(rel_diff(&windowed, &causal)? > 1e-2, "the window changed nothing");
+    assert!(
+        rel_diff(&windowed, &causal)? > 1e-2,
+        "the window changed nothing"
+    );
     Ok(())
 }
 

@@ -93,6 +93,106 @@ fn run_on_npy_matches_the_reference() {
     }
 }
 
+/// `run` with a sliding window, softcap, ALiBi slopes from a file and the log-sum-exp written to
+/// one: what the library's reference gives on the same rounded inputs.
+#[test]
+fn run_takes_windows_softcap_alibi_and_writes_the_lse() {
+    let (b, h, sq, sk, d) = (2, 3, 6, 9, 8);
+    let (q, k, v) = (
+        values(b * h * sq * d, 4),
+        values(b * h * sk * d, 5),
+        values(b * h * sk * d, 6),
+    );
+    let slopes = [0.5f32, 0.25, 0.125];
+    let paths = [
+        tmp("wq.npy"),
+        tmp("wk.npy"),
+        tmp("wv.npy"),
+        tmp("wo.npy"),
+        tmp("walibi.npy"),
+        tmp("wlse.npy"),
+    ];
+    write_npy(&paths[0], &q, &[b as u64, h as u64, sq as u64, d as u64]);
+    write_npy(&paths[1], &k, &[b as u64, h as u64, sk as u64, d as u64]);
+    write_npy(&paths[2], &v, &[b as u64, h as u64, sk as u64, d as u64]);
+    write_npy(&paths[4], &slopes, &[h as u64]);
+    let arg = |i: usize| paths[i].to_str().unwrap().to_string();
+    let out = sdpa()
+        .args([
+            "run",
+            "--backend",
+            "cpu",
+            "--dtype",
+            "bf16",
+            "--window",
+            "2,1",
+        ])
+        .args(["--softcap", "3", "--alibi", &arg(4), "--lse", &arg(5)])
+        .args([
+            "--q",
+            &arg(0),
+            "--k",
+            &arg(1),
+            "--v",
+            &arg(2),
+            "--out",
+            &arg(3),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let read = |path: &Path| -> (Vec<u64>, Vec<f32>) {
+        let bytes = std::fs::read(path).unwrap();
+        let npy = npyz::NpyFile::new(&bytes[..]).unwrap();
+        (npy.shape().to_vec(), npy.into_vec().unwrap())
+    };
+    let p = sdpa::Problem::new(b, h, sq, sk, d)
+        .with_mask(sdpa::Mask::Window {
+            left: Some(2),
+            right: Some(1),
+        })
+        .with_softcap(3.0)
+        .with_alibi(sdpa::Alibi::PerHead);
+    let round = |x: &[f32]| sdpa::decode(sdpa::DType::Bf16, &sdpa::encode(sdpa::DType::Bf16, x));
+    let want = sdpa::reference_with(&p, &round(&q), &round(&k), &round(&v), Some(&slopes)).unwrap();
+    let (shape, got) = read(&paths[3]);
+    assert_eq!(shape, [2, 3, 6, 8]);
+    for (g, w) in got.iter().zip(&want.out) {
+        assert!((f64::from(*g) - w).abs() < 1e-6, "{g} vs {w}");
+    }
+    let (shape, lse) = read(&paths[5]);
+    assert_eq!(shape, [2, 3, 6]);
+    for (g, w) in lse.iter().zip(&want.lse) {
+        assert!((f64::from(*g) - w).abs() < 1e-5, "lse {g} vs {w}");
+    }
+    // Slopes of the wrong length are an error before anything runs.
+    write_npy(&paths[4], &slopes[..2], &[2]);
+    let out = sdpa()
+        .args(["run", "--backend", "cpu", "--alibi", &arg(4)])
+        .args([
+            "--q",
+            &arg(0),
+            "--k",
+            &arg(1),
+            "--v",
+            &arg(2),
+            "--out",
+            &arg(3),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("expected [3]"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// `run --dtype e4m3`: the CPU reference on the inputs quantized exactly as the library does
 /// on the host (and, where a GPU is present, on the device: the same codes and scales), then
 /// the GPU path (simulated or native) within the e4m3 tolerance of that reference.

@@ -306,6 +306,67 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
     })
 }
 
+/// The device buffers of a problem's extras: its ALiBi slopes uploaded, its log-sum-exp output
+/// (NaN until a call writes it); empty for a problem that has neither.
+pub struct ExtraBuffers {
+    alibi_slopes: Option<cudarc::driver::CudaSlice<f32>>,
+    lse: Option<cudarc::driver::CudaSlice<f32>>,
+}
+
+impl ExtraBuffers {
+    /// The buffers `p` asks for, on `dev` (the slopes from `inputs`).
+    pub fn new(dev: &Device, p: &Problem, inputs: &Inputs) -> Result<ExtraBuffers> {
+        let stream = dev.stream();
+        let alibi_slopes = match &inputs.alibi_slopes {
+            Some(s) => Some(stream.clone_htod(s)?),
+            None => None,
+        };
+        let lse = match p.lse {
+            true => Some(stream.clone_htod(&vec![f32::NAN; p.lse_len()])?),
+            false => None,
+        };
+        Ok(ExtraBuffers { alibi_slopes, lse })
+    }
+
+    /// Views of the buffers for one call.
+    pub fn extras(&mut self) -> sdpa::Extras<'_> {
+        sdpa::Extras {
+            alibi_slopes: self.alibi_slopes.as_ref().map(|s| s.as_view()),
+            lse: self.lse.as_mut().map(|l| l.as_view_mut()),
+        }
+    }
+
+    /// The log-sum-exp the last call wrote (None where the problem has none).
+    pub fn lse(&self, dev: &Device) -> Result<Option<Vec<f64>>> {
+        match &self.lse {
+            Some(l) => Ok(Some(
+                dev.stream()
+                    .clone_dtoh(l)?
+                    .into_iter()
+                    .map(f64::from)
+                    .collect(),
+            )),
+            None => Ok(None),
+        }
+    }
+}
+
+/// [`sdpa::forward_with`] on tensors with the extras in `bufs`.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_with_buffers(
+    dev: &Device,
+    p: &Problem,
+    backend: Backend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &mut Tensor,
+    bufs: &mut ExtraBuffers,
+) -> Result<()> {
+    let t = sdpa::Operands { q, k, v, out };
+    sdpa::forward_with(dev, p, backend, t, bufs.extras())
+}
+
 /// A seed that differs from run to run (time-based), for "fresh inputs every time".
 pub fn fresh_seed() -> u64 {
     std::time::SystemTime::now()
@@ -364,37 +425,9 @@ pub fn run_backend_with_lse(
         (_, Some(dev)) => {
             let [q, k, v] = inputs.upload(dev, p.dtype)?;
             let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
-            let stream = dev.stream();
-            let slopes = match &inputs.alibi_slopes {
-                Some(s) => Some(stream.clone_htod(s)?),
-                None => None,
-            };
-            let mut lse = match p.lse {
-                true => Some(stream.clone_htod(&vec![f32::NAN; p.lse_len()])?),
-                false => None,
-            };
-            let t = sdpa::Operands {
-                q: &q,
-                k: &k,
-                v: &v,
-                out: &mut out,
-            };
-            let extras = sdpa::Extras {
-                alibi_slopes: slopes.as_ref().map(|s| s.as_view()),
-                lse: lse.as_mut().map(|l| l.as_view_mut()),
-            };
-            sdpa::forward_with(dev, p, backend, t, extras)?;
-            let lse = match &lse {
-                Some(l) => Some(
-                    stream
-                        .clone_dtoh(l)?
-                        .into_iter()
-                        .map(f64::from)
-                        .collect::<Vec<_>>(),
-                ),
-                None => None,
-            };
-            Ok((out.to_f64(dev)?, lse))
+            let mut bufs = ExtraBuffers::new(dev, p, inputs)?;
+            forward_with_buffers(dev, p, backend, &q, &k, &v, &mut out, &mut bufs)?;
+            Ok((out.to_f64(dev)?, bufs.lse(dev)?))
         }
     }
 }

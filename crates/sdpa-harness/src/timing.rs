@@ -168,27 +168,9 @@ pub fn time_backend(
     let dev = dev.expect("supports() requires a device for GPU backends");
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
-    let stream = dev.stream();
-    let slopes = match &inputs.alibi_slopes {
-        Some(s) => Some(stream.clone_htod(s)?),
-        None => None,
-    };
-    let mut lse = match p.lse {
-        true => Some(stream.alloc_zeros::<f32>(p.lse_len())?),
-        false => None,
-    };
+    let mut bufs = crate::check::ExtraBuffers::new(dev, p, &inputs)?;
     time_gpu(dev, budget_ms, || {
-        let t = sdpa::Operands {
-            q: &q,
-            k: &k,
-            v: &v,
-            out: &mut out,
-        };
-        let extras = sdpa::Extras {
-            alibi_slopes: slopes.as_ref().map(|s| s.as_view()),
-            lse: lse.as_mut().map(|l| l.as_view_mut()),
-        };
-        sdpa::forward_with(dev, p, backend, t, extras)
+        crate::check::forward_with_buffers(dev, p, backend, &q, &k, &v, &mut out, &mut bufs)
     })
 }
 

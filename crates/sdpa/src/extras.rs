@@ -32,13 +32,13 @@ pub(crate) struct ExtraPtrs<'g> {
 
 impl Extras<'_> {
     /// Checks each extra against the problem and the device: given exactly when asked for, long
-    /// enough, on `dev`'s GPU; and where the log-sum-exp lands apart from `others` (the call's
-    /// other buffers' byte ranges).
+    /// enough, on `dev`'s GPU; and the log-sum-exp apart from the call's operands (the byte
+    /// ranges of Q, K, V and the output).
     pub(crate) fn check(
         &self,
         dev: &Device,
         p: &Problem,
-        others: &[(&str, &Range<u64>)],
+        operands: &[Range<u64>; 4],
     ) -> Result<()> {
         match (p.alibi, &self.alibi_slopes) {
             (None, None) => {}
@@ -72,7 +72,9 @@ impl Extras<'_> {
                 }
                 let (ptr, _g) = l.device_ptr(l.stream());
                 let span = ptr..ptr + 4 * p.lse_len() as u64;
-                crate::view::out_apart(&span, others)
+                let [q, k, v, out] = operands;
+                let others = [("q", q), ("k", k), ("v", v), ("out", out)];
+                crate::view::out_apart(&span, &others)
                     .map_err(|_| invalid!("lse overlaps another operand of the call"))?;
             }
             (true, None) => return Err(invalid!("the problem asks for the LSE; pass lse")),

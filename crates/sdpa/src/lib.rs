@@ -126,16 +126,7 @@ pub fn forward_with(
     let Operands { q, k, v, out } = t;
     check_tensors(dev, &p, q, k, v, out)?;
     let spans = [q, k, v, &*out].map(|t| t.byte_span(dev));
-    extras.check(
-        dev,
-        &p,
-        &[
-            ("q", &spans[0]),
-            ("k", &spans[1]),
-            ("v", &spans[2]),
-            ("out", &spans[3]),
-        ],
-    )?;
+    extras.check(dev, &p, &spans)?;
     let backend = backend.resolve_checked(Some(dev), &p)?;
     let extra_streams: Vec<_> = extras.streams().cloned().collect();
     let order = dev.order_after(

@@ -158,16 +158,7 @@ pub fn forward_views_with<T: Element>(
         &spans[3],
         &[("q", &spans[0]), ("k", &spans[1]), ("v", &spans[2])],
     )?;
-    extras.check(
-        dev,
-        &p,
-        &[
-            ("q", &spans[0]),
-            ("k", &spans[1]),
-            ("v", &spans[2]),
-            ("out", &spans[3]),
-        ],
-    )?;
+    extras.check(dev, &p, &spans)?;
     let (qd, kd) = (p.q_strides(), p.kv_strides());
     let in_layout = [q.strides, k.strides, v.strides, out.strides] == [qd, kd, kd, qd];
     let backend = resolve(dev, &p, backend, in_layout)?;
