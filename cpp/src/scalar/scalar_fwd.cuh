@@ -75,9 +75,9 @@ __device__ __forceinline__ float warp_sum(float x) {
 template <typename T, int D, class Mask>
 __global__ void __launch_bounds__(kThreads) fwd_kernel(const __grid_constant__ Params<Mask> pm) {
   static_assert(D % 8 == 0, "rows are read in 16-byte chunks");
-  constexpr int W = D / 2;               // 32-bit words (element pairs) per row
-  constexpr int CH = D / 8;              // 16-byte chunks per row
-  constexpr int CPL = (W + 31) / 32;     // output words per lane: lane owns words lane, lane+32, ...
+  constexpr int W = D / 2;            // 32-bit words (element pairs) per row
+  constexpr int CH = D / 8;           // 16-byte chunks per row
+  constexpr int CPL = (W + 31) / 32;  // output words per lane: lane owns words lane, lane+32, ...
   using P2 = Pair<T>;
   const KernelParams& p = pm.base;
 
@@ -97,8 +97,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const __grid_constant__ P
   const Mask mask = pm.mask;  // which keys each row sees
   const int64_t seq_q = p.seq_q, seq_k = p.seq_k;
   // ALiBi's slope in the log2 domain, and the diagonal its distances are measured from.
-  const float slope2 =
-      pm.alibi ? pm.alibi[b * pm.alibi_bstride + h] * 1.4426950408889634f : 0.f;
+  const float slope2 = pm.alibi ? pm.alibi[b * pm.alibi_bstride + h] * 1.4426950408889634f : 0.f;
   const int64_t alibi_diag = seq_k - seq_q;
 
   // Q tile -> f32, pre-scaled. Rows past seq_q are zero and never stored.

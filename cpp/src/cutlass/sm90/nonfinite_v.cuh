@@ -81,8 +81,9 @@ __device__ __forceinline__ void add_nonfinite_terms(TO& O, TC const& cO, const N
 template <int D>
 __device__ __forceinline__ float nonfinite_term_from(const NonFiniteCols<D>& last, int col,
                                                      int lo) {
-  const auto at_or_after = [&](int k) { return int(last.first[k][col]) != kNoKey &&
-                                               int(last.first[k][col]) >= lo; };
+  const auto at_or_after = [&](int k) {
+    return int(last.first[k][col]) != kNoKey && int(last.first[k][col]) >= lo;
+  };
   return nonfinite_value(at_or_after(0), at_or_after(1), at_or_after(2));
 }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "common/smem.cuh"  // ld_shared_128
+#include "sdpa/sdpa.h"
 
 namespace sdpa::cutlass_sm90 {
 
@@ -129,6 +130,20 @@ struct FastDiv {
     return d == 1 ? n : int(__umulhi(uint32_t(n), mul) >> shr);
   }
 };
+
+// The sizes, the GQA group divisor and the log2-domain softmax scale every sm_90a parameter block
+// (the main kernel's Mainloop::Params, the small kernel's SmallParams) carries, from validated
+// arguments (32-bit sizes: each kernel's can_implement).
+template <class P>
+void fill_sizes(P& p, const FwdArgs& a) {
+  p.seq_q = int(a.seq_q);
+  p.seq_k = int(a.seq_k);
+  p.heads = int(a.heads);
+  p.kv_heads = int(a.kv_heads);
+  p.batch = int(a.batch);
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  p.div_group = FastDiv(int(a.heads / a.kv_heads));
+}
 
 // Softmax exponents at any logit size. Each row's base is RN(m·scale) and every exponent is taken
 // against it. The fast form folds the scale into one FMA, fma(x, scale, -base): its exact product

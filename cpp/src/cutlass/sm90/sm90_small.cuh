@@ -392,15 +392,9 @@ SmallParams<T, D, KN> make_small_params(const FwdArgs& a, int cluster) {
                           typename C::LayoutV{}, Shape<Int<KN>, Int<D>>{}, _1{});
   p.o = static_cast<T*>(a.o);
   p.os = a.o_stride;
-  p.seq_q = int(a.seq_q);
-  p.seq_k = int(a.seq_k);
-  p.heads = int(a.heads);
-  p.kv_heads = int(a.kv_heads);
-  p.batch = int(a.batch);
-  p.scale_log2 = a.scale * 1.4426950408889634f;
+  fill_sizes(p, a);
   p.rows = (64 + cluster - 1) / cluster;
   p.div_heads = FastDiv(p.heads);
-  p.div_group = FastDiv(int(a.heads / a.kv_heads));
   return p;
 }
 
