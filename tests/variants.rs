@@ -175,3 +175,100 @@ fn nonfinite_v_outside_a_window_stays_out() {
     common::assert_ran("nonfinite v outside a window", &ran);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Rows whose window holds no key (seq_q > seq_k: the first rows' diagonal lies before key 0)
+/// output exact zeros and log-sum-exp -inf; the others match the reference.
+#[test]
+fn empty_windows_give_zeros_and_lse_minus_infinity() {
+    let Some(dev) = common::device("empty windows") else {
+        return;
+    };
+    let mut ran = Vec::new();
+    for (d, mask) in [
+        (64, window(Some(150), Some(0))),
+        (128, window(Some(200), Some(10))),
+    ] {
+        // Rows i with i + 200 - 500 + right < 0 see nothing: 300 of them (d64), 290 (d128).
+        let p = Problem::new(1, 2, 500, 200, d)
+            .with_mask(mask)
+            .with_lse(true);
+        let empty = (0..p.seq_q).filter(|&i| p.visible_keys(i) == 0).count();
+        assert!(empty > 200, "{p}: the test means rows without keys");
+        for b in variant_backends(&dev) {
+            let inputs = random_inputs(&p, fresh_seed()).unwrap();
+            let want = inputs.reference(&p).unwrap();
+            let (got, lse) =
+                sdpa_harness::check::run_backend_with_lse(Some(&dev), &p, b, &inputs, Some(&want))
+                    .unwrap();
+            ran.push((b, p));
+            let r = compare(&got, &want.out, p.dtype, 0);
+            assert!(r.pass(), "{b} {p}: {r:?}");
+            let lse = lse.unwrap();
+            for h in 0..2 {
+                for i in 0..empty {
+                    let row = h * p.seq_q + i;
+                    assert_eq!(lse[row], f64::NEG_INFINITY, "{b} {p}: lse of row {i}");
+                    assert!(
+                        got[row * d..][..d].iter().all(|&x| x == 0.0),
+                        "{b} {p}: row {i}"
+                    );
+                }
+            }
+            let (err, bad) = sdpa_harness::check::compare_lse(&lse, &want.lse);
+            assert!(
+                bad == 0 && err < 1e-4,
+                "{b} {p}: lse {err} ({bad} rows off)"
+            );
+        }
+    }
+    common::assert_ran("empty windows", &ran);
+}
+
+/// Softcap with scores of 1e4 and more (entries of 100): every logit is capped to +-softcap, so
+/// the output is finite and matches the reference, on a window and causally.
+#[test]
+fn softcap_caps_huge_logits() {
+    let Some(dev) = common::device("softcap huge logits") else {
+        return;
+    };
+    let mut ran = Vec::new();
+    for dtype in DType::ALL {
+        for mask in [Mask::CausalBottomRight, window(Some(160), Some(0))] {
+            let p = Problem::new(1, 2, 300, 300, 128)
+                .with_mask(mask)
+                .with_softcap(20.0)
+                .with_dtype(dtype)
+                .with_lse(true);
+            let base = random_inputs(&p, fresh_seed()).unwrap();
+            let big = |x: &[f64]| x.iter().map(|&v| v as f32 * 100.0).collect::<Vec<_>>();
+            let v: Vec<f32> = base.values[2].iter().map(|&x| x as f32).collect();
+            let inputs = sdpa_harness::check::Inputs::from_f32(
+                dtype,
+                &big(&base.values[0]),
+                &big(&base.values[1]),
+                &v,
+            );
+            let want = inputs.reference(&p).unwrap();
+            assert!(want.out.iter().all(|x| x.is_finite()));
+            for b in variant_backends(&dev) {
+                let (got, lse) = sdpa_harness::check::run_backend_with_lse(
+                    Some(&dev),
+                    &p,
+                    b,
+                    &inputs,
+                    Some(&want),
+                )
+                .unwrap();
+                ran.push((b, p));
+                let r = compare(&got, &want.out, dtype, 0);
+                assert!(r.pass(), "{b} {p}: {r:?}");
+                let (err, bad) = sdpa_harness::check::compare_lse(&lse.unwrap(), &want.lse);
+                assert!(
+                    bad == 0 && err < 2e-3,
+                    "{b} {p}: lse {err} ({bad} rows off)"
+                );
+            }
+        }
+    }
+    common::assert_ran("softcap huge logits", &ran);
+}

@@ -62,12 +62,6 @@ struct Mainloop {
   // The general path: a band mask (windows, top-left causal) with softcap and ALiBi.
   static constexpr bool kBand = IsBand<Mask>::value;
   static_assert(!(kBand && E::kConvertV), "no band kernel for e4m3 V converted in shared memory");
-  // A band kernel whose launch may make its grid persistent (a sliding window's tiles cost about
-  // the same: sm90_fwd.cuh's launch): its producer walks the tiles' key ranges in 32 registers,
-  // which leaves its consumers 232, too few at D = 256 (they spill there).
-  static constexpr bool kPersistentBand = kBand && D <= 128;
-  // Whether a CTA runs one work tile: the masked grids, but for a persistent band.
-  static constexpr bool kOneTile = Sched::kOneTile && !kPersistentBand;
 
   // 32-bit sizes, rows and keys (offsets are 64-bit): can_implement (sm90_fwd.cuh) keeps seq_q,
   // seq_k <= 2^31 - 128 (row and key indices reach a tile past the end) and masked seq_q + seq_k
@@ -163,8 +157,7 @@ struct Mainloop {
     // the one value ptxas spills at 24 registers (4-8 bytes).
     const auto stride = [] {
       uint32_t n = gridDim.x;
-      if constexpr (E::kConvertV || kPersistentBand)
-        asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+      if constexpr (E::kConvertV) asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
       return int(n);
     };
     for (int t = blockIdx.x; t < sp.tiles; t += stride(), ++qi) {
@@ -197,26 +190,14 @@ struct Mainloop {
         Bar::arrive_and_expect_tx(&sm.bar_q, kQBytes);
         copy(p.tma_q.with(sm.bar_q), get<0>(tQ), get<1>(tQ));
       };
-      // A band's key tiles are recomputed from an opaque m0 where they are used: held across
-      // the loop, its five numbers do not fit the producer's 24 registers beside a persistent
-      // CTA's tile state.
-      const auto tiles = [&] {
-        if constexpr (kBand) {
-          int m0o = m0;
-          asm volatile("" : "+r"(m0o));
-          return key_tiles(mask_of(p), m0o, bm);
-        } else {
-          return kt;
-        }
-      };
       if (kt.n_tiles == 0) load_q();  // nothing visible: the consumers still wait for Q
-      for (int n = 0; n < tiles().n_tiles; ++n, ++it) {
+      for (int n = 0; n < kt.n_tiles; ++n, ++it) {
         // Ring use `it`, which is n where a CTA runs one tile (one register less).
-        const PipelineState<S> use{kOneTile ? n : it};
+        const PipelineState<S> use{Sched::kOneTile ? n : it};
         const int s = use.stage();
         if (use.reuses()) Bar::wait(&sm.empty_k[s], use.empty_phase());
         Bar::arrive_and_expect_tx(&sm.full_k[s], kKBytes);
-        const int j = key_tile(n, tiles());
+        const int j = key_tile(n, kt);
         copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, j), get<1>(tK)(_, s));
         if (n == 0) load_q();  // after K_0: the previous tile frees both at about the same time
         if constexpr (E::kConvertV) {
@@ -230,13 +211,13 @@ struct Mainloop {
             if (use.u == 0) pdl_wait();  // V comes from convert_v
           if (use.reuses()) Bar::wait(&sm.empty_v[s], use.empty_phase());
           // Partly masked tiles land on full_vd: the non-finite V check waits for them.
-          const bool checked = kBand ? n < tiles().n_cross : j >= kt.n_first;
+          const bool checked = kBand ? n < kt.n_cross : j >= kt.n_first;
           uint64_t& full = Mask::kMasksKeys && checked ? sm.full_vd[s] : sm.full_v[s];
           Bar::arrive_and_expect_tx(&full, kVBytes);
           copy(p.tma_v.with(full), get<0>(tV)(_, j), get<1>(tV)(_, s));
         }
       }
-      if constexpr (kOneTile) break;
+      if constexpr (Sched::kOneTile) break;
     }
   }
 
@@ -296,48 +277,27 @@ struct Mainloop {
   // consumers' P·V (they wait on checked_v for those tiles).
   __device__ __forceinline__ static void check_v(const Params& p, const typename Sched::Params& sp,
                                                  typename C::Smem& sm, int ct) {
-    static_assert(S >= 2);
+    static_assert(Sched::kOneTile && S >= 2);
     const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
+    // One tile a CTA, its keys walked as key_tile says: the partly masked tiles are its first
+    // ring uses (two across the diagonal: stages 0 and 1, full_vd's first phase; a band's lower
+    // edge adds up to two more, which take the stages again), each recorded in its own slot.
+    int t = blockIdx.x;
+    asm volatile("" : "+r"(t));  // opaque: nothing shared with the TMA thread's registers
+    const WorkTile w = Sched::decode(sp, t);
     const int bm = 64 * sp.wgs;
-    // A query tile's keys are walked as key_tile says: its partly masked tiles are its first ring
-    // uses, each recorded in its own slot. One tile a CTA (causal): two across the diagonal,
-    // stages 0 and 1, full_vd's first phase, or more where tiles are narrower than the block.
-    // A band's grid may be persistent: its uses count on from the CTA's ring position, and the
-    // phase each stage's full_vd is in is counted (vd_phases, a bit a stage).
-    uint32_t vd_phases = 0;
-    int it = 0, qi = 0;
-    for (int t = blockIdx.x; t < sp.tiles; t += gridDim.x, ++qi) {
-      int tt = t;
-      asm volatile("" : "+r"(tt));  // opaque: nothing shared with the TMA thread's registers
-      const WorkTile w = Sched::decode(sp, tt);
-      const KeyTiles kt = key_tiles(mask_of(p), w.m_block * bm, bm);
-      const int n_checked = checked_uses(kt);
-      for (int u = 0; u < n_checked; ++u) {
-        const PipelineState<S> use{it + u};
-        const int s = use.stage();
-        uint32_t phase = use.full_phase();
-        if constexpr (kBand) {
-          phase = (vd_phases >> s) & 1;
-          vd_phases ^= 1u << s;
-        }
-        Bar::wait(&sm.full_vd[s], phase);
-        const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
-        const bool any = settle_nonfinite<C, kBand>(
-            sm, s, check_slot(qi, u), scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters), ct,
-            kCheckBarrier);
-        if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
-        Bar::arrive(&sm.checked_v[s]);
-      }
-      it += kt.n_tiles;
-      if constexpr (kOneTile) break;
+    const KeyTiles kt = key_tiles(mask_of(p), w.m_block * bm, bm);
+    const int n_checked = checked_uses(kt);
+    for (int u = 0; u < n_checked; ++u) {
+      const PipelineState<S> use{u};
+      const int s = use.stage();
+      Bar::wait(&sm.full_vd[s], use.full_phase());
+      const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
+      const bool any = settle_nonfinite<C, kBand>(
+          sm, s, u, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters), ct, kCheckBarrier);
+      if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
+      Bar::arrive(&sm.checked_v[s]);
     }
-  }
-
-  // The record slot of a query tile's checked ring use u; a band's persistent CTA alternates
-  // between two sets by tile (qi), so that the check of the next tile never writes the records
-  // the consumers are still adding from.
-  __device__ __forceinline__ static int check_slot(int qi, int u) {
-    return kBand ? (qi & 1) * C::kCheckSlots + u : u;
   }
 
   // E4M3: q·k's dequantization scales folded into the softmax scale, v's into the output factor.
@@ -404,13 +364,11 @@ struct Mainloop {
   // wgmmas and hands the turn over after issuing them; warpgroup 0 goes first, warpgroup 1
   // pre-arrives once per tile and skips its very last hand-over, so both barriers see matched
   // counts.
-  // v_phases (band): per stage, the phase checked_v (bit s) and full_v (bit 8 + s) are in, counted
-  // across the CTA's tiles.
   template <class Ops, class TO, class Softmax>
   __device__ __forceinline__ static void mma(const Params& p, typename C::Smem& sm, const Ops& ops,
                                              const Mask& mask, int m0, const KeyTiles& kt, int& it,
                                              int qi, TO& tOrO, Softmax& softmax, const WorkTile& w,
-                                             float sl2_raw, uint32_t& v_phases, int wg) {
+                                             float sl2_raw, int wg) {
     const float sl2 = step_scale(p, sl2_raw);
     const int n_tiles = kt.n_tiles;
     const bool turns = C::kPingPong && p.turns;
@@ -462,11 +420,7 @@ struct Mainloop {
     // CTA, and the n_cross partly masked tiles are its first uses (key_tile), completing
     // checked_v (first phase) instead of full_v.
     const auto wait_v = [&](int i, const PipelineState<S>& use) {
-      if constexpr (kBand) {
-        const int s = use.stage(), bit = i < kt.n_cross ? s : 8 + s;
-        Bar::wait(i < kt.n_cross ? &sm.checked_v[s] : &sm.full_v[s], (v_phases >> bit) & 1);
-        v_phases ^= 1u << bit;
-      } else if constexpr (C::kBN < C::kBM) {
+      if constexpr (kBand || C::kBN < C::kBM) {
         // Possibly more checked uses than stages: each stage's barriers count its own.
         if (i < checked_uses(kt))
           Bar::wait(&sm.checked_v[use.stage()], use.full_phase());
@@ -558,20 +512,19 @@ struct Mainloop {
   template <class TO>
   __device__ __forceinline__ static void add_masked_nonfinite(typename C::Smem& sm,
                                                               const Mask& mask, int m0,
-                                                              const KeyTiles& kt, int it, int qi,
-                                                              TO& tOrO, int ctid) {
+                                                              const KeyTiles& kt, int it, TO& tOrO,
+                                                              int ctid) {
     if constexpr (kBand) {
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
-      for (int u = 0; u < kt.n_cross; ++u) {  // the tile's checked ring use u
-        const int slot = check_slot(qi, u);
-        if (!sm.nf_any[slot]) continue;
+      for (int u = 0; u < kt.n_cross; ++u) {  // check slot u: the tile's ring use u
+        if (!sm.nf_any[u]) continue;
         int etid = ctid;
         asm volatile("" : "+r"(etid));
         typename C::MmaPV mma_pv;
         Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
             make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
-        add_band_nonfinite_terms(O, make_tensor(cO.data(), rowcol(cO.layout())), sm.nf[slot],
-                                 sm.nf_last[slot], mask, m0, key_tile(u, kt) * BN);
+        add_band_nonfinite_terms(O, make_tensor(cO.data(), rowcol(cO.layout())), sm.nf[u],
+                                 sm.nf_last[u], mask, m0, key_tile(u, kt) * BN);
       }
     } else if constexpr (Mask::kMasksKeys) {
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));

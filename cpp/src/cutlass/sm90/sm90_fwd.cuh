@@ -57,13 +57,9 @@ struct KernelParams {
   typename Epilogue<E, D>::Params epilogue;
 };
 
-// Registers of a producer and of a consumer thread (see the top of this file). A persistent
-// band's producer walks its tiles' key ranges, which take 32; its consumers then get 232
-// (2 x 128 x (232 - 168) <= 128 x (168 - 32)).
-template <class E, int D, class Mask>
-constexpr uint32_t kProducerRegs = Mainloop<E, D, Mask>::kPersistentBand ? 32 : 24;
-template <class E, int D, class Mask>
-constexpr uint32_t kConsumerRegs = Mainloop<E, D, Mask>::kPersistentBand ? 232 : 240;
+// Registers of a producer thread (see the top of this file).
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
 
 // What a thread of the producer warpgroup (threads 0-127) does.
 enum class ProducerRole { kLoad, kConvertV, kCheckV, kIdle };
@@ -120,7 +116,7 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   pdl_launch_dependents();
 
   if (tid < 128) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs<E, D, Mask>>();
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     switch (producer_role<E, Mask>(tid)) {
       case ProducerRole::kLoad:
         Main::load(p.mainloop, p.sched, sm);
@@ -140,7 +136,7 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
 
   // Consumer warpgroups: the CTA takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... (one when
   // the grid covers them all), as the producer does.
-  cutlass::arch::warpgroup_reg_alloc<kConsumerRegs<E, D, Mask>>();
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
   const int ctid = tid - 128;       // 0 .. consumers - 1
   const int wg = ctid / 128;        // this consumer warpgroup: rows [64 wg, 64 wg + 64)
   const int bm = 64 * p.sched.wgs;  // query rows per tile (the Q buffer always holds BM = 128)
@@ -150,7 +146,6 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
   const auto ops = Main::consumer_operands(sm, ctid);
   int it = 0, qi = 0;
-  uint32_t v_phases = 0;  // band: the V barriers' phases per stage (Mainloop::mma)
   for (int t = blockIdx.x; t < p.sched.tiles; t += gridDim.x, ++qi) {
     const WorkTile w = Sched::decode(p.sched, t);
     const int m0 = w.m_block * bm;
@@ -159,8 +154,8 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
     Main::scales(p.mainloop, w, sl2, o_scale);
     OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop> softmax;
     clear(tOrO);
-    Main::mma(p.mainloop, sm, ops, mask, m0, kt, it, qi, tOrO, softmax, w, sl2, v_phases, wg);
-    Main::add_masked_nonfinite(sm, mask, m0, kt, it, qi, tOrO, ctid);
+    Main::mma(p.mainloop, sm, ops, mask, m0, kt, it, qi, tOrO, softmax, w, sl2, wg);
+    Main::add_masked_nonfinite(sm, mask, m0, kt, it, tOrO, ctid);
     Epilogue<E, D>::store_lse(p.epilogue, softmax, ops.coords, w.b, w.h, m0,
                               Main::step_scale(p.mainloop, sl2));
     softmax.normalize(O, o_scale);
@@ -353,12 +348,7 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   }
   const KernelParams<E, D, Mask> p = make_params<E, D, Mask>(a, sms);
   cudaLaunchConfig_t cfg = {};
-  int grid = TileScheduler<Mask::kMasksKeys>::grid_size(p.sched, sms);
-  // A sliding window's tiles cost about the same (its visible keys): a persistent grid, whose
-  // CTAs load the next tile's Q and first K/V while they finish the last.
-  if (Mainloop<E, D, Mask>::kPersistentBand && a.mask == sdpa::Mask::Window && a.window_left >= 0)
-    grid = std::min(grid, sms);
-  cfg.gridDim = dim3(unsigned(grid));
+  cfg.gridDim = dim3(unsigned(TileScheduler<Mask::kMasksKeys>::grid_size(p.sched, sms)));
   cfg.blockDim = dim3(unsigned(128 * (p.sched.wgs + 1)));
   cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;

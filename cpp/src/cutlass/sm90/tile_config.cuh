@@ -227,9 +227,9 @@ struct TileConfig {
     // value, nf the first key of each kind per column, and for a band nf_last the last.
     uint64_t full_vd[kStages];
     uint64_t checked_v[kStages];
-    uint32_t nf_any[2 * kCheckSlots];  // two sets: a band's persistent CTA alternates by tile
-    NonFiniteCols<D> nf[2 * kCheckSlots];
-    NonFiniteCols<D> nf_last[2 * kCheckSlots];
+    uint32_t nf_any[kCheckSlots];
+    NonFiniteCols<D> nf[kCheckSlots];
+    NonFiniteCols<D> nf_last[kCheckSlots];
   };
   // Where the epilogue stages warpgroup rows of O.
   __device__ __forceinline__ static Out* staging(Smem& sm) {
