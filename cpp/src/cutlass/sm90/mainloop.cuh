@@ -327,10 +327,11 @@ struct Mainloop {
   }
 
   // The scale the softmax steps take: 1 where the band's mods turned the scores into log2-domain
-  // logits, else the softmax scale.
+  // logits (ALiBi), the cap where they turned them into tanh values (softcap alone), else the
+  // softmax scale.
   __device__ __forceinline__ static float step_scale(const Params& p, float sl2) {
     if constexpr (kBand)
-      return p.cap2 > 0.f || p.alibi != nullptr ? 1.f : sl2;
+      return p.alibi != nullptr ? 1.f : p.cap2 > 0.f ? p.cap2 : sl2;
     else
       return sl2;
   }

@@ -34,8 +34,10 @@ __device__ __forceinline__ void apply_mask(TS& S, TC const& cSrc, const Mask& ma
 }
 
 // What a band kernel does to the scores of one work tile before its mask: softcap and ALiBi,
-// turning raw scores into log2-domain logits (the softmax then runs with scale 1). `on` where
-// either is set; otherwise the scores stay raw and the softmax scales them as usual.
+// turning raw scores into log2-domain logits (the softmax then runs with scale 1), or with a
+// softcap alone into tanh values (the softmax then scales them by cap2, one multiply a score
+// fewer). `on` where either is set; otherwise the scores stay raw and the softmax scales them as
+// usual.
 struct ScoreMods {
   bool on;
   float sl2;           // the softmax scale in the log2 domain
@@ -59,8 +61,14 @@ __device__ __forceinline__ void apply_band(TS& S, TC const& cSrc, const Mask& ma
   if (mods.on) {
     if (mods.cap2 > 0.f) {
       const float in = mods.sl2 / mods.cap2;
-      CUTE_UNROLL
-      for (int i = 0; i < size(S); ++i) S(i) = mods.cap2 * tanh_approx(S(i) * in);
+      // With ALiBi the bias comes after the cap: the logits themselves; else tanh alone.
+      if (mods.slope2 != 0.f) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(S); ++i) S(i) = mods.cap2 * tanh_approx(S(i) * in);
+      } else {
+        CUTE_UNROLL
+        for (int i = 0; i < size(S); ++i) S(i) = tanh_approx(S(i) * in);
+      }
     } else {
       CUTE_UNROLL
       for (int i = 0; i < size(S); ++i) S(i) *= mods.sl2;
