@@ -272,3 +272,35 @@ fn softcap_caps_huge_logits() {
     }
     common::assert_ran("softcap huge logits", &ran);
 }
+
+/// Softcap with ALiBi where one head's slope is 0: that head's logits are the capped scores, as
+/// the reference has them (the cap is applied whether or not the head's bias is zero).
+#[test]
+fn softcap_with_a_zero_alibi_slope() {
+    let Some(dev) = common::device("softcap with a zero slope") else {
+        return;
+    };
+    let p = Problem::new(1, 2, 200, 260, 128)
+        .with_mask(Mask::CausalBottomRight)
+        .with_softcap(2.0)
+        .with_alibi(Alibi::PerHead)
+        .with_lse(true);
+    let mut inputs = random_inputs(&p, fresh_seed()).unwrap();
+    inputs.alibi_slopes = Some(vec![0.0, 0.25]);
+    let want = inputs.reference(&p).unwrap();
+    let mut ran = Vec::new();
+    for b in variant_backends(&dev) {
+        let (got, lse) =
+            sdpa_harness::check::run_backend_with_lse(Some(&dev), &p, b, &inputs, Some(&want))
+                .unwrap();
+        ran.push(b);
+        let r = compare(&got, &want.out, p.dtype, 0);
+        assert!(r.pass(), "{b} {p}: {r:?}");
+        let (err, bad) = sdpa_harness::check::compare_lse(&lse.unwrap(), &want.lse);
+        assert!(
+            bad == 0 && err < 2e-3,
+            "{b} {p}: lse {err} ({bad} rows off)"
+        );
+    }
+    common::assert_ran("softcap with a zero slope", &ran);
+}

@@ -317,11 +317,12 @@ struct Mainloop {
   // Band: the score mods of work tile w (slope of its (batch, head)). Made where they are used,
   // from the parameters (constant memory) rather than held in registers across the main loop.
   __device__ __forceinline__ static ScoreMods mods(const Params& p, const WorkTile& w, float sl2) {
-    ScoreMods m{false, sl2, 0.f, 0.f, p.seq_k - p.seq_q};
+    ScoreMods m{false, sl2, 0.f, false, 0.f, p.seq_k - p.seq_q};
     if constexpr (kBand) {
       m.cap2 = p.cap2;
-      if (p.alibi) m.slope2 = __ldg(p.alibi + w.b * p.alibi_bstride + w.h) * 1.4426950408889634f;
-      m.on = m.cap2 > 0.f || p.alibi != nullptr;
+      m.alibi = p.alibi != nullptr;
+      if (m.alibi) m.slope2 = __ldg(p.alibi + w.b * p.alibi_bstride + w.h) * 1.4426950408889634f;
+      m.on = m.cap2 > 0.f || m.alibi;
     }
     return m;
   }

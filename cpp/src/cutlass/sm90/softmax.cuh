@@ -42,7 +42,8 @@ struct ScoreMods {
   bool on;
   float sl2;           // the softmax scale in the log2 domain
   float cap2;          // softcap · log2 e; 0: no softcap
-  float slope2;        // ALiBi slope · log2 e; 0: none
+  bool alibi;          // whether the call has ALiBi (a head's slope may still be 0)
+  float slope2;        // ALiBi slope · log2 e
   int alibi_diagonal;  // seq_k - seq_q: ALiBi distances are from row i's key i + this
 };
 
@@ -61,8 +62,9 @@ __device__ __forceinline__ void apply_band(TS& S, TC const& cSrc, const Mask& ma
   if (mods.on) {
     if (mods.cap2 > 0.f) {
       const float in = mods.sl2 / mods.cap2;
-      // With ALiBi the bias comes after the cap: the logits themselves; else tanh alone.
-      if (mods.slope2 != 0.f) {
+      // With ALiBi the bias comes after the cap: the logits themselves; else tanh alone (the
+      // softmax scales by the cap: Mainloop::step_scale).
+      if (mods.alibi) {
         CUTE_UNROLL
         for (int i = 0; i < size(S); ++i) S(i) = mods.cap2 * tanh_approx(S(i) * in);
       } else {
