@@ -5,7 +5,7 @@ use crate::progress::Progress;
 use crate::validate::{ProblemArgs, auto_note, backends, require_runnable};
 use crate::{CliResult, chosen_backend, device_for, npy, open_device};
 use sdpa::{Backend, Device, Problem, Result, Tensor};
-use sdpa_harness::check::{ExtraBuffers, compare, forward_with_buffers, fresh_seed, random_inputs};
+use sdpa_harness::check::{ExtraBuffers, compare, fresh_seed, random_inputs};
 use sdpa_harness::timing::{launch_floor, tflops, time_backend, time_gpu};
 use serde_json::json;
 use std::io::Write;
@@ -207,8 +207,16 @@ fn bench_one(
     let inputs = random_inputs(p, seed)?;
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
-    let mut bufs = ExtraBuffers::new(dev, p, &inputs)?;
-    let mut call = |out: &mut Tensor| forward_with_buffers(dev, p, b, &q, &k, &v, out, &mut bufs);
+    let mut bufs = ExtraBuffers::new(dev, p, inputs.alibi_slopes.as_deref())?;
+    let mut call = |out: &mut Tensor| {
+        let t = sdpa::Operands {
+            q: &q,
+            k: &k,
+            v: &v,
+            out,
+        };
+        sdpa::forward_with(dev, p, b, t, bufs.extras())
+    };
     call(&mut out)?;
     let rel_err = if p.flops() <= REFERENCE_FLOP_LIMIT {
         let want = inputs.reference(p)?;

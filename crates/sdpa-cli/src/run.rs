@@ -233,34 +233,16 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
             };
             let (qt, kt, vt) = (up(&q, 0)?, up(&k, 1)?, up(&v, 2)?);
             let mut ot = Tensor::poisoned(dev, od, p.q_len().unwrap())?;
-            let stream = dev.stream();
-            let slopes = match &slopes {
-                Some(s) => Some(stream.clone_htod(s).map_err(Error::from)?),
-                None => None,
-            };
-            let mut lse = match p.lse {
-                true => Some(
-                    stream
-                        .alloc_zeros::<f32>(p.lse_len())
-                        .map_err(Error::from)?,
-                ),
-                false => None,
-            };
+            let mut bufs = sdpa_harness::check::ExtraBuffers::new(dev, &p, slopes.as_deref())?;
             let t = sdpa::Operands {
                 q: &qt,
                 k: &kt,
                 v: &vt,
                 out: &mut ot,
             };
-            let extras = sdpa::Extras {
-                alibi_slopes: slopes.as_ref().map(|s| s.as_view()),
-                lse: lse.as_mut().map(|l| l.as_view_mut()),
-            };
-            sdpa::forward_with(dev, &p, backend, t, extras)?;
-            let lse = match &lse {
-                Some(l) => stream.clone_dtoh(l).map_err(Error::from)?,
-                None => Vec::new(),
-            };
+            sdpa::forward_with(dev, &p, backend, t, bufs.extras())?;
+            let lse = bufs.lse(dev)?.unwrap_or_default();
+            let lse: Vec<f32> = lse.into_iter().map(|x| x as f32).collect();
             (ot.to_f32(dev)?, lse)
         }
         None => {

@@ -314,10 +314,11 @@ pub struct ExtraBuffers {
 }
 
 impl ExtraBuffers {
-    /// The buffers `p` asks for, on `dev` (the slopes from `inputs`).
-    pub fn new(dev: &Device, p: &Problem, inputs: &Inputs) -> Result<ExtraBuffers> {
+    /// The buffers `p` asks for, on `dev`: `slopes` uploaded (where `p` has ALiBi), the
+    /// log-sum-exp output.
+    pub fn new(dev: &Device, p: &Problem, slopes: Option<&[f32]>) -> Result<ExtraBuffers> {
         let stream = dev.stream();
-        let alibi_slopes = match &inputs.alibi_slopes {
+        let alibi_slopes = match slopes {
             Some(s) => Some(stream.clone_htod(s)?),
             None => None,
         };
@@ -349,22 +350,6 @@ impl ExtraBuffers {
             None => Ok(None),
         }
     }
-}
-
-/// [`sdpa::forward_with`] on tensors with the extras in `bufs`.
-#[allow(clippy::too_many_arguments)]
-pub fn forward_with_buffers(
-    dev: &Device,
-    p: &Problem,
-    backend: Backend,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &mut Tensor,
-    bufs: &mut ExtraBuffers,
-) -> Result<()> {
-    let t = sdpa::Operands { q, k, v, out };
-    sdpa::forward_with(dev, p, backend, t, bufs.extras())
 }
 
 /// A seed that differs from run to run (time-based), for "fresh inputs every time".
@@ -425,8 +410,14 @@ pub fn run_backend_with_lse(
         (_, Some(dev)) => {
             let [q, k, v] = inputs.upload(dev, p.dtype)?;
             let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
-            let mut bufs = ExtraBuffers::new(dev, p, inputs)?;
-            forward_with_buffers(dev, p, backend, &q, &k, &v, &mut out, &mut bufs)?;
+            let mut bufs = ExtraBuffers::new(dev, p, inputs.alibi_slopes.as_deref())?;
+            let t = sdpa::Operands {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &mut out,
+            };
+            sdpa::forward_with(dev, p, backend, t, bufs.extras())?;
             Ok((out.to_f64(dev)?, bufs.lse(dev)?))
         }
     }

@@ -168,9 +168,15 @@ pub fn time_backend(
     let dev = dev.expect("supports() requires a device for GPU backends");
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
-    let mut bufs = crate::check::ExtraBuffers::new(dev, p, &inputs)?;
+    let mut bufs = crate::check::ExtraBuffers::new(dev, p, inputs.alibi_slopes.as_deref())?;
     time_gpu(dev, budget_ms, || {
-        crate::check::forward_with_buffers(dev, p, backend, &q, &k, &v, &mut out, &mut bufs)
+        let t = sdpa::Operands {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &mut out,
+        };
+        sdpa::forward_with(dev, p, backend, t, bufs.extras())
     })
 }
 

@@ -135,7 +135,8 @@ pub fn forward_with(
             .flat_map(|t| t.streams())
             .chain(&extra_streams),
     )?;
-    order.finish(run(dev, &p, backend, q, k, v, out, &mut extras))
+    let t = Operands { q, k, v, out };
+    order.finish(run(dev, &p, backend, t, &mut extras))
 }
 
 /// Makes ready on `dev` what `backend` needs to run `p` (the cuBLAS handle and workspace, the
@@ -211,28 +212,23 @@ impl Problem {
 
 /// `forward` once its arguments are checked, `backend` resolved to one that supports `p`, and
 /// the streams ordered.
-#[allow(clippy::too_many_arguments)]
 fn run(
     dev: &Device,
     p: &Checked,
     backend: Backend,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &mut Tensor,
+    t: Operands<'_>,
     extras: &mut Extras<'_>,
 ) -> Result<()> {
     if p.dtype == DType::E4m3 && !backend.native_fp8() {
-        return fp8_simulated(dev, p, backend, q, k, v, out, extras);
+        return fp8_simulated(dev, p, backend, t, extras);
     }
-    let stream = dev.stream().clone();
     if let Some(kernel) = backend.fused_kernel() {
-        let ptrs = extras.pointers(&stream);
-        let b = Buffers::of_tensors(dev, p, q, k, v, out).with_extras(&ptrs);
-        return backend::fused::forward(kernel, dev, p, &b);
+        return fused_forward(kernel, dev, p, t, extras);
     }
+    let Operands { q, k, v, out } = t;
     match backend {
         Backend::Cpu => {
+            let stream = dev.stream();
             let slopes = match &extras.alibi_slopes {
                 Some(s) => Some(stream.clone_dtoh(s)?),
                 None => None,
@@ -259,17 +255,28 @@ fn run(
     }
 }
 
+/// A fused kernel's launch on the tensors and the extras' buffers (the guards of their
+/// addresses held until the launch is queued).
+fn fused_forward(
+    kernel: sdpa_sys::ffi::Kernel,
+    dev: &Device,
+    p: &Checked,
+    t: Operands<'_>,
+    extras: &mut Extras<'_>,
+) -> Result<()> {
+    let stream = dev.stream().clone();
+    let ptrs = extras.pointers(&stream);
+    let b = Buffers::of_tensors(dev, p, t.q, t.k, t.v, t.out).with_extras(&ptrs);
+    backend::fused::forward(kernel, dev, p, &b)
+}
+
 /// The simulated FP8 path: Q, K, V dequantized to the output dtype (code · scale, rounded
 /// once), then the backend's f16/bf16 kernel on the same problem.
-#[allow(clippy::too_many_arguments)]
 fn fp8_simulated(
     dev: &Device,
     p: &Checked,
     backend: Backend,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &mut Tensor,
+    t: Operands<'_>,
     extras: &mut Extras<'_>,
 ) -> Result<()> {
     let dtype = p.output_dtype();
@@ -278,8 +285,8 @@ fn fp8_simulated(
     // 65504). Outside that, the 16-bit kernel would not see the inputs the reference sees.
     if dtype == DType::F16 {
         let range = 2f32.powi(-15)..=2f32.powi(7);
-        for (name, t) in [("q", q), ("k", k), ("v", v)] {
-            if let Some(s) = t
+        for (name, x) in [("q", t.q), ("k", t.k), ("v", t.v)] {
+            if let Some(s) = x
                 .scales()
                 .unwrap_or(&[])
                 .iter()
@@ -298,17 +305,20 @@ fn fp8_simulated(
     // The fused kernels dequantize into the device's scratch in one launch (C++ side,
     // cpp/src/fp8/simulated.cu); cublas and cpu take dequantized tensors.
     if let Some(kernel) = backend.fused_kernel() {
-        let stream = dev.stream().clone();
-        let ptrs = extras.pointers(&stream);
-        let b = Buffers::of_tensors(dev, p, q, k, v, out).with_extras(&ptrs);
-        return backend::fused::forward(kernel, dev, p, &b);
+        return fused_forward(kernel, dev, p, t, extras);
     }
     let (q, k, v) = (
-        q.dequantize(dev, dtype)?,
-        k.dequantize(dev, dtype)?,
-        v.dequantize(dev, dtype)?,
+        t.q.dequantize(dev, dtype)?,
+        t.k.dequantize(dev, dtype)?,
+        t.v.dequantize(dev, dtype)?,
     );
-    run(dev, &p.dequantized(), backend, &q, &k, &v, out, extras)
+    let t = Operands {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: t.out,
+    };
+    run(dev, &p.dequantized(), backend, t, extras)
 }
 
 /// Each tensor's dtype, scales, length and GPU against the (valid) problem.

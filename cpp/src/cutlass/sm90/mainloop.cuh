@@ -506,6 +506,17 @@ struct Mainloop {
     it += n_tiles;
   }
 
+  // A consumer thread's O elements' (row, col) in the row/col view, from an opaque copy of its
+  // index: made where the rare path needs them, not held across the main loop.
+  __device__ __forceinline__ static auto o_coords(int ctid) {
+    int etid = ctid;
+    asm volatile("" : "+r"(etid));
+    typename C::MmaPV mma_pv;
+    Tensor cO =
+        mma_pv.get_thread_slice(etid).partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+    return make_tensor(cO.data(), rowcol(cO.layout()));
+  }
+
   // After the tile's last P·V: the non-finite values the check took out of its partly masked V
   // tiles, added once rather than after each tile's P·V (the terms are NaN or ±Inf, which the
   // rescaling in between keeps as they are). Those tiles were the tile's first ring uses (stages
@@ -520,13 +531,8 @@ struct Mainloop {
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
       for (int u = 0; u < kt.n_cross; ++u) {  // check slot u: the tile's ring use u
         if (!sm.nf_any[u]) continue;
-        int etid = ctid;
-        asm volatile("" : "+r"(etid));
-        typename C::MmaPV mma_pv;
-        Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
-            make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
-        add_band_nonfinite_terms(O, make_tensor(cO.data(), rowcol(cO.layout())), sm.nf[u],
-                                 sm.nf_last[u], mask, m0, key_tile(u, kt) * BN);
+        add_band_nonfinite_terms(O, o_coords(ctid), sm.nf[u], sm.nf_last[u], mask, m0,
+                                 key_tile(u, kt) * BN);
       }
     } else if constexpr (Mask::kMasksKeys) {
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
@@ -534,13 +540,7 @@ struct Mainloop {
         // Check slot = the tile's ring use (key_tile is an involution here).
         const int sv = it - kt.n_tiles + key_tile(j, kt);
         if (!sm.nf_any[sv]) continue;
-        int etid = ctid;  // opaque: keeps the coordinates out of the main loop's registers
-        asm volatile("" : "+r"(etid));
-        typename C::MmaPV mma_pv;
-        Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
-            make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
-        add_nonfinite_terms(O, make_tensor(cO.data(), rowcol(cO.layout())), sm.nf[sv], mask, m0,
-                            j * BN);
+        add_nonfinite_terms(O, o_coords(ctid), sm.nf[sv], mask, m0, j * BN);
       }
     }
   }
