@@ -64,9 +64,9 @@ for tool in $tools; do
     || { echo "sanitize: $tool on e4m3 failed"; grep -v "Host Frame" /tmp/sanitize-fp8-$tool.log \
          | grep -m3 -A8 -E "^========= [A-Z]"; tail -5 /tmp/sanitize-fp8-$tool.log; rc=1; }
 done
-# The variants (a band, softcap, ALiBi, the log-sum-exp) and the head dims only scalar and
-# cutlass have (192, 256; at 256 cutlass stages its output in Q's buffer).
-for backend in scalar cutlass; do
+# The variants (a band, softcap, ALiBi, the log-sum-exp) and head dims 192 and 256 (at 256 cutlass
+# stages its output in Q's buffer, cutlass-sm80 runs two K/V stages).
+for backend in scalar cutlass cutlass-sm80; do
   has_backend $backend || continue
   for tool in $tools; do
     echo "== $tool $backend (variants)"

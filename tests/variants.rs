@@ -1,6 +1,7 @@
 //! The attention variants on the GPU against the float64 reference: sliding windows, top-left
-//! causal, softcap, ALiBi and the log-sum-exp, on the backends that run them (scalar everywhere,
-//! cutlass on Hopper), and the typed refusals of the others. Fresh inputs every run.
+//! causal, softcap, ALiBi and the log-sum-exp, on the backends that run them (scalar and
+//! cutlass-sm80 everywhere, cutlass on Hopper), and the typed refusals of the others. Fresh inputs
+//! every run.
 
 mod common;
 
@@ -11,7 +12,7 @@ use sdpa_harness::check::{check_backend, compare, fresh_seed, random_inputs, run
 fn variant_backends(dev: &sdpa::Device) -> Vec<Backend> {
     common::expected_backends(dev)
         .into_iter()
-        .filter(|b| matches!(b, Backend::Scalar | Backend::Cutlass))
+        .filter(|b| matches!(b, Backend::Scalar | Backend::Cutlass | Backend::CutlassSm80))
         .collect()
 }
 
@@ -83,8 +84,8 @@ fn variants_match_the_reference() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// A window narrower than cutlass's key tile runs on scalar; cutlass refuses it with the reason,
-/// as wmma, cublas and cutlass-sm80 refuse every variant and the log-sum-exp.
+/// A window narrower than the cutlass kernels' key tiles runs on scalar; they refuse it with the
+/// reason, as wmma and cublas refuse every variant and the log-sum-exp.
 #[test]
 fn narrow_windows_and_refusals() {
     let Some(dev) = common::device("narrow windows") else {
@@ -107,7 +108,7 @@ fn narrow_windows_and_refusals() {
     }
     common::assert_ran("narrow windows", &ran);
     let plain = Problem::new(1, 2, 64, 64, 64);
-    for b in [Backend::Wmma, Backend::Cublas, Backend::CutlassSm80] {
+    for b in [Backend::Wmma, Backend::Cublas] {
         for p in [
             plain.with_mask(Mask::CausalTopLeft),
             plain.with_softcap(10.0),

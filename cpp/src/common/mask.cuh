@@ -12,17 +12,19 @@
 // known: tile_masked(m0, n0, bn) == n0 + bn > seq_k || tile_hides(m0, n0, bn), and for a key
 // below seq_k, sees(row, key) == (first_key(row) <= key && key <= last_key(row)).
 //
-// What the tensor-core kernels (wmma, cutlass-sm80) rely on besides: within the key range of its
-// block, each row sees a prefix (first_key(row) <= key_begin(m0, rows)), so they mask scores with
-// last_key alone, and the non-finite V check, which keeps the first non-finite key of each column
-// of a tile, only answers "does the row see one" for the keys up to a last one. A mask with a lower
-// edge inside the range (a sliding window) needs both to learn first_key. The scalar kernel asks
-// `sees` per score and skips hidden keys in P·V: any policy.
+// What the plain tensor-core kernels (wmma, cutlass-sm80 but for its Band path) rely on besides:
+// within the key range of its block, each row sees a prefix (first_key(row) <= key_begin(m0,
+// rows)), so they mask scores with last_key alone, and the non-finite V check, which keeps the
+// first non-finite key of each column of a tile, only answers "does the row see one" for the keys
+// up to a last one. A mask with a lower edge inside the range (a sliding window) needs both to
+// learn first_key. The scalar kernel asks `sees` per score and skips hidden keys in P·V: any
+// policy.
 //
 // Band (a sliding window, top-left causal) has a lower edge too, so its tiles can be partly
 // masked at both ends of a block's key range; it answers the tile tests only with the block's row
 // count (`tile_hides(m0, rows, n0, bn)`), and `lower_partial_end` says where its lower partly
-// masked tiles end. The kernels that take it (scalar, cutlass-sm90) mask with both edges.
+// masked tiles end. The kernels that take it (scalar, cutlass-sm90, cutlass-sm80) mask with both
+// edges.
 //
 // Index is the kernel's row/key type: int where the kernel's 32-bit limits hold (its
 // can_implement), int64_t where the kernel computes in 64 bits.
@@ -32,6 +34,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "common/check.cuh"
@@ -180,6 +183,14 @@ struct Band {
   }
 };
 
+// Whether Mask is a Band: a kernel's general path.
+template <class Mask>
+struct IsBand : std::false_type {};
+template <class Index>
+struct IsBand<Band<Index>> : std::true_type {};
+template <class Mask>
+constexpr bool kIsBand = IsBand<Mask>::value;
+
 // The band of a Window or CausalTopLeft mask, or (for a kernel's general path) of NoMask and
 // CausalBottomRight.
 template <typename Index>
@@ -235,13 +246,25 @@ decltype(auto) dispatch_band(const FwdArgs& a, F&& f) {
   return dispatch_mask(a.mask, Index(a.seq_q), Index(a.seq_k), std::forward<F>(f));
 }
 
+// The reason a band kernel with `bn`-key tiles cannot run `a`'s window ("" where it can): the
+// non-finite V check's records of a partly masked tile answer only for rows whose visible keys
+// there reach one of its ends, which a window at least a tile wide guarantees.
+inline std::string narrow_window(const FwdArgs& a, int64_t bn, const char* kernel) {
+  if (a.mask != Mask::Window || a.window_left < 0 || a.window_right < 0 ||
+      a.window_left + a.window_right + 1 >= bn)
+    return "";
+  return "a window of " + std::to_string(a.window_left + a.window_right + 1) +
+         " keys (left + right + 1) is narrower than the " + kernel + " kernel's " +
+         std::to_string(bn) + "-key tile, which its non-finite V check needs (scalar runs it)";
+}
+
 // The reason a kernel without a general path cannot run `a` ("" where it can), its name in
 // the message.
 inline std::string plain_only(const FwdArgs& a, const char* kernel) {
   if (needs_band(a))
     return std::string(kernel) +
-           " runs no mask but causal bottom-right, and no softcap or ALiBi (scalar and cutlass "
-           "run them)";
+           " runs no mask but causal bottom-right, and no softcap or ALiBi (scalar, cutlass and "
+           "cutlass-sm80 run them)";
   if (a.has_lse) return std::string(kernel) + " does not write the log-sum-exp";
   return "";
 }

@@ -106,6 +106,28 @@ __device__ __forceinline__ float nonfinite_term(const NonFiniteCols<D>& c, int c
                          int(c.first[2][col]) <= last);
 }
 
+// What the keys [lo, BN) of the tile (tile-relative, lo > 0) add to column col, from the last
+// key of each kind (kNoKey: none).
+template <int D>
+__device__ __forceinline__ float nonfinite_term_from(const NonFiniteCols<D>& last, int col,
+                                                     int lo) {
+  const auto at_or_after = [&](int k) {
+    return int(last.first[k][col]) != kNoKey && int(last.first[k][col]) >= lo;
+  };
+  return nonfinite_value(at_or_after(0), at_or_after(1), at_or_after(2));
+}
+
+// A band's row sees keys [lo, hi] of the tile (tile-relative; the caller skips rows that see
+// none there): they start at the tile's first key (the first records answer) or end at its last
+// real key (the last records answer). A window at least a tile wide (mask::narrow_window) never
+// leaves both edges of a row inside one tile.
+template <int D>
+__device__ __forceinline__ float band_nonfinite_term(const NonFiniteCols<D>& first,
+                                                     const NonFiniteCols<D>& last, int col, int lo,
+                                                     int hi) {
+  return lo <= 0 ? nonfinite_term(first, col, hi) : nonfinite_term_from(last, col, lo);
+}
+
 // Key index meaning "none" over a whole sequence (the unfused backend's per-head records,
 // cpp/src/cublas/nonfinite_v.cu): above every key, what atomicMin lowers, and what a 0xff byte
 // memset writes.

@@ -49,7 +49,15 @@
 //
 // Masks: the kernel is templated on a mask policy of common/mask.cuh (Index int), built in
 // forward() from a.mask and passed in Params, and asks it which keys the CTA and each warp see,
-// which tiles need masking and each row's last visible key.
+// which tiles need masking and each row's visible keys. The general path (mask::Band: windows,
+// top-left causal, and any mask with softcap or ALiBi) masks both edges of a row's band, turns
+// the scores into log2-domain logits first where a softcap or ALiBi is on (common/score_mods.cuh;
+// the softmax then runs with scale 1), and checks V tiles its lower edge crosses too. Every
+// instantiation writes the log-sum-exp where asked for.
+//
+// Head dims 192 and 256 keep O (96 and 128 registers) but not Q in registers: Q has a buffer of
+// its own and its fragments are re-read per k-block; two K/V stages (120 and 160 KB with Q) fit
+// an A100 or Hopper SM once.
 //
 // Partial tiles: cp.async with src-size 0 zero-fills rows past seq_q / seq_k (nothing is read
 // there); scores of keys >= seq_k and of keys the mask hides are set to -inf before the softmax;
@@ -77,7 +85,6 @@
 #include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/mma_sm80.hpp>
-#include <cute/swizzle.hpp>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -88,6 +95,7 @@
 #include "common/limits.cuh"
 #include "common/mask.cuh"
 #include "common/nonfinite.cuh"
+#include "common/score_mods.cuh"
 #include "common/smem.cuh"
 #include "cutlass/dtype.cuh"
 
@@ -145,31 +153,37 @@ __device__ __forceinline__ uint4 lds16(const void* p) {
 // Tile configuration: W warps of MT m16 strips (16·MT query rows) each.
 template <typename T, int D, int W, int MT>
 struct Cfg {
-  static_assert(D == 64 || D == 96 || D == 128, "head_dim 64, 96 or 128 (the swizzle below)");
+  static_assert(D == 64 || D == 96 || D == 128 || D == 192 || D == 256,
+                "head_dim 64, 96, 128, 192 or 256 (the swizzle below)");
   static_assert((W == 4 || W == 8) && (MT == 1 || MT == 2) && W * MT <= 8, "W x MT");
   static constexpr int kWarps = W;
   static constexpr int kThreads = 32 * W;
   static constexpr int kWM = 16 * MT;  // query rows per warp
   static constexpr int kBM = kWM * W;
   // Q fragments stay in registers unless that would not fit (D = 128 with 32 rows a warp:
-  // O 128 + S 64 + Q 64 registers); then they are re-read from a Q buffer of their own, and key
-  // tiles shrink to 32 (S 32 registers) to stay within 255 registers without spilling.
-  static constexpr bool kQReg = MT == 1 || D == 64;
-  static constexpr int kBN = kQReg ? 64 : 32;
+  // O 128 + S 64 + Q 64 registers; D = 192 and 256, whose O alone takes 96 and 128); then they
+  // are re-read from a Q buffer of their own, and at D = 128 key tiles shrink to 32 (S 32
+  // registers) to stay within 255 registers without spilling.
+  static constexpr bool kQReg = D <= 128 && (MT == 1 || D == 64);
+  static constexpr int kBN = kQReg || D > 128 ? 64 : 32;
   // 3 stages; Q shares the last one when it goes to registers (D = 128: 96 KB), else it has its
   // own buffer (D = 128, 32-key tiles: 80 KB). Both fit the 99 KB per block of sm_86 / sm_89.
-  static constexpr int kStages = 3;
+  // D = 192 and 256 take 2 stages and Q's buffer (120 and 160 KB): an A100 or a Hopper part
+  // holds one such CTA per SM, sm_86 / sm_89 none (can_implement says so).
+  static constexpr int kStages = D > 128 ? 2 : 3;
   // CTAs per SM the register budget must allow: W4 MT1 D = 64 three (<= 170 registers; it
   // needs 128-167), the others as many as 255 registers a thread permit. (W4 MT1 D = 96 under
   // the three-CTA cap of 168 registers spills 40 bytes non-causal, so it asks for two.)
-  static constexpr int kMinBlocks = W == 8 ? 1 : (MT == 2 ? 2 : (D == 64 ? 3 : 2));
+  static constexpr int kMinBlocks = W == 8 || D > 128 ? 1 : (MT == 2 ? 2 : (D == 64 ? 3 : 2));
 
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
   // Threads per row in the copies (global -> shared, and the output's shared -> global): thread
   // i of a row copies its chunks i, i + kRowThreads, ... (kRowReps of them). Every chunk of the
-  // row at D = 64 and 128; at D = 96 one chunk of each aligned group of four, since 12 threads a
-  // row do not divide a warp and the swizzle permutes chunks within such a group.
-  static constexpr int kRowThreads = D == 96 ? 4 : kChunks;
+  // row at D = 64 and 128; at D = 96 one chunk of each aligned group of four and at D = 192 of
+  // each group of eight, since 12 or 24 threads a row do not divide a warp and the swizzle
+  // permutes chunks within such a group; at D = 256 two chunks 16 apart (a pass then still
+  // covers 8 rows, one swizzle period).
+  static constexpr int kRowThreads = D == 96 ? 4 : D == 192 ? 8 : D == 256 ? 16 : kChunks;
   static constexpr int kRowReps = kChunks / kRowThreads;
   static constexpr int kPassRows = kThreads / kRowThreads;  // rows one cp.async pass covers
   static_assert(kChunks % kRowThreads == 0 && 32 % kRowThreads == 0, "rows of whole threads");
@@ -183,10 +197,12 @@ struct Cfg {
   static_assert(kBM % kPassRows == 0 && kBN % kPassRows == 0, "tiles of whole passes");
   // Launches under a mask that hides keys add the non-finite V check's records of the current V
   // tile after the stages (3·D bytes): they live from before the tile's first P·V to after its
-  // last, when every stage is busy. D = 128: 96.4 KB, still within sm_86 / sm_89's 99 KB.
+  // last, when every stage is busy. D = 128: 96.4 KB, still within sm_86 / sm_89's 99 KB. A band
+  // (mask::Band) also records the last non-finite key of each column (another 3·D bytes).
   static_assert(kBN < kNoKey, "tile-relative keys must fit NonFiniteCols");
   static constexpr int kSmemBytesMasked = kSmemBytes + int(sizeof(NonFiniteCols<D>));
-  static_assert(kSmemBytesMasked <= 99 * 1024, "shared memory over sm_86 / sm_89's limit");
+  static constexpr int kSmemBytesBand = kSmemBytes + 2 * int(sizeof(NonFiniteCols<D>));
+  static_assert(D > 128 || kSmemBytesBand <= 99 * 1024, "shared memory over sm_86 / sm_89's limit");
 
   static constexpr int kQK = D / 16;    // k-blocks of Q·Kᵀ
   static constexpr int kSN = kBN / 8;   // n8 tiles of S
@@ -199,8 +215,9 @@ struct Cfg {
   // Shared-memory tiles are [rows][D], chunk c of row r stored at chunk c ^ phase(r): ldmatrix
   // reads 8 rows of one chunk column, cp.async writes rows of chunks, and each must hit 8 distinct
   // 16-byte bank groups (of the 8 in a 128-byte line).
-  //   D = 64, 128 (128- and 256-byte rows, every row starting in bank group 0): phase r % 8 spreads
-  //   the 8 rows over the 8 groups. CuTe's Swizzle<3, 3, log2(D) - 3> on the element offset.
+  //   D = 64, 128, 192, 256 (rows of a multiple of 128 bytes, every row starting in bank group
+  //   0): phase r % 8 spreads the 8 rows over the 8 groups (at D = 64, 128, 256 CuTe's
+  //   Swizzle<3, 3, log2(D) - 3> on the element offset).
   //   D = 96 (192-byte rows): row r starts in group 4 (r % 2), so rows r and r + 1 already fall in
   //   opposite halves of the line; phase (r / 2) % 4 then spreads each half's 4 rows over its 4
   //   groups. The XOR only touches a chunk's low two bits, so it stays in its aligned group of four
@@ -211,13 +228,10 @@ struct Cfg {
     return D == 96 ? (row >> 1) & 3 : row & 7;
   }
   static_assert(D != 96 || kRowThreads == 4, "the D = 96 phase permutes within groups of four");
-  using Sw = cute::Swizzle<3, 3, D == 64 ? 3 : 4>;  // D = 64, 128
+  static_assert(D == 96 || kRowThreads % 8 == 0, "the phase permutes within groups of eight");
   // Element offset of (row, col).
   static __device__ __forceinline__ int off(int row, int col) {
-    if constexpr (D == 96)
-      return row * D + (col ^ (phase(row) << 3));
-    else
-      return Sw{}(row * D + col);
+    return row * D + (col ^ (phase(row) << 3));
   }
 };
 
@@ -240,20 +254,25 @@ __device__ __forceinline__ bool own_v_chunks_nonfinite(const T* v) {
 }
 
 // Non-finite V check, step 2 (rare: some thread found a non-finite value in V tile `v`): one thread
-// per column records the first NaN, +Inf and -Inf of its column into c and zeroes them, reading
-// V[key][col] where load_kv put it (C::off).
-template <typename T, int D, int W, int MT>
-__device__ __forceinline__ void record_and_zero(T* v, NonFiniteCols<D>& c, int tid) {
+// per column records the first NaN, +Inf and -Inf of its column into c (with kLast the last ones
+// into last too) and zeroes them, reading V[key][col] where load_kv put it (C::off).
+template <typename T, int D, int W, int MT, bool kLast>
+__device__ __forceinline__ void record_and_zero(T* v, NonFiniteCols<D>& c, NonFiniteCols<D>& last,
+                                                int tid) {
   using C = Cfg<T, D, W, MT>;
   constexpr bool kBf16 = std::is_same_v<T, cute::bfloat16_t>;
   uint16_t* const v16 = reinterpret_cast<uint16_t*>(v);
 #pragma unroll 1
   for (int col = tid; col < D; col += C::kThreads) {
     c.first[0][col] = c.first[1][col] = c.first[2][col] = kNoKey;
+    if constexpr (kLast) last.first[0][col] = last.first[1][col] = last.first[2][col] = kNoKey;
 #pragma unroll 1
     for (int key = 0; key < C::kBN; ++key) {
       uint16_t& x = v16[C::off(key, col)];
-      if (record_nonfinite<kBf16, D>(c, key, col, x)) x = 0;
+      if (record_nonfinite<kBf16, D>(c, key, col, x)) {
+        if constexpr (kLast) last.first[nonfinite_kind<kBf16>(x) - 1][col] = uint8_t(key);
+        x = 0;
+      }
     }
   }
 }
@@ -268,6 +287,13 @@ struct Params {
   Mask mask;
   int group;
   float scale_log2;  // scale * log2(e)
+  float* lse;        // null: none; [batch][heads][seq_q]
+  int heads;
+  // Band only (the general path): softcap · log2 e (0: none), ALiBi slopes (null: none) of
+  // (b, h) at b * alibi_bstride + h.
+  float cap2;
+  const float* alibi;
+  int alibi_bstride;
 };
 
 template <typename T, int D, class Mask, int W, int MT>
@@ -279,6 +305,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
   constexpr int RT = C::kRowThreads, RR = C::kRowReps;
   constexpr int kQK = C::kQK, kSN = C::kSN, kPV = C::kPV, kON = C::kON;
   constexpr bool kQReg = C::kQReg;
+  constexpr bool kBand = mask::kIsBand<Mask>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   T* const smem = reinterpret_cast<T*>(smem_raw);
   T* const sQ = smem + C::kQOffset;  // Q, then the output staging tile
@@ -298,6 +325,19 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
   const int mw0 = m0 + wrow;
   const int w_end = mw0 < seq_q ? mask.key_end(mw0, WM) : 0;
   const int w_tiles = (w_end + BN - 1) / BN;
+  // A band's warp also starts at its own first row's first key (0 for the other masks).
+  const int w_first = mask.key_begin(mw0, WM) / BN;
+
+  // The general path's score mods for this (batch, head); with them on, the scores become
+  // log2-domain logits and the softmax runs with scale 1.
+  ScoreMods mods{false, p.scale_log2, 0.f, false, 0.f, seq_k - seq_q};
+  if constexpr (kBand) {
+    mods.cap2 = p.cap2;
+    mods.alibi = p.alibi != nullptr;
+    if (mods.alibi) mods.slope2 = __ldg(p.alibi + b * p.alibi_bstride + h) * 1.4426950408889634f;
+    mods.on = mods.cap2 > 0.f || mods.alibi;
+  }
+  const float sl2 = mods.on ? 1.f : p.scale_log2;
 
   // O accumulators: strip mt, n8 tile j, (row g: cols 2t, 2t+1; row g + 8: the same).
   float o[MT][kON][4];
@@ -386,12 +426,16 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
     };
 
     uint32_t q[kQReg ? MT : 1][kQReg ? kQK : 1][4];  // Q fragments, for the whole sweep
-    const float sl2 = p.scale_log2;
     // The first key tile holding a key (< seq_k) that some row of the CTA does not see: it and the
     // tiles after it are partly masked (the non-finite V check; under a causal mask the last one
-    // or two tiles unless seq_q > seq_k); n_tiles if none. CTA-uniform.
+    // or two tiles unless seq_q > seq_k); n_tiles if none. A band's tiles before t_lower are
+    // partly masked too (its lower edge). CTA-uniform.
     const int t_diag = mask.first_partial_tile(m0, BN, n_tiles);
-    NonFiniteCols<D>& nf = *reinterpret_cast<NonFiniteCols<D>*>(smem_raw + C::kSmemBytes);
+    int t_lower = 0;
+    if constexpr (kBand) t_lower = mask.lower_partial_end(m0, BM, BN);
+    NonFiniteCols<D>* const nf_recs = reinterpret_cast<NonFiniteCols<D>*>(smem_raw + C::kSmemBytes);
+    NonFiniteCols<D>& nf = nf_recs[0];
+    NonFiniteCols<D>& nf_last = nf_recs[kBand ? 1 : 0];  // a band's last records
 
     for (int n = n_begin; n < n_tiles; ++n) {
       const int s = (n - n_begin) % S;
@@ -399,7 +443,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
       // ... and everyone's (the barrier); the previous tile's stage is free again. On a partly
       // masked tile the barrier also says whether V holds an Inf or a NaN (CTA-uniform).
       bool nonfinite = false;
-      if (Mask::kMasksKeys && n >= t_diag)
+      if (Mask::kMasksKeys && (n >= t_diag || n < t_lower))
         nonfinite = __syncthreads_or(own_v_chunks_nonfinite<T, D, W, MT>(
                         smem + s * C::kStageElems + C::kTileElems + c_soff)) != 0;
       else
@@ -416,10 +460,11 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
       if (n + S - 1 < n_tiles) load_kv(n + S - 1, (n - n_begin + S - 1) % S);
       cute::cp_async_fence();
       if (Mask::kMasksKeys && nonfinite) {  // rare; CTA-uniform
-        record_and_zero<T, D, W, MT>(smem + s * C::kStageElems + C::kTileElems, nf, tid);
+        record_and_zero<T, D, W, MT, kBand>(smem + s * C::kStageElems + C::kTileElems, nf, nf_last,
+                                            tid);
         __syncthreads();  // V is finite before any P·V reads it; nf is complete
       }
-      if (n >= w_tiles) continue;  // past this warp's rows' keys (masked / past seq_q)
+      if (n >= w_tiles || n < w_first) continue;  // outside this warp's rows' keys
 
       const T* const sK = smem + s * C::kStageElems;
       const T* const sV = sK + C::kTileElems;
@@ -465,19 +510,35 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
 
       // Online softmax on the accumulator rows: r = 0 is row g, r = 1 row g + 8 of strip mt.
       const int n0 = n * BN;
-      const bool edge = mask.tile_masked(mw0, n0, BN);
+      const bool edge = n0 + BN > seq_k || mask.tile_hides(mw0, WM, n0, BN);
       uint32_t pa[MT][kPV][4];  // P in T as the A operand of P·V
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
+        if (kBand && mods.on) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = mw0 + 16 * mt + g + 8 * r;
+#pragma unroll
+            for (int j = 0; j < kSN; ++j)
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                sacc[mt][j][2 * r + e] =
+                    modded_logit(mods, sacc[mt][j][2 * r + e], row, n0 + 8 * j + 2 * t + e);
+          }
+        }
         if (edge) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int row = mw0 + 16 * mt + g + 8 * r;
             const int last = mask.last_key(row) - n0 - 2 * t;
+            // Only a band hides keys below the row's first; its first key is 0 for the others.
+            const int first = kBand ? mask.first_key(row) - n0 - 2 * t : 0;
 #pragma unroll
             for (int j = 0; j < kSN; ++j) {
-              if (8 * j > last) sacc[mt][j][2 * r] = -INFINITY;
-              if (8 * j + 1 > last) sacc[mt][j][2 * r + 1] = -INFINITY;
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                if (8 * j + e > last || (kBand && 8 * j + e < first))
+                  sacc[mt][j][2 * r + e] = -INFINITY;
             }
           }
         }
@@ -566,12 +627,24 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            // The row's last visible key, tile-relative: < 0 none (nonfinite_term clamps).
-            const int last = mask.last_key(mw0 + 16 * mt + g + 8 * r) - n0;
+            // The row's visible keys, tile-relative: the last < 0 none (nonfinite_term clamps).
+            const int row = mw0 + 16 * mt + g + 8 * r;
+            const int last = mask.last_key(row) - n0;
+            if constexpr (kBand) {
+              const int first = mask.first_key(row) - n0;
+              if (last < first || last < 0 || first >= int(kNoKey)) continue;
 #pragma unroll
-            for (int j = 0; j < kON; ++j) {
-              o[mt][j][2 * r] += nonfinite_term(nf, 8 * j + 2 * t, last);
-              o[mt][j][2 * r + 1] += nonfinite_term(nf, 8 * j + 2 * t + 1, last);
+              for (int j = 0; j < kON; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                  o[mt][j][2 * r + e] +=
+                      band_nonfinite_term(nf, nf_last, 8 * j + 2 * t + e, first, last);
+            } else {
+#pragma unroll
+              for (int j = 0; j < kON; ++j) {
+                o[mt][j][2 * r] += nonfinite_term(nf, 8 * j + 2 * t, last);
+                o[mt][j][2 * r + 1] += nonfinite_term(nf, 8 * j + 2 * t + 1, last);
+              }
             }
           }
         }
@@ -581,7 +654,8 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
     __syncthreads();  // every warp is done with every stage and with Q: sQ stages the output
   }
 
-  // O /= row sum (quad-reduced); a row with no visible key has l = 0 and outputs zeros.
+  // O /= row sum (quad-reduced); a row with no visible key has l = 0 and outputs zeros. Its
+  // log-sum-exp, where asked for: ln 2 · (m · sl2 + log2 l), -inf with l = 0.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -591,6 +665,9 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int row = wrow + 16 * mt + g + 8 * r;
+      if (p.lse != nullptr && t == 0 && m0 + row < seq_q)
+        p.lse[(int64_t(b) * p.heads + h) * seq_q + m0 + row] =
+            l > 0.f ? (m_run[mt][r] * sl2 + __log2f(l)) * 0.6931471805599453f : -INFINITY;
 #pragma unroll
       for (int j = 0; j < kON; ++j)
         *reinterpret_cast<uint32_t*>(sQ + C::off(row, 8 * j + 2 * t)) =
@@ -629,8 +706,8 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
 // warps with the same shared memory keeps 8 warps per SM where 4-warp CTAs would leave 4.
 template <typename T, int D>
 inline int shipping_warps(const DeviceInfo& dev) {
-  if constexpr (D == 64) {
-    return 4;  // 48 KB: two CTAs fit every sm_80+ part
+  if constexpr (D == 64 || D > 128) {
+    return 4;  // 48 KB: two CTAs fit every sm_80+ part; D = 192, 256: one CTA a SM either way
   } else {
     return dev.smem_per_sm >= 2 * (Cfg<T, D, 4, 1>::kSmemBytesMasked + 1024) ? 4 : 8;
   }
@@ -640,8 +717,13 @@ inline int shipping_warps(const DeviceInfo& dev) {
 template <typename T, int D, int W, int MT, class Mask>
 constexpr int smem_bytes() {
   using C = Cfg<T, D, W, MT>;
+  if constexpr (mask::kIsBand<Mask>) return C::kSmemBytesBand;
   return Mask::kMasksKeys ? C::kSmemBytesMasked : C::kSmemBytes;
 }
+
+// Whether forward() may launch the 8-warp configuration for D (shipping_warps).
+template <int D>
+constexpr bool kHasW8 = D == 96 || D == 128;
 
 // Query tiles have 16 · W · MT rows with W · MT <= 8 (Cfg's assert): at most 128.
 constexpr int kMaxTileRows = 16 * 8;
@@ -652,17 +734,16 @@ constexpr int kMaxTileRows = 16 * 8;
 // picks there (the 4-warp one where the device is unknown: both take the same).
 template <typename T, int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
-  const std::string plain = mask::plain_only(a, "cutlass-sm80");
-  if (!plain.empty()) return plain;
   const int warps = dev.known() ? shipping_warps<T, D>(dev) : 4;
-  const int smem = mask::dispatch_mask(a.mask, a.seq_q, a.seq_k, [&](const auto& m) {
+  const int smem = mask::dispatch_band<int>(a, [&](const auto& m) {
     using Mask = std::decay_t<decltype(m)>;
-    if constexpr (D != 64) {
+    if constexpr (kHasW8<D>) {
       if (warps == 8) return smem_bytes<T, D, 8, 1, Mask>();
     }
     return smem_bytes<T, D, 4, 1, Mask>();
   });
-  return limits::first({limits::grid_of_query_tiles(a, Cfg<T, D, 4, 1>::kBM),
+  return limits::first({mask::narrow_window(a, Cfg<T, D, 4, 1>::kBN, "cutlass-sm80"),
+                        limits::grid_of_query_tiles(a, Cfg<T, D, 4, 1>::kBM),
                         limits::int_sequences(a, "cutlass-sm80", kMaxTileRows),
                         limits::sm80_or_newer(dev), limits::smem_per_block(dev, smem)});
 }
@@ -687,6 +768,11 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
   p.mask = mask;
   p.group = int(a.heads / a.kv_heads);
   p.scale_log2 = a.scale * 1.4426950408889634f;
+  p.lse = a.has_lse ? a.lse : nullptr;
+  p.heads = int(a.heads);
+  p.cap2 = a.softcap > 0.f ? a.softcap * 1.4426950408889634f : 0.f;
+  p.alibi = a.alibi ? a.alibi_slopes : nullptr;
+  p.alibi_bstride = int(a.alibi_batch_stride);
   // Under a mask that hides keys CTAs are launched last query block first (the kernel reverses
   // blockIdx.x).
   const dim3 grid(unsigned((a.seq_q + C::kBM - 1) / C::kBM), unsigned(a.heads), unsigned(a.batch));
@@ -696,9 +782,11 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
 
 template <typename T, int D>
 void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
+  if ((a.alibi && !a.alibi_slopes) || (a.has_lse && !a.lse))
+    throw Error("cutlass-sm80: ALiBi without slopes or a log-sum-exp without its buffer");
   const int warps = shipping_warps<T, D>(dev);
-  mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), [&](const auto& mask) {
-    if constexpr (D != 64) {
+  mask::dispatch_band<int>(a, [&](const auto& mask) {
+    if constexpr (kHasW8<D>) {
       if (warps == 8) return launch<T, D, 8, 1>(a, mask, stream);
     }
     launch<T, D, 4, 1>(a, mask, stream);
@@ -707,18 +795,20 @@ void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
 
 template <typename T, int D, int W>
 void attributes_of(std::vector<KernelAttr>& out) {
-  const void* const fns[2] = {
+  const void* const fns[3] = {
       reinterpret_cast<const void*>(fwd_kernel<T, D, mask::NoMask<int>, W, 1>),
-      reinterpret_cast<const void*>(fwd_kernel<T, D, mask::CausalBottomRight<int>, W, 1>)};
+      reinterpret_cast<const void*>(fwd_kernel<T, D, mask::CausalBottomRight<int>, W, 1>),
+      reinterpret_cast<const void*>(fwd_kernel<T, D, mask::Band<int>, W, 1>)};
   push_attributes(out, "cutlass-sm80", dtype_name<T>(), D, fns, Cfg<T, D, W, 1>::kSmemBytes);
-  // The causal entry: + the non-finite V check's records.
-  out.back().dynamic_smem = Cfg<T, D, W, 1>::kSmemBytesMasked;
+  // The causal and band entries: + the non-finite V check's records.
+  out[out.size() - 2].dynamic_smem = Cfg<T, D, W, 1>::kSmemBytesMasked;
+  out.back().dynamic_smem = Cfg<T, D, W, 1>::kSmemBytesBand;
 }
 
 // The kernels forward() launches on the device `dev` describes.
 template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out, const DeviceInfo& dev) {
-  if constexpr (D != 64) {
+  if constexpr (kHasW8<D>) {
     if (shipping_warps<T, D>(dev) == 8) return attributes_of<T, D, 8>(out);
   }
   attributes_of<T, D, 4>(out);

@@ -34,11 +34,6 @@ struct KeyTiles {
   int begin, n_cross, n_upper;
 };
 
-template <class Mask>
-struct IsBand : std::false_type {};
-template <class Index>
-struct IsBand<mask::Band<Index>> : std::true_type {};
-
 // A consumer thread's view of its operands: the wgmma descriptors of Q, K and V in shared memory
 // and the (row, col) of each S element it holds (Mainloop::consumer_operands makes it).
 template <class TQ, class TK, class TV, class TC>
@@ -60,7 +55,7 @@ struct Mainloop {
   using Bar = cutlass::arch::ClusterTransactionBarrier;
   static constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages;
   // The general path: a band mask (windows, top-left causal) with softcap and ALiBi.
-  static constexpr bool kBand = IsBand<Mask>::value;
+  static constexpr bool kBand = mask::kIsBand<Mask>;
   static_assert(!(kBand && E::kConvertV), "no band kernel for e4m3 V converted in shared memory");
 
   // 32-bit sizes, rows and keys (offsets are 64-bit): can_implement (sm90_fwd.cuh) keeps seq_q,

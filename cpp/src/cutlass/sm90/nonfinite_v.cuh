@@ -76,21 +76,7 @@ __device__ __forceinline__ void add_nonfinite_terms(TO& O, TC const& cO, const N
   }
 }
 
-// A band's rows may see a lower part of a tile too: what the keys [lo, BN) of the tile
-// (tile-relative, lo > 0) add to column col, from the last key of each kind (kNoKey: none).
-template <int D>
-__device__ __forceinline__ float nonfinite_term_from(const NonFiniteCols<D>& last, int col,
-                                                     int lo) {
-  const auto at_or_after = [&](int k) {
-    return int(last.first[k][col]) != kNoKey && int(last.first[k][col]) >= lo;
-  };
-  return nonfinite_value(at_or_after(0), at_or_after(1), at_or_after(2));
-}
-
-// add_nonfinite_terms for a band (rows see [first_key, last_key] of the tile from n0): a row's
-// visible keys there start at the tile's first key (the first records answer) or end at its last
-// real key (the last records answer); a window at least a tile wide (can_implement) never leaves
-// both edges of a row inside one tile.
+// add_nonfinite_terms for a band (rows see [first_key, last_key] of the tile from n0).
 template <int D, class Mask, class TO, class TC>
 __device__ __forceinline__ void add_band_nonfinite_terms(TO& O, TC const& cO,
                                                          const NonFiniteCols<D>& nf,
@@ -102,10 +88,8 @@ __device__ __forceinline__ void add_band_nonfinite_terms(TO& O, TC const& cO,
     const int lo = mask.first_key(row) - n0, hi = mask.last_key(row) - n0;
     if (hi < lo || hi < 0 || lo >= int(kNoKey)) continue;
     CUTE_UNROLL
-    for (int c = 0; c < size<1>(O); ++c) {
-      const int col = get<1>(cO(r, c));
-      O(r, c) += lo <= 0 ? nonfinite_term(nf, col, hi) : nonfinite_term_from(nf_last, col, lo);
-    }
+    for (int c = 0; c < size<1>(O); ++c)
+      O(r, c) += band_nonfinite_term(nf, nf_last, get<1>(cO(r, c)), lo, hi);
   }
 }
 

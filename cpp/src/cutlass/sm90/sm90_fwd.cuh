@@ -296,13 +296,7 @@ std::string band_limits(const FwdArgs& a) {
   if (E::kFp8)
     return "cutlass-sm90 e4m3 runs no mask but causal bottom-right, and no softcap or ALiBi "
            "(its simulated path on scalar does)";
-  constexpr int64_t kBN = TileConfig<E, D>::kBN;
-  if (a.mask == Mask::Window && a.window_left >= 0 && a.window_right >= 0 &&
-      a.window_left + a.window_right + 1 < kBN)
-    return "a window of " + std::to_string(a.window_left + a.window_right + 1) +
-           " keys (left + right + 1) is narrower than the cutlass-sm90 kernel's " +
-           std::to_string(kBN) + "-key tile, which its non-finite V check needs (scalar runs it)";
-  return "";
+  return mask::narrow_window(a, TileConfig<E, D>::kBN, "cutlass-sm90");
 }
 
 // wgmma, TMA, setmaxnreg and clusters as compiled for sm_90a: Hopper (H100, H200) alone.

@@ -3,6 +3,7 @@
 // once per key tile; the small-problem kernel once per CTA.
 #pragma once
 
+#include "common/score_mods.cuh"
 #include "cutlass/dtype.cuh"
 #include "cutlass/sm90/primitives.cuh"
 #include "cutlass/sm90/tile_config.cuh"
@@ -31,26 +32,6 @@ __device__ __forceinline__ void apply_mask(TS& S, TC const& cSrc, const Mask& ma
     for (int c = 0; c < size<1>(S); ++c)
       if (n0 + get<1>(cSrc(r, c)) > last) S(r, c) = -INFINITY;
   }
-}
-
-// What a band kernel does to the scores of one work tile before its mask: softcap and ALiBi,
-// turning raw scores into log2-domain logits (the softmax then runs with scale 1), or with a
-// softcap alone into tanh values (the softmax then scales them by cap2, one multiply a score
-// fewer). `on` where either is set; otherwise the scores stay raw and the softmax scales them as
-// usual.
-struct ScoreMods {
-  bool on;
-  float sl2;           // the softmax scale in the log2 domain
-  float cap2;          // softcap · log2 e; 0: no softcap
-  bool alibi;          // whether the call has ALiBi (a head's slope may still be 0)
-  float slope2;        // ALiBi slope · log2 e
-  int alibi_diagonal;  // seq_k - seq_q: ALiBi distances are from row i's key i + this
-};
-
-__device__ __forceinline__ float tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Band kernels: the score mods (when on), then the band's mask on both edges, for the bn keys from
