@@ -59,6 +59,20 @@ struct FwdArgs {
   // Scratch device memory of workspace_bytes(kernel, args) bytes, owned by the caller (null
   // when that is 0). Valid until the enqueued work is done.
   void* workspace;
+  // Sequences of different lengths (FlashAttention's varlen and paged cache); all 0 / false /
+  // null for dense ones. batch is then the number of sequences, seq_q and seq_k the longest
+  // one's lengths. Sequence b's queries: rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of packed
+  // Q and O (total_q > 0 rows), else its batch entry's seq_q. Its keys: rows cu_seqlens_k[b] ..
+  // cu_seqlens_k[b + 1] of packed K and V (packed_kv), key j at row j % page_size of page
+  // block_table[b * pages_per_seq + j / page_size] of a paged cache (page_size > 0, a power of
+  // two), else its batch entry's seq_k; with has_seqused_k only the first seqused_k[b] of them.
+  // Packed and paged tensors have batch stride 0. The log-sum-exp of packed Q is
+  // [heads][total_q]. Device i32 metadata (null in a question asked before the buffers exist).
+  int64_t total_q;
+  bool packed_kv;
+  int64_t page_size, pages_per_seq;
+  bool has_seqused_k;
+  const int32_t *cu_seqlens_q, *cu_seqlens_k, *seqused_k, *block_table;
 };
 
 // The softmax step of the unfused cuBLAS backend: P = softmax(S) per row, causal mask

@@ -67,4 +67,12 @@ inline std::string int_sequences(const FwdArgs& a, const char* kernel, int64_t t
   return "";
 }
 
+// Dense sequences only: no packed Q or K/V, paged cache or seqused_k.
+inline std::string dense_sequences(const FwdArgs& a, const char* kernel) {
+  if (a.total_q == 0 && !a.packed_kv && a.page_size == 0 && !a.has_seqused_k) return "";
+  return std::string(kernel) +
+         " runs dense sequences only, no packed (varlen) Q or K/V, paged cache or seqused_k "
+         "(scalar runs them)";
+}
+
 }  // namespace sdpa::limits

@@ -79,6 +79,8 @@ struct NoMask {
                                                              int none) const {
     return none;
   }
+  // The same mask for one sequence of a batch of different lengths.
+  __host__ __device__ __forceinline__ NoMask rebased(Index sq, Index sk) const { return {sq, sk}; }
 };
 
 // Causal, aligned bottom-right: row i sees keys j <= i + seq_k - seq_q (the last query row sees
@@ -123,6 +125,9 @@ struct CausalBottomRight {
     const Index first_hidden = m0 + diagonal() + 1;
     return int((first_hidden > 0 ? first_hidden : 0) / bn);
   }
+  __host__ __device__ __forceinline__ CausalBottomRight rebased(Index sq, Index sk) const {
+    return {sq, sk};
+  }
 };
 
 // A band of keys around each row's diagonal key i + diag: row i sees [i + diag - left,
@@ -134,6 +139,7 @@ template <typename Index = int>
 struct Band {
   static constexpr bool kMasksKeys = true;
   Index seq_q, seq_k, diag, left, right;
+  bool top_left;  // diag is 0, not seq_k - seq_q, whatever the lengths (rebased)
 
   __host__ __device__ __forceinline__ Index first_key(Index row) const {
     const Index f = row + diag - left;
@@ -181,6 +187,11 @@ struct Band {
     const Index first = first_key(last_row);
     return int((first + bn - 1) / bn);
   }
+  // The same band for one sequence of a batch of different lengths: its diagonal moves with
+  // them (left and right were clamped to the longest lengths, unbounded for this one too).
+  __host__ __device__ __forceinline__ Band rebased(Index sq, Index sk) const {
+    return {sq, sk, top_left ? Index(0) : sk - sq, left, right, top_left};
+  }
 };
 
 // Whether Mask is a Band: a kernel's general path.
@@ -213,7 +224,8 @@ Band<Index> band_of(const FwdArgs& a) {
       right = side(a.window_right);
       break;
   }
-  return {Index(a.seq_q), Index(a.seq_k), Index(diag), Index(left), Index(right)};
+  return {Index(a.seq_q), Index(a.seq_k), Index(diag),
+          Index(left),    Index(right),   a.mask == Mask::CausalTopLeft};
 }
 
 // Whether `a` needs a kernel's general path: a mask with a lower edge or a top-left diagonal,

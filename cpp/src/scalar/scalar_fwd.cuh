@@ -14,6 +14,10 @@
 // The mask is a policy of common/mask.cuh (Index int64_t) carried in the parameters, its type
 // chosen in forward() (mask::dispatch_band): the kernel asks it for the CTA's key range, whether
 // a tile hides keys from some of a warp's rows, and per row and key whether the row sees it.
+//
+// Sequences of different lengths (packed Q or K/V, a paged cache, seqused_k; common/seqs.cuh):
+// each CTA finds its sequence's offsets and lengths, rebases the mask to them and reads each K/V
+// row where the sequence keeps it; CTAs past their sequence's queries return at once.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,6 +33,7 @@
 #include "common/launch.cuh"
 #include "common/limits.cuh"
 #include "common/mask.cuh"
+#include "common/seqs.cuh"
 
 namespace sdpa::scalar {
 
@@ -49,7 +54,8 @@ struct Params {
   float cap2, inv_cap2;  // cap2 = 0: no softcap
   const float* alibi;    // null: none
   int64_t alibi_bstride;
-  float* lse;  // null: none
+  float* lse;      // null: none
+  SeqParams seqs;  // sequences of different lengths (dense: every offset 0)
 };
 
 // The shared memory of one CTA at head dim D (dynamic: over 48 KB at D = 256).
@@ -91,11 +97,14 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const __grid_constant__ P
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t m0 = int64_t(blockIdx.x) * kBM;
   const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const uint8_t* qb = p.q + 2 * (b * p.qs.batch + h * p.qs.head);
+  // Sequence b: its queries from row q0, its keys at seq.key_row(j); the grid covers the longest.
+  const Seq<int64_t> seq = seq_of<int64_t>(pm.seqs, b, p.seq_q, p.seq_k);
+  if (m0 >= seq.seq_q) return;  // CTA-uniform, before any barrier
+  const uint8_t* qb = p.q + 2 * (b * p.qs.batch + h * p.qs.head + seq.q0 * p.qs.seq);
   const uint8_t* kb = p.k + 2 * (b * p.ks.batch + hk * p.ks.head);
   const uint8_t* vb = p.v + 2 * (b * p.vs.batch + hk * p.vs.head);
-  const Mask mask = pm.mask;  // which keys each row sees
-  const int64_t seq_q = p.seq_q, seq_k = p.seq_k;
+  const Mask mask = pm.mask.rebased(seq.seq_q, seq.seq_k);  // which keys each row sees
+  const int64_t seq_q = seq.seq_q, seq_k = seq.seq_k;
   // ALiBi's slope in the log2 domain, and the diagonal its distances are measured from.
   const float slope2 = pm.alibi ? pm.alibi[b * pm.alibi_bstride + h] * 1.4426950408889634f : 0.f;
   const int64_t alibi_diag = seq_k - seq_q;
@@ -136,8 +145,9 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const __grid_constant__ P
       const int r = c / CH, w = (c % CH) * 4;
       uint4 ku = make_uint4(0, 0, 0, 0), vu = ku;
       if (n0 + r < seq_k) {
-        ku = *reinterpret_cast<const uint4*>(kb + 2 * ((n0 + r) * p.ks.seq + 2 * w));
-        vu = *reinterpret_cast<const uint4*>(vb + 2 * ((n0 + r) * p.vs.seq + 2 * w));
+        const int64_t row = seq.key_row(n0 + r);
+        ku = *reinterpret_cast<const uint4*>(kb + 2 * (row * p.ks.seq + 2 * w));
+        vu = *reinterpret_cast<const uint4*>(vb + 2 * (row * p.vs.seq + 2 * w));
       }
       sK[r][w] = ku.x;
       sK[r][w + 1] = ku.y;
@@ -223,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const __grid_constant__ P
     __syncwarp();  // sP is rewritten next tile
   }
 
-  uint8_t* ob = p.o + 2 * (b * p.os.batch + h * p.os.head);
+  uint8_t* ob = p.o + 2 * (b * p.os.batch + h * p.os.head + seq.q0 * p.os.seq);
 #pragma unroll
   for (int r = 0; r < kRPW; ++r) {
     const float lsum = warp_sum(l[r]);
@@ -237,7 +247,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const __grid_constant__ P
         orow[lane + 32 * c] = P2::from_float2(acc[r][2 * c] * inv, acc[r][2 * c + 1] * inv);
     // ln(sum_j 2^(x_j)) = (m + log2(l)) ln 2, x the log2-domain logits.
     if (pm.lse && lane == 0)
-      pm.lse[(b * p.heads + h) * seq_q + i] =
+      pm.lse[lse_index(pm.seqs, seq, b, h, p.heads, p.seq_q, i)] =
           lsum > 0.f ? (m[r] + log2f(lsum)) * 0.6931471805599453f : -INFINITY;
   }
 }
@@ -256,6 +266,7 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
   p.alibi = a.alibi ? a.alibi_slopes : nullptr;
   p.alibi_bstride = a.alibi_batch_stride;
   p.lse = a.has_lse ? a.lse : nullptr;
+  p.seqs = SeqParams::of(a);
   const auto kernel = fwd_kernel<T, D, Mask>;
   constexpr int kSmem = int(sizeof(Smem<D>));
   if constexpr (kSmem > 48 * 1024) {
@@ -268,7 +279,8 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
 }
 
 // What this kernel takes beyond its instantiation: a grid of 32-row query tiles with (batch,
-// head) on grid z and y, and an sm_80+ device with the shared memory of its Smem<D>.
+// head) on grid z and y (batch: the sequences of packed or paged ones), and an sm_80+ device with
+// the shared memory of its Smem<D>.
 template <typename T, int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
   return limits::first({limits::grid_of_query_tiles(a, kBM), limits::sm80_or_newer(dev),

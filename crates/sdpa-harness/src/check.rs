@@ -4,8 +4,8 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use sdpa::{
-    Backend, DType, Device, Error, MemoryKind, Problem, Result, Scaling, Tensor, TensorShape,
-    decode, encode, fp8,
+    Backend, DType, Device, Error, MemoryKind, Problem, Result, Scaling, SeqMeta, Tensor,
+    TensorShape, decode, encode, fp8,
 };
 
 /// Pass/fail thresholds for one dtype.
@@ -165,6 +165,8 @@ pub struct Inputs {
     pub fp8: Option<Fp8Inputs>,
     /// The ALiBi slopes of problems with ALiBi ([`alibi_slopes`]).
     pub alibi_slopes: Option<Vec<f32>>,
+    /// The sequence metadata of packed or paged problems (host copies).
+    pub seq_meta: Option<SeqMeta>,
 }
 
 /// What e4m3 inputs carry beyond their codes.
@@ -193,13 +195,25 @@ impl Inputs {
             values,
             fp8: None,
             alibi_slopes: None,
+            seq_meta: None,
+        }
+    }
+
+    /// The same inputs with this sequence metadata (a packed or paged problem's).
+    pub fn with_meta(self, meta: SeqMeta) -> Inputs {
+        Inputs {
+            seq_meta: Some(meta),
+            ..self
         }
     }
 
     /// The float64 reference of `p` on these inputs (output and log-sum-exp).
     pub fn reference(&self, p: &Problem) -> Result<sdpa::Reference> {
         let [q, k, v] = &self.values;
-        sdpa::reference_with(p, q, k, v, self.alibi_slopes.as_deref())
+        match &self.seq_meta {
+            Some(m) => sdpa::reference_seqs(p, q, k, v, self.alibi_slopes.as_deref(), m),
+            None => sdpa::reference_with(p, q, k, v, self.alibi_slopes.as_deref()),
+        }
     }
 
     /// e4m3 inputs of `p` quantized from given values (per `p.fp8_scaling`, amax scales).
@@ -228,6 +242,7 @@ impl Inputs {
                 unquantized,
             }),
             alibi_slopes: alibi_slopes(p),
+            seq_meta: None,
         })
     }
 
@@ -298,19 +313,27 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
         decode(p.dtype, &bits[1]),
         decode(p.dtype, &bits[2]),
     ];
+    // Packed or paged problems: their metadata from the same seed.
+    let seq_meta = match p.seqs.is_dense() {
+        true => None,
+        false => Some(crate::seqs::random_meta(p, seed ^ 0x5e95)?),
+    };
     Ok(Inputs {
         bits,
         values,
         fp8: None,
         alibi_slopes: alibi_slopes(p),
+        seq_meta,
     })
 }
 
 /// The device buffers of a problem's extras: its ALiBi slopes uploaded, its log-sum-exp output
-/// (NaN until a call writes it); empty for a problem that has neither.
+/// (NaN until a call writes it), its sequence metadata; empty for a problem that has none.
 pub struct ExtraBuffers {
     alibi_slopes: Option<cudarc::driver::CudaSlice<f32>>,
     lse: Option<cudarc::driver::CudaSlice<f32>>,
+    /// cu_seqlens_q, cu_seqlens_k, seqused_k, block_table.
+    meta: [Option<cudarc::driver::CudaSlice<i32>>; 4],
 }
 
 impl ExtraBuffers {
@@ -326,14 +349,43 @@ impl ExtraBuffers {
             true => Some(stream.clone_htod(&vec![f32::NAN; p.lse_len()])?),
             false => None,
         };
-        Ok(ExtraBuffers { alibi_slopes, lse })
+        Ok(ExtraBuffers {
+            alibi_slopes,
+            lse,
+            meta: Default::default(),
+        })
+    }
+
+    /// The same buffers with `meta` uploaded too.
+    pub fn with_meta(mut self, dev: &Device, meta: &SeqMeta) -> Result<ExtraBuffers> {
+        let parts = [
+            &meta.cu_seqlens_q,
+            &meta.cu_seqlens_k,
+            &meta.seqused_k,
+            &meta.block_table,
+        ];
+        for (slot, part) in self.meta.iter_mut().zip(parts) {
+            *slot = match part {
+                Some(x) => Some(dev.stream().clone_htod(x)?),
+                None => None,
+            };
+        }
+        Ok(self)
     }
 
     /// Views of the buffers for one call.
     pub fn extras(&mut self) -> sdpa::Extras<'_> {
+        let [cu_q, cu_k, used_k, table] = self
+            .meta
+            .each_ref()
+            .map(|m| m.as_ref().map(|m| m.as_view()));
         sdpa::Extras {
             alibi_slopes: self.alibi_slopes.as_ref().map(|s| s.as_view()),
             lse: self.lse.as_mut().map(|l| l.as_view_mut()),
+            cu_seqlens_q: cu_q,
+            cu_seqlens_k: cu_k,
+            seqused_k: used_k,
+            block_table: table,
         }
     }
 
@@ -411,6 +463,9 @@ pub fn run_backend_with_lse(
             let [q, k, v] = inputs.upload(dev, p.dtype)?;
             let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
             let mut bufs = ExtraBuffers::new(dev, p, inputs.alibi_slopes.as_deref())?;
+            if let Some(m) = &inputs.seq_meta {
+                bufs = bufs.with_meta(dev, m)?;
+            }
             let t = sdpa::Operands {
                 q: &q,
                 k: &k,

@@ -7,6 +7,7 @@
 //! - [`timing`]: GPU timing with CUDA events and graphs, warm-up first, medians.
 //! - [`info`]: what this build compiled (the ptxas report, the driver's kernel attributes).
 //! - [`problems`]: the named problems the CLI, benches and PyTorch anchors share.
+//! - [`seqs`]: the metadata of packed (varlen) and paged-cache batches.
 //!
 //! Everything here goes through the public API of `sdpa` (and `sdpa_sys` for what the core
 //! reports about its build).
@@ -26,6 +27,7 @@
 pub mod check;
 pub mod info;
 pub mod problems;
+pub mod seqs;
 pub mod timing;
 
 pub use problems::{NAMED_PROBLEMS, named_problem};

@@ -40,6 +40,15 @@ sdpa::FwdArgs convert(const FwdArgs& a) {
   r.v_scale = reinterpret_cast<const float*>(a.v_scale);
   r.per_head_scales = a.per_head_scales;
   r.workspace = reinterpret_cast<void*>(a.workspace);
+  r.total_q = a.total_q;
+  r.packed_kv = a.packed_kv;
+  r.page_size = a.page_size;
+  r.pages_per_seq = a.pages_per_seq;
+  r.has_seqused_k = a.has_seqused_k;
+  r.cu_seqlens_q = reinterpret_cast<const int32_t*>(a.cu_seqlens_q);
+  r.cu_seqlens_k = reinterpret_cast<const int32_t*>(a.cu_seqlens_k);
+  r.seqused_k = reinterpret_cast<const int32_t*>(a.seqused_k);
+  r.block_table = reinterpret_cast<const int32_t*>(a.block_table);
   return r;
 }
 

@@ -92,6 +92,18 @@ pub mod ffi {
         pub per_head_scales: bool,
         /// Scratch of `workspace_bytes(kernel, args)` bytes (0 when none is needed).
         pub workspace: u64,
+        /// Sequences of different lengths (0 / false for dense ones; sdpa.h says how): rows
+        /// of packed Q, whether K/V are packed, a paged cache's page size and block-table
+        /// columns, whether seqused_k caps each sequence's keys, and the device i32 metadata.
+        pub total_q: i64,
+        pub packed_kv: bool,
+        pub page_size: i64,
+        pub pages_per_seq: i64,
+        pub has_seqused_k: bool,
+        pub cu_seqlens_q: u64,
+        pub cu_seqlens_k: u64,
+        pub seqused_k: u64,
+        pub block_table: u64,
     }
 
     /// Mirrors `sdpa::DeviceInfo`: what the fused kernels need to know about their GPU, read

@@ -22,6 +22,9 @@ pub(crate) struct Buffers {
     /// against the problem's sizes.
     pub(crate) alibi_slopes: u64,
     pub(crate) lse: u64,
+    /// Device addresses of the sequence metadata (0: none): cu_seqlens_q, cu_seqlens_k,
+    /// seqused_k, block_table.
+    pub(crate) seqs: [u64; 4],
 }
 
 impl Buffers {
@@ -44,6 +47,7 @@ impl Buffers {
             strides: [qs, ks, ks, qs],
             alibi_slopes: 0,
             lse: 0,
+            seqs: [0; 4],
         }
     }
 
@@ -52,6 +56,7 @@ impl Buffers {
         Buffers {
             alibi_slopes: e.alibi_slopes,
             lse: e.lse,
+            seqs: e.seqs,
             ..self
         }
     }

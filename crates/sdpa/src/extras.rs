@@ -1,5 +1,6 @@
-//! The optional operands of a call beyond Q, K, V and the output: the ALiBi slopes it reads and
-//! the log-sum-exp it writes, f32 buffers on the device owned by the caller.
+//! The optional operands of a call beyond Q, K, V and the output: the ALiBi slopes it reads, the
+//! log-sum-exp it writes (f32) and the sequence metadata of packed or paged batches (i32),
+//! buffers on the device owned by the caller.
 
 use crate::device::Device;
 use crate::error::{Result, invalid};
@@ -20,6 +21,14 @@ pub struct Extras<'a> {
     /// the exponentials of its logits; -inf for a row that sees no key). Written only on
     /// success.
     pub lse: Option<CudaViewMut<'a, f32>>,
+    /// `[batch + 1]` offsets of each sequence's queries in packed Q (`Seqs::packed_q`).
+    pub cu_seqlens_q: Option<CudaView<'a, i32>>,
+    /// `[batch + 1]` offsets of each sequence's keys in packed K/V (`KvRows::Packed`).
+    pub cu_seqlens_k: Option<CudaView<'a, i32>>,
+    /// `[batch]` keys each sequence uses (`Seqs::seqused_k`; a paged cache's lengths).
+    pub seqused_k: Option<CudaView<'a, i32>>,
+    /// `[batch, pages_per_seq]` cache pages of each sequence's keys (`KvRows::Paged`).
+    pub block_table: Option<CudaView<'a, i32>>,
 }
 
 /// The device addresses of checked extras, valid while the guards live (their drop records
@@ -27,7 +36,9 @@ pub struct Extras<'a> {
 pub(crate) struct ExtraPtrs<'g> {
     pub(crate) alibi_slopes: u64,
     pub(crate) lse: u64,
-    _guards: (Option<SyncOnDrop<'g>>, Option<SyncOnDrop<'g>>),
+    /// cu_seqlens_q, cu_seqlens_k, seqused_k, block_table.
+    pub(crate) seqs: [u64; 4],
+    _guards: Vec<SyncOnDrop<'g>>,
 }
 
 impl Extras<'_> {
@@ -84,24 +95,109 @@ impl Extras<'_> {
                 ));
             }
         }
+        let s = &p.seqs;
+        let pages_per_seq = match s.kv {
+            crate::seqs::KvRows::Paged { pages_per_seq, .. } => pages_per_seq,
+            _ => 0,
+        };
+        for (name, buf, want, len) in [
+            (
+                "cu_seqlens_q",
+                &self.cu_seqlens_q,
+                s.takes_cu_seqlens_q(),
+                p.batch + 1,
+            ),
+            (
+                "cu_seqlens_k",
+                &self.cu_seqlens_k,
+                s.takes_cu_seqlens_k(),
+                p.batch + 1,
+            ),
+            ("seqused_k", &self.seqused_k, s.seqused_k, p.batch),
+            (
+                "block_table",
+                &self.block_table,
+                s.takes_block_table(),
+                p.batch * pages_per_seq,
+            ),
+        ] {
+            match (buf, want) {
+                (None, false) => {}
+                (Some(b), true) => {
+                    on_device(name, dev, b.stream())?;
+                    if b.len() < len {
+                        return Err(invalid!("{name} holds {} values, {p} needs {len}", b.len()));
+                    }
+                }
+                (None, true) => return Err(invalid!("{p} needs {name}; pass it in Extras")),
+                (Some(_), false) => {
+                    return Err(invalid!("{name} given for {p}, which does not take it"));
+                }
+            }
+        }
+        if s.checked {
+            crate::seqs::check_metadata(p, &self.metadata_on_host()?)?;
+        }
         Ok(())
+    }
+
+    /// Host copies of the sequence metadata (a synchronizing copy each).
+    pub(crate) fn metadata_on_host(&self) -> Result<crate::seqs::SeqMeta> {
+        let copy = |b: &Option<CudaView<'_, i32>>| -> Result<Option<Vec<i32>>> {
+            match b {
+                Some(b) => Ok(Some(b.stream().clone_dtoh(b)?)),
+                None => Ok(None),
+            }
+        };
+        Ok(crate::seqs::SeqMeta {
+            cu_seqlens_q: copy(&self.cu_seqlens_q)?,
+            cu_seqlens_k: copy(&self.cu_seqlens_k)?,
+            seqused_k: copy(&self.seqused_k)?,
+            block_table: copy(&self.block_table)?,
+        })
     }
 
     /// The streams the extras' buffers were made on (for ordering the call after them).
     pub(crate) fn streams(&self) -> impl Iterator<Item = &Arc<CudaStream>> {
         let a = self.alibi_slopes.as_ref().map(|s| s.stream());
         let l = self.lse.as_ref().map(|s| s.stream());
-        a.into_iter().chain(l)
+        let m = self.metadata().into_iter().flatten().map(|b| b.stream());
+        a.into_iter().chain(l).chain(m)
+    }
+
+    fn metadata(&self) -> [&Option<CudaView<'_, i32>>; 4] {
+        [
+            &self.cu_seqlens_q,
+            &self.cu_seqlens_k,
+            &self.seqused_k,
+            &self.block_table,
+        ]
     }
 
     /// Device addresses on `stream` (0 for an absent one).
     pub(crate) fn pointers<'g>(&'g mut self, stream: &'g Arc<CudaStream>) -> ExtraPtrs<'g> {
-        let a = self.alibi_slopes.as_ref().map(|s| s.device_ptr(stream));
-        let l = self.lse.as_mut().map(|s| s.device_ptr_mut(stream));
+        let mut guards = Vec::new();
+        let mut keep = |x: Option<(u64, SyncOnDrop<'g>)>| match x {
+            Some((ptr, g)) => {
+                guards.push(g);
+                ptr
+            }
+            None => 0,
+        };
+        let alibi_slopes = keep(self.alibi_slopes.as_ref().map(|s| s.device_ptr(stream)));
+        let lse = keep(self.lse.as_mut().map(|s| s.device_ptr_mut(stream)));
+        let seqs = [
+            &self.cu_seqlens_q,
+            &self.cu_seqlens_k,
+            &self.seqused_k,
+            &self.block_table,
+        ]
+        .map(|b| keep(b.as_ref().map(|b| b.device_ptr(stream))));
         ExtraPtrs {
-            alibi_slopes: a.as_ref().map_or(0, |x| x.0),
-            lse: l.as_ref().map_or(0, |x| x.0),
-            _guards: (a.map(|x| x.1), l.map(|x| x.1)),
+            alibi_slopes,
+            lse,
+            seqs,
+            _guards: guards,
         }
     }
 }

@@ -166,6 +166,7 @@ pub fn forward_fp8_views<T: Element>(
         strides: [q.strides, k.strides, v.strides, out.strides],
         alibi_slopes: 0,
         lse: 0,
+        seqs: [0; 4],
     };
     order.finish(crate::backend::fused::forward(kernel, dev, &p, &b))
 }

@@ -49,16 +49,18 @@ pub mod fp8;
 mod fp8_view;
 pub mod memory;
 mod problem;
+pub mod seqs;
 mod tensor;
 mod view;
 
 pub use backend::Backend;
-pub use backend::cpu::{Reference, reference, reference_with};
+pub use backend::cpu::{Reference, reference, reference_seqs, reference_with};
 pub use codec::{decode, encode};
 pub use device::{Device, driver_present};
 pub use error::{CudaError, Error, MemoryKind, Result};
 pub use extras::Extras;
 pub use problem::{Alibi, DType, Layout, Mask, Problem, Scaling, Strides, TensorShape};
+pub use seqs::{KvRows, SeqMeta, SeqSpan, Seqs, check_metadata};
 
 use buffers::Buffers;
 pub use fp8_view::{Fp8View, Fp8Views, forward_fp8_views};
@@ -233,13 +235,13 @@ fn run(
                 Some(s) => Some(stream.clone_dtoh(s)?),
                 None => None,
             };
-            let r = reference_with(
-                p,
-                &q.to_f64(dev)?,
-                &k.to_f64(dev)?,
-                &v.to_f64(dev)?,
-                slopes.as_deref(),
-            )?;
+            let (q, k, v) = (q.to_f64(dev)?, k.to_f64(dev)?, v.to_f64(dev)?);
+            let r = if p.seqs.is_dense() {
+                reference_with(p, &q, &k, &v, slopes.as_deref())?
+            } else {
+                let meta = extras.metadata_on_host()?;
+                reference_seqs(p, &q, &k, &v, slopes.as_deref(), &meta)?
+            };
             if let Some(lse) = extras.lse.as_mut() {
                 let l32: Vec<f32> = r.lse.iter().map(|&x| x as f32).collect();
                 stream.memcpy_htod(&l32, &mut lse.slice_mut(..l32.len()))?;

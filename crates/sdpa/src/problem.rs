@@ -2,6 +2,7 @@
 //! checked here, once, before anything is launched; kernels assume what `validate` guarantees.
 
 use crate::error::{Result, invalid};
+pub use crate::seqs::{KvRows, Seqs};
 use std::fmt;
 use std::str::FromStr;
 
@@ -416,8 +417,11 @@ pub struct Problem {
     pub out_dtype: Option<DType>,
     /// How the scales of e4m3 inputs are laid out (ignored for f16/bf16).
     pub fp8_scaling: Scaling,
-    /// Memory layout of all four tensors.
+    /// Memory layout of all four tensors (of the dense ones where `seqs` packs some).
     pub layout: Layout,
+    /// How the sequences are stored: dense (the default), packed Q and K/V of different
+    /// lengths, or K/V in a paged cache; `seq_q` and `seq_k` are then the longest sequence's.
+    pub seqs: Seqs,
 }
 
 /// Largest element count of one tensor: the CPU side multiplies sizes in `usize`, and the driver
@@ -445,7 +449,40 @@ impl Problem {
             out_dtype: None,
             fp8_scaling: Scaling::PerHead,
             layout: Layout::Bhsd,
+            seqs: Seqs::default(),
         }
+    }
+    /// Sets how the sequences are stored ([`Seqs`]).
+    pub fn with_seqs(mut self, seqs: Seqs) -> Self {
+        self.seqs = seqs;
+        self
+    }
+    /// Q and the output packed, `[total_q, heads, head_dim]`, offsets in `cu_seqlens_q`
+    /// (FlashAttention's varlen).
+    pub fn with_packed_q(mut self, total_q: usize) -> Self {
+        self.seqs.packed_q = Some(total_q);
+        self
+    }
+    /// K and V packed, `[total_k, kv_heads, head_dim]`, offsets in `cu_seqlens_k`.
+    pub fn with_packed_kv(mut self, total_k: usize) -> Self {
+        self.seqs.kv = KvRows::Packed { total: total_k };
+        self
+    }
+    /// K and V in a paged cache `[pages, page_size, kv_heads, head_dim]` with a block table
+    /// `[batch, pages_per_seq]`; each sequence's key count comes from `seqused_k`.
+    pub fn with_paged_kv(mut self, pages: usize, page_size: usize, pages_per_seq: usize) -> Self {
+        self.seqs.kv = KvRows::Paged {
+            pages,
+            page_size,
+            pages_per_seq,
+        };
+        self.seqs.seqused_k = true;
+        self
+    }
+    /// Whether `seqused_k` caps each sequence's keys.
+    pub fn with_seqused_k(mut self, seqused_k: bool) -> Self {
+        self.seqs.seqused_k = seqused_k;
+        self
     }
     /// Sets the number of K/V heads (GQA when fewer than `heads`).
     pub fn with_kv_heads(mut self, kv_heads: usize) -> Self {
@@ -484,9 +521,13 @@ impl Problem {
         self.lse = lse;
         self
     }
-    /// Entries of the log-sum-exp output: batch · heads · seq_q.
+    /// Entries of the log-sum-exp output: batch · heads · seq_q, `[batch, heads, seq_q]`; with
+    /// packed Q heads · total_q, `[heads, total_q]` (FlashAttention's varlen layout).
     pub fn lse_len(&self) -> usize {
-        self.batch * self.heads * self.seq_q
+        match self.seqs.packed_q {
+            Some(total) => self.heads * total,
+            None => self.batch * self.heads * self.seq_q,
+        }
     }
     /// Whether the problem is plain attention with no mask beyond causal bottom-right, no
     /// softcap and no ALiBi: what every backend runs.
@@ -531,22 +572,36 @@ impl Problem {
             ..*self
         }
     }
-    /// Shape of Q (and of the output).
+    /// Shape of Q (and of the output): packed Q is one sequence of total_q rows, BSHD.
     pub fn q_shape(&self) -> TensorShape {
+        let (batch, seq, layout) = match self.seqs.packed_q {
+            Some(total) => (1, total, Layout::Bshd),
+            None => (self.batch, self.seq_q, self.layout),
+        };
         TensorShape {
-            batch: self.batch,
+            batch,
             heads: self.heads,
-            seq: self.seq_q,
+            seq,
             head_dim: self.head_dim,
-            layout: self.layout,
+            layout,
         }
     }
-    /// Shape of K (and of V).
+    /// Shape of K (and of V): packed K/V is one sequence of total_k rows, a paged cache one of
+    /// pages · page_size rows, BSHD.
     pub fn kv_shape(&self) -> TensorShape {
+        let (batch, seq, layout) = match self.seqs.kv {
+            KvRows::Dense => (self.batch, self.seq_k, self.layout),
+            KvRows::Packed { total } => (1, total, Layout::Bshd),
+            KvRows::Paged {
+                pages, page_size, ..
+            } => (1, pages.saturating_mul(page_size), Layout::Bshd),
+        };
         TensorShape {
+            batch,
             heads: self.kv_heads,
-            seq: self.seq_k,
-            ..self.q_shape()
+            seq,
+            head_dim: self.head_dim,
+            layout,
         }
     }
     /// Sets the memory layout.
@@ -607,6 +662,12 @@ impl Problem {
         {
             return Err(invalid!("softcap must be finite and positive, got {c}"));
         }
+        self.seqs.validate(self.seq_k)?;
+        if !self.seqs.is_dense() && self.dtype == DType::E4m3 {
+            return Err(invalid!(
+                "e4m3 inputs take dense sequences only (no packed Q/K/V, paged cache or seqused_k)"
+            ));
+        }
         for (name, n) in [("Q/O", self.q_len()), ("K/V", self.kv_len())] {
             match n {
                 Some(n) if n <= MAX_ELEMENTS => {}
@@ -638,21 +699,18 @@ impl Problem {
         Ok(Checked(*self))
     }
 
-    fn count(b: usize, h: usize, s: usize, d: usize) -> Option<usize> {
-        b.checked_mul(h)?.checked_mul(s)?.checked_mul(d)
-    }
     /// Elements of Q (and of the output); `None` on overflow.
     pub fn q_len(&self) -> Option<usize> {
-        Self::count(self.batch, self.heads, self.seq_q, self.head_dim)
+        self.q_shape().len()
     }
     /// Elements of K (and of V); `None` on overflow.
     pub fn kv_len(&self) -> Option<usize> {
-        Self::count(self.batch, self.kv_heads, self.seq_k, self.head_dim)
+        self.kv_shape().len()
     }
 
-    fn strides(&self, heads: usize, seq: usize) -> Strides {
-        let d = self.head_dim;
-        match self.layout {
+    fn strides(shape: TensorShape) -> Strides {
+        let (heads, seq, d) = (shape.heads, shape.seq, shape.head_dim);
+        match shape.layout {
             Layout::Bhsd => Strides {
                 batch: heads * seq * d,
                 head: seq * d,
@@ -667,11 +725,11 @@ impl Problem {
     }
     /// Strides of Q and of the output.
     pub fn q_strides(&self) -> Strides {
-        self.strides(self.heads, self.seq_q)
+        Self::strides(self.q_shape())
     }
     /// Strides of K and of V.
     pub fn kv_strides(&self) -> Strides {
-        self.strides(self.kv_heads, self.seq_k)
+        Self::strides(self.kv_shape())
     }
 
     /// The keys `[first, end)` query row `i` attends to (empty for rows that see none).
@@ -762,6 +820,7 @@ impl fmt::Display for Problem {
         if self.lse {
             f.write_str(" +lse")?;
         }
+        write!(f, "{}", self.seqs)?;
         if self.layout == Layout::Bshd {
             f.write_str(" bshd")?;
         }

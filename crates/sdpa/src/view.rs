@@ -190,6 +190,7 @@ pub fn forward_views_with<T: Element>(
         strides: [q.strides, k.strides, v.strides, out.strides],
         alibi_slopes: 0,
         lse: 0,
+        seqs: [0; 4],
     }
     .with_extras(&extra_ptrs);
     let ran = match backend.fused_kernel() {

@@ -743,6 +743,7 @@ std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
     return smem_bytes<T, D, 4, 1, Mask>();
   });
   return limits::first({mask::narrow_window(a, Cfg<T, D, 4, 1>::kBN, "cutlass-sm80"),
+                        limits::dense_sequences(a, "cutlass-sm80"),
                         limits::grid_of_query_tiles(a, Cfg<T, D, 4, 1>::kBM),
                         limits::int_sequences(a, "cutlass-sm80", kMaxTileRows),
                         limits::sm80_or_newer(dev), limits::smem_per_block(dev, smem)});

@@ -311,8 +311,9 @@ inline std::string sm90_only(const DeviceInfo& dev) {
 // applies only where it fits too: small_forward.)
 template <class E, int D>
 std::string can_implement_elems(const FwdArgs& a, const DeviceInfo& dev) {
-  return limits::first({band_limits<E, D>(a), int_limits<E, D>(a), tma_limits<E, D>(a),
-                        sm90_only(dev), limits::smem_per_block(dev, TileConfig<E, D>::kSmemBytes)});
+  return limits::first({band_limits<E, D>(a), limits::dense_sequences(a, "cutlass-sm90"),
+                        int_limits<E, D>(a), tma_limits<E, D>(a), sm90_only(dev),
+                        limits::smem_per_block(dev, TileConfig<E, D>::kSmemBytes)});
 }
 
 template <class E, int D, class Mask>

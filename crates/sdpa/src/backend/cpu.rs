@@ -3,7 +3,8 @@
 //! visible key is all zeros (its log-sum-exp -inf).
 
 use crate::error::{Result, invalid};
-use crate::problem::Problem;
+use crate::problem::{Alibi, KvRows, Problem, Seqs};
+use crate::seqs::{SeqMeta, SeqSpan, check_metadata};
 use rayon::prelude::*;
 
 /// What the reference computes: the output, in the problem's layout, and the natural-log
@@ -32,6 +33,12 @@ pub fn reference_with(
     alibi_slopes: Option<&[f32]>,
 ) -> Result<Reference> {
     p.validate()?;
+    if !p.seqs.is_dense() {
+        return Err(invalid!(
+            "reference: {p} has sequences of different lengths; pass their metadata \
+             (reference_seqs)"
+        ));
+    }
     let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
     for (name, len, want) in [("q", q.len(), ql), ("k", k.len(), kl), ("v", v.len(), kl)] {
         if len != want {
@@ -131,11 +138,232 @@ pub fn reference_with(
     Ok(Reference { out, lse })
 }
 
+/// [`reference_with`] for a batch of sequences of different lengths (`p.seqs`: packed Q or
+/// K/V, a paged cache, seqused_k), its metadata on the host: each sequence on its own, its mask
+/// aligned to its own lengths. The log-sum-exp is `[heads, total_q]` for packed Q. Rows of packed
+/// Q past the last sequence stay 0 (their log-sum-exp -inf); kernels leave them unwritten.
+pub fn reference_seqs(
+    p: &Problem,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    alibi_slopes: Option<&[f32]>,
+    meta: &SeqMeta,
+) -> Result<Reference> {
+    p.validate()?;
+    let spans = check_metadata(p, meta)?;
+    let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
+    for (name, len, want) in [("q", q.len(), ql), ("k", k.len(), kl), ("v", v.len(), kl)] {
+        if len != want {
+            return Err(invalid!(
+                "reference: {name} has {len} elements, the problem needs {want}"
+            ));
+        }
+    }
+    if let (Some(a), Some(s)) = (p.alibi, alibi_slopes)
+        && s.len() != a.len(p.batch, p.heads)
+    {
+        return Err(invalid!(
+            "reference: {} ALiBi slopes, the problem's {a:?} layout needs {}",
+            s.len(),
+            a.len(p.batch, p.heads)
+        ));
+    }
+    let (qs, ks, d) = (p.q_strides(), p.kv_strides(), p.head_dim);
+    let packed_q = p.seqs.packed_q.is_some();
+    // Where row i of sequence b (and head h) lives in Q and the output, and key j in K and V.
+    let q_at = |b: usize, sp: &SeqSpan, h: usize, i: usize| match packed_q {
+        true => qs.offset(0, h, sp.q_start + i, 0),
+        false => qs.offset(b, h, i, 0),
+    };
+    let k_at = |b: usize, sp: &SeqSpan, hk: usize, j: usize| match p.seqs.kv {
+        KvRows::Dense => ks.offset(b, hk, j, 0),
+        KvRows::Packed { .. } => ks.offset(0, hk, sp.k_start + j, 0),
+        KvRows::Paged {
+            page_size,
+            pages_per_seq,
+            ..
+        } => {
+            let table = meta.block_table.as_deref().unwrap_or(&[]);
+            let page = table[b * pages_per_seq + j / page_size] as usize;
+            ks.offset(0, hk, page * page_size + j % page_size, 0)
+        }
+    };
+    let mut out = vec![0.0; ql];
+    let mut lse = vec![f64::NEG_INFINITY; p.lse_len()];
+    for (b, sp) in spans.iter().enumerate() {
+        if sp.seq_q == 0 || sp.seq_k == 0 {
+            continue; // no rows, or rows that see no key: zeros, log-sum-exp -inf
+        }
+        // The sequence as a dense BSHD problem of one batch entry.
+        let one = Problem {
+            batch: 1,
+            seq_q: sp.seq_q,
+            seq_k: sp.seq_k,
+            layout: crate::problem::Layout::Bshd,
+            seqs: Seqs::default(),
+            alibi: p.alibi.map(|_| Alibi::PerHead),
+            lse: true,
+            ..*p
+        };
+        let gather = |x: &[f64], heads: usize, rows: usize, at: &dyn Fn(usize, usize) -> usize| {
+            let mut g = Vec::with_capacity(rows * heads * d);
+            for r in 0..rows {
+                for h in 0..heads {
+                    g.extend_from_slice(&x[at(h, r)..][..d]);
+                }
+            }
+            g
+        };
+        let qb = gather(q, p.heads, sp.seq_q, &|h, i| q_at(b, sp, h, i));
+        let kb = gather(k, p.kv_heads, sp.seq_k, &|hk, j| k_at(b, sp, hk, j));
+        let vb = gather(v, p.kv_heads, sp.seq_k, &|hk, j| k_at(b, sp, hk, j));
+        let slopes = match (p.alibi, alibi_slopes) {
+            (Some(a), Some(s)) => Some(
+                (0..p.heads)
+                    .map(|h| s[a.index(b, h, p.heads)])
+                    .collect::<Vec<_>>(),
+            ),
+            _ => None,
+        };
+        let r = reference_with(&one, &qb, &kb, &vb, slopes.as_deref())?;
+        for i in 0..sp.seq_q {
+            for h in 0..p.heads {
+                out[q_at(b, sp, h, i)..][..d].copy_from_slice(&r.out[(i * p.heads + h) * d..][..d]);
+                let at = match packed_q {
+                    true => h * p.seqs.packed_q.unwrap_or(0) + sp.q_start + i,
+                    false => (b * p.heads + h) * p.seq_q + i,
+                };
+                lse[at] = r.lse[h * sp.seq_q + i];
+            }
+        }
+    }
+    Ok(Reference { out, lse })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::problem::Layout;
     use approx::assert_relative_eq;
+
+    /// A packed batch is its sequences computed one by one: each against the dense reference of
+    /// its own lengths (its causal diagonal at its own end), and a paged cache is the same keys
+    /// in scattered pages.
+    #[test]
+    fn packed_and_paged_batches_are_their_sequences() {
+        let (h, hk, d) = (4, 2, 8);
+        let q_lens = [5usize, 0, 9, 1];
+        let k_lens = [7usize, 3, 9, 0];
+        let cu = |l: &[usize]| {
+            let mut c = vec![0i32];
+            for &x in l {
+                c.push(c.last().unwrap() + x as i32);
+            }
+            c
+        };
+        let (tq, tk): (usize, usize) = (q_lens.iter().sum(), k_lens.iter().sum());
+        let p = Problem::new(4, h, 9, 9, d)
+            .with_kv_heads(hk)
+            .with_causal(true)
+            .with_lse(true)
+            .with_packed_q(tq)
+            .with_packed_kv(tk);
+        let val = |n: usize, s: f64| (0..n).map(|i| ((i as f64) * s).sin()).collect::<Vec<_>>();
+        let (q, k, v) = (
+            val(tq * h * d, 0.37),
+            val(tk * hk * d, 0.91),
+            val(tk * hk * d, 0.13),
+        );
+        let meta = SeqMeta {
+            cu_seqlens_q: Some(cu(&q_lens)),
+            cu_seqlens_k: Some(cu(&k_lens)),
+            ..SeqMeta::default()
+        };
+        let r = reference_seqs(&p, &q, &k, &v, None, &meta).unwrap();
+        let (mut q0, mut k0) = (0, 0);
+        for (b, (&sq, &sk)) in q_lens.iter().zip(&k_lens).enumerate() {
+            let rows = |x: &[f64], start: usize, n: usize, heads: usize| {
+                x[start * heads * d..][..n * heads * d].to_vec()
+            };
+            for i in 0..sq {
+                for hh in 0..h {
+                    let got = &r.out[((q0 + i) * h + hh) * d..][..d];
+                    let lse = r.lse[hh * tq + q0 + i];
+                    if sk == 0 {
+                        assert!(got.iter().all(|&x| x == 0.0) && lse == f64::NEG_INFINITY);
+                    }
+                }
+            }
+            if sq > 0 && sk > 0 {
+                let one = Problem::new(1, h, sq, sk, d)
+                    .with_kv_heads(hk)
+                    .with_causal(true)
+                    .with_layout(Layout::Bshd);
+                let want = reference_with(
+                    &one,
+                    &rows(&q, q0, sq, h),
+                    &rows(&k, k0, sk, hk),
+                    &rows(&v, k0, sk, hk),
+                    None,
+                )
+                .unwrap();
+                assert_eq!(
+                    &r.out[q0 * h * d..][..sq * h * d],
+                    &want.out[..],
+                    "sequence {b}"
+                );
+                for hh in 0..h {
+                    assert_eq!(r.lse[hh * tq + q0..][..sq], want.lse[hh * sq..][..sq]);
+                }
+            }
+            q0 += sq;
+            k0 += sk;
+        }
+
+        // The same keys in a paged cache of 16-key pages (sequence b's one page at a scattered
+        // index), queries dense (BHSD): sequence 2's 9 queries against a dense problem.
+        let ps = 16;
+        let pp = Problem::new(4, h, 9, 9, d)
+            .with_kv_heads(hk)
+            .with_causal(true)
+            .with_paged_kv(8, ps, 1);
+        let pages = [5i32, 2, 7, 0];
+        let mut kc = vec![0.0; 8 * ps * hk * d];
+        let mut vc = kc.clone();
+        let mut k0 = 0;
+        for (b, &sk) in k_lens.iter().enumerate() {
+            for j in 0..sk {
+                let dst = (pages[b] as usize * ps + j) * hk * d;
+                kc[dst..][..hk * d].copy_from_slice(&k[(k0 + j) * hk * d..][..hk * d]);
+                vc[dst..][..hk * d].copy_from_slice(&v[(k0 + j) * hk * d..][..hk * d]);
+            }
+            k0 += sk;
+        }
+        let qd = val(4 * 9 * h * d, 0.37);
+        let meta = SeqMeta {
+            seqused_k: Some(k_lens.iter().map(|&x| x as i32).collect()),
+            block_table: Some(pages.to_vec()),
+            ..SeqMeta::default()
+        };
+        let rp = reference_seqs(&pp, &qd, &kc, &vc, None, &meta).unwrap();
+        let one = Problem::new(1, h, 9, 9, d)
+            .with_kv_heads(hk)
+            .with_causal(true);
+        let q2 = &qd[2 * h * 9 * d..][..h * 9 * d];
+        let bhsd = |x: &[f64], start: usize| {
+            let mut o = vec![0.0; hk * 9 * d];
+            for j in 0..9 {
+                for g in 0..hk {
+                    o[(g * 9 + j) * d..][..d]
+                        .copy_from_slice(&x[((start + j) * hk + g) * d..][..d]);
+                }
+            }
+            o
+        };
+        let want = reference_with(&one, q2, &bhsd(&k, 10), &bhsd(&v, 10), None).unwrap();
+        assert_eq!(&rp.out[2 * h * 9 * d..][..h * 9 * d], &want.out[..]);
+    }
 
     /// The textbook formula, written as differently as possible: full score matrix, explicit
     /// mask with -inf, softmax by definition, BHSD indexing by hand.

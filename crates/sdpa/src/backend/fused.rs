@@ -10,7 +10,7 @@ use crate::buffers::Buffers;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ffi;
-use crate::problem::{Alibi, Checked, DType, Problem, Scaling};
+use crate::problem::{Alibi, Checked, DType, KvRows, Problem, Scaling};
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use sdpa_sys::INSTANCES;
 use sdpa_sys::ffi::{DeviceInfo, Kernel};
@@ -202,12 +202,37 @@ fn problem_args(p: &Problem) -> sdpa_sys::ffi::FwdArgs {
         v_scale: 0,
         per_head_scales: fp8 && p.fp8_scaling == Scaling::PerHead,
         workspace: 0,
+        total_q: p.seqs.packed_q.unwrap_or(0) as i64,
+        packed_kv: matches!(p.seqs.kv, KvRows::Packed { .. }),
+        page_size: match p.seqs.kv {
+            KvRows::Paged { page_size, .. } => page_size as i64,
+            _ => 0,
+        },
+        pages_per_seq: match p.seqs.kv {
+            KvRows::Paged { pages_per_seq, .. } => pages_per_seq as i64,
+            _ => 0,
+        },
+        has_seqused_k: p.seqs.seqused_k,
+        cu_seqlens_q: 0,
+        cu_seqlens_k: 0,
+        seqused_k: 0,
+        block_table: 0,
     }
 }
 
 /// The argument block of a launch; built only from checked arguments.
 fn fwd_args(p: &Problem, b: &Buffers) -> sdpa_sys::ffi::FwdArgs {
-    let [qs, ks, vs, os] = b.strides.map(|s| s.as_i64());
+    let [mut qs, mut ks, mut vs, mut os] = b.strides.map(|s| s.as_i64());
+    // Packed and paged tensors are one sequence dimension: the kernels add no batch offset.
+    if p.seqs.packed_q.is_some() {
+        qs[0] = 0;
+        os[0] = 0;
+    }
+    if p.seqs.kv != KvRows::Dense {
+        ks[0] = 0;
+        vs[0] = 0;
+    }
+    let [cu_seqlens_q, cu_seqlens_k, seqused_k, block_table] = b.seqs;
     sdpa_sys::ffi::FwdArgs {
         q: b.q,
         k: b.k,
@@ -222,6 +247,10 @@ fn fwd_args(p: &Problem, b: &Buffers) -> sdpa_sys::ffi::FwdArgs {
         v_scale: b.scales[2],
         alibi_slopes: b.alibi_slopes,
         lse: b.lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_k,
+        block_table,
         ..problem_args(p)
     }
 }
@@ -288,6 +317,12 @@ mod tests {
         for i in instances().filter(|i| built(i.backend)) {
             let parts: &[DeviceInfo] = match i.backend {
                 Backend::Cutlass => &[H100, DeviceInfo::default()],
+                // Head dims 192 and 256 take 120 and 160 KB: an A100's or a Hopper's SM.
+                Backend::CutlassSm80 if i.head_dim > 128 => {
+                    let p = Problem::new(2, 8, 1000, 1100, i.head_dim).with_dtype(i.dtype);
+                    refuses(i.backend, &SM86, &p, "bytes of shared memory per block");
+                    &[A100, H100, DeviceInfo::default()]
+                }
                 _ => &[A100, SM86, H100, DeviceInfo::default()],
             };
             for info in parts {

@@ -107,6 +107,13 @@ pub(crate) fn limits(p: &Problem) -> std::result::Result<(), String> {
     if p.lse {
         return Err("does not write the log-sum-exp".into());
     }
+    if !p.seqs.is_dense() {
+        return Err(
+            "runs dense sequences only, no packed (varlen) Q or K/V, paged cache or seqused_k \
+             (scalar runs them)"
+                .into(),
+        );
+    }
     let (qs, ks) = (p.q_strides(), p.kv_strides());
     let (_, count) = batching(p);
     for (what, value) in [

@@ -1,0 +1,221 @@
+//! Batches of sequences of different lengths on the GPU against the float64 reference: packed
+//! (varlen) Q and K/V, a paged K/V cache for decode and for prefill against a cache, seqused_k;
+//! with every mask, GQA, the log-sum-exp, softcap and ALiBi. Fresh inputs every run; the
+//! metadata's typed errors, and the backends that refuse such batches.
+
+mod common;
+
+use sdpa::{Alibi, Backend, DType, Mask, Problem, SeqMeta};
+use sdpa_harness::check::{Inputs, compare, compare_lse, fresh_seed, random_inputs};
+use sdpa_harness::seqs::{paged, varlen};
+
+/// The backends that run packed and paged batches on `dev`.
+fn seq_backends(dev: &sdpa::Device) -> Vec<Backend> {
+    let p = varlen(Problem::new(1, 2, 1, 1, 64), &[3, 5], &[4, 2]).0;
+    common::expected_backends(dev)
+        .into_iter()
+        .filter(|b| b.supports(Some(dev), &p).is_ok())
+        .collect()
+}
+
+/// Runs `b` on `inputs` and compares output and log-sum-exp with the reference; a failure's
+/// description, or None.
+fn check(
+    dev: &sdpa::Device,
+    p: &Problem,
+    b: Backend,
+    inputs: &Inputs,
+) -> sdpa::Result<Option<String>> {
+    let want = inputs.reference(p)?;
+    let (got, lse) =
+        sdpa_harness::check::run_backend_with_lse(Some(dev), p, b, inputs, Some(&want))?;
+    let r = compare(&got, &want.out, p.dtype, 0);
+    if !r.pass() {
+        return Ok(Some(format!("{b} {p}: {r:?}")));
+    }
+    if let Some(lse) = lse {
+        let (err, bad) = compare_lse(&lse, &want.lse);
+        if bad > 0 || err > sdpa_harness::check::LSE_TOLERANCE {
+            return Ok(Some(format!("{b} {p}: lse {err} ({bad} rows off)")));
+        }
+    }
+    Ok(None)
+}
+
+fn inputs(p: &Problem, meta: SeqMeta) -> Inputs {
+    random_inputs(p, fresh_seed()).unwrap().with_meta(meta)
+}
+
+/// Packed Q and K/V: empty sequences, one-row ones, seq_q above and below seq_k, every mask, GQA,
+/// D = 64, 128, 256, softcap and ALiBi on some, the log-sum-exp ([heads, total_q]).
+#[test]
+fn varlen_matches_the_reference() {
+    let Some(dev) = common::device("varlen") else {
+        return;
+    };
+    let lengths: [(&[usize], &[usize]); 3] = [
+        (&[1, 77, 0, 300, 5], &[1, 77, 40, 120, 0]),
+        (&[130, 64, 2], &[700, 64, 3]),
+        (&[257], &[257]),
+    ];
+    let masks = [
+        Mask::None,
+        Mask::CausalBottomRight,
+        Mask::CausalTopLeft,
+        Mask::Window {
+            left: Some(100),
+            right: Some(0),
+        },
+    ];
+    let backends = seq_backends(&dev);
+    let (mut ran, mut failures) = (Vec::new(), Vec::new());
+    for (i, &mask) in masks.iter().enumerate() {
+        for (j, &(ql, kl)) in lengths.iter().enumerate() {
+            let n = i * lengths.len() + j;
+            let d = [64, 128, 256][n % 3];
+            let mut base = Problem::new(1, 4, 1, 1, d)
+                .with_kv_heads([2, 4][n % 2])
+                .with_mask(mask)
+                .with_dtype(DType::ALL[n % 2])
+                .with_lse(true);
+            if n % 4 == 1 {
+                base = base.with_softcap(20.0);
+            } else if n % 4 == 3 {
+                base = base.with_alibi(Alibi::PerBatchHead);
+            }
+            let (p, meta) = varlen(base, ql, kl);
+            let x = inputs(&p, meta);
+            for &b in &backends {
+                ran.push((b, p));
+                if let Some(f) = check(&dev, &p, b, &x).unwrap() {
+                    failures.push(f);
+                }
+            }
+        }
+    }
+    common::assert_ran("varlen", &ran);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A paged cache: decode (1, 4 and 16 queries a sequence, causal: the queries are the newest
+/// keys) and prefill against a cache, page sizes 16 to 256, sequences of 0 keys, of whole pages
+/// and of a page and one key, GQA.
+#[test]
+fn paged_matches_the_reference() {
+    let Some(dev) = common::device("paged") else {
+        return;
+    };
+    let backends = seq_backends(&dev);
+    let (mut ran, mut failures) = (Vec::new(), Vec::new());
+    let k_lens: &[usize] = &[300, 16, 0, 257, 64, 1];
+    for (n, &(seq_q, page_size)) in [(1, 16), (4, 64), (16, 128), (100, 256), (1, 256), (33, 32)]
+        .iter()
+        .enumerate()
+    {
+        let base = Problem::new(1, 8, seq_q, 1, [128, 64][n % 2])
+            .with_kv_heads(2)
+            .with_mask(if n == 4 {
+                Mask::None
+            } else {
+                Mask::CausalBottomRight
+            })
+            .with_dtype(DType::ALL[n % 2])
+            .with_layout([sdpa::Layout::Bshd, sdpa::Layout::Bhsd][n % 2])
+            .with_lse(n % 2 == 0);
+        let (p, meta) = paged(base, k_lens, page_size, fresh_seed());
+        let x = inputs(&p, meta);
+        for &b in &backends {
+            ran.push((b, p));
+            if let Some(f) = check(&dev, &p, b, &x).unwrap() {
+                failures.push(f);
+            }
+        }
+    }
+    common::assert_ran("paged", &ran);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Packed queries against a paged cache (chunked prefill): each sequence's new queries are the
+/// last of its keys in the cache.
+#[test]
+fn packed_queries_against_a_paged_cache() {
+    let Some(dev) = common::device("packed queries, paged cache") else {
+        return;
+    };
+    let k_lens: &[usize] = &[500, 40, 129];
+    let q_lens: &[usize] = &[100, 40, 1];
+    let base = Problem::new(1, 4, 100, 1, 128).with_causal(true);
+    let (p, mut meta) = paged(base, k_lens, 64, fresh_seed());
+    let p = p.with_packed_q(q_lens.iter().sum());
+    meta.cu_seqlens_q = Some(sdpa_harness::seqs::cu_seqlens(q_lens));
+    let x = inputs(&p, meta);
+    let mut ran = Vec::new();
+    for b in seq_backends(&dev) {
+        ran.push((b, p));
+        assert_eq!(check(&dev, &p, b, &x).unwrap(), None);
+    }
+    common::assert_ran("packed queries, paged cache", &ran);
+}
+
+/// Metadata the call needs and does not get, or gets and does not need, is a typed error before
+/// any launch; with `Seqs::checked` bad values are too (offsets that decrease, pages out of the
+/// cache). The dense-only backends say `Unsupported`.
+#[test]
+fn metadata_errors_are_typed() {
+    let Some(dev) = common::device("metadata errors") else {
+        return;
+    };
+    let (p, meta) = varlen(Problem::new(1, 2, 1, 1, 64), &[3, 5], &[4, 2]);
+    let x = inputs(&p, meta.clone());
+    let backend = seq_backends(&dev)[0];
+    let run = |p: &Problem, meta: Option<&SeqMeta>| {
+        let [q, k, v] = x.upload(&dev, p.dtype).unwrap();
+        let mut out = sdpa::Tensor::poisoned(&dev, p.dtype, p.q_len().unwrap()).unwrap();
+        let mut bufs = sdpa_harness::check::ExtraBuffers::new(&dev, p, None).unwrap();
+        if let Some(m) = meta {
+            bufs = bufs.with_meta(&dev, m).unwrap();
+        }
+        let t = sdpa::Operands {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &mut out,
+        };
+        sdpa::forward_with(&dev, p, backend, t, bufs.extras())
+    };
+    run(&p, Some(&meta)).unwrap();
+    let missing = SeqMeta {
+        cu_seqlens_k: None,
+        ..meta.clone()
+    };
+    let e = run(&p, Some(&missing)).unwrap_err().to_string();
+    assert!(e.contains("needs cu_seqlens_k"), "{e}");
+    let extra = SeqMeta {
+        seqused_k: Some(vec![1, 1]),
+        ..meta.clone()
+    };
+    let e = run(&p, Some(&extra)).unwrap_err().to_string();
+    assert!(e.contains("seqused_k given"), "{e}");
+    let decreasing = SeqMeta {
+        cu_seqlens_q: Some(vec![0, 5, 3]),
+        ..meta.clone()
+    };
+    let checked = p.with_seqs(p.seqs.with_checked(true));
+    let e = run(&checked, Some(&decreasing)).unwrap_err();
+    assert!(
+        matches!(e, sdpa::Error::InvalidArgument(_)) && e.to_string().contains("decreases"),
+        "{e}"
+    );
+    let runs = seq_backends(&dev);
+    for b in common::expected_backends(&dev) {
+        if runs.contains(&b) || b == Backend::Cpu {
+            continue;
+        }
+        match b.supports(Some(&dev), &p) {
+            Err(sdpa::Error::Unsupported { reason, .. }) => {
+                assert!(reason.contains("dense sequences only"), "{b}: {reason}")
+            }
+            other => panic!("{b}: {other:?}"),
+        }
+    }
+}
