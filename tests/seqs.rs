@@ -1,7 +1,7 @@
 //! Batches of sequences of different lengths on the GPU against the float64 reference: packed
 //! (varlen) Q and K/V, a paged K/V cache for decode and for prefill against a cache, seqused_k;
-//! with every mask, GQA, the log-sum-exp, softcap and ALiBi. Fresh inputs every run; the
-//! metadata's typed errors, and the backends that refuse such batches.
+//! with every mask, GQA, the log-sum-exp, softcap and ALiBi, on scalar and cutlass-sm80. Fresh
+//! inputs every run; the metadata's typed errors, and the backends that refuse such batches.
 
 mod common;
 
@@ -9,13 +9,24 @@ use sdpa::{Alibi, Backend, DType, Mask, Problem, SeqMeta};
 use sdpa_harness::check::{Inputs, compare, compare_lse, fresh_seed, random_inputs};
 use sdpa_harness::seqs::{paged, varlen};
 
-/// The backends that run packed and paged batches on `dev`.
+/// The backends that run packed and paged batches on `dev`: each of scalar and cutlass-sm80 that
+/// runs here at all (a refusal of either fails the test).
 fn seq_backends(dev: &sdpa::Device) -> Vec<Backend> {
     let p = varlen(Problem::new(1, 2, 1, 1, 64), &[3, 5], &[4, 2]).0;
-    common::expected_backends(dev)
+    let runs: Vec<Backend> = common::expected_backends(dev)
         .into_iter()
         .filter(|b| b.supports(Some(dev), &p).is_ok())
-        .collect()
+        .collect();
+    for b in [Backend::Scalar, Backend::CutlassSm80] {
+        if common::expected_backends(dev).contains(&b) {
+            assert!(
+                runs.contains(&b),
+                "{b} refuses {p}: {:?}",
+                b.supports(Some(dev), &p)
+            );
+        }
+    }
+    runs
 }
 
 /// Runs `b` on `inputs` and compares output and log-sum-exp with the reference; a failure's

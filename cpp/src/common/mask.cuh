@@ -229,9 +229,10 @@ Band<Index> band_of(const FwdArgs& a) {
 }
 
 // Whether `a` needs a kernel's general path: a mask with a lower edge or a top-left diagonal,
-// a softcap, or ALiBi.
+// a softcap, ALiBi, or sequences of different lengths (whose masks move with each one's lengths).
 inline bool needs_band(const FwdArgs& a) {
-  return a.mask == Mask::CausalTopLeft || a.mask == Mask::Window || a.softcap > 0.f || a.alibi;
+  return a.mask == Mask::CausalTopLeft || a.mask == Mask::Window || a.softcap > 0.f || a.alibi ||
+         a.total_q > 0 || a.packed_kv || a.page_size > 0 || a.has_seqused_k;
 }
 
 // Calls f with the policy for `mask` (a value of the policy type, for seq_q and seq_k): where a

@@ -1,8 +1,8 @@
 // Where one sequence's rows live in a call's tensors when a batch's sequences differ in length
 // (FwdArgs' varlen and paged-cache fields): the offsets of its queries and keys, its lengths, and
-// for a paged cache the pages of its keys. A kernel reads them once per CTA (seq_of) and takes its
-// K/V row addresses from key_row; for dense sequences every offset is 0 and the lengths the
-// call's, so one code path serves both.
+// for a paged cache the pages of its keys. A kernel reads them once per CTA (seq_of) and a paged
+// cache's K/V rows per copy (paged_row); for dense sequences every offset is 0 and the lengths
+// the call's, so one code path serves both.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,7 +13,8 @@
 
 namespace sdpa {
 
-// The metadata as a kernel parameter.
+// The metadata as a kernel parameter. Kernels read it from the parameter space where they use
+// it (nothing of a paged cache stays in registers across their loops).
 struct SeqParams {
   const int32_t *cu_q, *cu_k, *used_k, *block_table;  // null: none
   int64_t pages_per_seq;
@@ -21,39 +22,35 @@ struct SeqParams {
   int64_t total_q;  // rows of packed Q (0: dense): the LSE's head stride
 
   static SeqParams of(const FwdArgs& a) {
-    SeqParams s{a.cu_seqlens_q,
-                a.cu_seqlens_k,
+    SeqParams s{a.cu_seqlens_q, a.cu_seqlens_k,
                 a.has_seqused_k ? a.seqused_k : nullptr,
                 a.page_size > 0 ? a.block_table : nullptr,
-                a.pages_per_seq,
-                0,
-                a.total_q};
+                a.pages_per_seq, 0, a.total_q};
     while ((int64_t(1) << s.page_shift) < a.page_size) ++s.page_shift;
     return s;
   }
+
+  __host__ __device__ __forceinline__ bool paged() const { return block_table != nullptr; }
+
+  // The row of a paged cache holding key j of sequence b, in K's (and V's) sequence dimension.
+  __device__ __forceinline__ int64_t paged_row(int64_t b, int64_t j) const {
+    const int64_t page = __ldg(block_table + b * pages_per_seq + (j >> page_shift));
+    return (page << page_shift) | (j & ((int64_t(1) << page_shift) - 1));
+  }
 };
 
-// One sequence: queries q0 .. q0 + seq_q of Q's (and O's) sequence dimension, keys from k0 (or
-// in pages), seq_k of them.
+// One sequence: queries q0 .. q0 + seq_q of Q's (and O's) sequence dimension, keys k0 ..
+// k0 + seq_k of packed or dense K/V (a paged cache: SeqParams::paged_row).
 template <typename Index>
 struct Seq {
   Index q0, k0, seq_q, seq_k;
-  const int32_t* pages;  // its block-table row; null: keys are rows k0 + j
-  int page_shift;
-
-  // The row of key j in K's (and V's) sequence dimension.
-  __device__ __forceinline__ int64_t key_row(Index j) const {
-    if (pages == nullptr) return int64_t(k0) + j;
-    const int64_t page = __ldg(pages + (j >> page_shift));
-    return (page << page_shift) | (j & ((Index(1) << page_shift) - 1));
-  }
 };
 
 // Sequence b's place, for a call whose longest sequences are seq_q and seq_k.
 template <typename Index>
 __device__ __forceinline__ Seq<Index> seq_of(const SeqParams& s, int64_t b, Index seq_q,
                                              Index seq_k) {
-  Seq<Index> r{0, 0, seq_q, seq_k, nullptr, 0};
+  Seq<Index> r{0, 0, seq_q, seq_k};
   if (s.cu_q != nullptr) {
     r.q0 = __ldg(s.cu_q + b);
     r.seq_q = __ldg(s.cu_q + b + 1) - r.q0;
@@ -63,10 +60,6 @@ __device__ __forceinline__ Seq<Index> seq_of(const SeqParams& s, int64_t b, Inde
     r.seq_k = __ldg(s.cu_k + b + 1) - r.k0;
   }
   if (s.used_k != nullptr) r.seq_k = __ldg(s.used_k + b);
-  if (s.block_table != nullptr) {
-    r.pages = s.block_table + b * s.pages_per_seq;
-    r.page_shift = s.page_shift;
-  }
   return r;
 }
 

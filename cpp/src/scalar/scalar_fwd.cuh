@@ -15,9 +15,10 @@
 // chosen in forward() (mask::dispatch_band): the kernel asks it for the CTA's key range, whether
 // a tile hides keys from some of a warp's rows, and per row and key whether the row sees it.
 //
-// Sequences of different lengths (packed Q or K/V, a paged cache, seqused_k; common/seqs.cuh):
-// each CTA finds its sequence's offsets and lengths, rebases the mask to them and reads each K/V
-// row where the sequence keeps it; CTAs past their sequence's queries return at once.
+// Sequences of different lengths (packed Q or K/V, a paged cache, seqused_k; common/seqs.cuh) run
+// on the Band kernel (mask::needs_band): each CTA finds its sequence's offsets and lengths,
+// rebases the band to them and reads each K/V row where the sequence keeps it; CTAs past their
+// sequence's queries return at once.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -97,13 +98,20 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const __grid_constant__ P
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t m0 = int64_t(blockIdx.x) * kBM;
   const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  // Sequence b: its queries from row q0, its keys at seq.key_row(j); the grid covers the longest.
-  const Seq<int64_t> seq = seq_of<int64_t>(pm.seqs, b, p.seq_q, p.seq_k);
-  if (m0 >= seq.seq_q) return;  // CTA-uniform, before any barrier
+  // Sequence b (the Band kernel only): its queries from row q0, its keys from k0 or in pages; the
+  // grid covers the longest.
+  constexpr bool kBand = mask::kIsBand<Mask>;
+  Seq<int64_t> seq{0, 0, p.seq_q, p.seq_k};
+  if constexpr (kBand) {
+    seq = seq_of<int64_t>(pm.seqs, b, p.seq_q, p.seq_k);
+    if (m0 >= seq.seq_q) return;  // CTA-uniform, before any barrier
+  }
   const uint8_t* qb = p.q + 2 * (b * p.qs.batch + h * p.qs.head + seq.q0 * p.qs.seq);
-  const uint8_t* kb = p.k + 2 * (b * p.ks.batch + hk * p.ks.head);
-  const uint8_t* vb = p.v + 2 * (b * p.vs.batch + hk * p.vs.head);
-  const Mask mask = pm.mask.rebased(seq.seq_q, seq.seq_k);  // which keys each row sees
+  const bool paged = kBand && pm.seqs.paged();  // else K/V rows from the sequence's first, k0
+  const int64_t k0 = paged ? 0 : seq.k0;
+  const uint8_t* kb = p.k + 2 * (b * p.ks.batch + hk * p.ks.head + k0 * p.ks.seq);
+  const uint8_t* vb = p.v + 2 * (b * p.vs.batch + hk * p.vs.head + k0 * p.vs.seq);
+  const Mask mask = kBand ? pm.mask.rebased(seq.seq_q, seq.seq_k) : pm.mask;  // keys each row sees
   const int64_t seq_q = seq.seq_q, seq_k = seq.seq_k;
   // ALiBi's slope in the log2 domain, and the diagonal its distances are measured from.
   const float slope2 = pm.alibi ? pm.alibi[b * pm.alibi_bstride + h] * 1.4426950408889634f : 0.f;
@@ -145,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const __grid_constant__ P
       const int r = c / CH, w = (c % CH) * 4;
       uint4 ku = make_uint4(0, 0, 0, 0), vu = ku;
       if (n0 + r < seq_k) {
-        const int64_t row = seq.key_row(n0 + r);
+        const int64_t row = paged ? pm.seqs.paged_row(b, n0 + r) : n0 + r;
         ku = *reinterpret_cast<const uint4*>(kb + 2 * (row * p.ks.seq + 2 * w));
         vu = *reinterpret_cast<const uint4*>(vb + 2 * (row * p.vs.seq + 2 * w));
       }

@@ -559,7 +559,7 @@ std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
   if (a.seq_k > kMaxSeqK)
     seq_k = "seq_k = " + std::to_string(a.seq_k) +
             " exceeds 2^30: the wmma kernel computes key-tile offsets in 32-bit int";
-  return limits::first({mask::plain_only(a, "wmma"), limits::dense_sequences(a, "wmma"),
+  return limits::first({limits::dense_sequences(a, "wmma"), mask::plain_only(a, "wmma"),
                         limits::grid_of_query_tiles(a, kBM), seq_k, limits::sm80_or_newer(dev),
                         limits::smem_per_block(dev, Layout<D>::kBytes)});
 }

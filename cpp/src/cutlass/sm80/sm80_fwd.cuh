@@ -55,6 +55,11 @@
 // the softmax then runs with scale 1), and checks V tiles its lower edge crosses too. Every
 // instantiation writes the log-sum-exp where asked for.
 //
+// Sequences of different lengths (packed Q or K/V, a paged cache, seqused_k; common/seqs.cuh) run
+// on the general path (mask::needs_band), so the plain kernels keep their registers: each CTA
+// finds its sequence's offsets and lengths, rebases the band to them and returns at once past its
+// queries; a paged cache's K/V rows come through the block table, one lookup a copy pass.
+//
 // Head dims 192 and 256 keep O (96 and 128 registers) but not Q in registers: Q has a buffer of
 // its own and its fragments are re-read per k-block; two K/V stages (120 and 160 KB with Q) fit
 // an A100 or Hopper SM once.
@@ -96,6 +101,7 @@
 #include "common/mask.cuh"
 #include "common/nonfinite.cuh"
 #include "common/score_mods.cuh"
+#include "common/seqs.cuh"
 #include "common/smem.cuh"
 #include "cutlass/dtype.cuh"
 
@@ -294,10 +300,17 @@ struct Params {
   float cap2;
   const float* alibi;
   int alibi_bstride;
+  SeqParams seqs;  // sequences of different lengths (dense: every offset 0)
 };
 
+// CTAs per SM a kernel's registers must allow: the Cfg's, but at most two for the general path
+// (at D = 64 it needs ~175 registers: the band's edges, score mods and sequences).
+template <class C, class Mask>
+constexpr int kMinBlocks = mask::kIsBand<Mask> && C::kMinBlocks > 2 ? 2 : C::kMinBlocks;
+
 template <typename T, int D, class Mask, int W, int MT>
-__global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::kMinBlocks)
+__global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads,
+                                  kMinBlocks<Cfg<T, D, W, MT>, Mask>)
     fwd_kernel(const __grid_constant__ Params<T, Mask> p) {
 #ifdef SDPA_SM80_DEVICE
   using C = Cfg<T, D, W, MT>;
@@ -312,11 +325,18 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment row group / column pair
-  const Mask& mask = p.mask;
-  const int seq_q = mask.seq_q, seq_k = mask.seq_k;
   const int m_block = Mask::kMasksKeys ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
   const int m0 = m_block * BM;
+  // Sequence b (common/seqs.cuh; the general path only): its queries from row q0, its keys from
+  // k0 or in pages; the grid covers the longest, and the mask is rebased to this one's lengths.
+  Seq<int> seq{0, 0, p.mask.seq_q, p.mask.seq_k};
+  if constexpr (kBand) {
+    seq = seq_of<int>(p.seqs, b, p.mask.seq_q, p.mask.seq_k);
+    if (m0 >= seq.seq_q) return;  // CTA-uniform, before any barrier
+  }
+  const Mask mask = kBand ? p.mask.rebased(seq.seq_q, seq.seq_k) : p.mask;
+  const int seq_q = mask.seq_q, seq_k = mask.seq_k;
   // Key tiles [n_begin, n_tiles) hold the keys the CTA's rows see; the warp's rows need those
   // below w_tiles only (none for a warp past seq_q).
   const int n_begin = mask.key_begin(m0, BM) / BN;
@@ -361,28 +381,29 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
     const int crow = tid / RT, cchunk = tid % RT;
     const int c_soff = C::off(crow, cchunk * 8);
     // Per-thread base pointers stay live across the sweep; tile and pass offsets are recomputed
-    // from the (constant-bank) strides where they are used.
+    // from the (constant-bank) strides where they are used. A paged cache's rows come from its
+    // block table instead, looked up per pass for the rows in bounds.
+    const bool paged = kBand && p.seqs.paged();
+    const int64_t first_row = paged ? 0 : int64_t(seq.k0) + crow;
     const T* const kg = p.k + (int64_t(b) * p.ks.batch + int64_t(hk) * p.ks.head +
-                               int64_t(crow) * p.ks.seq + cchunk * 8);
+                               first_row * p.ks.seq + cchunk * 8);
     const T* const vg = p.v + (int64_t(b) * p.vs.batch + int64_t(hk) * p.vs.head +
-                               int64_t(crow) * p.vs.seq + cchunk * 8);
+                               first_row * p.vs.seq + cchunk * 8);
     const auto load_kv = [&](int n, int s) {
       const int rows = seq_k - n * BN - crow;  // pass i is in bounds iff i·kPassRows < rows
       T* const sk = smem + s * C::kStageElems + c_soff;
 #pragma unroll
-      for (int i = 0; i < BN / C::kPassRows; ++i)
+      for (int i = 0; i < BN / C::kPassRows; ++i) {
+        const bool in = i * C::kPassRows < rows;
+        const int64_t row = paged ? (in ? p.seqs.paged_row(b, n * BN + i * C::kPassRows + crow) : 0)
+                                  : int64_t(n * BN + i * C::kPassRows);
 #pragma unroll
-        for (int j = 0; j < RR; ++j)
-          cp_async16(sk + i * C::kPassRows * D + j * RT * 8,
-                     kg + int64_t(n * BN + i * C::kPassRows) * p.ks.seq + j * RT * 8,
-                     i * C::kPassRows < rows);
-#pragma unroll
-      for (int i = 0; i < BN / C::kPassRows; ++i)
-#pragma unroll
-        for (int j = 0; j < RR; ++j)
+        for (int j = 0; j < RR; ++j) {
+          cp_async16(sk + i * C::kPassRows * D + j * RT * 8, kg + row * p.ks.seq + j * RT * 8, in);
           cp_async16(sk + C::kTileElems + i * C::kPassRows * D + j * RT * 8,
-                     vg + int64_t(n * BN + i * C::kPassRows) * p.vs.seq + j * RT * 8,
-                     i * C::kPassRows < rows);
+                     vg + row * p.vs.seq + j * RT * 8, in);
+        }
+      }
     };
 
     // Prologue: Q with the first K/V tile (group 0), then the next S-2, one commit group each.
@@ -391,7 +412,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
       const int rows = seq_q - m0 - crow;
       const int64_t qpass = int64_t(C::kPassRows) * p.qs.seq;
       const T* qp = p.q + int64_t(b) * p.qs.batch + int64_t(h) * p.qs.head +
-                    int64_t(m0 + crow) * p.qs.seq + cchunk * 8;
+                    int64_t(seq.q0 + m0 + crow) * p.qs.seq + cchunk * 8;
 #pragma unroll
       for (int i = 0; i < BM / C::kPassRows; ++i) {
 #pragma unroll
@@ -666,7 +687,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int row = wrow + 16 * mt + g + 8 * r;
       if (p.lse != nullptr && t == 0 && m0 + row < seq_q)
-        p.lse[(int64_t(b) * p.heads + h) * seq_q + m0 + row] =
+        p.lse[lse_index(p.seqs, seq, b, h, p.heads, p.mask.seq_q, m0 + row)] =
             l > 0.f ? (m_run[mt][r] * sl2 + __log2f(l)) * 0.6931471805599453f : -INFINITY;
 #pragma unroll
       for (int j = 0; j < kON; ++j)
@@ -680,7 +701,8 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, Cfg<T, D, W, MT>::
     constexpr int kRowsPerStep = 32 / RT;
     static_assert(WM % kRowsPerStep == 0, "a warp's rows in whole steps");
     const int r0 = lane / RT, c = lane % RT;
-    T* op = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head + int64_t(mw0 + r0) * p.os.seq +
+    T* op = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head +
+            int64_t(seq.q0 + mw0 + r0) * p.os.seq +
             c * 8;
     const int64_t ostep = int64_t(kRowsPerStep) * p.os.seq;
     const int rows = seq_q - mw0 - r0;
@@ -743,7 +765,6 @@ std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
     return smem_bytes<T, D, 4, 1, Mask>();
   });
   return limits::first({mask::narrow_window(a, Cfg<T, D, 4, 1>::kBN, "cutlass-sm80"),
-                        limits::dense_sequences(a, "cutlass-sm80"),
                         limits::grid_of_query_tiles(a, Cfg<T, D, 4, 1>::kBM),
                         limits::int_sequences(a, "cutlass-sm80", kMaxTileRows),
                         limits::sm80_or_newer(dev), limits::smem_per_block(dev, smem)});
@@ -774,6 +795,7 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
   p.cap2 = a.softcap > 0.f ? a.softcap * 1.4426950408889634f : 0.f;
   p.alibi = a.alibi ? a.alibi_slopes : nullptr;
   p.alibi_bstride = int(a.alibi_batch_stride);
+  p.seqs = SeqParams::of(a);
   // Under a mask that hides keys CTAs are launched last query block first (the kernel reverses
   // blockIdx.x).
   const dim3 grid(unsigned((a.seq_q + C::kBM - 1) / C::kBM), unsigned(a.heads), unsigned(a.batch));
