@@ -23,6 +23,9 @@ namespace sdpa {
 namespace cutlass_sm90 {
 int64_t workspace_e4m3(const FwdArgs&);
 }  // namespace cutlass_sm90
+namespace cutlass_sm80 {
+int64_t workspace_decode(const FwdArgs&, const DeviceInfo&);
+}  // namespace cutlass_sm80
 #endif
 }  // namespace sdpa
 #undef SDPA_INSTANCE
@@ -115,13 +118,15 @@ void forward(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev, void* strea
   find(kernel, a.dtype, a.head_dim)->forward(a, dev, static_cast<cudaStream_t>(stream));
 }
 
-int64_t workspace_bytes(Kernel kernel, const FwdArgs& a) {
+int64_t workspace_bytes(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) {
   if (simulated(kernel, a)) return simulated_workspace_bytes(a);
 #if defined(SDPA_HAVE_CUTLASS)
   if (kernel == Kernel::Cutlass && a.dtype == Dtype::E4M3) return cutlass_sm90::workspace_e4m3(a);
+  if (kernel == Kernel::CutlassSm80) return cutlass_sm80::workspace_decode(a, dev);
 #endif
   (void)kernel;
   (void)a;
+  (void)dev;
   return 0;
 }
 

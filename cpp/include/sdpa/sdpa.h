@@ -146,8 +146,9 @@ std::string can_implement(Kernel kernel, const FwdArgs& args, const DeviceInfo& 
 // describes; throws can_implement's reason where it is not empty.
 void forward(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev, void* stream);
 
-// Bytes of scratch memory `forward(kernel, args)` needs in args.workspace (0 for most).
-int64_t workspace_bytes(Kernel kernel, const FwdArgs& args);
+// Bytes of scratch memory `forward(kernel, args)` on the device `dev` describes needs in
+// args.workspace (0 for most; decode's split-KV partials depend on the SM count).
+int64_t workspace_bytes(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
 
 void masked_softmax(const SoftmaxArgs& args, void* stream);
 

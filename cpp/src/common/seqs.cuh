@@ -22,10 +22,13 @@ struct SeqParams {
   int64_t total_q;  // rows of packed Q (0: dense): the LSE's head stride
 
   static SeqParams of(const FwdArgs& a) {
-    SeqParams s{a.cu_seqlens_q, a.cu_seqlens_k,
+    SeqParams s{a.cu_seqlens_q,
+                a.cu_seqlens_k,
                 a.has_seqused_k ? a.seqused_k : nullptr,
                 a.page_size > 0 ? a.block_table : nullptr,
-                a.pages_per_seq, 0, a.total_q};
+                a.pages_per_seq,
+                0,
+                a.total_q};
     while ((int64_t(1) << s.page_shift) < a.page_size) ++s.page_shift;
     return s;
   }

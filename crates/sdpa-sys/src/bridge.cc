@@ -85,8 +85,8 @@ void forward(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev, std::siz
   sdpa::forward(kernel, convert(args), convert(dev), reinterpret_cast<void*>(stream));
 }
 
-int64_t workspace_bytes(Kernel kernel, const FwdArgs& args) {
-  return sdpa::workspace_bytes(kernel, convert(args));
+int64_t workspace_bytes(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev) {
+  return sdpa::workspace_bytes(kernel, convert(args), convert(dev));
 }
 
 void absmax(uint64_t x, bool x_is_f32, Dtype dtype, int64_t n, ScaleMap m, uint64_t amax,

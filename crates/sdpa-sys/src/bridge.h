@@ -24,7 +24,7 @@ void masked_softmax(const SoftmaxArgs& args, std::size_t stream);
 void sanitize_v(const NonFiniteVArgs& args, std::size_t stream);
 void add_nonfinite_v(const NonFiniteVArgs& args, std::size_t stream);
 void e4m3_encode(uint64_t x, uint64_t y, int64_t n, float inv_scale, std::size_t stream);
-int64_t workspace_bytes(Kernel kernel, const FwdArgs& args);
+int64_t workspace_bytes(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
 void absmax(uint64_t x, bool x_is_f32, Dtype dtype, int64_t n, ScaleMap map, uint64_t amax,
             int64_t groups, std::size_t stream);
 void e4m3_quantize(uint64_t x, bool x_is_f32, Dtype dtype, uint64_t y, int64_t n, ScaleMap map,

@@ -204,8 +204,9 @@ pub mod ffi {
             dev: &DeviceInfo,
             stream: usize,
         ) -> Result<()>;
-        /// Scratch bytes `forward(kernel, args)` needs in `args.workspace`.
-        fn workspace_bytes(kernel: Kernel, args: &FwdArgs) -> Result<i64>;
+        /// Scratch bytes `forward(kernel, args)` on the device `dev` describes needs in
+        /// `args.workspace`.
+        fn workspace_bytes(kernel: Kernel, args: &FwdArgs, dev: &DeviceInfo) -> Result<i64>;
         /// # Safety
         /// `args.s` and `args.p` must be live device buffers of `rows * seq_k` elements (f32
         /// and the dtype) on the current context; `stream` a valid stream there.

@@ -309,8 +309,7 @@ template <class C, class Mask>
 constexpr int kMinBlocks = mask::kIsBand<Mask> && C::kMinBlocks > 2 ? 2 : C::kMinBlocks;
 
 template <typename T, int D, class Mask, int W, int MT>
-__global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads,
-                                  kMinBlocks<Cfg<T, D, W, MT>, Mask>)
+__global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, kMinBlocks<Cfg<T, D, W, MT>, Mask>)
     fwd_kernel(const __grid_constant__ Params<T, Mask> p) {
 #ifdef SDPA_SM80_DEVICE
   using C = Cfg<T, D, W, MT>;
@@ -702,8 +701,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads,
     static_assert(WM % kRowsPerStep == 0, "a warp's rows in whole steps");
     const int r0 = lane / RT, c = lane % RT;
     T* op = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head +
-            int64_t(seq.q0 + mw0 + r0) * p.os.seq +
-            c * 8;
+            int64_t(seq.q0 + mw0 + r0) * p.os.seq + c * 8;
     const int64_t ostep = int64_t(kRowsPerStep) * p.os.seq;
     const int rows = seq_q - mw0 - r0;
 #pragma unroll

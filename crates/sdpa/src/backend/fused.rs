@@ -119,7 +119,7 @@ pub(crate) fn forward(kernel: Kernel, dev: &Device, p: &Checked, b: &Buffers) ->
     // lock is held until the launch is enqueued, so a concurrent grow cannot free it under us;
     // stream order does the rest. Only kernels that asked for scratch take it (the 16-bit ones
     // never do).
-    let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &args)? as usize;
+    let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &args, &dev.info())? as usize;
     let mut guard = None;
     if bytes > 0 {
         let scratch = guard.insert(lock_scratch(dev)?);
@@ -138,7 +138,7 @@ pub(crate) fn forward(kernel: Kernel, dev: &Device, p: &Checked, b: &Buffers) ->
 /// Grows the device's scratch to what `kernel` asks for on `p`, so that a later call (one
 /// captured into a graph, say) allocates nothing.
 pub(crate) fn reserve(kernel: Kernel, dev: &Device, p: &Problem) -> Result<()> {
-    let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &problem_args(p))? as usize;
+    let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &problem_args(p), &dev.info())? as usize;
     if bytes > 0 {
         grow(dev, &mut *lock_scratch(dev)?, bytes)?;
     }

@@ -1,0 +1,518 @@
+// Decode: a few query tokens (1 to 16 a sequence) against many cached keys, at the memory
+// bandwidth the K/V reads allow. The prefill kernel (sm80_fwd.cuh) gives each CTA 64 query rows of
+// one head, so a decode step would load each K/V head's bytes once per query head and leave most
+// of the mma rows empty. Here:
+//   - a CTA's rows are the (token, head) pairs of one K/V head's GQA group (row r: token r / group,
+//     head hk · group + r % group), 16 or 32 of them, so each K/V byte is read once per group;
+//   - the keys are split across CTAs (split-KV: `splits` ranges of `split_tiles` 64-key tiles,
+//     chosen from the problem and the SM count so the grid fills the GPU) and, within a CTA,
+//     across its 4 warps (warp w takes keys 16w .. 16w + 15 of each tile), each warp keeping its
+//     own online-softmax state over all the CTA's rows;
+//   - the warps' states meet in shared memory at the end; with one split the CTA writes the
+//     output, with several it writes its normalized partial output and log-sum-exp (f32, to the
+//     workspace) and `combine_kernel` merges them: O = Σ_s e^{lse_s - m} O_s / Σ_s e^{lse_s - m}.
+// Nothing is allocated or synchronized per call: the workspace is the caller's (workspace_bytes),
+// so a decode step can be captured in a CUDA graph.
+//
+// K/V tiles stream through 3 cp.async stages with the prefill kernel's geometry and swizzle
+// (Cfg<T, D, 4, 1>: 64 keys, [key][d] rows); Q through a buffer of its own, its fragments re-read
+// per k-block (the kernel is bound by memory, not by ldmatrix). Sequences of different lengths,
+// a paged cache and seqused_k work as in the prefill kernel (common/seqs.cuh).
+//
+// Masks: none and causal bottom-right (a token sees the keys up to its own position); neither
+// hides a key below the lower edge, so a row's visible keys of a tile are a prefix. The
+// non-finite V check: a tile that hides keys from some row (causal with several tokens) is
+// scanned; if it holds a NaN or an infinity, its columns' first non-finite keys are recorded and
+// zeroed, each (row, column) ORs the kinds its visible keys hold into a flag byte, and the
+// combined output adds the reference's term for them (common/nonfinite.cuh).
+#pragma once
+
+#include "cutlass/sm80/sm80_fwd.cuh"
+
+namespace sdpa::cutlass_sm80::decode {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kStages = 3;
+// Query tokens a decode step may have (speculative decoding's drafts included).
+constexpr int64_t kMaxTokens = 16;
+
+// Geometry at head dim D with MT m16 strips of rows (16 · MT rows a CTA).
+template <typename T, int D, int MT>
+struct Geo {
+  using C = Cfg<T, D, 4, 1>;  // the prefill tiles: 64 keys, swizzled [key][d] rows
+  static constexpr int kBN = C::kBN;
+  static constexpr int kRows = 16 * MT;
+  static_assert(kBN == 16 * kWarps, "a warp takes 16 keys of a tile");
+  static constexpr int kStageElems = C::kStageElems;
+  static constexpr int kQOffset = kStages * kStageElems;  // elements
+  static constexpr int kQElems = kRows * D;
+  // After the stages and Q: the tile's non-finite records, then each (row, column)'s flags.
+  static constexpr int kRecOffset = (kQOffset + kQElems) * int(sizeof(T));  // bytes
+  static constexpr int kFlagOffset = kRecOffset + int(sizeof(NonFiniteCols<D>));
+  static constexpr int kSmemBytes = kFlagOffset + kRows * D;
+  // The warps' states at the end, over the stages: m, l [warp][row], O [warp][row][D + 1].
+  static constexpr int kOPitch = D + 1;
+  static_assert((2 * kWarps * kRows + kWarps * kRows * kOPitch) * 4 <= kQOffset * int(sizeof(T)),
+                "the end state fits the stages");
+};
+
+template <typename T, class Mask>
+struct Params {
+  const T *q, *k, *v;
+  T* o;
+  Strides qs, ks, vs, os;
+  Mask mask;  // for the longest sequences; rebased to each
+  int group, heads, row_blocks;
+  float scale_log2;
+  float* lse;  // final log-sum-exp (null: none)
+  SeqParams seqs;
+  int splits, split_tiles;
+  int64_t lse_rows;      // rows of the LSE layout: the workspace's per-split stride
+  float *ws_o, *ws_lse;  // splits > 1: [split][lse row][D], [split][lse row]
+};
+
+template <typename T, int D, int MT, class Mask>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_kernel(const __grid_constant__ Params<T, Mask> p) {
+#ifdef SDPA_SM80_DEVICE
+  using G = Geo<T, D, MT>;
+  using C = typename G::C;
+  constexpr int BN = G::kBN, S = kStages, R = G::kRows;
+  constexpr int RT = C::kRowThreads, RR = C::kRowReps;
+  constexpr int kQK = D / 16, kON = D / 8;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  T* const smem = reinterpret_cast<T*>(smem_raw);
+  T* const sQ = smem + G::kQOffset;
+  NonFiniteCols<D>& nf = *reinterpret_cast<NonFiniteCols<D>*>(smem_raw + G::kRecOffset);
+  uint8_t* const flags = smem_raw + G::kFlagOffset;  // [row][col]: bits NaN, +Inf, -Inf seen
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int split = blockIdx.x, hk = blockIdx.y / p.row_blocks, b = blockIdx.z;
+  const int r0 = (blockIdx.y % p.row_blocks) * R;  // the CTA's first (token, head) row
+  const Seq<int> seq = seq_of<int>(p.seqs, b, p.mask.seq_q, p.mask.seq_k);
+  const int rows = seq.seq_q * p.group;
+  if (r0 >= rows) return;  // no such tokens in this sequence (CTA-uniform)
+  const Mask mask = p.mask.rebased(seq.seq_q, seq.seq_k);
+  const int seq_k = seq.seq_k;
+  const int tok_lo = r0 / p.group, tok_hi = (min(r0 + R, rows) - 1) / p.group;
+  // The key tiles of this split that some row of the CTA sees.
+  const int n_lo = split * p.split_tiles;
+  const int n_begin = max(n_lo, mask.key_begin(tok_lo, tok_hi - tok_lo + 1) / BN);
+  const int n_end =
+      min(n_lo + p.split_tiles, (mask.key_end(tok_lo, tok_hi - tok_lo + 1) + BN - 1) / BN);
+
+  for (int i = tid; i < R * D; i += kThreads) flags[i] = 0;
+  float o[MT][kON][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < kON; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+  float m_run[MT][2], l_run[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m_run[mt][r] = -INFINITY;
+      l_run[mt][r] = 0.f;
+    }
+  const float sl2 = p.scale_log2;
+
+  if (n_begin < n_end) {
+    const int crow = tid / RT, cchunk = tid % RT;
+    const int c_soff = C::off(crow, cchunk * 8);
+    const bool paged = p.seqs.paged();
+    const int64_t first_row = paged ? 0 : int64_t(seq.k0) + crow;
+    const T* const kg = p.k + (int64_t(b) * p.ks.batch + int64_t(hk) * p.ks.head +
+                               first_row * p.ks.seq + cchunk * 8);
+    const T* const vg = p.v + (int64_t(b) * p.vs.batch + int64_t(hk) * p.vs.head +
+                               first_row * p.vs.seq + cchunk * 8);
+    const auto load_kv = [&](int n, int s) {
+      const int in_rows = seq_k - n * BN - crow;
+      T* const sk = smem + s * G::kStageElems + c_soff;
+#pragma unroll
+      for (int i = 0; i < BN / C::kPassRows; ++i) {
+        const bool in = i * C::kPassRows < in_rows;
+        const int64_t row = paged ? (in ? p.seqs.paged_row(b, n * BN + i * C::kPassRows + crow) : 0)
+                                  : int64_t(n * BN + i * C::kPassRows);
+#pragma unroll
+        for (int j = 0; j < RR; ++j) {
+          cp_async16(sk + i * C::kPassRows * D + j * RT * 8, kg + row * p.ks.seq + j * RT * 8, in);
+          cp_async16(sk + C::kTileElems + i * C::kPassRows * D + j * RT * 8,
+                     vg + row * p.vs.seq + j * RT * 8, in);
+        }
+      }
+    };
+    // Q rows (token, head) of the CTA, zero past the sequence's tokens; with the first tile.
+    for (int c = tid; c < R * (D / 8); c += kThreads) {
+      const int row = c / (D / 8), chunk = c % (D / 8), r = r0 + row;
+      const int tok = r / p.group, head = hk * p.group + r % p.group;
+      const T* src = p.q + int64_t(b) * p.qs.batch + int64_t(head) * p.qs.head +
+                     int64_t(seq.q0 + (r < rows ? tok : 0)) * p.qs.seq + chunk * 8;
+      cp_async16(sQ + C::off(row, chunk * 8), src, r < rows);
+    }
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) {
+      if (n_begin + i < n_end) load_kv(n_begin + i, i);
+      cute::cp_async_fence();
+    }
+
+    const int swz = C::phase(lane);
+    const auto x_chunk = [swz](int c) { return (c ^ swz) << 3; };
+    const int q_row = lane & 15, q_chunk = lane >> 4;
+    const int k_row = (lane & 7) + ((lane >> 4) << 3) + 16 * warp, k_chunk = (lane >> 3) & 1;
+    const int v_row = (lane & 15) + 16 * warp, v_chunk = lane >> 4;
+
+    for (int n = n_begin; n < n_end; ++n) {
+      const int s = (n - n_begin) % S;
+      const int n0 = n * BN;
+      cute::cp_async_wait<S - 2>();
+      // A tile that hides keys from some row (past seq_k aside) is checked for non-finite V.
+      const bool partial = Mask::kMasksKeys && n0 + BN - 1 > mask.last_key(tok_lo) &&
+                           mask.last_key(tok_lo) + 1 < seq_k;
+      bool nonfinite = false;
+      if (partial)
+        nonfinite = __syncthreads_or(own_v_chunks_nonfinite<T, D, 4, 1>(
+                        smem + s * G::kStageElems + C::kTileElems + c_soff)) != 0;
+      else
+        __syncthreads();
+      if (n + S - 1 < n_end) load_kv(n + S - 1, (n - n_begin + S - 1) % S);
+      cute::cp_async_fence();
+      const T* const sK = smem + s * G::kStageElems;
+      const T* const sV = sK + C::kTileElems;
+      if (nonfinite) {  // rare; CTA-uniform
+        record_and_zero<T, D, 4, 1, false>(const_cast<T*>(sV), nf, nf, tid);
+        __syncthreads();
+        for (int i = tid; i < R * D; i += kThreads) {
+          const int row = i / D, col = i % D, r = r0 + row;
+          if (r >= rows) continue;
+          const int last = min(mask.last_key(r / p.group) - n0, int(kNoKey) - 1);
+          flags[i] |= (int(nf.first[0][col]) <= last ? 1 : 0) |
+                      (int(nf.first[1][col]) <= last ? 2 : 0) |
+                      (int(nf.first[2][col]) <= last ? 4 : 0);
+        }
+      }
+
+      // S = Q·Kᵀ over this warp's 16 keys.
+      float sacc[MT][2][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          sacc[mt][j][0] = sacc[mt][j][1] = sacc[mt][j][2] = sacc[mt][j][3] = 0.f;
+#pragma unroll
+      for (int kb = 0; kb < kQK; ++kb) {
+        uint32_t kf[4];
+        ldsm(kf, sK + k_row * D + x_chunk(2 * kb + k_chunk));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          uint32_t qf[4];
+          ldsm(qf, sQ + (q_row + 16 * mt) * D + x_chunk(2 * kb + q_chunk));
+          mma<T>(sacc[mt][0], qf, kf[0], kf[1]);
+          mma<T>(sacc[mt][1], qf, kf[2], kf[3]);
+        }
+      }
+
+      // Mask (keys past seq_k or past a token's last), online softmax, P in T.
+      const int key0 = n0 + 16 * warp + 2 * t;  // this thread's first key column
+      const bool edge = n0 + BN > seq_k || partial;
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (edge) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = r0 + 16 * mt + g + 8 * r;
+            const int last = mask.last_key(min(row, rows - 1) / p.group) - key0;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                if (8 * j + e > last) sacc[mt][j][2 * r + e] = -INFINITY;
+          }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = m_run[mt][r];
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            mx = fmaxf(mx, fmaxf(sacc[mt][j][2 * r], sacc[mt][j][2 * r + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          // As the prefill kernel: the max's product carried as hi + lo, exact at any size.
+          const float hi = mx == -INFINITY ? 0.f : __fmul_rn(mx, sl2);
+          const float lo = mx == -INFINITY ? 0.f : fmaf(mx, sl2, -hi);
+          alpha[r] = mx == m_run[mt][r] ? 1.f : exp2f(fmaf(m_run[mt][r], sl2, -hi) - lo);
+          m_run[mt][r] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float x = exp2f(fmaf(sacc[mt][j][2 * r + e], sl2, -hi) - lo);
+              sacc[mt][j][2 * r + e] = x;
+              sum += x;
+            }
+          l_run[mt][r] = fmaf(l_run[mt][r], alpha[r], sum);
+        }
+#pragma unroll
+        for (int j = 0; j < kON; ++j) {
+          o[mt][j][0] *= alpha[0];
+          o[mt][j][1] *= alpha[0];
+          o[mt][j][2] *= alpha[1];
+          o[mt][j][3] *= alpha[1];
+        }
+        pa[mt][0] = pack2<T>(sacc[mt][0][0], sacc[mt][0][1]);
+        pa[mt][1] = pack2<T>(sacc[mt][0][2], sacc[mt][0][3]);
+        pa[mt][2] = pack2<T>(sacc[mt][1][0], sacc[mt][1][1]);
+        pa[mt][3] = pack2<T>(sacc[mt][1][2], sacc[mt][1][3]);
+      }
+
+      // O += P·V over the same 16 keys.
+#pragma unroll
+      for (int dp = 0; dp < kON / 2; ++dp) {
+        uint32_t vf[4];
+        ldsm_t(vf, sV + v_row * D + x_chunk(2 * dp + v_chunk));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma<T>(o[mt][2 * dp], pa[mt], vf[0], vf[1]);
+          mma<T>(o[mt][2 * dp + 1], pa[mt], vf[2], vf[3]);
+        }
+      }
+    }
+    cute::cp_async_wait<0>();
+  }
+  __syncthreads();  // every warp is done with the stages: they hold the end state now
+
+  // The warps' states: m (raw units), l (quad-summed) and O by (warp, row).
+  float* const sm_m = reinterpret_cast<float*>(smem_raw);
+  float* const sm_l = sm_m + kWarps * R;
+  float* const sm_o = sm_l + kWarps * R;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = 16 * mt + g + 8 * r;
+      float l = l_run[mt][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (t == 0) {
+        sm_m[warp * R + row] = m_run[mt][r];
+        sm_l[warp * R + row] = l;
+      }
+      float* const orow = sm_o + (warp * R + row) * G::kOPitch;
+#pragma unroll
+      for (int j = 0; j < kON; ++j) {
+        orow[8 * j + 2 * t] = o[mt][j][2 * r];
+        orow[8 * j + 2 * t + 1] = o[mt][j][2 * r + 1];
+      }
+    }
+  __syncthreads();
+
+  // Combined: per row, the max over warps, each warp's factor, l; per (row, column), O. One
+  // warp a row at a time, lanes over the columns.
+  for (int row = warp; row < R; row += kWarps) {
+    const int r = r0 + row;
+    if (r >= rows) break;  // rows only grow
+    const int tok = r / p.group, head = hk * p.group + r % p.group;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sm_m[w * R + row]);
+    float f[kWarps], l = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = sm_m[w * R + row];
+      f[w] = mw == -INFINITY ? 0.f : exp2f((mw - m) * sl2);
+      l += f[w] * sm_l[w * R + row];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float lse = l > 0.f ? (m * sl2 + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+    const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
+    T* const out = p.o + int64_t(b) * p.os.batch + int64_t(head) * p.os.head +
+                   int64_t(seq.q0 + tok) * p.os.seq;
+    for (int col = 2 * lane; col < D; col += 64) {
+      float x[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) acc += f[w] * sm_o[(w * R + row) * G::kOPitch + col + e];
+        const int fl = flags[row * D + col + e];
+        x[e] = acc * inv + (fl ? nonfinite_value(fl & 1, fl & 2, fl & 4) : 0.f);
+      }
+      if (p.splits == 1) {
+        *reinterpret_cast<uint32_t*>(out + col) = pack2<T>(x[0], x[1]);
+      } else {
+        float* const wo = p.ws_o + (int64_t(split) * p.lse_rows + lrow) * D;
+        wo[col] = x[0];
+        wo[col + 1] = x[1];
+      }
+    }
+    if (lane == 0) {
+      if (p.splits > 1)
+        p.ws_lse[int64_t(split) * p.lse_rows + lrow] = lse;
+      else if (p.lse != nullptr)
+        p.lse[lrow] = lse;
+    }
+  }
+#endif
+}
+
+// Merges the splits' partial outputs: one warp per (token, head), 4 a CTA; grid (tokens / 4,
+// heads, batch).
+template <typename T, int D, class Mask>
+__global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Params<T, Mask> p) {
+#ifdef SDPA_SM80_DEVICE
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tok = blockIdx.x * 4 + warp, head = blockIdx.y, b = blockIdx.z;
+  const Seq<int> seq = seq_of<int>(p.seqs, b, p.mask.seq_q, p.mask.seq_k);
+  if (tok >= seq.seq_q) return;
+  const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
+  float m = -INFINITY;
+  for (int s = 0; s < p.splits; ++s) m = fmaxf(m, p.ws_lse[int64_t(s) * p.lse_rows + lrow]);
+  T* const out =
+      p.o + int64_t(b) * p.os.batch + int64_t(head) * p.os.head + int64_t(seq.q0 + tok) * p.os.seq;
+  float sum = 0.f;
+  constexpr int kPer = D / 64;  // column pairs a lane
+  float acc[kPer > 0 ? kPer : 1][2] = {};
+  if (m != -INFINITY) {
+    for (int s = 0; s < p.splits; ++s) {
+      const float ls = p.ws_lse[int64_t(s) * p.lse_rows + lrow];
+      if (ls == -INFINITY) continue;
+      const float w = __expf(ls - m);
+      sum += w;
+      const float* const wo = p.ws_o + (int64_t(s) * p.lse_rows + lrow) * D;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const float2 x = *reinterpret_cast<const float2*>(wo + 2 * lane + 64 * i);
+        acc[i][0] += w * x.x;
+        acc[i][1] += w * x.y;
+      }
+    }
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i)
+    *reinterpret_cast<uint32_t*>(out + 2 * lane + 64 * i) =
+        pack2<T>(acc[i][0] * inv, acc[i][1] * inv);
+  if (lane == 0 && p.lse != nullptr) p.lse[lrow] = sum > 0.f ? m + __logf(sum) : -INFINITY;
+#endif
+}
+
+// Host side ----------------------------------------------------------------------------------
+
+// Head dims with a decode kernel: 64 and 128 (at 256 three stages and the end state of 32 rows
+// outgrow shared memory; the prefill kernel runs it).
+template <int D>
+constexpr bool kHasDecode = D == 64 || D == 128;
+
+// Whether `a` is a decode step this path takes: 16-bit inputs, at most kMaxTokens query tokens
+// against at least 4 key tiles, no mask but causal bottom-right, no softcap or ALiBi.
+inline bool applies(const FwdArgs& a) {
+  if (a.dtype == Dtype::E4M3 || !(a.head_dim == 64 || a.head_dim == 128)) return false;
+  if (a.mask != Mask::NoMask && a.mask != Mask::CausalBottomRight) return false;
+  if (a.softcap > 0.f || a.alibi) return false;
+  return a.seq_q <= kMaxTokens && a.seq_k >= 256 && a.heads / a.kv_heads <= 64 &&
+         a.seq_q * a.kv_heads <= 65535 * 64 && a.batch <= 65535;
+}
+
+// The launch's shape: rows a CTA (16 or 32), row blocks, splits and their tiles.
+struct Plan {
+  int mt, row_blocks, splits, split_tiles;
+  int64_t lse_rows;
+};
+
+template <int D>
+inline int smem_bytes(int mt) {
+  // Geometry in bytes does not depend on the 16-bit type.
+  return mt == 1 ? Geo<cute::half_t, D, 1>::kSmemBytes : Geo<cute::half_t, D, 2>::kSmemBytes;
+}
+
+inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
+  Plan pl{};
+  const int64_t group = a.heads / a.kv_heads, rows = a.seq_q * group;
+  pl.mt = rows <= 16 ? 1 : 2;
+  pl.row_blocks = int((rows + 16 * pl.mt - 1) / (16 * pl.mt));
+  pl.lse_rows = a.total_q > 0 ? a.heads * a.total_q : a.batch * a.heads * a.seq_q;
+  const int64_t tiles = (a.seq_k + 63) / 64;
+  const int smem = a.head_dim == 64 ? smem_bytes<64>(pl.mt) : smem_bytes<128>(pl.mt);
+  // CTAs the GPU holds at once (an unknown device: an H100's); splits fill them, each split at
+  // least 4 tiles.
+  const int64_t per_sm = dev.known() ? std::max<int64_t>(1, dev.smem_per_sm / (smem + 1024)) : 2;
+  const int64_t slots = (dev.known() ? dev.sms : 132) * std::min<int64_t>(per_sm, 2);
+  const int64_t base = a.batch * a.kv_heads * pl.row_blocks;
+  int64_t splits = base >= slots ? 1 : slots / base;
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, tiles / 4));
+  pl.split_tiles = int((tiles + splits - 1) / splits);
+  pl.splits = int((tiles + pl.split_tiles - 1) / pl.split_tiles);
+  return pl;
+}
+
+inline int64_t workspace_bytes(const FwdArgs& a, const DeviceInfo& dev) {
+  const Plan pl = plan(a, dev);
+  if (pl.splits == 1) return 0;
+  return int64_t(pl.splits) * pl.lse_rows * (a.head_dim + 1) * int64_t(sizeof(float));
+}
+
+// What the decode path needs beyond applies(): its shared memory.
+template <int D>
+std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
+  return limits::smem_per_block(dev, smem_bytes<D>(plan(a, dev).mt));
+}
+
+template <typename T, int D, int MT, class Mask>
+void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Plan& pl,
+            cudaStream_t stream) {
+  using G = Geo<T, D, MT>;
+  Params<T, Mask> p{};
+  p.q = static_cast<const T*>(a.q);
+  p.k = static_cast<const T*>(a.k);
+  p.v = static_cast<const T*>(a.v);
+  p.o = static_cast<T*>(a.o);
+  p.qs = a.q_stride;
+  p.ks = a.k_stride;
+  p.vs = a.v_stride;
+  p.os = a.o_stride;
+  p.mask = mask;
+  p.group = int(a.heads / a.kv_heads);
+  p.heads = int(a.heads);
+  p.row_blocks = pl.row_blocks;
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  p.lse = a.has_lse ? a.lse : nullptr;
+  p.seqs = SeqParams::of(a);
+  p.splits = pl.splits;
+  p.split_tiles = pl.split_tiles;
+  p.lse_rows = pl.lse_rows;
+  if (pl.splits > 1) {
+    if (a.workspace == nullptr || reinterpret_cast<uintptr_t>(a.workspace) % 16 != 0)
+      throw Error("cutlass-sm80 decode: needs a 16-byte aligned workspace of workspace_bytes()");
+    p.ws_o = static_cast<float*>(a.workspace);
+    p.ws_lse = p.ws_o + int64_t(pl.splits) * pl.lse_rows * D;
+  }
+  const auto kernel = decode_kernel<T, D, MT, Mask>;
+  static std::atomic<uint64_t> configured{0};
+  opt_in_smem(reinterpret_cast<const void*>(kernel), G::kSmemBytes, configured);
+  (void)dev;
+  const dim3 grid(unsigned(pl.splits), unsigned(a.kv_heads * pl.row_blocks), unsigned(a.batch));
+  kernel<<<grid, kThreads, G::kSmemBytes, stream>>>(p);
+  SDPA_LAUNCH_CHECK("cutlass-sm80 decode_kernel launch");
+  if (pl.splits > 1) {
+    const dim3 cgrid(unsigned((a.seq_q + 3) / 4), unsigned(a.heads), unsigned(a.batch));
+    combine_kernel<T, D, Mask><<<cgrid, 128, 0, stream>>>(p);
+    SDPA_LAUNCH_CHECK("cutlass-sm80 decode combine_kernel launch");
+  }
+}
+
+template <typename T, int D>
+void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
+  if (a.has_lse && !a.lse) throw Error("cutlass-sm80 decode: a log-sum-exp without its buffer");
+  const Plan pl = plan(a, dev);
+  mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), [&](const auto& mask) {
+    if (pl.mt == 1) return launch<T, D, 1>(a, dev, mask, pl, stream);
+    launch<T, D, 2>(a, dev, mask, pl, stream);
+  });
+}
+
+}  // namespace sdpa::cutlass_sm80::decode
