@@ -80,7 +80,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 template <typename T, int D, class Mask>
-__global__ void __launch_bounds__(kThreads) fwd_kernel(const __grid_constant__ Params<Mask> pm) {
+__global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant__ Params<Mask> pm) {
   static_assert(D % 8 == 0, "rows are read in 16-byte chunks");
   constexpr int W = D / 2;            // 32-bit words (element pairs) per row
   constexpr int CH = D / 8;           // 16-byte chunks per row

@@ -5,7 +5,7 @@ use crate::progress::Progress;
 use crate::validate::{ProblemArgs, auto_note, backends, require_runnable};
 use crate::{CliResult, chosen_backend, device_for, npy, open_device};
 use sdpa::{Backend, Device, Problem, Result, Tensor};
-use sdpa_harness::check::{ExtraBuffers, compare, fresh_seed, random_inputs};
+use sdpa_harness::check::{ExtraBuffers, compare, fresh_seed, kv_bytes, named_inputs};
 use sdpa_harness::timing::{launch_floor, tflops, time_backend, time_gpu};
 use serde_json::json;
 use std::io::Write;
@@ -106,9 +106,13 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                 true => progress.done(format!("{what}{result}")),
                 false => eprintln!("{result}"),
             };
-            match chosen.and_then(|c| bench_one(dev.as_ref(), p, c, a.budget_ms)) {
-                Ok((t, rel_err)) => {
-                    said(format!("{:.2} us", t.us_graph));
+            match chosen.and_then(|c| bench_one(dev.as_ref(), name, p, c, a.budget_ms)) {
+                Ok((t, rel_err, kv)) => {
+                    let kv_gbps = kv / (t.us_graph * 1e3);
+                    match p.seq_q <= 16 {
+                        true => said(format!("{:.2} us, K/V {kv_gbps:.0} GB/s", t.us_graph)),
+                        false => said(format!("{:.2} us", t.us_graph)),
+                    }
                     records.push(json!({
                         "name": name, "batch": p.batch, "heads": p.heads, "seq_q": p.seq_q,
                         "seq_k": p.seq_k, "head_dim": p.head_dim, "causal": p.is_causal(),
@@ -117,6 +121,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                         "dtype": p.dtype.name(), "out_dtype": p.output_dtype().name(),
                         "backend": b.name(), "us_graph": t.us_graph,
                         "us_event": t.us_event, "tflops": tflops(p, t.us_graph),
+                        "kv_gbps": kv_gbps, "seqs": p.seqs.to_string().trim(),
                         "rel_err": rel_err, "device": device, "sm": sm,
                         "n_graph": t.graph.n, "us_graph_min": t.graph.min,
                         "us_graph_max": t.graph.max,
@@ -193,21 +198,27 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
 }
 
 /// Checks the output once (when the reference is affordable), then times the backend.
+/// Also the bytes of K and V the call reads.
 fn bench_one(
     dev: Option<&Device>,
+    name: &str,
     p: &Problem,
     b: Backend,
     budget_ms: f64,
-) -> Result<(sdpa_harness::timing::Timing, Option<f64>)> {
+) -> Result<(sdpa_harness::timing::Timing, Option<f64>, f64)> {
     b.supports(dev, p)?;
     let Some(dev) = dev.filter(|_| b != Backend::Cpu) else {
-        return Ok((time_backend(dev, p, b, budget_ms)?, None));
+        return Ok((time_backend(dev, p, b, budget_ms)?, None, kv_bytes(p, None)));
     };
     let seed = fresh_seed();
-    let inputs = random_inputs(p, seed)?;
+    let inputs = named_inputs(name, p, seed)?;
+    let kv = kv_bytes(p, inputs.seq_meta.as_ref());
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
     let mut bufs = ExtraBuffers::new(dev, p, inputs.alibi_slopes.as_deref())?;
+    if let Some(m) = &inputs.seq_meta {
+        bufs = bufs.with_meta(dev, m)?;
+    }
     let mut call = |out: &mut Tensor| {
         let t = sdpa::Operands {
             q: &q,
@@ -231,5 +242,5 @@ fn bench_one(
         None
     };
     let t = time_gpu(dev, budget_ms, || call(&mut out))?;
-    Ok((t, rel_err))
+    Ok((t, rel_err, kv))
 }

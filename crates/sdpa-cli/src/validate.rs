@@ -4,7 +4,7 @@ use crate::progress::Progress;
 use crate::{CliResult, chosen_backend, device_for};
 use sdpa::{Alibi, Backend, DType, Device, Layout, Mask, Problem, Result, Scaling};
 use sdpa_harness::check::{
-    Inputs, compare, compare_lse, fresh_seed, random_inputs, run_backend_with_lse,
+    Inputs, compare, compare_lse, fresh_seed, named_inputs, run_backend_with_lse,
 };
 use std::process::ExitCode;
 
@@ -265,7 +265,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     let (mut failed, mut ran) = (0, 0);
     let progress = Progress::new(problems.len() * backends.len(), "validate");
     for (i, (name, p)) in problems.iter().enumerate() {
-        let inputs: Inputs = random_inputs(p, seed.wrapping_add(i as u64))?;
+        let inputs: Inputs = named_inputs(name, p, seed.wrapping_add(i as u64))?;
         let want = inputs.reference(p)?;
         let e2e_want = match &inputs.fp8 {
             Some(f) => {

@@ -327,6 +327,26 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
     })
 }
 
+/// [`random_inputs`] for a problem the CLI or a bench names: a named problem's own sequence
+/// metadata (the anchor's lengths, its paged cache) in place of random metadata.
+pub fn named_inputs(name: &str, p: &Problem, seed: u64) -> Result<Inputs> {
+    let inputs = random_inputs(p, seed)?;
+    Ok(match crate::problems::named_meta(name, seed) {
+        Some(m) if !p.seqs.is_dense() => inputs.with_meta(m),
+        _ => inputs,
+    })
+}
+
+/// Bytes of K and V a call reads: each sequence's keys, once per K/V head (a paged cache's
+/// spare pages not counted).
+pub fn kv_bytes(p: &Problem, meta: Option<&SeqMeta>) -> f64 {
+    let keys: usize = match meta.map(|m| sdpa::check_metadata(p, m)) {
+        Some(Ok(spans)) => spans.iter().map(|s| s.seq_k).sum(),
+        _ => p.batch * p.seq_k,
+    };
+    2.0 * (keys * p.kv_heads * p.head_dim * p.dtype.size()) as f64
+}
+
 /// The device buffers of a problem's extras: its ALiBi slopes uploaded, its log-sum-exp output
 /// (NaN until a call writes it), its sequence metadata; empty for a problem that has none.
 pub struct ExtraBuffers {

@@ -30,4 +30,4 @@ pub mod problems;
 pub mod seqs;
 pub mod timing;
 
-pub use problems::{NAMED_PROBLEMS, named_problem};
+pub use problems::{NAMED_PROBLEMS, named_meta, named_problem};

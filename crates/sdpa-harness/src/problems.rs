@@ -2,40 +2,62 @@
 //! the criterion benches time, and the PyTorch anchor script measures under the same names (its
 //! SHAPES and VARIANTS, with their exact definitions).
 
-use sdpa::{Error, Mask, Problem, Result};
+use crate::seqs::{paged, varlen};
+use sdpa::{Error, Mask, Problem, Result, SeqMeta};
 
-/// One named problem: [batch, heads, kv_heads, seq, head_dim] (seq_q = seq_k), its mask and its
-/// softcap.
+/// One named problem: [batch, heads, kv_heads, seq_q, seq_k, head_dim], its mask, its softcap and
+/// how its sequences are stored.
 #[derive(Debug, Clone, Copy)]
 pub struct Named {
     /// The name, as the anchor script spells it.
     pub name: &'static str,
-    /// [batch, heads, kv_heads, seq, head_dim].
-    pub dims: [usize; 5],
+    /// [batch, heads, kv_heads, seq_q, seq_k, head_dim] (a packed batch: the longest sequence).
+    pub dims: [usize; 6],
     /// Which keys each row sees.
     pub mask: Mask,
     /// The logit cap, if any.
     pub softcap: Option<f32>,
+    /// Dense, packed or paged.
+    pub seqs: NamedSeqs,
+}
+
+/// How a named problem's sequences are stored (the anchor's `varlen` and `page`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum NamedSeqs {
+    /// Every sequence seq_q queries and seq_k keys, BHSD.
+    Dense,
+    /// Packed Q and K/V, sequences of these lengths (seq_q = seq_k each).
+    Varlen(&'static [usize]),
+    /// Dense queries against a paged cache of pages of this many keys, every sequence seq_k keys,
+    /// its pages in a random order.
+    Paged(usize),
 }
 
 impl Named {
     const fn dense(name: &'static str, [b, h, s, d]: [usize; 4], causal: bool) -> Named {
         Named {
             name,
-            dims: [b, h, h, s, d],
+            dims: [b, h, h, s, s, d],
             mask: if causal {
                 Mask::CausalBottomRight
             } else {
                 Mask::None
             },
             softcap: None,
+            seqs: NamedSeqs::Dense,
         }
     }
 
-    /// The problem (f16, BHSD).
-    pub fn problem(&self) -> Problem {
-        let [b, h, hkv, s, d] = self.dims;
-        let p = Problem::new(b, h, s, s, d)
+    const fn decode(name: &'static str, [b, sq, sk]: [usize; 3], causal: bool) -> Named {
+        Named {
+            dims: [b, 32, 8, sq, sk, 128],
+            ..Named::dense(name, [b, 32, sk, 128], causal)
+        }
+    }
+
+    fn base(&self) -> Problem {
+        let [b, h, hkv, sq, sk, d] = self.dims;
+        let p = Problem::new(b, h, sq, sk, d)
             .with_kv_heads(hkv)
             .with_mask(self.mask);
         match self.softcap {
@@ -43,10 +65,37 @@ impl Named {
             None => p,
         }
     }
+
+    /// The problem (f16; dense ones BHSD).
+    pub fn problem(&self) -> Problem {
+        self.with_meta(0).0
+    }
+
+    /// The problem and its sequence metadata (None for dense ones); a paged cache's page order
+    /// drawn from `seed`.
+    pub fn with_meta(&self, seed: u64) -> (Problem, Option<SeqMeta>) {
+        let p = self.base();
+        match self.seqs {
+            NamedSeqs::Dense => (p, None),
+            NamedSeqs::Varlen(lens) => {
+                let (p, m) = varlen(p, lens, lens);
+                (p, Some(m))
+            }
+            NamedSeqs::Paged(page) => {
+                let (p, m) = paged(p, &vec![p.seq_k; p.batch], page, seed);
+                (p, Some(m))
+            }
+        }
+    }
 }
 
-/// The named problems, all f16, BHSD, seq_q = seq_k.
-pub const NAMED_PROBLEMS: [Named; 12] = [
+/// varlen-16's sequence lengths (the anchor script's).
+const VARLEN_16: [usize; 16] = [
+    4096, 128, 2048, 512, 1024, 3000, 77, 1500, 2500, 256, 800, 3500, 64, 1800, 900, 2200,
+];
+
+/// The named problems, all f16; dense ones BHSD.
+pub const NAMED_PROBLEMS: [Named; 18] = [
     Named::dense("mission", [2, 8, 256, 64], false),
     Named::dense("mission-causal", [2, 8, 256, 64], true),
     Named::dense("s1k-d64", [4, 16, 1024, 64], false),
@@ -58,26 +107,50 @@ pub const NAMED_PROBLEMS: [Named; 12] = [
     Named::dense("s8k-d256-causal", [1, 16, 8192, 256], true),
     Named {
         name: "s8k-d128-window1k",
-        dims: [1, 16, 16, 8192, 128],
+        dims: [1, 16, 16, 8192, 8192, 128],
         mask: Mask::Window {
             left: Some(1024),
             right: Some(0),
         },
         softcap: None,
+        seqs: NamedSeqs::Dense,
     },
     Named {
         name: "s8k-d128-softcap",
-        dims: [1, 16, 16, 8192, 128],
+        dims: [1, 16, 16, 8192, 8192, 128],
         mask: Mask::CausalBottomRight,
         softcap: Some(30.0),
+        seqs: NamedSeqs::Dense,
     },
     Named {
         name: "s8k-d128-gqa",
-        dims: [1, 32, 8, 8192, 128],
+        dims: [1, 32, 8, 8192, 8192, 128],
         mask: Mask::CausalBottomRight,
         softcap: None,
+        seqs: NamedSeqs::Dense,
     },
+    Named {
+        seqs: NamedSeqs::Varlen(&VARLEN_16),
+        ..Named::dense("varlen-16", [16, 16, 4096, 128], true)
+    },
+    Named::decode("decode-b1-k32k", [1, 1, 32768], false),
+    Named::decode("decode-b16-k8k", [16, 1, 8192], false),
+    Named::decode("decode-b64-k4k", [64, 1, 4096], false),
+    Named {
+        seqs: NamedSeqs::Paged(128),
+        ..Named::decode("decode-b16-k8k-paged", [16, 1, 8192], false)
+    },
+    Named::decode("spec-b16-q8-k8k", [16, 8, 8192], true),
 ];
+
+/// The metadata of named problem `name` (None for dense ones and unknown names), a paged cache's
+/// page order drawn from `seed`.
+pub fn named_meta(name: &str, seed: u64) -> Option<SeqMeta> {
+    NAMED_PROBLEMS
+        .iter()
+        .find(|n| n.name == name)
+        .and_then(|n| n.with_meta(seed).1)
+}
 
 /// Looks up a named problem (f16, BHSD); an unknown name is `InvalidArgument` listing the
 /// known ones.
@@ -103,13 +176,16 @@ mod tests {
     fn every_named_problem_is_found_and_valid() {
         for n in NAMED_PROBLEMS {
             let p = named_problem(n.name).unwrap();
-            let [b, h, hkv, s, d] = n.dims;
+            let [b, h, hkv, sq, sk, d] = n.dims;
             assert_eq!(
                 (p.batch, p.heads, p.kv_heads, p.seq_q, p.seq_k, p.head_dim),
-                (b, h, hkv, s, s, d),
+                (b, h, hkv, sq, sk, d),
                 "{}",
                 n.name
             );
+            if let Some(m) = named_meta(n.name, 1) {
+                sdpa::check_metadata(&p, &m).unwrap();
+            }
             assert_eq!((p.mask, p.softcap), (n.mask, n.softcap), "{}", n.name);
             if n.name.ends_with("causal") {
                 assert!(p.is_causal(), "{}", n.name);
@@ -128,6 +204,39 @@ mod tests {
         assert_eq!((c.softcap, c.is_causal()), (Some(30.0), true));
         let g = named_problem("s8k-d128-gqa").unwrap();
         assert_eq!((g.heads, g.kv_heads, g.is_causal()), (32, 8, true));
+    }
+
+    #[test]
+    fn the_serving_problems_are_the_anchor_scripts() {
+        // VARIANTS: varlen-16 (16 causal sequences of the listed lengths, h 16, d 128), decode
+        // (h 32, kv 8, d 128, one query), the paged one with 128-key pages, spec (8 causal).
+        let v = named_problem("varlen-16").unwrap();
+        let spans = sdpa::check_metadata(&v, &named_meta("varlen-16", 0).unwrap()).unwrap();
+        let lens: Vec<_> = spans.iter().map(|s| (s.seq_q, s.seq_k)).collect();
+        assert_eq!(lens, VARLEN_16.map(|l| (l, l)));
+        assert!(v.is_causal() && v.heads == 16);
+        for (name, b, sq, sk) in [
+            ("decode-b1-k32k", 1, 1, 32768),
+            ("decode-b16-k8k", 16, 1, 8192),
+            ("decode-b64-k4k", 64, 1, 4096),
+            ("decode-b16-k8k-paged", 16, 1, 8192),
+            ("spec-b16-q8-k8k", 16, 8, 8192),
+        ] {
+            let p = named_problem(name).unwrap();
+            assert_eq!(
+                (p.batch, p.heads, p.kv_heads, p.seq_q, p.seq_k),
+                (b, 32, 8, sq, sk)
+            );
+            assert_eq!(p.is_causal(), name.starts_with("spec"), "{name}");
+        }
+        let paged = named_problem("decode-b16-k8k-paged").unwrap();
+        let spans =
+            sdpa::check_metadata(&paged, &named_meta("decode-b16-k8k-paged", 3).unwrap()).unwrap();
+        assert!(spans.iter().all(|s| s.seq_k == 8192));
+        assert!(matches!(
+            paged.seqs.kv,
+            sdpa::KvRows::Paged { page_size: 128, .. }
+        ));
     }
 
     #[test]
