@@ -231,15 +231,20 @@ fn metadata_errors_are_typed() {
     }
 }
 
-/// Decode steps (cutlass-sm80's decode kernel: GQA groups packed, keys split across CTAs and
-/// merged by their log-sum-exps): 1, 8 and 16 tokens against thousands of keys, dense, paged and
-/// packed K/V, causal (the tokens are the newest keys) or not, with the log-sum-exp.
+/// Decode steps (the decode kernel of cutlass-sm80, and of cutlass on Hopper: GQA groups packed,
+/// keys split across CTAs and merged by their log-sum-exps): 1, 8 and 16 tokens against
+/// thousands of keys, dense, paged and packed K/V, causal (the tokens are the newest keys) or not,
+/// with the log-sum-exp.
 #[test]
 fn decode_matches_the_reference() {
     let Some(dev) = common::device("decode") else {
         return;
     };
-    let backends = seq_backends(&dev);
+    let mut backends = seq_backends(&dev);
+    // cutlass (Hopper) runs decode steps on the same decode kernel.
+    if common::expected_backends(&dev).contains(&Backend::Cutlass) {
+        backends.push(Backend::Cutlass);
+    }
     let (mut ran, mut failures) = (Vec::new(), Vec::new());
     let mut run = |p: Problem, x: Inputs| {
         for &b in &backends {

@@ -122,7 +122,8 @@ int64_t workspace_bytes(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) 
   if (simulated(kernel, a)) return simulated_workspace_bytes(a);
 #if defined(SDPA_HAVE_CUTLASS)
   if (kernel == Kernel::Cutlass && a.dtype == Dtype::E4M3) return cutlass_sm90::workspace_e4m3(a);
-  if (kernel == Kernel::CutlassSm80) return cutlass_sm80::workspace_decode(a, dev);
+  if (kernel == Kernel::Cutlass || kernel == Kernel::CutlassSm80)
+    return cutlass_sm80::workspace_decode(a, dev);
 #endif
   (void)kernel;
   (void)a;
