@@ -314,3 +314,99 @@ fn decode_keeps_nonfinite_v_from_tokens_that_do_not_see_it() {
     }
     common::assert_ran("decode nonfinite", &ran);
 }
+
+/// `append_kv` writes each sequence's new rows at its length's position through the block table
+/// (across a page boundary too) and advances the lengths; attention on the grown cache matches
+/// the reference; with `Seqs::checked` an append past the pages is a typed error.
+#[test]
+fn appends_land_where_the_block_table_says() {
+    let Some(dev) = common::device("kv append") else {
+        return;
+    };
+    // Lengths before the append, and after 3 new rows each (62 -> 65 crosses a 32-key page).
+    let (k_lens, n_new): (&[usize], usize) = (&[62, 0, 130], 3);
+    let grown: Vec<usize> = k_lens.iter().map(|l| l + n_new).collect();
+    let base = Problem::new(1, 4, 3, 1, 64)
+        .with_kv_heads(2)
+        .with_causal(true);
+    let (p, meta) = paged(base, &grown, 32, fresh_seed());
+    let x = inputs(&p, meta.clone());
+    let [q, mut kc, mut vc] = x.upload(&dev, p.dtype).unwrap();
+    let stream = dev.stream();
+    let table = stream
+        .clone_htod(meta.block_table.as_ref().unwrap())
+        .unwrap();
+    let before: Vec<i32> = k_lens.iter().map(|&l| l as i32).collect();
+    let mut used = stream.clone_htod(&before).unwrap();
+    let row = p.kv_heads * p.head_dim;
+    // New rows [3 sequences, n_new, kv_heads, 64]: a dense problem's K and V of that size.
+    let new = random_inputs(&Problem::new(3, 2, n_new, n_new, 64), fresh_seed()).unwrap();
+    let kn = sdpa::Tensor::from_bits(&dev, p.dtype, &new.bits[1]).unwrap();
+    let vn = sdpa::Tensor::from_bits(&dev, p.dtype, &new.bits[2]).unwrap();
+    let append = |n: usize,
+                  p: &Problem,
+                  kc: &mut sdpa::Tensor,
+                  vc: &mut sdpa::Tensor,
+                  used: &mut cudarc::driver::CudaSlice<i32>| {
+        sdpa::append_kv(
+            &dev,
+            p,
+            sdpa::KvAppend {
+                k_new: &kn,
+                v_new: &vn,
+                n_new: n,
+                k_cache: kc,
+                v_cache: vc,
+                block_table: table.as_view(),
+                seqused_k: used.as_view_mut(),
+            },
+        )
+    };
+    append(n_new, &p, &mut kc, &mut vc, &mut used).unwrap();
+    let after = stream.clone_dtoh(&used).unwrap();
+    assert_eq!(after, grown.iter().map(|&l| l as i32).collect::<Vec<_>>());
+    // Each new row sits at its position's page and row.
+    let kh = kc.to_bits(&dev).unwrap();
+    let table_h = meta.block_table.clone().unwrap();
+    let sdpa::KvRows::Paged {
+        page_size,
+        pages_per_seq,
+        ..
+    } = p.seqs.kv
+    else {
+        unreachable!("a paged problem")
+    };
+    for (b, &l) in k_lens.iter().enumerate() {
+        for i in 0..n_new {
+            let pos = l + i;
+            let page = table_h[b * pages_per_seq + pos / page_size] as usize;
+            let at = (page * page_size + pos % page_size) * row;
+            let src = (b * n_new + i) * row;
+            assert_eq!(
+                kh[at..][..row],
+                new.bits[1][src..][..row],
+                "sequence {b} row {i}"
+            );
+        }
+    }
+    // Attention over the grown cache.
+    let grown_cache = Inputs::from_f32(
+        p.dtype,
+        &q.to_f32(&dev).unwrap(),
+        &kc.to_f32(&dev).unwrap(),
+        &vc.to_f32(&dev).unwrap(),
+    )
+    .with_meta(meta);
+    let mut ran = Vec::new();
+    for b in seq_backends(&dev) {
+        ran.push((b, p));
+        assert_eq!(check(&dev, &p, b, &grown_cache).unwrap(), None);
+    }
+    common::assert_ran("kv append", &ran);
+    // Past the pages: refused before anything runs where the problem asks for checks.
+    let checked = p.with_seqs(p.seqs.with_checked(true));
+    let full = vec![(pages_per_seq * page_size - 1) as i32; 3];
+    stream.memcpy_htod(&full, &mut used).unwrap();
+    let e = append(n_new, &checked, &mut kc, &mut vc, &mut used).unwrap_err();
+    assert!(e.to_string().contains("would hold"), "{e}");
+}

@@ -128,6 +128,24 @@ void add_nonfinite_v(const NonFiniteVArgs& a, std::size_t stream) {
   sdpa::add_nonfinite_v(convert(a), reinterpret_cast<void*>(stream));
 }
 
+void kv_append(const KvAppendArgs& a, std::size_t stream) {
+  sdpa::KvAppendArgs r{};
+  r.k_new = reinterpret_cast<const void*>(a.k_new);
+  r.v_new = reinterpret_cast<const void*>(a.v_new);
+  r.k_cache = reinterpret_cast<void*>(a.k_cache);
+  r.v_cache = reinterpret_cast<void*>(a.v_cache);
+  r.block_table = reinterpret_cast<const int32_t*>(a.block_table);
+  r.seqused_k = reinterpret_cast<int32_t*>(a.seqused_k);
+  r.batch = a.batch;
+  r.n_new = a.n_new;
+  r.kv_heads = a.kv_heads;
+  r.head_dim = a.head_dim;
+  r.page_size = a.page_size;
+  r.pages_per_seq = a.pages_per_seq;
+  r.dtype = a.dtype;
+  sdpa::kv_append(r, reinterpret_cast<void*>(stream));
+}
+
 void e4m3_encode(uint64_t x, uint64_t y, int64_t n, float inv_scale, std::size_t stream) {
   sdpa::e4m3_encode(reinterpret_cast<const float*>(x), reinterpret_cast<uint8_t*>(y), n, inv_scale,
                     reinterpret_cast<void*>(stream));

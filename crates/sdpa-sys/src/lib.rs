@@ -143,6 +143,26 @@ pub mod ffi {
         pub dtype: Dtype,
     }
 
+    /// Mirrors `sdpa::KvAppendArgs`: new K/V rows appended into a paged cache (device addresses;
+    /// sdpa.h says how).
+    #[derive(Debug, Clone)]
+    pub struct KvAppendArgs {
+        pub k_new: u64,
+        pub v_new: u64,
+        pub k_cache: u64,
+        pub v_cache: u64,
+        pub block_table: u64,
+        pub seqused_k: u64,
+        pub batch: i64,
+        pub n_new: i64,
+        pub kv_heads: i64,
+        pub head_dim: i64,
+        pub page_size: i64,
+        pub pages_per_seq: i64,
+        /// F16 or BF16
+        pub dtype: Dtype,
+    }
+
     /// Mirrors `sdpa::NonFiniteVArgs`: the cuBLAS backend's finite copy of V for causal
     /// problems and its records (the non-finite V check). Strides in elements: [batch, head, seq].
     #[derive(Debug, Clone)]
@@ -211,6 +231,10 @@ pub mod ffi {
         /// `args.s` and `args.p` must be live device buffers of `rows * seq_k` elements (f32
         /// and the dtype) on the current context; `stream` a valid stream there.
         unsafe fn masked_softmax(args: &SoftmaxArgs, stream: usize) -> Result<()>;
+        /// # Safety
+        /// The buffers of `args` must be live device buffers of the sizes sdpa.h gives, on the
+        /// current context; `stream` a valid stream there.
+        unsafe fn kv_append(args: &KvAppendArgs, stream: usize) -> Result<()>;
         /// # Safety
         /// `args.v` must hold what its shape and strides address, `args.v_finite` and
         /// `args.first_keys` the elements their comments give; all live device buffers of the

@@ -47,6 +47,7 @@ mod extras;
 mod ffi;
 pub mod fp8;
 mod fp8_view;
+mod kv_cache;
 pub mod memory;
 mod problem;
 pub mod seqs;
@@ -59,6 +60,7 @@ pub use codec::{decode, encode};
 pub use device::{Device, driver_present};
 pub use error::{CudaError, Error, MemoryKind, Result};
 pub use extras::Extras;
+pub use kv_cache::{KvAppend, append_kv};
 pub use problem::{Alibi, DType, Layout, Mask, Problem, Scaling, Strides, TensorShape};
 pub use seqs::{KvRows, SeqMeta, SeqSpan, Seqs, check_metadata};
 
