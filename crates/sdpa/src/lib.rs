@@ -114,7 +114,11 @@ pub fn forward(
 /// let slopes = dev.stream().clone_htod(&slopes).expect("upload");
 /// let mut lse = dev.stream().alloc_zeros::<f32>(p.lse_len()).expect("alloc");
 /// let t = Operands { q: &q, k: &k, v: &v, out: &mut out };
-/// let extras = Extras { alibi_slopes: Some(slopes.as_view()), lse: Some(lse.as_view_mut()) };
+/// let extras = Extras {
+///     alibi_slopes: Some(slopes.as_view()),
+///     lse: Some(lse.as_view_mut()),
+///     ..Extras::default()
+/// };
 /// sdpa::forward_with(&dev, &p, Backend::Auto, t, extras)?;
 /// # Ok(())
 /// # }
