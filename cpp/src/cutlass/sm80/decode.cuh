@@ -79,7 +79,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   using G = Geo<T, D, MT>;
   using C = typename G::C;
   constexpr int BN = G::kBN, S = kStages, R = G::kRows;
-  constexpr int RT = C::kRowThreads, RR = C::kRowReps;
   constexpr int kQK = D / 16, kON = D / 8;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   T* const smem = reinterpret_cast<T*>(smem_raw);
@@ -120,29 +119,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float sl2 = p.scale_log2;
 
   if (n_begin < n_end) {
-    const int crow = tid / RT, cchunk = tid % RT;
-    const int c_soff = C::off(crow, cchunk * 8);
-    const bool paged = p.seqs.paged();
-    const int64_t first_row = paged ? 0 : int64_t(seq.k0) + crow;
-    const T* const kg = p.k + (int64_t(b) * p.ks.batch + int64_t(hk) * p.ks.head +
-                               first_row * p.ks.seq + cchunk * 8);
-    const T* const vg = p.v + (int64_t(b) * p.vs.batch + int64_t(hk) * p.vs.head +
-                               first_row * p.vs.seq + cchunk * 8);
+    const KvCopy<C, T> kv(p.k, p.v, p.ks, p.vs, b, hk, seq.k0, p.seqs.paged(), tid);
+    const int c_soff = kv.c_soff;
     const auto load_kv = [&](int n, int s) {
-      const int in_rows = seq_k - n * BN - crow;
-      T* const sk = smem + s * G::kStageElems + c_soff;
-#pragma unroll
-      for (int i = 0; i < BN / C::kPassRows; ++i) {
-        const bool in = i * C::kPassRows < in_rows;
-        const int64_t row = paged ? (in ? p.seqs.paged_row(b, n * BN + i * C::kPassRows + crow) : 0)
-                                  : int64_t(n * BN + i * C::kPassRows);
-#pragma unroll
-        for (int j = 0; j < RR; ++j) {
-          cp_async16(sk + i * C::kPassRows * D + j * RT * 8, kg + row * p.ks.seq + j * RT * 8, in);
-          cp_async16(sk + C::kTileElems + i * C::kPassRows * D + j * RT * 8,
-                     vg + row * p.vs.seq + j * RT * 8, in);
-        }
-      }
+      kv.load(smem + s * G::kStageElems, n, seq_k, p.ks, p.vs, p.seqs, b);
     };
     // Q rows (token, head) of the CTA, zero past the sequence's tokens; with the first tile.
     for (int c = tid; c < R * (D / 8); c += kThreads) {

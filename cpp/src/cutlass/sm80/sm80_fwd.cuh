@@ -283,6 +283,49 @@ __device__ __forceinline__ void record_and_zero(T* v, NonFiniteCols<D>& c, NonFi
   }
 }
 
+// Global -> shared copies of K/V tiles (the prefill and decode kernels; C: the tile
+// configuration): thread tid copies chunks tid % RT + j·RT of rows tid / RT + i·kPassRows. A pass
+// moves 8k rows and a chunk stays in its group under the swizzle, so the swizzled destination only
+// advances by whole rows and RT chunks. The per-thread base pointers stay live across the sweep;
+// tile and pass offsets are recomputed from the (constant-bank) strides where they are used. A
+// paged cache's rows come from its block table instead, looked up per pass for the rows in bounds.
+template <class C, typename T>
+struct KvCopy {
+  int crow, c_soff;  // this thread's first row, and its chunk's swizzled offset in that row
+  const T *kg, *vg;  // its first row's chunk in K and V (a paged cache: row 0's)
+  bool paged;
+
+  __device__ __forceinline__ KvCopy(const T* k, const T* v, const Strides& ks, const Strides& vs,
+                                    int b, int hk, int k0, bool paged_, int tid)
+      : crow(tid / C::kRowThreads), paged(paged_) {
+    const int cchunk = tid % C::kRowThreads;
+    c_soff = C::off(crow, cchunk * 8);
+    const int64_t first_row = paged ? 0 : int64_t(k0) + crow;
+    kg = k + (int64_t(b) * ks.batch + int64_t(hk) * ks.head + first_row * ks.seq + cchunk * 8);
+    vg = v + (int64_t(b) * vs.batch + int64_t(hk) * vs.head + first_row * vs.seq + cchunk * 8);
+  }
+
+  // Key tile n (keys n·BN ..) of sequence b into `stage` (K, then V), rows past seq_k zero-filled
+  // (nothing is read there).
+  __device__ __forceinline__ void load(T* stage, int n, int seq_k, const Strides& ks,
+                                       const Strides& vs, const SeqParams& seqs, int b) const {
+    constexpr int BN = C::kBN, P = C::kPassRows, RT = C::kRowThreads, D = C::kChunks * 8;
+    const int rows = seq_k - n * BN - crow;  // pass i is in bounds iff i·P < rows
+    T* const sk = stage + c_soff;
+#pragma unroll
+    for (int i = 0; i < BN / P; ++i) {
+      const bool in = i * P < rows;
+      const int64_t row =
+          paged ? (in ? seqs.paged_row(b, n * BN + i * P + crow) : 0) : int64_t(n * BN + i * P);
+#pragma unroll
+      for (int j = 0; j < C::kRowReps; ++j) {
+        cp_async16(sk + i * P * D + j * RT * 8, kg + row * ks.seq + j * RT * 8, in);
+        cp_async16(sk + C::kTileElems + i * P * D + j * RT * 8, vg + row * vs.seq + j * RT * 8, in);
+      }
+    }
+  }
+};
+
 template <typename T, class Mask>
 struct Params {
   const T *q, *k, *v;
@@ -374,35 +417,10 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, kMinBlocks<Cfg<T, 
     }
 
   if (n_begin < n_tiles) {
-    // Global -> shared: thread tid copies chunks tid % RT + j·RT of rows tid / RT + i·kPassRows. A
-    // pass moves 8k rows and a chunk stays in its group under the swizzle, so the swizzled
-    // destination only advances by whole rows and RT chunks.
-    const int crow = tid / RT, cchunk = tid % RT;
-    const int c_soff = C::off(crow, cchunk * 8);
-    // Per-thread base pointers stay live across the sweep; tile and pass offsets are recomputed
-    // from the (constant-bank) strides where they are used. A paged cache's rows come from its
-    // block table instead, looked up per pass for the rows in bounds.
-    const bool paged = kBand && p.seqs.paged();
-    const int64_t first_row = paged ? 0 : int64_t(seq.k0) + crow;
-    const T* const kg = p.k + (int64_t(b) * p.ks.batch + int64_t(hk) * p.ks.head +
-                               first_row * p.ks.seq + cchunk * 8);
-    const T* const vg = p.v + (int64_t(b) * p.vs.batch + int64_t(hk) * p.vs.head +
-                               first_row * p.vs.seq + cchunk * 8);
+    const KvCopy<C, T> kv(p.k, p.v, p.ks, p.vs, b, hk, seq.k0, kBand && p.seqs.paged(), tid);
+    const int crow = kv.crow, cchunk = tid % RT, c_soff = kv.c_soff;
     const auto load_kv = [&](int n, int s) {
-      const int rows = seq_k - n * BN - crow;  // pass i is in bounds iff i·kPassRows < rows
-      T* const sk = smem + s * C::kStageElems + c_soff;
-#pragma unroll
-      for (int i = 0; i < BN / C::kPassRows; ++i) {
-        const bool in = i * C::kPassRows < rows;
-        const int64_t row = paged ? (in ? p.seqs.paged_row(b, n * BN + i * C::kPassRows + crow) : 0)
-                                  : int64_t(n * BN + i * C::kPassRows);
-#pragma unroll
-        for (int j = 0; j < RR; ++j) {
-          cp_async16(sk + i * C::kPassRows * D + j * RT * 8, kg + row * p.ks.seq + j * RT * 8, in);
-          cp_async16(sk + C::kTileElems + i * C::kPassRows * D + j * RT * 8,
-                     vg + row * p.vs.seq + j * RT * 8, in);
-        }
-      }
+      kv.load(smem + s * C::kStageElems, n, seq_k, p.ks, p.vs, p.seqs, b);
     };
 
     // Prologue: Q with the first K/V tile (group 0), then the next S-2, one commit group each.
