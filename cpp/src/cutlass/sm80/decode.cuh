@@ -212,38 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 if (8 * j + e > last) sacc[mt][j][2 * r + e] = -INFINITY;
           }
         }
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = m_run[mt][r];
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-            mx = fmaxf(mx, fmaxf(sacc[mt][j][2 * r], sacc[mt][j][2 * r + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // As the prefill kernel: the max's product carried as hi + lo, exact at any size.
-          const float hi = mx == -INFINITY ? 0.f : __fmul_rn(mx, sl2);
-          const float lo = mx == -INFINITY ? 0.f : fmaf(mx, sl2, -hi);
-          alpha[r] = mx == m_run[mt][r] ? 1.f : exp2f(fmaf(m_run[mt][r], sl2, -hi) - lo);
-          m_run[mt][r] = mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float x = exp2f(fmaf(sacc[mt][j][2 * r + e], sl2, -hi) - lo);
-              sacc[mt][j][2 * r + e] = x;
-              sum += x;
-            }
-          l_run[mt][r] = fmaf(l_run[mt][r], alpha[r], sum);
-        }
-#pragma unroll
-        for (int j = 0; j < kON; ++j) {
-          o[mt][j][0] *= alpha[0];
-          o[mt][j][1] *= alpha[0];
-          o[mt][j][2] *= alpha[1];
-          o[mt][j][3] *= alpha[1];
-        }
+        softmax_step<2, kON>(sacc[mt], m_run[mt], l_run[mt], o[mt], sl2);
         pa[mt][0] = pack2<T>(sacc[mt][0][0], sacc[mt][0][1]);
         pa[mt][1] = pack2<T>(sacc[mt][0][2], sacc[mt][0][3]);
         pa[mt][2] = pack2<T>(sacc[mt][1][0], sacc[mt][1][1]);

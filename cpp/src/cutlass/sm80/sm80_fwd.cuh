@@ -326,6 +326,57 @@ struct KvCopy {
   }
 };
 
+// One m16 strip's online-softmax step (the prefill and decode kernels): S (kSN n8 tiles of the
+// accumulator, already masked) becomes P = exp2(S·sl2 - max·sl2) in place; the running max m
+// (raw units) and this thread's part of the row sum l advance; O (kON n8 tiles) is rescaled.
+// r = 0 is row g of the strip, r = 1 row g + 8; a row lives in the 4 lanes of a quad.
+template <int kSN, int kON>
+__device__ __forceinline__ void softmax_step(float (&sacc)[kSN][4], float (&m_run)[2],
+                                             float (&l_run)[2], float (&o)[kON][4], float sl2) {
+  float alpha[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = m_run[r];
+#pragma unroll
+    for (int j = 0; j < kSN; ++j) mx = fmaxf(mx, fmaxf(sacc[j][2 * r], sacc[j][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // A row with nothing visible yet keeps m = -inf: exponents stay -inf, p = 0, not NaN.
+    // mx·sl2 carried as hi + lo (rounded product and its exact residual): every exponent
+    // fma(x, sl2, -hi) - lo is exact enough at any logit size, the max's exactly 0. A single
+    // FMA with a rounded base leaves the max the base's rounding residual: past ~2^24 whole
+    // powers of two, p = 0 or inf (tests/numerics.rs, logits 1e8-1e10). The extra FADD costs
+    // little here; sm90's form (single FMA unless a warp votes for the exact one) and a
+    // branch per row were both much slower in this kernel (docs/log/).
+    const float hi = mx == -INFINITY ? 0.f : __fmul_rn(mx, sl2);
+    const float lo = mx == -INFINITY ? 0.f : fmaf(mx, sl2, -hi);
+    // Exactly 1 when the max did not move (also for -inf == -inf: O and l are still 0).
+    alpha[r] = mx == m_run[r] ? 1.f : exp2f(fmaf(m_run[r], sl2, -hi) - lo);
+    m_run[r] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kSN; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x = exp2f(fmaf(sacc[j][2 * r + e], sl2, -hi) - lo);
+        sacc[j][2 * r + e] = x;
+        sum += x;
+      }
+    }
+    l_run[r] = fmaf(l_run[r], alpha[r], sum);  // this thread's part; quad-summed last
+  }
+  // O *= alpha, skipped (exactly) when no row max of the warp's strip moved.
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+    for (int j = 0; j < kON; ++j) {
+      o[j][0] *= alpha[0];
+      o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1];
+      o[j][3] *= alpha[1];
+    }
+  }
+}
+
 template <typename T, class Mask>
 struct Params {
   const T *q, *k, *v;
@@ -580,49 +631,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, kMinBlocks<Cfg<T, 
             }
           }
         }
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = m_run[mt][r];
-#pragma unroll
-          for (int j = 0; j < kSN; ++j)
-            mx = fmaxf(mx, fmaxf(sacc[mt][j][2 * r], sacc[mt][j][2 * r + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // A row with nothing visible yet keeps m = -inf: exponents stay -inf, p = 0, not NaN.
-          // mx·sl2 carried as hi + lo (rounded product and its exact residual): every exponent
-          // fma(x, sl2, -hi) - lo is exact enough at any logit size, the max's exactly 0. A single
-          // FMA with a rounded base leaves the max the base's rounding residual: past ~2^24 whole
-          // powers of two, p = 0 or inf (tests/numerics.rs, logits 1e8-1e10). The extra FADD costs
-          // little here; sm90's form (single FMA unless a warp votes for the exact one) and a
-          // branch per row were both much slower in this kernel (docs/log/).
-          const float hi = mx == -INFINITY ? 0.f : __fmul_rn(mx, sl2);
-          const float lo = mx == -INFINITY ? 0.f : fmaf(mx, sl2, -hi);
-          // Exactly 1 when the max did not move (also for -inf == -inf: O and l are still 0).
-          alpha[r] = mx == m_run[mt][r] ? 1.f : exp2f(fmaf(m_run[mt][r], sl2, -hi) - lo);
-          m_run[mt][r] = mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < kSN; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float x = exp2f(fmaf(sacc[mt][j][2 * r + e], sl2, -hi) - lo);
-              sacc[mt][j][2 * r + e] = x;
-              sum += x;
-            }
-          }
-          l_run[mt][r] = fmaf(l_run[mt][r], alpha[r], sum);  // this thread's part; quad-summed last
-        }
-        // O *= alpha, skipped (exactly) when no row max of the warp's strip moved.
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-          for (int j = 0; j < kON; ++j) {
-            o[mt][j][0] *= alpha[0];
-            o[mt][j][1] *= alpha[0];
-            o[mt][j][2] *= alpha[1];
-            o[mt][j][3] *= alpha[1];
-          }
-        }
+        softmax_step<kSN, kON>(sacc[mt], m_run[mt], l_run[mt], o[mt], sl2);
         // k-block kb of P is S tiles 2kb (a0, a1) and 2kb + 1 (a2, a3).
 #pragma unroll
         for (int kb = 0; kb < kPV; ++kb) {
