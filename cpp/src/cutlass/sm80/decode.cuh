@@ -364,7 +364,7 @@ inline bool applies(const FwdArgs& a) {
   if (a.mask != Mask::NoMask && a.mask != Mask::CausalBottomRight) return false;
   if (a.softcap > 0.f || a.alibi) return false;
   return a.seq_q <= kMaxTokens && a.seq_k >= 256 && a.heads / a.kv_heads <= 64 &&
-         a.seq_q * a.kv_heads <= 65535 * 64 && a.batch <= 65535;
+         a.kv_heads * ((a.seq_q * (a.heads / a.kv_heads) + 15) / 16) <= 65535 && a.batch <= 65535;
 }
 
 // The launch's shape: rows a CTA (16 or 32), row blocks, splits and their tiles.
@@ -405,10 +405,12 @@ inline int64_t workspace_bytes(const FwdArgs& a, const DeviceInfo& dev) {
   return int64_t(pl.splits) * pl.lse_rows * (a.head_dim + 1) * int64_t(sizeof(float));
 }
 
-// What the decode path needs beyond applies(): its shared memory.
+// What the decode path needs beyond applies(): seq_q, seq_k and key indices a tile past them in
+// `int`, and its shared memory.
 template <int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
-  return limits::smem_per_block(dev, smem_bytes<D>(plan(a, dev).mt));
+  return limits::first({limits::int_sequences(a, "cutlass-sm80", kMaxTileRows),
+                        limits::smem_per_block(dev, smem_bytes<D>(plan(a, dev).mt))});
 }
 
 template <typename T, int D, int MT, class Mask>
