@@ -103,19 +103,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       min(n_lo + p.split_tiles, (mask.key_end(tok_lo, tok_hi - tok_lo + 1) + BN - 1) / BN);
 
   for (int i = tid; i < R * D; i += kThreads) flags[i] = 0;
-  float o[MT][kON][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int j = 0; j < kON; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
-  float m_run[MT][2], l_run[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      m_run[mt][r] = -INFINITY;
-      l_run[mt][r] = 0.f;
-    }
+  float o[MT][kON][4], m_run[MT][2], l_run[MT][2];
+  start_rows(o, m_run, l_run);
   const float sl2 = p.scale_log2;
 
   if (n_begin < n_end) {

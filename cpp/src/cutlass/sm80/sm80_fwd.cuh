@@ -326,6 +326,22 @@ struct KvCopy {
   }
 };
 
+// The row state before the first key: O = 0, running max -inf, sum 0 (MT strips, kON n8 tiles).
+template <int MT, int kON>
+__device__ __forceinline__ void start_rows(float (&o)[MT][kON][4], float (&m_run)[MT][2],
+                                           float (&l_run)[MT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int j = 0; j < kON; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m_run[mt][r] = -INFINITY;
+      l_run[mt][r] = 0.f;
+    }
+  }
+}
+
 // One m16 strip's online-softmax step (the prefill and decode kernels): S (kSN n8 tiles of the
 // accumulator, already masked) becomes P = exp2(S·sl2 - max·sl2) in place; the running max m
 // (raw units) and this thread's part of the row sum l advance; O (kON n8 tiles) is rescaled.
@@ -453,19 +469,8 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, kMinBlocks<Cfg<T, 
   const float sl2 = mods.on ? 1.f : p.scale_log2;
 
   // O accumulators: strip mt, n8 tile j, (row g: cols 2t, 2t+1; row g + 8: the same).
-  float o[MT][kON][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int j = 0; j < kON; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
-  float m_run[MT][2], l_run[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      m_run[mt][r] = -INFINITY;
-      l_run[mt][r] = 0.f;
-    }
+  float o[MT][kON][4], m_run[MT][2], l_run[MT][2];
+  start_rows(o, m_run, l_run);
 
   if (n_begin < n_tiles) {
     const KvCopy<C, T> kv(p.k, p.v, p.ks, p.vs, b, hk, seq.k0, kBand && p.seqs.paged(), tid);
