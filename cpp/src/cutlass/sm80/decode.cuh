@@ -27,6 +27,8 @@
 // combined output adds the reference's term for them (common/nonfinite.cuh).
 #pragma once
 
+#include <cstdlib>
+
 #include "cutlass/sm80/sm80_fwd.cuh"
 
 namespace sdpa::cutlass_sm80::decode {
@@ -375,14 +377,19 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   pl.row_blocks = int((rows + 16 * pl.mt - 1) / (16 * pl.mt));
   pl.lse_rows = a.total_q > 0 ? a.heads * a.total_q : a.batch * a.heads * a.seq_q;
   const int64_t tiles = (a.seq_k + 63) / 64;
-  const int smem = a.head_dim == 64 ? smem_bytes<64>(pl.mt) : smem_bytes<128>(pl.mt);
-  // CTAs the GPU holds at once (an unknown device: an H100's); splits fill them, each split at
-  // least 4 tiles.
-  const int64_t per_sm = dev.known() ? std::max<int64_t>(1, dev.smem_per_sm / (smem + 1024)) : 2;
-  const int64_t slots = (dev.known() ? dev.sms : 132) * std::min<int64_t>(per_sm, 2);
+  // Splits fill one CTA an SM (an unknown device: an H100's 132), each at least 4 tiles. One a
+  // SM, not the two that fit: fewer, longer splits measured faster on every decode problem
+  // (docs/perf.md), the pipeline's fill and the combine being paid fewer times.
+  const int64_t slots = dev.known() ? dev.sms : 132;
   const int64_t base = a.batch * a.kv_heads * pl.row_blocks;
   int64_t splits = base >= slots ? 1 : slots / base;
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, tiles / 4));
+  // SDPA_DECODE_SPLITS=n in the environment sets the count instead (read once), for measuring.
+  static const int64_t forced = [] {
+    const char* e = std::getenv("SDPA_DECODE_SPLITS");
+    return e != nullptr ? std::atoll(e) : 0;
+  }();
+  if (forced > 0) splits = std::min<int64_t>(forced, tiles);
   pl.split_tiles = int((tiles + splits - 1) / splits);
   pl.splits = int((tiles + pl.split_tiles - 1) / pl.split_tiles);
   return pl;
