@@ -1,7 +1,8 @@
 //! Batches of sequences of different lengths on the GPU against the float64 reference: packed
 //! (varlen) Q and K/V, a paged K/V cache for decode and for prefill against a cache, seqused_k;
-//! with every mask, GQA, the log-sum-exp, softcap and ALiBi, on scalar and cutlass-sm80. Fresh
-//! inputs every run; the metadata's typed errors, and the backends that refuse such batches.
+//! with every mask, GQA, the log-sum-exp, softcap and ALiBi, on scalar, cutlass-sm80 and cutlass
+//! (Hopper). Fresh inputs every run; the metadata's typed errors, and the backends that refuse
+//! such batches.
 
 mod common;
 
@@ -9,15 +10,15 @@ use sdpa::{Alibi, Backend, DType, Mask, Problem, SeqMeta};
 use sdpa_harness::check::{Inputs, compare, compare_lse, fresh_seed, random_inputs};
 use sdpa_harness::seqs::{paged, varlen};
 
-/// The backends that run packed and paged batches on `dev`: each of scalar and cutlass-sm80 that
-/// runs here at all (a refusal of either fails the test).
+/// The backends that run packed and paged batches on `dev`: each of scalar, cutlass-sm80 and
+/// cutlass that runs here at all (a refusal of any fails the test).
 fn seq_backends(dev: &sdpa::Device) -> Vec<Backend> {
     let p = varlen(Problem::new(1, 2, 1, 1, 64), &[3, 5], &[4, 2]).0;
     let runs: Vec<Backend> = common::expected_backends(dev)
         .into_iter()
         .filter(|b| b.supports(Some(dev), &p).is_ok())
         .collect();
-    for b in [Backend::Scalar, Backend::CutlassSm80] {
+    for b in [Backend::Scalar, Backend::CutlassSm80, Backend::Cutlass] {
         if common::expected_backends(dev).contains(&b) {
             assert!(
                 runs.contains(&b),
@@ -77,6 +78,10 @@ fn varlen_matches_the_reference() {
             left: Some(100),
             right: Some(0),
         },
+        Mask::Window {
+            left: Some(200),
+            right: Some(30),
+        },
     ];
     let backends = seq_backends(&dev);
     let (mut ran, mut failures) = (Vec::new(), Vec::new());
@@ -97,6 +102,9 @@ fn varlen_matches_the_reference() {
             let (p, meta) = varlen(base, ql, kl);
             let x = inputs(&p, meta);
             for &b in &backends {
+                if refuses_as_documented(&dev, &p, b) {
+                    continue;
+                }
                 ran.push((b, p));
                 if let Some(f) = check(&dev, &p, b, &x).unwrap() {
                     failures.push(f);
@@ -136,6 +144,9 @@ fn paged_matches_the_reference() {
         let (p, meta) = paged(base, k_lens, page_size, fresh_seed());
         let x = inputs(&p, meta);
         for &b in &backends {
+            if refuses_as_documented(&dev, &p, b) {
+                continue;
+            }
             ran.push((b, p));
             if let Some(f) = check(&dev, &p, b, &x).unwrap() {
                 failures.push(f);
@@ -144,6 +155,23 @@ fn paged_matches_the_reference() {
     }
     common::assert_ran("paged", &ran);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Whether `b` is cutlass refusing `p` for one of its documented limits, a cache's pages smaller
+/// than its key tile (it loads a tile with one TMA copy) or a window narrower than it (its
+/// non-finite V check): the typed refusal, asserted; cutlass-sm80 and scalar run those. Any other
+/// refusal fails.
+fn refuses_as_documented(dev: &sdpa::Device, p: &Problem, b: Backend) -> bool {
+    match b.supports(Some(dev), p) {
+        Ok(()) => false,
+        Err(sdpa::Error::Unsupported { reason, .. })
+            if b == Backend::Cutlass
+                && (reason.contains("paged cache's pages of") || reason.contains("narrower")) =>
+        {
+            true
+        }
+        Err(e) => panic!("{b} refuses {p}: {e}"),
+    }
 }
 
 /// Packed queries against a paged cache (chunked prefill): each sequence's new queries are the
@@ -155,15 +183,20 @@ fn packed_queries_against_a_paged_cache() {
     };
     let k_lens: &[usize] = &[500, 40, 129];
     let q_lens: &[usize] = &[100, 40, 1];
-    let base = Problem::new(1, 4, 100, 1, 128).with_causal(true);
-    let (p, mut meta) = paged(base, k_lens, 64, fresh_seed());
-    let p = p.with_packed_q(q_lens.iter().sum());
-    meta.cu_seqlens_q = Some(sdpa_harness::seqs::cu_seqlens(q_lens));
-    let x = inputs(&p, meta);
     let mut ran = Vec::new();
-    for b in seq_backends(&dev) {
-        ran.push((b, p));
-        assert_eq!(check(&dev, &p, b, &x).unwrap(), None);
+    for page_size in [64, 128] {
+        let base = Problem::new(1, 4, 100, 1, 128).with_causal(true);
+        let (p, mut meta) = paged(base, k_lens, page_size, fresh_seed());
+        let p = p.with_packed_q(q_lens.iter().sum());
+        meta.cu_seqlens_q = Some(sdpa_harness::seqs::cu_seqlens(q_lens));
+        let x = inputs(&p, meta);
+        for b in seq_backends(&dev) {
+            if refuses_as_documented(&dev, &p, b) {
+                continue;
+            }
+            ran.push((b, p));
+            assert_eq!(check(&dev, &p, b, &x).unwrap(), None);
+        }
     }
     common::assert_ran("packed queries, paged cache", &ran);
 }
@@ -240,11 +273,8 @@ fn decode_matches_the_reference() {
     let Some(dev) = common::device("decode") else {
         return;
     };
-    let mut backends = seq_backends(&dev);
-    // cutlass (Hopper) runs decode steps on the same decode kernel.
-    if common::expected_backends(&dev).contains(&Backend::Cutlass) {
-        backends.push(Backend::Cutlass);
-    }
+    // cutlass (Hopper) runs decode steps on cutlass-sm80's decode kernel.
+    let backends = seq_backends(&dev);
     let (mut ran, mut failures) = (Vec::new(), Vec::new());
     let mut run = |p: Problem, x: Inputs| {
         for &b in &backends {
@@ -313,6 +343,54 @@ fn decode_keeps_nonfinite_v_from_tokens_that_do_not_see_it() {
         }
     }
     common::assert_ran("decode nonfinite", &ran);
+}
+
+/// NaN and infinities in packed V near sequence boundaries: a kernel's key tile that runs past a
+/// sequence's last key holds the next sequence's rows, whose non-finite values must not reach
+/// the sequence; each sequence's rows get what the reference gives them.
+#[test]
+fn varlen_keeps_nonfinite_v_in_its_sequence() {
+    let Some(dev) = common::device("varlen nonfinite") else {
+        return;
+    };
+    // Packed rows: sequence 0 keys 0..50, sequence 1 50..250, sequence 2 250..280.
+    let (q_lens, k_lens): (&[usize], &[usize]) = (&[50, 70, 1], &[50, 200, 30]);
+    let masks = [
+        Mask::None,
+        Mask::CausalBottomRight,
+        Mask::Window {
+            left: Some(150),
+            right: Some(0),
+        },
+    ];
+    let mut ran = Vec::new();
+    for (n, mask) in masks.into_iter().enumerate() {
+        let base = Problem::new(1, 2, 1, 1, 128)
+            .with_kv_heads(1)
+            .with_mask(mask)
+            .with_dtype(DType::ALL[n % 2]);
+        let (p, meta) = varlen(base, q_lens, k_lens);
+        let mut x = inputs(&p, meta);
+        // Rows 60 and 120: sequence 1's keys 10 and 70, inside sequence 0's first 128-key tile;
+        // row 255: sequence 2's key 5, inside sequence 1's second tile.
+        for (row, val) in [
+            (60, f64::NAN),
+            (120, f64::INFINITY),
+            (255, f64::NEG_INFINITY),
+        ] {
+            let at = row * 128 + 7;
+            x.values[2][at] = val;
+            x.bits[2][at] = match p.dtype {
+                DType::Bf16 => half::bf16::from_f64(val).to_bits(),
+                _ => half::f16::from_f64(val).to_bits(),
+            };
+        }
+        for b in seq_backends(&dev) {
+            ran.push((b, p));
+            assert_eq!(check(&dev, &p, b, &x).unwrap(), None);
+        }
+    }
+    common::assert_ran("varlen nonfinite", &ran);
 }
 
 /// `append_kv` writes each sequence's new rows at its length's position through the block table
@@ -399,6 +477,9 @@ fn appends_land_where_the_block_table_says() {
     .with_meta(meta);
     let mut ran = Vec::new();
     for b in seq_backends(&dev) {
+        if refuses_as_documented(&dev, &p, b) {
+            continue;
+        }
         ran.push((b, p));
         assert_eq!(check(&dev, &p, b, &grown_cache).unwrap(), None);
     }

@@ -67,9 +67,12 @@ struct FwdArgs {
   // block_table[b * pages_per_seq + j / page_size] of a paged cache (page_size > 0, a power of
   // two), else its batch entry's seq_k; with has_seqused_k only the first seqused_k[b] of them.
   // Packed and paged tensors have batch stride 0. The log-sum-exp of packed Q is
-  // [heads][total_q]. Device i32 metadata (null in a question asked before the buffers exist).
+  // [heads][total_q]. kv_rows: the rows of packed K/V (total_k) or of a paged cache (pages x
+  // page_size), 0 for dense ones. Device i32 metadata (null in a question asked before the
+  // buffers exist).
   int64_t total_q;
   bool packed_kv;
+  int64_t kv_rows;
   int64_t page_size, pages_per_seq;
   bool has_seqused_k;
   const int32_t *cu_seqlens_q, *cu_seqlens_k, *seqused_k, *block_table;

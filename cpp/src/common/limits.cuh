@@ -61,7 +61,8 @@ inline std::string grid_of_query_tiles(const FwdArgs& a, int64_t rows) {
 // offset), also in `int`.
 inline std::string int_sequences(const FwdArgs& a, const char* kernel, int64_t tile) {
   for (const auto& [what, n] :
-       {std::pair{"seq_q", a.seq_q}, std::pair{"seq_k", a.seq_k}, std::pair{"total_q", a.total_q}})
+       {std::pair{"seq_q", a.seq_q}, std::pair{"seq_k", a.seq_k}, std::pair{"total_q", a.total_q},
+        std::pair{"the rows of packed or paged K/V", a.kv_rows}})
     if (n > kIntMax - (tile - 1))
       return std::string(what) + " = " + std::to_string(n) + " exceeds 2^31 - " +
              std::to_string(tile) + ": the " + kernel +

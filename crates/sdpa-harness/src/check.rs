@@ -347,6 +347,27 @@ pub fn kv_bytes(p: &Problem, meta: Option<&SeqMeta>) -> f64 {
     2.0 * (keys * p.kv_heads * p.head_dim * p.dtype.size()) as f64
 }
 
+/// Floating-point operations of a call, counting each sequence's visible scores (`Problem::flops`
+/// counts every sequence at the longest lengths).
+pub fn flops(p: &Problem, meta: Option<&SeqMeta>) -> f64 {
+    match meta.map(|m| sdpa::check_metadata(p, m)) {
+        Some(Ok(spans)) => spans
+            .iter()
+            .map(|s| {
+                let one = Problem {
+                    batch: 1,
+                    seq_q: s.seq_q,
+                    seq_k: s.seq_k,
+                    seqs: sdpa::Seqs::default(),
+                    ..*p
+                };
+                one.flops()
+            })
+            .sum(),
+        _ => p.flops(),
+    }
+}
+
 /// The device buffers of a problem's extras: its ALiBi slopes uploaded, its log-sum-exp output
 /// (NaN until a call writes it), its sequence metadata; empty for a problem that has none.
 pub struct ExtraBuffers {

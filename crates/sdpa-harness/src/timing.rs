@@ -193,11 +193,6 @@ pub fn launch_floor(dev: &Device, blocks: i32) -> Result<Timing> {
     })
 }
 
-/// TFLOP/s of a problem at `us` microseconds per call (causal counts visible scores only).
-pub fn tflops(p: &Problem, us: f64) -> f64 {
-    p.flops() / (us * 1e-6) / 1e12
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

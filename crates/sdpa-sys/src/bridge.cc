@@ -42,6 +42,7 @@ sdpa::FwdArgs convert(const FwdArgs& a) {
   r.workspace = reinterpret_cast<void*>(a.workspace);
   r.total_q = a.total_q;
   r.packed_kv = a.packed_kv;
+  r.kv_rows = a.kv_rows;
   r.page_size = a.page_size;
   r.pages_per_seq = a.pages_per_seq;
   r.has_seqused_k = a.has_seqused_k;

@@ -93,10 +93,12 @@ pub mod ffi {
         /// Scratch of `workspace_bytes(kernel, args)` bytes (0 when none is needed).
         pub workspace: u64,
         /// Sequences of different lengths (0 / false for dense ones; sdpa.h says how): rows
-        /// of packed Q, whether K/V are packed, a paged cache's page size and block-table
-        /// columns, whether seqused_k caps each sequence's keys, and the device i32 metadata.
+        /// of packed Q, whether K/V are packed, the rows of packed K/V or of a paged cache, a
+        /// paged cache's page size and block-table columns, whether seqused_k caps each
+        /// sequence's keys, and the device i32 metadata.
         pub total_q: i64,
         pub packed_kv: bool,
+        pub kv_rows: i64,
         pub page_size: i64,
         pub pages_per_seq: i64,
         pub has_seqused_k: bool,

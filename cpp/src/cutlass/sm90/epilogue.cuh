@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common/launch.cuh"
+#include "common/seqs.cuh"
 #include "common/smem.cuh"
 #include "cutlass/dtype.cuh"
 #include "cutlass/sm90/primitives.cuh"
@@ -18,28 +19,32 @@ struct Epilogue {
   struct Params {
     Out* o;
     Strides os;
-    int seq_q;
-    float* lse;  // null: none; [batch][heads][seq_q]
+    int seq_q;   // the longest sequence's queries
+    float* lse;  // null: none; [batch][heads][seq_q], or [heads][total_q] for packed Q
     int heads;
+    int64_t total_q;  // packed Q's rows (0: dense)
   };
 
   // Each row's log-sum-exp (softmax: the tile's finished online softmax, which stepped with
-  // scale sl2; cS: the (row, col) of each S element this thread holds), where asked for. One lane
-  // of the quad that holds a row writes it.
+  // scale sl2; cS: the (row, col) of each S element this thread holds; seq: the tile's
+  // sequence), where asked for. One lane of the quad that holds a row writes it.
   template <class Softmax, class TC>
   __device__ __forceinline__ static void store_lse(const Params& p, const Softmax& softmax,
-                                                   const TC& cS, int b, int h, int m0, float sl2) {
+                                                   const TC& cS, const Seq<int>& seq, int b, int h,
+                                                   int m0, float sl2) {
     if (p.lse == nullptr) return;
-    float* lb = p.lse + (int64_t(b) * p.heads + h) * p.seq_q;
+    float* lb =
+        p.lse + (p.total_q > 0 ? h * p.total_q + seq.q0 : (int64_t(b) * p.heads + h) * p.seq_q);
     CUTE_UNROLL
     for (int r = 0; r < decltype(size<0>(cS))::value; ++r) {
       const float v = softmax.lse(r, sl2);
       const int row = m0 + int(get<0>(cS(r, 0)));
-      if (threadIdx.x % 4 == 0 && row < p.seq_q) lb[row] = v;
+      if (threadIdx.x % 4 == 0 && row < seq.seq_q) lb[row] = v;
     }
   }
 
-  // Warpgroup wg's rows [m0 + 64 wg, m0 + 64 wg + 64) of the tile, the qi-th this CTA stores,
+  // Warpgroup wg's rows [m0 + 64 wg, m0 + 64 wg + 64) of the tile of sequence `seq` (rows from
+  // its first, seq.q0; packed O has batch stride 0), the qi-th this CTA stores,
   // through its 64-row staging area: row r, 16-byte chunk j lives at chunk j ^ (r % 8), so the
   // quad-strided 4-byte writes and the row-contiguous 16-byte reads are both free of bank
   // conflicts. (Writing O straight from registers, 4 bytes a store, was slower.) The barrier in
@@ -49,8 +54,8 @@ struct Epilogue {
   // across the main loop (spills).
   template <class TO>
   __device__ __forceinline__ static void store(const Params& p, typename C::Smem& sm,
-                                               const TO& tOrO, int b, int h, int m0, int wg,
-                                               int ctid, int qi, int bar) {
+                                               const TO& tOrO, const Seq<int>& seq, int b, int h,
+                                               int m0, int wg, int ctid, int qi, int bar) {
     int etid = ctid;
     asm volatile("" : "+r"(etid));
     const uint32_t so =
@@ -68,14 +73,14 @@ struct Epilogue {
       }
     }
     named_sync(bar, 128);
-    Out* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head;
+    Out* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head + int64_t(seq.q0) * p.os.seq;
     constexpr int CH = D / 8;  // 16-byte chunks per row
     const int wtid = etid % 128;
     CUTE_UNROLL
     for (int i = 0; i < 64 * CH / 128; ++i) {
       const int ci = wtid + i * 128, r = ci / CH, j = ci % CH;
       const int row = m0 + 64 * wg + r;
-      if (row < p.seq_q)
+      if (row < seq.seq_q)
         *reinterpret_cast<uint4*>(ob + int64_t(row) * p.os.seq + j * 8) =
             ld_shared_128(so + (r * D + ((j ^ (r & 7)) << 3)) * sizeof(Out));
     }

@@ -9,6 +9,7 @@
 
 #include "common/launch.cuh"
 #include "common/mask.cuh"
+#include "common/seqs.cuh"
 #include "cutlass/sm90/nonfinite_v.cuh"
 #include "cutlass/sm90/pipeline.cuh"
 #include "cutlass/sm90/primitives.cuh"
@@ -54,6 +55,8 @@ struct Mainloop {
   using Sched = TileScheduler<Mask::kMasksKeys>;
   using Bar = cutlass::arch::ClusterTransactionBarrier;
   static constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages;
+  static constexpr int kLog2BN = BN == 128 ? 7 : 6;
+  static_assert(BN == 1 << kLog2BN);
   // The general path: a band mask (windows, top-left causal) with softcap and ALiBi.
   static constexpr bool kBand = mask::kIsBand<Mask>;
   static_assert(!(kBand && E::kConvertV), "no band kernel for e4m3 V converted in shared memory");
@@ -72,26 +75,77 @@ struct Mainloop {
     // E4M3 only: dequantization scales, one per tensor or one per (batch, head) (per_head).
     const float *q_scale, *k_scale, *v_scale;
     int per_head;
-    // Band only: the band (mask::Band's diag, left, right) and the score mods: softcap · log2 e
-    // (0: none), ALiBi slopes (null: none) of (b, h) at b * alibi_bstride + h.
-    int diag, left, right;
+    // Band only: the band (mask::Band's diag, left, right, top_left) and the score mods:
+    // softcap · log2 e (0: none), ALiBi slopes (null: none) of (b, h) at b * alibi_bstride + h.
+    int diag, left, right, top_left;
     float cap2;
     const float* alibi;
     int alibi_bstride;
+    // Band only: sequences of different lengths (dense: none). Packed Q, K and V are TMA
+    // tensors of one batch entry whose rows start at each sequence's offset; a paged cache's
+    // pages hold whole key tiles (can_implement), found through the block table per tile.
+    SeqParams seqs;
   };
+  static_assert(!kBand || Sched::kOneTile, "a band kernel runs one work tile a CTA");
 
-  __device__ __forceinline__ static Mask mask_of(const Params& p) {
-    if constexpr (kBand)
-      return Mask{p.seq_q, p.seq_k, p.diag, p.left, p.right};
-    else
-      return Mask{p.seq_q, p.seq_k};
+  // Work tile w's sequence: its rows in the packed tensors and its lengths (the call's for
+  // dense sequences, which every kernel but the band kernel runs). Read afresh (an opaque b)
+  // wherever it is needed rather than held in registers across the main loop.
+  __device__ __forceinline__ static Seq<int> seq_of_tile(const Params& p, const WorkTile& w) {
+    if constexpr (kBand) {
+      int b = w.b;
+      asm volatile("" : "+r"(b));
+      return seq_of<int>(p.seqs, b, p.seq_q, p.seq_k);
+    } else {
+      return {0, 0, p.seq_q, p.seq_k};
+    }
   }
 
-  __device__ __forceinline__ static KeyTiles key_tiles(const Mask& mask, int m0, int rows) {
+  // Whether work tile w (rows from m0) lies past its sequence's queries: every role of the CTA
+  // skips it (a grid covers the longest sequence).
+  __device__ __forceinline__ static bool past_end(const Seq<int>& seq, int m0) {
+    return kBand && m0 >= seq.seq_q;
+  }
+
+  // The mask of one sequence (the band rebased to its lengths: the call's own for dense ones).
+  __device__ __forceinline__ static Mask mask_of(const Params& p, const Seq<int>& seq) {
+    if constexpr (kBand)
+      return Mask{p.seq_q, p.seq_k, p.diag, p.left, p.right, p.top_left != 0}.rebased(seq.seq_q,
+                                                                                      seq.seq_k);
+    else
+      return Mask{seq.seq_q, seq.seq_k};
+  }
+
+  // Where key tile j of sequence b lies among the BN-row tiles of K's and V's TMA tensor from
+  // the sequence's first row: tile j itself, or for a paged cache the tile its page holds it
+  // as (pages hold whole tiles; the cache's rows fit an int: can_implement). Recomputed per
+  // copy from an opaque b: the producer thread holds nothing of the block table across its loop.
+  __device__ __forceinline__ static int key_tile_at(const Params& p, int b, int j) {
+    if constexpr (kBand) {
+      if (p.seqs.paged()) {
+        asm volatile("" : "+r"(b));
+        const int shift = p.seqs.page_shift - kLog2BN;  // tiles a page: 1 << shift
+        const int page =
+            __ldg(p.seqs.block_table + int64_t(b) * p.seqs.pages_per_seq + (j >> shift));
+        return (page << shift) | (j & ((1 << shift) - 1));
+      }
+    }
+    return j;
+  }
+
+  // The key tiles of the query tile of `rows` rows from m0 of sequence `seq`.
+  __device__ __forceinline__ static KeyTiles key_tiles(const Params& p, const Seq<int>& seq, int m0,
+                                                       int rows) {
+    const Mask mask = mask_of(p, seq);
     if constexpr (kBand) {
       const int begin = mask.key_begin(m0, rows) / BN;
       const int end = max(begin, (mask.key_end(m0, rows) + BN - 1) / BN);
-      const int upper = max(begin, min(end, mask.first_partial_tile(m0, BN, end)));
+      int upper = max(begin, min(end, mask.first_partial_tile(m0, BN, end)));
+      // A last tile that runs past the sequence's keys holds rows TMA does not zero where the K/V
+      // tensors go on (packed, paged or seqused_k): it is partly masked, and checked, too.
+      const bool foreign_tail =
+          p.seqs.cu_k != nullptr || p.seqs.used_k != nullptr || p.seqs.paged();
+      if (foreign_tail && end > begin && end * BN > mask.seq_k) upper = min(upper, end - 1);
       const int lower = max(begin, min(upper, mask.lower_partial_end(m0, rows, BN)));
       return {end - begin, upper, begin, (end - upper) + (lower - begin), end - upper};
     } else {
@@ -159,12 +213,20 @@ struct Mainloop {
       const WorkTile w = Sched::decode(sp, t);
       const int hk = p.div_group.div(w.h);
       const int m0 = w.m_block * bm;
-      const KeyTiles kt = key_tiles(mask_of(p), m0, bm);
+      const Seq<int> seq = seq_of_tile(p, w);
+      if (past_end(seq, m0)) continue;
+      const KeyTiles kt = key_tiles(p, seq, m0, bm);
+      // Packed or paged tensors are one batch entry.
+      const int qb = kBand && p.seqs.cu_q != nullptr ? 0 : w.b;
+      const int kb = kBand && (p.seqs.cu_k != nullptr || p.seqs.paged()) ? 0 : w.b;
       // BM rows from row m0 (with 64-row tiles the upper half goes unused).
-      Tensor gQ = local_tile(domain_offset(make_coord(m0, _0{}), mQ(_, _, w.h, w.b)),
+      Tensor gQ = local_tile(domain_offset(make_coord(seq.q0 + m0, _0{}), mQ(_, _, w.h, qb)),
                              Shape<Int<BM>, Int<D>>{}, make_coord(_0{}, _0{}));
-      Tensor gK = local_tile(mK(_, _, hk, w.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
-      Tensor gV = local_tile(mV(_, _, hk, w.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+      // K and V as tiles of BN rows from the sequence's first (key_tile_at).
+      Tensor gK = local_tile(domain_offset(make_coord(seq.k0, _0{}), mK(_, _, hk, kb)),
+                             Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+      Tensor gV = local_tile(domain_offset(make_coord(seq.k0, _0{}), mV(_, _, hk, kb)),
+                             Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
       auto tQ = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                               group_modes<0, 2>(gQ));
       auto tK = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
@@ -185,22 +247,25 @@ struct Mainloop {
         Bar::arrive_and_expect_tx(&sm.bar_q, kQBytes);
         copy(p.tma_q.with(sm.bar_q), get<0>(tQ), get<1>(tQ));
       };
-      if (kt.n_tiles == 0) load_q();  // nothing visible: the consumers still wait for Q
+      // A CTA of one tile loads Q first (nothing frees it); nothing visible: the consumers still
+      // wait for Q.
+      if (Sched::kOneTile || kt.n_tiles == 0) load_q();
       for (int n = 0; n < kt.n_tiles; ++n, ++it) {
         // Ring use `it`, which is n where a CTA runs one tile (one register less).
         const PipelineState<S> use{Sched::kOneTile ? n : it};
         const int s = use.stage();
         if (use.reuses()) Bar::wait(&sm.empty_k[s], use.empty_phase());
         Bar::arrive_and_expect_tx(&sm.full_k[s], kKBytes);
-        const int j = key_tile(n, kt);
-        copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, j), get<1>(tK)(_, s));
-        if (n == 0) load_q();  // after K_0: the previous tile frees both at about the same time
+        const int j = key_tile(n, kt), jt = key_tile_at(p, w.b, j);
+        copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, jt), get<1>(tK)(_, s));
+        // After K_0: the previous tile frees both at about the same time.
+        if (!Sched::kOneTile && n == 0) load_q();
         if constexpr (E::kConvertV) {
           const PipelineState<C::kV8Stages> use8{use.u};
           const int s8 = use8.stage();
           if (use8.reuses()) Bar::wait(&sm.empty_v8[s8], use8.empty_phase());
           Bar::arrive_and_expect_tx(&sm.full_v8[s8], kVBytes);
-          copy(p.tma_v.with(sm.full_v8[s8]), get<0>(tV)(_, j), get<1>(tV)(_, s8));
+          copy(p.tma_v.with(sm.full_v8[s8]), get<0>(tV)(_, jt), get<1>(tV)(_, s8));
         } else {
           if constexpr (E::kPrepass)
             if (use.u == 0) pdl_wait();  // V comes from convert_v
@@ -209,7 +274,7 @@ struct Mainloop {
           const bool checked = kBand ? n < kt.n_cross : j >= kt.n_first;
           uint64_t& full = Mask::kMasksKeys && checked ? sm.full_vd[s] : sm.full_v[s];
           Bar::arrive_and_expect_tx(&full, kVBytes);
-          copy(p.tma_v.with(full), get<0>(tV)(_, j), get<1>(tV)(_, s));
+          copy(p.tma_v.with(full), get<0>(tV)(_, jt), get<1>(tV)(_, s));
         }
       }
       if constexpr (Sched::kOneTile) break;
@@ -236,7 +301,7 @@ struct Mainloop {
     int it = 0;
     for (int t = blockIdx.x; t < sp.tiles; t += gridDim.x) {
       const WorkTile w = Sched::decode(sp, t);
-      const KeyTiles kt = key_tiles(mask_of(p), w.m_block * bm, bm);
+      const KeyTiles kt = key_tiles(p, seq_of_tile(p, w), w.m_block * bm, bm);
       for (int n = 0; n < kt.n_tiles; ++n, ++it) {
         const PipelineState<S> use{it};
         const PipelineState<S8> use8{it};
@@ -280,16 +345,21 @@ struct Mainloop {
     int t = blockIdx.x;
     asm volatile("" : "+r"(t));  // opaque: nothing shared with the TMA thread's registers
     const WorkTile w = Sched::decode(sp, t);
-    const int bm = 64 * sp.wgs;
-    const KeyTiles kt = key_tiles(mask_of(p), w.m_block * bm, bm);
+    const int bm = 64 * sp.wgs, m0 = w.m_block * bm;
+    const Seq<int> seq = seq_of_tile(p, w);
+    if (past_end(seq, m0)) return;
+    const KeyTiles kt = key_tiles(p, seq, m0, bm);
     const int n_checked = checked_uses(kt);
     for (int u = 0; u < n_checked; ++u) {
       const PipelineState<S> use{u};
       const int s = use.stage();
       Bar::wait(&sm.full_vd[s], use.full_phase());
       const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
-      const bool any = settle_nonfinite<C, kBand>(
-          sm, s, u, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters), ct, kCheckBarrier);
+      // Rows past the sequence's keys (packed K/V: the next sequence's) are zeroed unrecorded.
+      const int real_keys = seq.seq_k - key_tile(u, kt) * BN;
+      const bool any =
+          settle_nonfinite<C, kBand>(sm, s, u, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters),
+                                     ct, kCheckBarrier, real_keys);
       if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
       Bar::arrive(&sm.checked_v[s]);
     }
@@ -311,8 +381,9 @@ struct Mainloop {
 
   // Band: the score mods of work tile w (slope of its (batch, head)). Made where they are used,
   // from the parameters (constant memory) rather than held in registers across the main loop.
-  __device__ __forceinline__ static ScoreMods mods(const Params& p, const WorkTile& w, float sl2) {
-    ScoreMods m{false, sl2, 0.f, false, 0.f, p.seq_k - p.seq_q};
+  __device__ __forceinline__ static ScoreMods mods(const Params& p, const WorkTile& w,
+                                                   const Mask& mask, float sl2) {
+    ScoreMods m{false, sl2, 0.f, false, 0.f, mask.seq_k - mask.seq_q};
     if constexpr (kBand) {
       m.cap2 = p.cap2;
       m.alibi = p.alibi != nullptr;
@@ -363,9 +434,9 @@ struct Mainloop {
   // counts.
   template <class Ops, class TO, class Softmax>
   __device__ __forceinline__ static void mma(const Params& p, typename C::Smem& sm, const Ops& ops,
-                                             const Mask& mask, int m0, const KeyTiles& kt, int& it,
-                                             int qi, TO& tOrO, Softmax& softmax, const WorkTile& w,
-                                             float sl2_raw, int wg) {
+                                             int m0, const KeyTiles& kt, int& it, int qi, TO& tOrO,
+                                             Softmax& softmax, const WorkTile& w, float sl2_raw,
+                                             int wg) {
     const float sl2 = step_scale(p, sl2_raw);
     const int n_tiles = kt.n_tiles;
     const bool turns = C::kPingPong && p.turns;
@@ -406,9 +477,10 @@ struct Mainloop {
       warpgroup_fence_operand(rP);
     };
     const auto softmax_step = [&](int n) {
+      // The mask (and a band's mods) from the parameters, not held across the loop.
+      const Mask mask = mask_of(p, seq_of_tile(p, w));
       if constexpr (kBand)
-        // The band and the mods from the parameters, not held across the loop.
-        apply_band(Srow, cSrc, mask_of(p), mods(p, w, sl2_raw), m0, BM, key_tile(n, kt) * BN, BN);
+        apply_band(Srow, cSrc, mask, mods(p, w, mask, sl2_raw), m0, BM, key_tile(n, kt) * BN, BN);
       else
         apply_mask(Srow, cSrc, mask, m0, key_tile(n, kt) * BN, BN);
       softmax.step(Srow, sl2);
@@ -544,26 +616,35 @@ struct Mainloop {
   // travels in the __grid_constant__ parameter block) and the scalars. E4M3 with the pre-pass: V
   // is the pre-pass's f16 copy `v` with strides `vs`.
   static Params make(const FwdArgs& a, const void* v, const Strides& vs, bool turns) {
-    const auto gmem = [&](auto const* ptr, int64_t seq, int64_t heads, const Strides& st) {
+    // Packed and paged tensors (batch stride 0) are one batch entry of all their rows; the
+    // batch stride of a one-entry mode is never used, and TMA wants it a 16-byte multiple.
+    const auto gmem = [&](auto const* ptr, int64_t rows, int64_t heads, int64_t batch,
+                          const Strides& st) {
+      const int64_t bs = batch == 1 && st.batch == 0 ? rows * st.seq : st.batch;
       return make_tensor(make_gmem_ptr(ptr),
-                         make_shape(int(seq), Int<D>{}, int(heads), int(a.batch)),
-                         make_stride(st.seq, _1{}, st.head, st.batch));
+                         make_shape(int(rows), Int<D>{}, int(heads), int(batch)),
+                         make_stride(st.seq, _1{}, st.head, bs));
     };
+    const int64_t q_rows = a.total_q > 0 ? a.total_q : a.seq_q;
+    const int64_t q_batch = a.total_q > 0 ? 1 : a.batch;
+    const int64_t kv_rows = a.kv_rows > 0 ? a.kv_rows : a.seq_k;
+    const int64_t kv_batch = a.kv_rows > 0 ? 1 : a.batch;
     Params p{};
     p.tma_q = make_tma_copy(SM90_TMA_LOAD{},
-                            gmem(static_cast<const QK*>(a.q), a.seq_q, a.heads, a.q_stride),
+                            gmem(static_cast<const QK*>(a.q), q_rows, a.heads, q_batch, a.q_stride),
                             typename C::LayoutQ{}, Shape<Int<BM>, Int<D>>{}, _1{});
-    p.tma_k = make_tma_copy(SM90_TMA_LOAD{},
-                            gmem(static_cast<const QK*>(a.k), a.seq_k, a.kv_heads, a.k_stride),
-                            take<0, 2>(typename C::LayoutK{}), Shape<Int<BN>, Int<D>>{}, _1{});
+    p.tma_k =
+        make_tma_copy(SM90_TMA_LOAD{},
+                      gmem(static_cast<const QK*>(a.k), kv_rows, a.kv_heads, kv_batch, a.k_stride),
+                      take<0, 2>(typename C::LayoutK{}), Shape<Int<BN>, Int<D>>{}, _1{});
     if constexpr (E::kConvertV)
-      p.tma_v =
-          make_tma_copy(SM90_TMA_LOAD{}, gmem(static_cast<const QK*>(v), a.seq_k, a.kv_heads, vs),
-                        take<0, 2>(typename C::LayoutV8{}), Shape<Int<BN>, Int<D>>{}, _1{});
+      p.tma_v = make_tma_copy(SM90_TMA_LOAD{},
+                              gmem(static_cast<const QK*>(v), kv_rows, a.kv_heads, kv_batch, vs),
+                              take<0, 2>(typename C::LayoutV8{}), Shape<Int<BN>, Int<D>>{}, _1{});
     else
-      p.tma_v =
-          make_tma_copy(SM90_TMA_LOAD{}, gmem(static_cast<const PV*>(v), a.seq_k, a.kv_heads, vs),
-                        take<0, 2>(typename C::LayoutV{}), Shape<Int<BN>, Int<D>>{}, _1{});
+      p.tma_v = make_tma_copy(SM90_TMA_LOAD{},
+                              gmem(static_cast<const PV*>(v), kv_rows, a.kv_heads, kv_batch, vs),
+                              take<0, 2>(typename C::LayoutV{}), Shape<Int<BN>, Int<D>>{}, _1{});
     fill_sizes(p, a);
     p.turns = turns ? 1 : 0;
     p.q_scale = a.q_scale;
@@ -575,9 +656,11 @@ struct Mainloop {
       p.diag = band.diag;
       p.left = band.left;
       p.right = band.right;
+      p.top_left = band.top_left ? 1 : 0;
       p.cap2 = a.softcap > 0.f ? a.softcap * 1.4426950408889634f : 0.f;
       p.alibi = a.alibi ? a.alibi_slopes : nullptr;
       p.alibi_bstride = int(a.alibi_batch_stride);
+      p.seqs = SeqParams::of(a);
     }
     return p;
   }

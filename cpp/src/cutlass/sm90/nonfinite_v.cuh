@@ -37,12 +37,13 @@ __device__ __forceinline__ bool scan_nonfinite(uint32_t tile, int i, int n) {
 
 // The rare path, once some thread's share had a non-finite value: one thread a column (thread i
 // of n) records into nf (shared address of a NonFiniteCols<D>) the first NaN, +Inf and -Inf of
-// its column, with kLast into nf_last the last ones too, and zeroes them. addr(key, col): the
-// shared address of one value. The zeros are generic-proxy writes: the caller fences them before
-// any wgmma reads the tile.
+// its column, with kLast into nf_last the last ones too, and zeroes them. Keys from real_keys on
+// (rows past the sequence: another sequence's keys in packed K/V) are zeroed unrecorded: no row
+// sees them. addr(key, col): the shared address of one value. The zeros are generic-proxy
+// writes: the caller fences them before any wgmma reads the tile.
 template <typename T, int BN, int D, bool kLast = false, class Addr>
 __device__ __forceinline__ void record_nonfinite_cols(uint32_t nf, uint32_t nf_last, Addr addr,
-                                                      int i, int n) {
+                                                      int i, int n, int real_keys = BN) {
   constexpr bool kBf16 = std::is_same_v<T, cute::bfloat16_t>;
   static_assert(sizeof(T) == 2 && BN < kNoKey && sizeof(NonFiniteCols<D>) == 3 * D);
   for (int col = i; col < D; col += n) {
@@ -54,10 +55,11 @@ __device__ __forceinline__ void record_nonfinite_cols(uint32_t nf, uint32_t nf_l
       const uint32_t a = addr(key, col);
       const int kind = nonfinite_kind<kBf16>(ld_shared_16(a));
       if (kind == 0) continue;
+      st_shared_16(a, 0);
+      if (key >= real_keys) continue;
       const uint32_t f = nf + uint32_t((kind - 1) * D + col);
       if (ld_shared_8(f) == kNoKey) st_shared_8(f, uint8_t(key));
       if constexpr (kLast) st_shared_8(nf_last + uint32_t((kind - 1) * D + col), uint8_t(key));
-      st_shared_16(a, 0);
     }
   }
 }
@@ -96,11 +98,11 @@ __device__ __forceinline__ void add_band_nonfinite_terms(TO& O, TC const& cO,
 // The check of the main kernel's stage s, by the producer's spare warps (thread ct of
 // C::kConverters, named barrier `bar`) once each has scanned its share (hit: it had a non-finite
 // value): whether any share had one, and if so the tile's records (into check slot `slot`: with
-// kLast the last keys too) and zeros (the caller fences the zeros for the wgmmas). Publishes the
-// answer in sm.nf_any[slot].
+// kLast the last keys too; of its first real_keys keys) and zeros (the caller fences the zeros
+// for the wgmmas). Publishes the answer in sm.nf_any[slot].
 template <class C, bool kLast = false>
 __device__ __forceinline__ bool settle_nonfinite(typename C::Smem& sm, int s, int slot, bool hit,
-                                                 int ct, int bar) {
+                                                 int ct, int bar, int real_keys = C::kBN) {
   using PV = typename C::PV;
   const bool any = named_or(bar, C::kConverters, hit);
   if (any) {
@@ -113,7 +115,7 @@ __device__ __forceinline__ bool settle_nonfinite(typename C::Smem& sm, int s, in
         [&](int key, int col) {
           return kSwizzle(v16 + uint32_t(kFlatV(key, col, s) * sizeof(PV)));
         },
-        ct, C::kConverters);
+        ct, C::kConverters, real_keys);
   }
   if (ct == 0) sm.nf_any[slot] = any;
   return any;

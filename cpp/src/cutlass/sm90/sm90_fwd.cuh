@@ -9,7 +9,12 @@
 //   softmax.cuh         the online softmax on the accumulators; mask application
 //   nonfinite_v.cuh     the non-finite V check
 //   epilogue.cuh        O to global memory
-// and the mask policy (common/mask.cuh) it is templated on. docs/design.md describes the tiles,
+// and the mask policy (common/mask.cuh) it is templated on. Sequences of different lengths
+// (common/seqs.cuh: packed Q, K and V, a paged cache whose pages hold whole key tiles,
+// seqused_k) run on the band kernel: each role finds its work tile's sequence, skips tiles past
+// its queries, and rebases the band to its lengths; rows past a sequence's end that a tile's TMA
+// copy brings in (the next sequence's) are masked like any key the band hides, and the
+// non-finite V check ignores them. docs/design.md describes the tiles,
 // roles, register split, overlap and scheduling. Assumes validated arguments
 // (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned rows, strides in elements,
 // heads % kv_heads == 0, seq_q, seq_k >= 1; and what can_implement (below) checks: the device,
@@ -19,10 +24,11 @@
 // anywhere in the kernel makes ptxas serialize every wgmma); the producer warpgroup gives its
 // registers to the consumers (setmaxnreg: 24 a producer thread, 240 a consumer thread, which is
 // what 2 x 128 x (240 - 168) = 128 x (168 - 24) allows from the 168 x 384 the CTA launches with;
-// more makes the consumers' setmaxnreg wait forever); and values the compiler would otherwise
-// hoist out of the tile loops and hold across the main loop (addresses, coordinates, the grid
-// stride) are recomputed from an opaque copy of their input (`asm volatile("" : "+r"(x))`),
-// which keeps the producer within 24 registers and the consumers free of spills.
+// more makes the consumers' setmaxnreg wait forever; the band kernel's producer, which also
+// looks up a paged cache's block table, keeps 32 and its consumers take 232); and values the
+// compiler would otherwise hoist out of the tile loops and hold across the main loop (addresses,
+// coordinates, the grid stride) are recomputed from an opaque copy of their input (`asm volatile(""
+// : "+r"(x))`), which keeps the producer within 24 registers and the consumers free of spills.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -57,9 +63,12 @@ struct KernelParams {
   typename Epilogue<E, D>::Params epilogue;
 };
 
-// Registers of a producer thread (see the top of this file).
-constexpr int kProducerRegs = 24;
-constexpr int kConsumerRegs = 240;
+// Registers of a producer and of a consumer thread (see the top of this file).
+template <class Mask>
+constexpr int kProducerRegs = mask::kIsBand<Mask> ? 32 : 24;
+template <class Mask>
+constexpr int kConsumerRegs = mask::kIsBand<Mask> ? 232 : 240;
+static_assert(2 * (kConsumerRegs<mask::Band<int>> - 168) <= 168 - kProducerRegs<mask::Band<int>>);
 
 // What a thread of the producer warpgroup (threads 0-127) does.
 enum class ProducerRole { kLoad, kConvertV, kCheckV, kIdle };
@@ -116,7 +125,7 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   pdl_launch_dependents();
 
   if (tid < 128) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<uint32_t(kProducerRegs<Mask>)>();
     switch (producer_role<E, Mask>(tid)) {
       case ProducerRole::kLoad:
         Main::load(p.mainloop, p.sched, sm);
@@ -136,11 +145,10 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
 
   // Consumer warpgroups: the CTA takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... (one when
   // the grid covers them all), as the producer does.
-  cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+  cutlass::arch::warpgroup_reg_alloc<uint32_t(kConsumerRegs<Mask>)>();
   const int ctid = tid - 128;       // 0 .. consumers - 1
   const int wg = ctid / 128;        // this consumer warpgroup: rows [64 wg, 64 wg + 64)
   const int bm = 64 * p.sched.wgs;  // query rows per tile (the Q buffer always holds BM = 128)
-  const Mask mask = Main::mask_of(p.mainloop);
   typename C::MmaPV mma_pv;
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<C::kBM>, Int<D>>{});
   Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
@@ -149,20 +157,24 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   for (int t = blockIdx.x; t < p.sched.tiles; t += gridDim.x, ++qi) {
     const WorkTile w = Sched::decode(p.sched, t);
     const int m0 = w.m_block * bm;
-    const KeyTiles kt = Main::key_tiles(mask, m0, bm);
+    if (Main::past_end(Main::seq_of_tile(p.mainloop, w), m0)) continue;
+    const KeyTiles kt = Main::key_tiles(p.mainloop, Main::seq_of_tile(p.mainloop, w), m0, bm);
     float sl2, o_scale;
     Main::scales(p.mainloop, w, sl2, o_scale);
     OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop> softmax;
     clear(tOrO);
-    Main::mma(p.mainloop, sm, ops, mask, m0, kt, it, qi, tOrO, softmax, w, sl2, wg);
-    Main::add_masked_nonfinite(sm, mask, m0, kt, it, tOrO, ctid);
-    Epilogue<E, D>::store_lse(p.epilogue, softmax, ops.coords, w.b, w.h, m0,
+    Main::mma(p.mainloop, sm, ops, m0, kt, it, qi, tOrO, softmax, w, sl2, wg);
+    // The sequence and its mask again, not held across the main loop.
+    const Seq<int> seq = Main::seq_of_tile(p.mainloop, w);
+    Main::add_masked_nonfinite(sm, Main::mask_of(p.mainloop, seq), m0, kt, it, tOrO, ctid);
+    Epilogue<E, D>::store_lse(p.epilogue, softmax, ops.coords, seq, w.b, w.h, m0,
                               Main::step_scale(p.mainloop, sl2));
     softmax.normalize(O, o_scale);
     // kAliasO: Q's buffer takes O once every consumer warpgroup's last S = Q·Kᵀ is done (a
     // warpgroup's Q rows are spread over the whole buffer).
     if constexpr (C::kAliasO) named_sync(kStagingBarrier, 128 * p.sched.wgs);
-    Epilogue<E, D>::store(p.epilogue, sm, tOrO, w.b, w.h, m0, wg, ctid, qi, kEpilogueBarrier + wg);
+    Epilogue<E, D>::store(p.epilogue, sm, tOrO, seq, w.b, w.h, m0, wg, ctid, qi,
+                          kEpilogueBarrier + wg);
     if constexpr (C::kAliasO) {
       // O was staged in Q's buffer: Q is free once the staging is read, and the next Q's TMA
       // (async proxy) is ordered after these generic-proxy accesses.
@@ -236,8 +248,8 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   const void* v = E::kPrepass ? a.workspace : a.v;
   const Strides vs = E::kPrepass ? packed_v_strides(a) : a.v_stride;
   p.mainloop = Mainloop<E, D, Mask>::make(a, v, vs, turns);
-  p.epilogue = {static_cast<typename E::Out*>(a.o), a.o_stride, int(a.seq_q),
-                a.has_lse ? a.lse : nullptr, int(a.heads)};
+  p.epilogue = {static_cast<typename E::Out*>(a.o), a.o_stride,   int(a.seq_q),
+                a.has_lse ? a.lse : nullptr,        int(a.heads), a.total_q};
   return p;
 }
 
@@ -275,8 +287,9 @@ template <class E, int D>
 std::string tma_limits(const FwdArgs& a) {
   // E4M3 with the pre-pass reads V through its 16-bit copy.
   const int64_t in = sizeof(typename E::QK), v_in = E::kPrepass ? 2 : in;
-  const int64_t q_elems = a.batch * a.heads * a.seq_q * a.head_dim;
-  const int64_t kv_elems = a.batch * a.kv_heads * a.seq_k * a.head_dim;
+  const int64_t q_elems = (a.total_q > 0 ? a.total_q : a.batch * a.seq_q) * a.heads * a.head_dim;
+  const int64_t kv_elems =
+      (a.kv_rows > 0 ? a.kv_rows : a.batch * a.seq_k) * a.kv_heads * a.head_dim;
   for (const auto& [what, bytes] : {std::pair{"Q", q_elems * in}, std::pair{"K", kv_elems * in},
                                     std::pair{"V", kv_elems * v_in}})
     if (bytes >= (int64_t(1) << 40))
@@ -287,16 +300,23 @@ std::string tma_limits(const FwdArgs& a) {
                         tma_operand(a.v, a.v_stride, "v", in)});
 }
 
-// The general path (mask::needs_band: windows, top-left causal, softcap, ALiBi) for 16-bit inputs,
-// with a window at least one key tile wide: the non-finite V check's records of a partly masked
-// tile answer for rows whose visible keys there reach one of its ends (nonfinite_v.cuh).
+// The general path (mask::needs_band: windows, top-left causal, softcap, ALiBi, sequences of
+// different lengths) for 16-bit inputs, with a window at least one key tile wide: the non-finite
+// V check's records of a partly masked tile answer for rows whose visible keys there reach one of
+// its ends (nonfinite_v.cuh); and a paged cache whose pages hold whole key tiles (one TMA copy a
+// tile).
 template <class E, int D>
 std::string band_limits(const FwdArgs& a) {
   if (!mask::needs_band(a)) return "";
   if (E::kFp8)
-    return "cutlass-sm90 e4m3 runs no mask but causal bottom-right, and no softcap or ALiBi "
-           "(its simulated path on scalar does)";
-  return mask::narrow_window(a, TileConfig<E, D>::kBN, "cutlass-sm90");
+    return "cutlass-sm90 e4m3 runs no mask but causal bottom-right, no softcap or ALiBi, and "
+           "dense sequences only (its simulated path on scalar runs them)";
+  constexpr int kBN = TileConfig<E, D>::kBN;
+  if (a.page_size > 0 && a.page_size % kBN != 0)
+    return "a paged cache's pages of " + std::to_string(a.page_size) +
+           " keys are smaller than the cutlass-sm90 kernel's " + std::to_string(kBN) +
+           "-key tile at head_dim " + std::to_string(D) + " (cutlass-sm80 runs them)";
+  return mask::narrow_window(a, kBN, "cutlass-sm90");
 }
 
 // wgmma, TMA, setmaxnreg and clusters as compiled for sm_90a: Hopper (H100, H200) alone.
@@ -311,9 +331,8 @@ inline std::string sm90_only(const DeviceInfo& dev) {
 // applies only where it fits too: small_forward.)
 template <class E, int D>
 std::string can_implement_elems(const FwdArgs& a, const DeviceInfo& dev) {
-  return limits::first({band_limits<E, D>(a), limits::dense_sequences(a, "cutlass-sm90"),
-                        int_limits<E, D>(a), tma_limits<E, D>(a), sm90_only(dev),
-                        limits::smem_per_block(dev, TileConfig<E, D>::kSmemBytes)});
+  return limits::first({band_limits<E, D>(a), int_limits<E, D>(a), tma_limits<E, D>(a),
+                        sm90_only(dev), limits::smem_per_block(dev, TileConfig<E, D>::kSmemBytes)});
 }
 
 template <class E, int D, class Mask>

@@ -204,6 +204,13 @@ fn problem_args(p: &Problem) -> sdpa_sys::ffi::FwdArgs {
         workspace: 0,
         total_q: p.seqs.packed_q.unwrap_or(0) as i64,
         packed_kv: matches!(p.seqs.kv, KvRows::Packed { .. }),
+        kv_rows: match p.seqs.kv {
+            KvRows::Dense => 0,
+            KvRows::Packed { total } => total as i64,
+            KvRows::Paged {
+                pages, page_size, ..
+            } => (pages * page_size) as i64,
+        },
         page_size: match p.seqs.kv {
             KvRows::Paged { page_size, .. } => page_size as i64,
             _ => 0,
