@@ -127,7 +127,8 @@ fn main() -> Result<()> {
     let t_fused = time(&dev, || block.forward(&x, sdpa_candle::flash_attn))?;
     let t_unfused = time(&dev, || block.forward(&x, sdpa_candle::attention_unfused))?;
     println!("block: {t_fused:.3} ms with sdpa, {t_unfused:.3} ms with candle's own attention");
-    if !(rel < 2e-2) {
+    // A NaN difference fails too.
+    if rel.is_nan() || rel >= 2e-2 {
         candle_core::bail!("the two attentions disagree: relative difference {rel:e}");
     }
     Ok(())

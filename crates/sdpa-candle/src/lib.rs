@@ -6,6 +6,11 @@
 //! reads candle's buffers in place at their strides and queues on candle's stream (no copy, no
 //! synchronisation); on the CPU it runs sdpa's float64 reference, for tests and small models.
 //!
+//! Batches of sequences of different lengths go packed, without padding, through
+//! [`flash_attn_varlen`] and its windowed and softcapped forms: Q `(total_q, heads, head_dim)`,
+//! K and V `(total_k, kv_heads, head_dim)`, and each sequence's rows given by u32 offsets, as
+//! candle-flash-attn takes them.
+//!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
 //! # fn main() -> candle_core::Result<()> {
@@ -20,8 +25,13 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 mod unfused;
+mod varlen;
 
 pub use unfused::{attention_unfused, attention_unfused_windowed};
+pub use varlen::{
+    FlashAttnVarLen, flash_attn_varlen, flash_attn_varlen_windowed,
+    flash_attn_varlen_windowed_softcap,
+};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
@@ -119,20 +129,10 @@ pub struct FlashAttn {
 impl FlashAttn {
     /// The sdpa problem of Q, K and V laid out as `q`, `k`, `v` say.
     fn problem(&self, dtype: DType, q: &Layout, k: &Layout, v: &Layout) -> Result<Problem> {
-        let dtype = match dtype {
-            DType::F16 => sdpa::DType::F16,
-            DType::BF16 => sdpa::DType::Bf16,
-            other => bail!("sdpa-candle: {other:?} tensors are not supported (f16 or bf16)"),
-        };
+        let dtype = sdpa_dtype(dtype)?;
         let (b, sq, h, d) = q.shape().dims4()?;
         let (bk, sk, hk, dk) = k.shape().dims4()?;
-        if k.shape() != v.shape() {
-            bail!(
-                "sdpa-candle: k is {:?} and v is {:?}; they must match",
-                k.shape(),
-                v.shape()
-            );
-        }
+        same_shape_kv(k, v)?;
         if (bk, dk) != (b, d) {
             bail!(
                 "sdpa-candle: q is {:?} and k is {:?}: batch and head_dim must match",
@@ -140,14 +140,7 @@ impl FlashAttn {
                 k.shape()
             );
         }
-        for (name, l) in [("q", q), ("k", k), ("v", v)] {
-            if l.stride()[3] != 1 {
-                bail!(
-                    "sdpa-candle: the last dimension of {name} must be contiguous (strides {:?})",
-                    l.stride()
-                );
-            }
-        }
+        last_dim_contiguous([("q", q), ("k", k), ("v", v)])?;
         let mut p = Problem::new(b, h, sq, sk, d)
             .with_kv_heads(hk)
             .with_scale(self.softmax_scale)
@@ -176,29 +169,15 @@ impl CustomOp3 for FlashAttn {
         v: &CpuStorage,
         v_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
-            bail!(
-                "sdpa-candle: q, k and v are {:?}, {:?} and {:?}; they must match",
-                q.dtype(),
-                k.dtype(),
-                v.dtype()
-            );
-        }
+        same_dtype(q.dtype(), k.dtype(), v.dtype())?;
         let p = self.problem(q.dtype(), q_l, k_l, v_l)?;
-        let values = |s: &CpuStorage, l: &Layout| -> Result<Vec<f64>> {
-            Ok(match s {
-                CpuStorage::F16(x) => gather(x, l, |e| f64::from(e.to_f32())),
-                CpuStorage::BF16(x) => gather(x, l, |e| f64::from(e.to_f32())),
-                other => bail!("sdpa-candle: {:?} storage", other.dtype()),
-            })
-        };
-        let (qv, kv, vv) = (values(q, q_l)?, values(k, k_l)?, values(v, v_l)?);
+        let (qv, kv, vv) = (
+            host_values(q, q_l)?,
+            host_values(k, k_l)?,
+            host_values(v, v_l)?,
+        );
         let out = sdpa::reference(&p, &qv, &kv, &vv).map_err(candle_core::Error::wrap)?;
-        let storage = match q.dtype() {
-            DType::F16 => CpuStorage::F16(out.iter().map(|&x| f16::from_f64(x)).collect()),
-            _ => CpuStorage::BF16(out.iter().map(|&x| bf16::from_f64(x)).collect()),
-        };
-        Ok((storage, q_l.shape().clone()))
+        Ok((cpu_storage(q.dtype(), &out), q_l.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -211,30 +190,94 @@ impl CustomOp3 for FlashAttn {
         v: &candle_core::CudaStorage,
         v_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
-            bail!("sdpa-candle: q, k and v must have one dtype");
-        }
+        same_dtype(q.dtype(), k.dtype(), v.dtype())?;
         let p = self.problem(q.dtype(), q_l, k_l, v_l)?;
+        // A dense batch takes nothing beyond Q, K and V.
+        let extras = sdpa::Extras::default();
         match q.dtype() {
-            DType::F16 => cuda::forward::<f16>(&p, (q, q_l), (k, k_l), (v, v_l)),
-            _ => cuda::forward::<bf16>(&p, (q, q_l), (k, k_l), (v, v_l)),
+            DType::F16 => cuda::forward::<f16>(&p, (q, q_l), (k, k_l), (v, v_l), extras),
+            _ => cuda::forward::<bf16>(&p, (q, q_l), (k, k_l), (v, v_l), extras),
         }
     }
 }
 
-/// The elements a `(batch, seq, heads, head_dim)` layout addresses in `data`, in that order,
-/// converted by `f`.
-fn gather<T: Copy>(data: &[T], l: &Layout, f: impl Fn(T) -> f64) -> Vec<f64> {
-    let dims = l.dims();
-    let st = l.stride();
-    let mut out = Vec::with_capacity(l.shape().elem_count());
-    for b in 0..dims[0] {
-        for s in 0..dims[1] {
-            for h in 0..dims[2] {
-                let row = l.start_offset() + b * st[0] + s * st[1] + h * st[2];
-                out.extend(data[row..row + dims[3]].iter().map(|&x| f(x)));
-            }
+/// The sdpa element type of a candle dtype: f16 and bf16 only.
+pub(crate) fn sdpa_dtype(dtype: DType) -> Result<sdpa::DType> {
+    match dtype {
+        DType::F16 => Ok(sdpa::DType::F16),
+        DType::BF16 => Ok(sdpa::DType::Bf16),
+        other => bail!("sdpa-candle: {other:?} tensors are not supported (f16 or bf16)"),
+    }
+}
+
+/// That Q, K and V share one dtype.
+pub(crate) fn same_dtype(q: DType, k: DType, v: DType) -> Result<()> {
+    if q != k || q != v {
+        bail!("sdpa-candle: q, k and v are {q:?}, {k:?} and {v:?}; they must match");
+    }
+    Ok(())
+}
+
+/// That K and V have one shape.
+pub(crate) fn same_shape_kv(k: &Layout, v: &Layout) -> Result<()> {
+    if k.shape() != v.shape() {
+        bail!(
+            "sdpa-candle: k is {:?} and v is {:?}; they must match",
+            k.shape(),
+            v.shape()
+        );
+    }
+    Ok(())
+}
+
+/// That each named layout has a contiguous last dimension (head_dim), as the kernels read rows.
+pub(crate) fn last_dim_contiguous<'a>(
+    layouts: impl IntoIterator<Item = (&'a str, &'a Layout)>,
+) -> Result<()> {
+    for (name, l) in layouts {
+        if l.stride().last() != Some(&1) {
+            bail!(
+                "sdpa-candle: the last dimension of {name} must be contiguous (strides {:?})",
+                l.stride()
+            );
         }
+    }
+    Ok(())
+}
+
+/// The f16 or bf16 elements `l` addresses in `s`, in row-major order, as f64 (the reference's
+/// input).
+pub(crate) fn host_values(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
+    Ok(match s {
+        CpuStorage::F16(x) => gather(x, l, |e| f64::from(e.to_f32())),
+        CpuStorage::BF16(x) => gather(x, l, |e| f64::from(e.to_f32())),
+        other => bail!("sdpa-candle: {:?} storage", other.dtype()),
+    })
+}
+
+/// The reference's f64 output as CPU storage of `dtype` (f16, else bf16).
+pub(crate) fn cpu_storage(dtype: DType, out: &[f64]) -> CpuStorage {
+    match dtype {
+        DType::F16 => CpuStorage::F16(out.iter().map(|&x| f16::from_f64(x)).collect()),
+        _ => CpuStorage::BF16(out.iter().map(|&x| bf16::from_f64(x)).collect()),
+    }
+}
+
+/// The elements a layout addresses in `data`, in row-major order, converted by `f`: each row (the
+/// last dimension, contiguous) copied whole.
+fn gather<T: Copy>(data: &[T], l: &Layout, f: impl Fn(T) -> f64) -> Vec<f64> {
+    let (dims, strides) = (l.dims(), l.stride());
+    let (leading, row_len) = (&dims[..dims.len() - 1], dims[dims.len() - 1]);
+    let rows: usize = leading.iter().product();
+    let mut out = Vec::with_capacity(l.shape().elem_count());
+    for r in 0..rows {
+        // Row r's index in each leading dimension, innermost first, gives its offset.
+        let (mut rest, mut at) = (r, l.start_offset());
+        for (&n, &stride) in leading.iter().zip(strides).rev() {
+            at += (rest % n) * stride;
+            rest /= n;
+        }
+        out.extend(data[at..at + row_len].iter().map(|&x| f(x)));
     }
     out
 }
