@@ -101,10 +101,10 @@ struct Mainloop {
     }
   }
 
-  // Whether work tile w (rows from m0) lies past its sequence's queries: every role of the CTA
-  // skips it (a grid covers the longest sequence).
+  // Whether work tile w (rows from m0) lies past its sequence's queries, or is none
+  // (TileScheduler): every role of the CTA skips it (a grid covers the longest sequence).
   __device__ __forceinline__ static bool past_end(const Seq<int>& seq, int m0) {
-    return kBand && m0 >= seq.seq_q;
+    return kBand && (m0 < 0 || m0 >= seq.seq_q);
   }
 
   // The mask of one sequence (the band rebased to its lengths: the call's own for dense ones).

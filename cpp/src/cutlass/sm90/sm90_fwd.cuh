@@ -240,7 +240,7 @@ template <class E, int D, class Mask>
 KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   using Sched = TileScheduler<Mask::kMasksKeys>;
   KernelParams<E, D, Mask> p{};
-  p.sched = Sched::make(a.seq_q, a.heads, a.batch, sms);
+  p.sched = Sched::make(a.seq_q, a.heads, a.batch, sms, a.total_q, a.cu_seqlens_q);
   // Non-masked grids are persistent past one wave (Sched::grid_size); turns only pay where
   // every CTA runs a single tile.
   const bool turns = p.sched.wgs == 2 && (Mask::kMasksKeys || p.sched.tiles <= sms);
@@ -273,10 +273,11 @@ std::string int_limits(const FwdArgs& a) {
            " exceeds 2^31 - 1: the cutlass-sm90 kernel computes a band's keys in 32-bit int";
   // Tiles of C::kBM rows (64 only where there are no more than SMs). No overflow: validation
   // caps batch x heads x seq_q at 2^40 / head_dim.
-  const int64_t tiles = (a.seq_q + C::kBM - 1) / C::kBM * a.batch * a.heads;
+  // Packed Q: ceil(total_q / 64) + batch a head (TileScheduler), at 64-row tiles.
+  const int64_t tiles = a.total_q > 0 ? ((a.total_q + 63) / 64 + a.batch) * a.heads
+                                      : (a.seq_q + C::kBM - 1) / C::kBM * a.batch * a.heads;
   if (tiles > kMaxTiles)
-    return "ceil(seq_q / " + std::to_string(C::kBM) +
-           ") x batch x heads = " + std::to_string(tiles) +
+    return std::to_string(tiles) +
            " work tiles exceed 2^30: the cutlass-sm90 kernel numbers them in 32-bit int";
   return "";
 }

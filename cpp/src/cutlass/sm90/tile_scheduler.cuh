@@ -8,6 +8,8 @@
 
 namespace sdpa::cutlass_sm90 {
 
+// Query tile m_block (-1: none, a CTA past the last tile of packed sequences) of head h,
+// sequence b.
 struct WorkTile {
   int m_block, h, b;
 };
@@ -19,6 +21,12 @@ struct WorkTile {
 // persistent split of the uneven tiles was slower), heads one after another, each heaviest tile
 // first (L2 locality as above), except the (batch, head) pairs from tail_bh on, which are
 // interleaved heaviest first, so that the CTAs launched last are the cheap ones.
+//
+// Packed Q (varlen; masked kernels alone run it): the host knows total_q but not the lengths, so
+// the grid covers heads x (ceil(total_q / rows) + batch) tiles, at least every sequence's; tile
+// r of each head walks the sequences in order, each one's tiles heaviest (last) first, with the
+// heads of a tile next to each other (a GQA group's CTAs share their K/V in L2); the CTAs past
+// the last tile end at once. Each role finds its tile by a scan of cu_seqlens_q.
 template <bool kVaries>
 struct TileScheduler {
   // 32-bit tile numbers: can_implement (sm90_fwd.cuh) keeps ceil(seq_q / 128) x batch x heads
@@ -30,6 +38,8 @@ struct TileScheduler {
     int heads;
     int tail_bh;  // kVaries: the first (batch, head) pair of the interleaved tail group
     FastDiv div_m_blocks, div_heads, div_tail;  // div_tail: by bh - tail_bh
+    const int32_t* cu_q;  // packed Q: cu_seqlens_q (else null)
+    int batch;            // packed Q: the sequences
   };
 
   // 64-row tiles when 128-row tiles would leave more than half the SMs idle (faster on the
@@ -41,8 +51,27 @@ struct TileScheduler {
   // tail m_blocks^2 / 2 >= 2 sms m_blocks. Below that threshold the interleaved heads' K/V crowd
   // L2 and cost more than the overrun they save.
   static Params make(int64_t seq_q, int64_t heads, int64_t batch, int sms) {
+    return make(seq_q, heads, batch, sms, 0, nullptr);
+  }
+  // total_q > 0: packed Q with offsets cu_q.
+  static Params make(int64_t seq_q, int64_t heads, int64_t batch, int sms, int64_t total_q,
+                     const int32_t* cu_q) {
     Params p{};
     const int bh = int(heads * batch);
+    if (kVaries && total_q > 0) {
+      const auto tiles_of = [&](int rows) { return int((total_q + rows - 1) / rows + batch); };
+      p.wgs = 2 * tiles_of(128) * heads <= sms ? 1 : 2;
+      p.m_blocks = tiles_of(64 * p.wgs);  // tiles a head, at most
+      p.tiles = p.m_blocks * int(heads);
+      p.heads = int(heads);
+      p.tail_bh = bh;
+      p.div_m_blocks = FastDiv(p.m_blocks);
+      p.div_heads = FastDiv(p.heads);
+      p.div_tail = FastDiv(1);
+      p.cu_q = cu_q;
+      p.batch = int(batch);
+      return p;
+    }
     const int tiles128 = int((seq_q + 127) / 128) * bh;
     p.wgs = 2 * tiles128 <= sms ? 1 : 2;
     p.m_blocks = int((seq_q + 64 * p.wgs - 1) / (64 * p.wgs));
@@ -69,6 +98,7 @@ struct TileScheduler {
   static constexpr bool kOneTile = kVaries;
 
   __device__ __forceinline__ static WorkTile decode(const Params& p, int t) {
+    if (kVaries && p.cu_q != nullptr) return decode_packed(p, t);
     const int nb = p.m_blocks;
     int bh, m_block;
     if (!kVaries) {
@@ -84,6 +114,21 @@ struct TileScheduler {
     }
     const int b = p.div_heads.div(bh);
     return {m_block, bh - b * p.heads, b};
+  }
+
+  // Packed Q: tile r of head h is the sequence's tile its running count of tiles reaches.
+  __device__ __forceinline__ static WorkTile decode_packed(const Params& p, int t) {
+    const int r = p.div_heads.div(t), h = t - r * p.heads;
+    const int shift = p.wgs == 1 ? 6 : 7;  // log2 of the tile's rows
+    int seen = 0, start = __ldg(p.cu_q);
+    for (int b = 0; b < p.batch; ++b) {
+      const int end = __ldg(p.cu_q + b + 1);
+      const int n = (end - start + (1 << shift) - 1) >> shift;
+      if (r < seen + n) return {seen + n - 1 - r, h, b};
+      seen += n;
+      start = end;
+    }
+    return {-1, h, 0};
   }
 };
 
