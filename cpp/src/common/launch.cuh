@@ -1,6 +1,7 @@
-// Host-side pieces the fused kernels' launches share: the kernel parameter block of scalar and wmma
-// built from the validated FwdArgs, the once-per-device opt-in to more than 48 KB of shared memory,
-// and programmatic dependent launch (the sm_90a kernels).
+// Pieces the fused kernels' launches share: the kernel parameter block of scalar and wmma built
+// from the validated FwdArgs, the once-per-device opt-in to more than 48 KB of shared memory, and
+// programmatic dependent launch (the sm_90a kernels, the decode kernel's combine on sm_90), host
+// and device side.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -65,6 +66,24 @@ inline bool pdl_enabled() {
     return !(e != nullptr && e[0] == '0');
   }();
   return on;
+}
+
+// Programmatic dependent launch, device side. A grid launched with the programmatic
+// stream-serialization attribute may start while the grid before it on the stream is still
+// running: it must wait (griddepcontrol.wait: the earlier grid has completed and its writes are
+// visible) before its first global read or write. launch_dependents lets the next grid on the
+// stream start once every CTA of this one has issued it or exited; CTAs not yet resident have
+// not, so the next grid cannot take SMs this one still needs. Both are no-ops in a grid
+// launched without the attribute, and compiled out below sm_90 (no such launches there).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 // Appends the programmatic-serialization attribute to `cfg` (whose attrs point into `attrs`,

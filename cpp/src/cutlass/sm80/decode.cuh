@@ -78,6 +78,8 @@ template <typename T, int D, int MT, class Mask>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_kernel(const __grid_constant__ Params<T, Mask> p) {
 #ifdef SDPA_SM80_DEVICE
+  // The combine grid (sm_90) may launch and wait for this one's completion already.
+  pdl_launch_dependents();
   using G = Geo<T, D, MT>;
   using C = typename G::C;
   constexpr int BN = G::kBN, S = kStages, R = G::kRows;
@@ -305,6 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <typename T, int D, class Mask>
 __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Params<T, Mask> p) {
 #ifdef SDPA_SM80_DEVICE
+  pdl_wait();  // launched programmatically on sm_90: the splits' partials are complete
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int tok = blockIdx.x * 4 + warp, head = blockIdx.y, b = blockIdx.z;
   const Seq<int> seq = seq_of<int>(p.seqs, b, p.mask.seq_q, p.mask.seq_k);
@@ -441,14 +444,19 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Pla
   const auto kernel = decode_kernel<T, D, MT, Mask>;
   static std::atomic<uint64_t> configured{0};
   opt_in_smem(reinterpret_cast<const void*>(kernel), G::kSmemBytes, configured);
-  (void)dev;
   const dim3 grid(unsigned(pl.splits), unsigned(a.kv_heads * pl.row_blocks), unsigned(a.batch));
   kernel<<<grid, kThreads, G::kSmemBytes, stream>>>(p);
   SDPA_LAUNCH_CHECK("cutlass-sm80 decode_kernel launch");
   if (pl.splits > 1) {
-    const dim3 cgrid(unsigned((a.seq_q + 3) / 4), unsigned(a.heads), unsigned(a.batch));
-    combine_kernel<T, D, Mask><<<cgrid, 128, 0, stream>>>(p);
-    SDPA_LAUNCH_CHECK("cutlass-sm80 decode combine_kernel launch");
+    // On sm_90 the combine launches programmatically: its launch and start overlap the splits'
+    // tail, and it waits for their completion before reading the partials.
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(unsigned((a.seq_q + 3) / 4), unsigned(a.heads), unsigned(a.batch));
+    cfg.blockDim = dim3(128);
+    cfg.stream = stream;
+    cudaLaunchAttribute attrs[1];
+    if (dev.cc_major >= 9) add_pdl(cfg, attrs);
+    SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, combine_kernel<T, D, Mask>, p));
   }
 }
 

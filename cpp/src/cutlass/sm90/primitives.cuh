@@ -8,7 +8,8 @@
 
 #include <cstdint>
 
-#include "common/smem.cuh"  // ld_shared_128
+#include "common/launch.cuh"  // pdl_wait, pdl_launch_dependents
+#include "common/smem.cuh"    // ld_shared_128
 #include "sdpa/sdpa.h"
 
 namespace sdpa::cutlass_sm90 {
@@ -19,18 +20,6 @@ __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
-}
-
-// Programmatic dependent launch, device side. A grid launched with the programmatic
-// stream-serialization attribute may start while the grid before it on the stream is still
-// running: it must wait (griddepcontrol.wait: the earlier grid has completed and its writes are
-// visible) before its first global read or write. launch_dependents lets the next grid on the
-// stream start once every CTA of this one has issued it or exited; CTAs not yet resident have
-// not, so the next grid cannot take SMs this one still needs. Both are no-ops in a grid
-// launched without the attribute.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 // Named barriers (id 0 is __syncthreads): bar.sync waits, bar.arrive only counts.
