@@ -38,8 +38,8 @@ struct TileScheduler {
     int heads;
     int tail_bh;  // kVaries: the first (batch, head) pair of the interleaved tail group
     FastDiv div_m_blocks, div_heads, div_tail;  // div_tail: by bh - tail_bh
-    const int32_t* cu_q;  // packed Q: cu_seqlens_q (else null)
-    int batch;            // packed Q: the sequences
+    const int32_t* cu_q;                        // packed Q: cu_seqlens_q (else null)
+    int batch;                                  // packed Q: the sequences
   };
 
   // 64-row tiles when 128-row tiles would leave more than half the SMs idle (faster on the
