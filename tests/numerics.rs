@@ -233,12 +233,7 @@ fn nonfinite_v_at_masked_keys_stays_out_of_rows_that_do_not_see_it() {
                         } else {
                             x
                         };
-                        inputs.values[2][at] = x;
-                        inputs.bits[2][at] = match dtype {
-                            DType::E4m3 => 0x7f,
-                            DType::F16 => half::f16::from_f64(x).to_bits(),
-                            DType::Bf16 => half::bf16::from_f64(x).to_bits(),
-                        };
+                        inputs.set_value(2, at, x, dtype);
                     }
                 }
             }

@@ -330,12 +330,7 @@ fn decode_keeps_nonfinite_v_from_tokens_that_do_not_see_it() {
             (999, f64::NEG_INFINITY),
             (500, f64::INFINITY),
         ] {
-            let at = key * 128 + 5;
-            x.values[2][at] = val;
-            x.bits[2][at] = match dtype {
-                DType::Bf16 => half::bf16::from_f64(val).to_bits(),
-                _ => half::f16::from_f64(val).to_bits(),
-            };
+            x.set_value(2, key * 128 + 5, val, dtype);
         }
         for b in seq_backends(&dev) {
             ran.push((b, p));
@@ -378,12 +373,7 @@ fn varlen_keeps_nonfinite_v_in_its_sequence() {
             (120, f64::INFINITY),
             (255, f64::NEG_INFINITY),
         ] {
-            let at = row * 128 + 7;
-            x.values[2][at] = val;
-            x.bits[2][at] = match p.dtype {
-                DType::Bf16 => half::bf16::from_f64(val).to_bits(),
-                _ => half::f16::from_f64(val).to_bits(),
-            };
+            x.set_value(2, row * 128 + 7, val, p.dtype);
         }
         for b in seq_backends(&dev) {
             ran.push((b, p));

@@ -153,12 +153,7 @@ fn nonfinite_v_outside_a_window_stays_out() {
             let kinds = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, f64::NAN];
             for (i, (&key, &x)) in keys.iter().zip(&kinds).enumerate() {
                 for col in [3, 3 + 8 * i] {
-                    let at = key * d + col;
-                    inputs.values[2][at] = x;
-                    inputs.bits[2][at] = match dtype {
-                        DType::Bf16 => half::bf16::from_f64(x).to_bits(),
-                        _ => half::f16::from_f64(x).to_bits(),
-                    };
+                    inputs.set_value(2, key * d + col, x, dtype);
                 }
             }
             let [q, k, v] = &inputs.values;

@@ -182,6 +182,26 @@ pub struct Fp8Inputs {
 }
 
 impl Inputs {
+    /// Sets element `at` of input `which` (0 Q, 1 K, 2 V) to `value` rounded to `dtype`, bits
+    /// and f64 alike (e4m3 takes only NaN here: its other codes depend on the scale).
+    pub fn set_value(&mut self, which: usize, at: usize, value: f64, dtype: DType) {
+        let bits = match dtype {
+            DType::E4m3 => {
+                assert!(
+                    value.is_nan(),
+                    "set_value writes e4m3 NaN only, got {value}"
+                );
+                0x7f
+            }
+            _ => encode(dtype, &[value as f32])[0],
+        };
+        self.bits[which][at] = bits;
+        self.values[which][at] = match dtype {
+            DType::E4m3 => f64::NAN,
+            _ => decode(dtype, &[bits])[0],
+        };
+    }
+
     /// Inputs from given values (rounded to `dtype`).
     pub fn from_f32(dtype: DType, q: &[f32], k: &[f32], v: &[f32]) -> Inputs {
         let bits = [encode(dtype, q), encode(dtype, k), encode(dtype, v)];
