@@ -156,6 +156,42 @@ void empty_kernel(int32_t blocks, std::size_t stream) {
   sdpa::empty_kernel(blocks, reinterpret_cast<void*>(stream));
 }
 
+void merge_init(uint64_t acc_o, uint64_t acc_lse, int64_t rows, int64_t head_dim,
+                std::size_t stream) {
+  sdpa::merge_init(reinterpret_cast<float*>(acc_o), reinterpret_cast<float*>(acc_lse), rows,
+                   head_dim, reinterpret_cast<void*>(stream));
+}
+
+void merge_partial(const MergeArgs& a, std::size_t stream) {
+  sdpa::MergeArgs r{};
+  r.acc_o = reinterpret_cast<float*>(a.acc_o);
+  r.acc_lse = reinterpret_cast<float*>(a.acc_lse);
+  r.part_o = reinterpret_cast<const void*>(a.part_o);
+  r.part_lse = reinterpret_cast<const float*>(a.part_lse);
+  for (int i = 0; i < 3; ++i) r.part_stride[i] = a.part_stride[i];
+  r.batch = a.batch;
+  r.heads = a.heads;
+  r.rows = a.rows;
+  r.head_dim = a.head_dim;
+  r.acc_seq = a.acc_seq;
+  r.row0 = a.row0;
+  r.dtype = a.dtype;
+  sdpa::merge_partial(r, reinterpret_cast<void*>(stream));
+}
+
+void merge_finish(const MergeFinishArgs& a, std::size_t stream) {
+  sdpa::MergeFinishArgs r{};
+  r.acc_o = reinterpret_cast<const float*>(a.acc_o);
+  r.out = reinterpret_cast<void*>(a.out);
+  for (int i = 0; i < 3; ++i) r.out_stride[i] = a.out_stride[i];
+  r.batch = a.batch;
+  r.heads = a.heads;
+  r.seq = a.seq;
+  r.head_dim = a.head_dim;
+  r.dtype = a.dtype;
+  sdpa::merge_finish(r, reinterpret_cast<void*>(stream));
+}
+
 bool built_with_cutlass() { return sdpa::built_with_cutlass(); }
 
 rust::Vec<KernelAttr> kernel_attributes(const DeviceInfo& dev) {

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "rust/cxx.h"
+#include "sdpa/merge.h"
 #include "sdpa/sdpa.h"
 
 namespace sdpa_bridge {
@@ -14,6 +15,8 @@ struct KernelAttr;
 struct SoftmaxArgs;
 struct NonFiniteVArgs;
 struct KvAppendArgs;
+struct MergeArgs;
+struct MergeFinishArgs;
 struct ScaleMap;
 using sdpa::Dtype;
 using sdpa::Kernel;
@@ -34,6 +37,10 @@ void e4m3_quantize(uint64_t x, bool x_is_f32, Dtype dtype, uint64_t y, int64_t n
 void e4m3_dequantize(uint64_t x, uint64_t y, Dtype out_dtype, int64_t n, ScaleMap map,
                      uint64_t scale, std::size_t stream);
 void empty_kernel(int32_t blocks, std::size_t stream);
+void merge_init(uint64_t acc_o, uint64_t acc_lse, int64_t rows, int64_t head_dim,
+                std::size_t stream);
+void merge_partial(const MergeArgs& args, std::size_t stream);
+void merge_finish(const MergeFinishArgs& args, std::size_t stream);
 rust::Vec<KernelAttr> kernel_attributes(const DeviceInfo& dev);
 bool built_with_cutlass();
 }  // namespace sdpa_bridge

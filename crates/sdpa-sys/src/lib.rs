@@ -187,6 +187,46 @@ pub mod ffi {
         pub dtype: Dtype,
     }
 
+    /// Mirrors `sdpa::MergeArgs` (sdpa/merge.h): one partial attention result (16-bit O at its
+    /// strides, f32 log-sum-exp) folded into a running f32 one through their log-sum-exps.
+    #[derive(Debug, Clone)]
+    pub struct MergeArgs {
+        /// f32 [batch][heads][acc_seq][head_dim], dense
+        pub acc_o: u64,
+        /// f32 [batch][heads][acc_seq]
+        pub acc_lse: u64,
+        pub part_o: u64,
+        /// f32 [batch][heads][rows], dense
+        pub part_lse: u64,
+        /// Of part_o, in elements: [batch, head, seq]
+        pub part_stride: [i64; 3],
+        pub batch: i64,
+        pub heads: i64,
+        pub rows: i64,
+        pub head_dim: i64,
+        pub acc_seq: i64,
+        /// The part's rows are the accumulator's positions [row0, row0 + rows)
+        pub row0: i64,
+        /// Of part_o: F16 or BF16
+        pub dtype: Dtype,
+    }
+
+    /// Mirrors `sdpa::MergeFinishArgs`: the running f32 result rounded into the output.
+    #[derive(Debug, Clone)]
+    pub struct MergeFinishArgs {
+        /// f32 [batch][heads][seq][head_dim], dense
+        pub acc_o: u64,
+        pub out: u64,
+        /// Of out, in elements: [batch, head, seq]
+        pub out_stride: [i64; 3],
+        pub batch: i64,
+        pub heads: i64,
+        pub seq: i64,
+        pub head_dim: i64,
+        /// Of out: F16 or BF16
+        pub dtype: Dtype,
+    }
+
     /// Resource use of one kernel on the current device.
     #[derive(Debug, Clone)]
     pub struct KernelAttr {
@@ -286,6 +326,23 @@ pub mod ffi {
             scale: u64,
             stream: usize,
         ) -> Result<()>;
+        /// # Safety
+        /// `acc_o` (f32, `rows * head_dim`) and `acc_lse` (f32, `rows`) must be live device
+        /// buffers of the current context; `stream` a valid stream there.
+        unsafe fn merge_init(
+            acc_o: u64,
+            acc_lse: u64,
+            rows: i64,
+            head_dim: i64,
+            stream: usize,
+        ) -> Result<()>;
+        /// # Safety
+        /// The buffers of `args` must be live device buffers holding what its shape and strides
+        /// address (sdpa/merge.h), on the current context; `stream` a valid stream there.
+        unsafe fn merge_partial(args: &MergeArgs, stream: usize) -> Result<()>;
+        /// # Safety
+        /// As `merge_partial`, for the buffers of `args`.
+        unsafe fn merge_finish(args: &MergeFinishArgs, stream: usize) -> Result<()>;
         /// # Safety
         /// `stream` must be a valid stream of the current context.
         unsafe fn empty_kernel(blocks: i32, stream: usize) -> Result<()>;

@@ -42,6 +42,11 @@ pub enum Error {
         /// Bytes available when it was checked, where known.
         available: Option<usize>,
     },
+    /// Attention across GPUs or processes (`sdpa::distributed`): NCCL missing or failing, the
+    /// ranks' rendezvous, ranks that disagree on the problem, a rank that stopped answering.
+    #[cfg(feature = "distributed")]
+    #[error("distributed: {0}")]
+    Distributed(#[from] crate::distributed::DistError),
     /// Reading or writing a file.
     #[error("{path}: {msg}")]
     Io {

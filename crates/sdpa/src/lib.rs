@@ -42,6 +42,8 @@ pub mod backend;
 mod buffers;
 mod codec;
 mod device;
+#[cfg(feature = "distributed")]
+pub mod distributed;
 mod error;
 mod extras;
 mod ffi;

@@ -1,0 +1,118 @@
+// The log-sum-exp merge of partial attention results (sdpa/merge.h). Memory-bound: one warp a
+// row, each lane a pair of head_dim values at a time (32-bit loads of the 16-bit part, 64-bit of
+// the f32 accumulator); the row's weights are computed once per lane from two floats.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/check.cuh"
+#include "common/dtype.cuh"
+#include "sdpa/merge.h"
+
+namespace sdpa {
+namespace {
+
+constexpr int kRowsPerBlock = 8;  // warps of a 256-thread block, one row each
+constexpr int kThreads = 32 * kRowsPerBlock;
+
+unsigned blocks_for(int64_t rows) {
+  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  if (blocks > INT32_MAX) throw Error("merge: more rows than one grid covers");
+  return unsigned(blocks);
+}
+
+__global__ void fill_no_key(float* lse, int64_t rows) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < rows) lse[i] = -INFINITY;
+}
+
+template <typename T>
+__global__ void merge_rows(const MergeArgs a) {
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= a.batch * a.heads * a.rows) return;
+  const int64_t s = row % a.rows, bh = row / a.rows, h = bh % a.heads, b = bh / a.heads;
+  const int64_t acc_row = bh * a.acc_seq + a.row0 + s;
+  const float l1 = a.acc_lse[acc_row], l2 = a.part_lse[row];
+  if (l2 == -INFINITY) return;  // the part saw no key for this row: nothing to add
+  const float m = fmaxf(l1, l2);
+  const float w1 = expf(l1 - m), w2 = expf(l2 - m);  // w1 = 0 while the row has seen no key
+  const float sum = w1 + w2, c1 = w1 / sum, c2 = w2 / sum;
+  float2* o = reinterpret_cast<float2*>(a.acc_o + acc_row * a.head_dim);
+  const T* p_row = static_cast<const T*>(a.part_o) + b * a.part_stride[0] + h * a.part_stride[1] +
+                   s * a.part_stride[2];
+  const uint32_t* p = reinterpret_cast<const uint32_t*>(p_row);
+  for (int64_t i = lane; i < a.head_dim / 2; i += 32) {
+    const float2 x = o[i], y = Pair<T>::to_float2(p[i]);
+    o[i] = make_float2(c1 * x.x + c2 * y.x, c1 * x.y + c2 * y.y);
+  }
+  __syncwarp();
+  if (lane == 0) a.acc_lse[acc_row] = m + logf(sum);
+}
+
+template <typename T>
+__global__ void finish_rows(const MergeFinishArgs a) {
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= a.batch * a.heads * a.seq) return;
+  const int64_t s = row % a.seq, bh = row / a.seq, h = bh % a.heads, b = bh / a.heads;
+  const float2* o = reinterpret_cast<const float2*>(a.acc_o + row * a.head_dim);
+  T* out_row =
+      static_cast<T*>(a.out) + b * a.out_stride[0] + h * a.out_stride[1] + s * a.out_stride[2];
+  uint32_t* out = reinterpret_cast<uint32_t*>(out_row);
+  for (int64_t i = lane; i < a.head_dim / 2; i += 32) {
+    const float2 x = o[i];
+    out[i] = Pair<T>::from_float2(x.x, x.y);
+  }
+}
+
+}  // namespace
+
+void merge_init(float* acc_o, float* acc_lse, int64_t rows, int64_t head_dim, void* stream) {
+  if (rows == 0) return;
+  const auto st = static_cast<cudaStream_t>(stream);
+  SDPA_CUDA_CHECK(cudaMemsetAsync(acc_o, 0, size_t(rows * head_dim) * sizeof(float), st));
+  const int64_t blocks = (rows + 255) / 256;
+  if (blocks > INT32_MAX) throw Error("merge_init: more rows than one grid covers");
+  fill_no_key<<<unsigned(blocks), 256, 0, st>>>(acc_lse, rows);
+  SDPA_LAUNCH_CHECK("merge_init launch");
+}
+
+void merge_partial(const MergeArgs& a, void* stream) {
+  if (a.head_dim % 2 != 0) throw Error("merge: head_dim must be even");
+  const int64_t rows = a.batch * a.heads * a.rows;
+  if (rows == 0) return;
+  const auto st = static_cast<cudaStream_t>(stream);
+  switch (a.dtype) {
+    case Dtype::F16:
+      merge_rows<__half><<<blocks_for(rows), kThreads, 0, st>>>(a);
+      break;
+    case Dtype::BF16:
+      merge_rows<__nv_bfloat16><<<blocks_for(rows), kThreads, 0, st>>>(a);
+      break;
+    default:
+      throw Error("merge: partial outputs are f16 or bf16");
+  }
+  SDPA_LAUNCH_CHECK("merge_partial launch");
+}
+
+void merge_finish(const MergeFinishArgs& a, void* stream) {
+  if (a.head_dim % 2 != 0) throw Error("merge: head_dim must be even");
+  const int64_t rows = a.batch * a.heads * a.seq;
+  if (rows == 0) return;
+  const auto st = static_cast<cudaStream_t>(stream);
+  switch (a.dtype) {
+    case Dtype::F16:
+      finish_rows<__half><<<blocks_for(rows), kThreads, 0, st>>>(a);
+      break;
+    case Dtype::BF16:
+      finish_rows<__nv_bfloat16><<<blocks_for(rows), kThreads, 0, st>>>(a);
+      break;
+    default:
+      throw Error("merge: outputs are f16 or bf16");
+  }
+  SDPA_LAUNCH_CHECK("merge_finish launch");
+}
+
+}  // namespace sdpa

@@ -1,0 +1,136 @@
+//! The running result of one rank's queries across ring steps: f32 output and log-sum-exp on
+//! the device, each step's partial result folded in through the LSE (cpp/src/merge/merge.cu,
+//! sdpa/merge.h has the formula), rounded into the caller's output once at the end. Keeping it in
+//! f32 means the partial results are rounded to 16 bits once each, not once per merge.
+
+use crate::device::Device;
+use crate::error::Result;
+use crate::ffi::dtype;
+use crate::problem::{DType, Strides};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use sdpa_sys::ffi::{MergeArgs, MergeFinishArgs};
+
+/// A `[batch, heads, seq, head_dim]` f32 output and `[batch, heads, seq]` log-sum-exp, dense,
+/// on one device's stream.
+pub(crate) struct Accumulator {
+    o: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
+    batch: usize,
+    heads: usize,
+    seq: usize,
+    head_dim: usize,
+}
+
+/// A partial result in device memory: `rows` query positions from `row0` of each (batch, head),
+/// its output (`dtype`) at `strides`, its log-sum-exp dense `[batch, heads, rows]`.
+pub(crate) struct Partial {
+    pub(crate) o: u64,
+    pub(crate) strides: Strides,
+    pub(crate) lse: u64,
+    pub(crate) row0: usize,
+    pub(crate) rows: usize,
+    pub(crate) dtype: DType,
+}
+
+impl Accumulator {
+    /// A new accumulator holding "no key seen" (output 0, log-sum-exp -inf) on `dev`'s stream.
+    pub(crate) fn new(
+        dev: &Device,
+        batch: usize,
+        heads: usize,
+        seq: usize,
+        head_dim: usize,
+    ) -> Result<Accumulator> {
+        let rows = batch * heads * seq;
+        // SAFETY: merge_init below writes every element before anything reads them.
+        let (o, lse) = unsafe { (dev.alloc::<f32>(rows * head_dim)?, dev.alloc::<f32>(rows)?) };
+        let acc = Accumulator {
+            o,
+            lse,
+            batch,
+            heads,
+            seq,
+            head_dim,
+        };
+        let stream = dev.raw_stream()?;
+        {
+            let (op, _og) = acc.o.device_ptr(dev.stream());
+            let (lp, _lg) = acc.lse.device_ptr(dev.stream());
+            // SAFETY: both buffers hold `rows` rows on this context.
+            unsafe { sdpa_sys::ffi::merge_init(op, lp, rows as i64, head_dim as i64, stream)? };
+        }
+        Ok(acc)
+    }
+
+    /// Folds `part` in, on `dev`'s stream (after the work that wrote it there).
+    ///
+    /// # Safety
+    /// `part` must describe live device buffers on `dev`'s GPU holding what its rows and strides
+    /// address, with `part.row0 + part.rows <= seq`.
+    pub(crate) unsafe fn fold(&mut self, dev: &Device, part: &Partial) -> Result<()> {
+        debug_assert!(part.row0 + part.rows <= self.seq);
+        let stream = dev.raw_stream()?;
+        let (op, _og) = self.o.device_ptr_mut(dev.stream());
+        let (lp, _lg) = self.lse.device_ptr_mut(dev.stream());
+        let s = part.strides;
+        let args = MergeArgs {
+            acc_o: op,
+            acc_lse: lp,
+            part_o: part.o,
+            part_lse: part.lse,
+            part_stride: [s.batch as i64, s.head as i64, s.seq as i64],
+            batch: self.batch as i64,
+            heads: self.heads as i64,
+            rows: part.rows as i64,
+            head_dim: self.head_dim as i64,
+            acc_seq: self.seq as i64,
+            row0: part.row0 as i64,
+            dtype: dtype(part.dtype),
+        };
+        // SAFETY: the accumulator's buffers are live; the caller vouches for the part's.
+        unsafe { sdpa_sys::ffi::merge_partial(&args, stream)? };
+        Ok(())
+    }
+
+    /// Writes the output, rounded to `dtype`, at `out` with `strides`, and copies the
+    /// log-sum-exp to `lse` (an f32 buffer of `batch·heads·seq`) where given.
+    ///
+    /// # Safety
+    /// `out` and `lse` must be live device buffers on `dev`'s GPU holding what they address.
+    pub(crate) unsafe fn finish(
+        &self,
+        dev: &Device,
+        out: u64,
+        strides: Strides,
+        dtype: DType,
+        lse: Option<u64>,
+    ) -> Result<()> {
+        let stream = dev.raw_stream()?;
+        let (op, _og) = self.o.device_ptr(dev.stream());
+        let args = MergeFinishArgs {
+            acc_o: op,
+            out,
+            out_stride: [
+                strides.batch as i64,
+                strides.head as i64,
+                strides.seq as i64,
+            ],
+            batch: self.batch as i64,
+            heads: self.heads as i64,
+            seq: self.seq as i64,
+            head_dim: self.head_dim as i64,
+            dtype: crate::ffi::dtype(dtype),
+        };
+        // SAFETY: the accumulator is live; the caller vouches for `out`.
+        unsafe { sdpa_sys::ffi::merge_finish(&args, stream)? };
+        if let Some(dst) = lse {
+            let (lp, _lg) = self.lse.device_ptr(dev.stream());
+            let bytes = 4 * self.batch * self.heads * self.seq;
+            // SAFETY: both hold `bytes` on this context; the caller vouches for `dst`.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(dst, lp, bytes, dev.stream().cu_stream())?
+            };
+        }
+        Ok(())
+    }
+}

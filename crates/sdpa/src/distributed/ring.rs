@@ -1,0 +1,920 @@
+//! Ring attention: each rank keeps its zigzag shard of Q and its output; the K/V shards travel
+//! the ring, one hop a step, while each rank attends its queries to the shard it holds.
+//!
+//! Per rank two streams on its GPU: the compute stream (the rank's `Device`: attention calls,
+//! merges) and the communication stream (NCCL's sends and receives). At step `t` the rank
+//! attends to the shard received at step `t − 1` while sending that same shard on and
+//! receiving the next into the other of two buffers; the streams meet only where a buffer
+//! changes hands (the compute stream waits for the receive it is about to read; the
+//! communication stream waits for the step that last read the buffer it receives into).
+//! Each step's partial output and log-sum-exp fold into an f32 accumulator (`merge`), written
+//! to the caller's output once at the end.
+//!
+//! A `Ring` drives the ranks of this process: one (a process per GPU, torchrun style, from the
+//! environment), all of them (one process, several GPUs: `Ring::single_process`), or `world`
+//! virtual ranks on one GPU that hand K/V over by device copies (`Ring::loopback`: the same
+//! schedule, buffers and stream ordering without NCCL, for tests and single-GPU runs).
+
+use super::error::DistError;
+use super::merge::{Accumulator, Partial};
+use super::nccl::{Comm, Deadline, Nccl, library};
+use super::rendezvous::{RankEnv, exchange_id};
+use super::schedule::{self, Block};
+use super::zigzag::Zigzag;
+use crate::backend::Backend;
+use crate::device::Device;
+use crate::error::{Error, Result, invalid};
+use crate::extras::Extras;
+use crate::problem::{DType, Mask, Problem, Strides};
+use crate::tensor::Element;
+use crate::view::{View, ViewMut, Views, forward_views_with};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How a ring waits and computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingOptions {
+    /// How long any wait for another rank may take (the rendezvous, NCCL setup, one call)
+    /// before every communicator of this process is aborted and the call fails with
+    /// `DistError::Timeout`.
+    pub timeout: Duration,
+    /// The backend of each local attention call.
+    pub backend: Backend,
+}
+
+impl Default for RingOptions {
+    /// Five minutes (a first call at hundreds of thousands of positions includes NCCL's
+    /// connection setup); `Backend::Auto`.
+    fn default() -> Self {
+        RingOptions {
+            timeout: Duration::from_secs(300),
+            backend: Backend::Auto,
+        }
+    }
+}
+
+/// How the K/V shards travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// NCCL send/receive between GPUs (and processes, and nodes).
+    Nccl,
+    /// Device copies between virtual ranks on one GPU.
+    Loopback,
+}
+
+/// What one [`Ring::forward`] did, so callers (and tests) can see the ring ran.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RingReport {
+    /// How the shards travelled.
+    pub transport: Transport,
+    /// Ranks in the ring.
+    pub world: usize,
+    /// Steps each rank ran (one per K/V shard it attended to: `world`).
+    pub steps: usize,
+    /// K/V hand-overs each rank made (`world − 1`).
+    pub exchanges: usize,
+    /// K and V bytes each rank sent.
+    pub bytes_sent: usize,
+    /// Attention calls made by the ranks of this process, all steps.
+    pub calls: usize,
+}
+
+/// One rank's operands: its zigzag shards (see [`Zigzag`]) of Q, K, V and the output, each a
+/// dense tensor of the local sequence in the problem's layout, on the rank's device.
+pub struct Shard<'a, T> {
+    /// Queries `[batch, heads, local, head_dim]` (in the problem's layout).
+    pub q: CudaView<'a, T>,
+    /// Keys `[batch, kv_heads, local, head_dim]`.
+    pub k: CudaView<'a, T>,
+    /// Values, as the keys.
+    pub v: CudaView<'a, T>,
+    /// Out: attention of the shard's queries over the whole sequence.
+    pub out: CudaViewMut<'a, T>,
+    /// Out, where given: each query row's log-sum-exp over the whole sequence, f32 `[batch,
+    /// heads, local]` (natural log, as [`Extras::lse`]).
+    pub lse: Option<CudaViewMut<'a, f32>>,
+}
+
+/// A rank this process drives.
+struct LocalRank {
+    rank: usize,
+    /// The compute stream.
+    dev: Device,
+    comm_stream: Arc<CudaStream>,
+    /// `None` for loopback.
+    comm: Option<Comm>,
+}
+
+/// The ranks of this process in one ring, and how they talk.
+pub struct Ring {
+    world: usize,
+    ranks: Vec<LocalRank>,
+    transport: Transport,
+    nccl: Option<&'static Nccl>,
+    opts: RingOptions,
+}
+
+impl std::fmt::Debug for Ring {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ring")
+            .field("world", &self.world)
+            .field(
+                "ranks",
+                &self.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(),
+            )
+            .field("transport", &self.transport)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Ring {
+    /// This process as one rank of a ring of processes, from the torchrun environment
+    /// ([`RankEnv::from_env`]): opens GPU `LOCAL_RANK`, meets the other ranks (rank 0 hands out
+    /// the NCCL id over TCP) and starts the communicator. Every rank must call this.
+    pub fn from_env(opts: RingOptions) -> Result<Ring> {
+        let env = RankEnv::from_env()?;
+        let dev = Device::new(env.local_rank)?;
+        Ring::from_rank_env(&env, dev, opts)
+    }
+
+    /// As [`Ring::from_env`] with the rank's environment and device given.
+    pub fn from_rank_env(env: &RankEnv, dev: Device, opts: RingOptions) -> Result<Ring> {
+        let nccl = library()?;
+        // What every rank must agree on before NCCL is started: the ring's size and this
+        // crate's version (the wire protocol of the calls that follow).
+        let fp = fnv1a(format!("{} {}", env.world, env!("CARGO_PKG_VERSION")).as_bytes());
+        let id = exchange_id(env, fp, opts.timeout, || nccl.unique_id())?;
+        let deadline = Deadline::after(opts.timeout);
+        dev.ctx().bind_to_thread()?;
+        let comm = Comm::start(nccl, &id, env.rank, env.world)?;
+        let mut ranks = vec![LocalRank {
+            rank: env.rank,
+            comm_stream: dev.ctx().new_stream()?,
+            dev,
+            comm: Some(comm),
+        }];
+        wait_all(&mut ranks, "NCCL communicator setup", deadline)?;
+        Ok(Ring {
+            world: env.world,
+            ranks,
+            transport: Transport::Nccl,
+            nccl: Some(nccl),
+            opts,
+        })
+    }
+
+    /// One process driving a ring over `devices` (rank i on `devices[i]`, each a different
+    /// GPU: NCCL refuses two ranks on one GPU), over NCCL.
+    pub fn single_process(devices: Vec<Device>, opts: RingOptions) -> Result<Ring> {
+        if devices.is_empty() {
+            return Err(invalid!("a ring needs at least one device"));
+        }
+        let world = devices.len();
+        let nccl = library()?;
+        let id = nccl.unique_id()?;
+        let deadline = Deadline::after(opts.timeout);
+        let mut ranks = devices
+            .into_iter()
+            .enumerate()
+            .map(|(rank, dev)| {
+                Ok(LocalRank {
+                    rank,
+                    comm_stream: dev.ctx().new_stream()?,
+                    dev,
+                    comm: None,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let started = nccl.group(|| {
+            for r in ranks.iter_mut() {
+                bind(&r.dev)?;
+                r.comm = Some(Comm::start(nccl, &id, r.rank, world)?);
+            }
+            Ok(())
+        });
+        if let Err(e) = started {
+            abort_all(&mut ranks, &e.to_string());
+            return Err(e.into());
+        }
+        wait_all(&mut ranks, "NCCL communicator setup", deadline)?;
+        Ok(Ring {
+            world,
+            ranks,
+            transport: Transport::Nccl,
+            nccl: Some(nccl),
+            opts,
+        })
+    }
+
+    /// `world` virtual ranks on `dev`'s GPU, each with its own compute stream, handing K/V on
+    /// by device copies on one shared stream. No NCCL: the schedule, the buffers, the stream
+    /// ordering and the merge of a ring on one GPU.
+    pub fn loopback(dev: &Device, world: usize, opts: RingOptions) -> Result<Ring> {
+        if world == 0 {
+            return Err(invalid!("a ring needs at least one rank"));
+        }
+        let comm_stream = dev.ctx().new_stream()?;
+        let ranks = (0..world)
+            .map(|rank| {
+                Ok(LocalRank {
+                    rank,
+                    dev: dev.fork()?,
+                    comm_stream: comm_stream.clone(),
+                    comm: None,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Ring {
+            world,
+            ranks,
+            transport: Transport::Loopback,
+            nccl: None,
+            opts,
+        })
+    }
+
+    /// Ranks in the ring.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+    /// How the K/V shards travel.
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
+    /// The ranks this process drives, in the order [`Ring::forward`] takes their shards, with
+    /// the device (GPU and compute stream) of each: allocate its shards there.
+    pub fn local_ranks(&self) -> impl Iterator<Item = (usize, &Device)> {
+        self.ranks.iter().map(|r| (r.rank, &r.dev))
+    }
+
+    /// Attention of the sequence `p` describes, sharded over the ring: `shards[i]` is the
+    /// shard of the i-th rank of [`Ring::local_ranks`]. Returns once every local rank's output
+    /// (and log-sum-exp) is written, or with an error on every rank of the ring (a rank that
+    /// fails or does not answer within the timeout aborts the communicators).
+    ///
+    /// `p` is the whole problem, equal on every rank (checked: a rank with another problem
+    /// fails all of them with `DistError::Mismatch`): seq_q == seq_k, a multiple of
+    /// 2 × world; no mask or causal; f16 or bf16; GQA and softcap as the single-GPU call.
+    /// `p.lse` says whether the shards carry a log-sum-exp buffer.
+    pub fn forward<T: Element>(
+        &mut self,
+        p: &Problem,
+        shards: &mut [Shard<'_, T>],
+    ) -> Result<RingReport> {
+        let z = check_problem(p, self.world)?;
+        if T::DTYPE != p.dtype {
+            return Err(invalid!(
+                "the shards are {}, the problem says {}",
+                T::DTYPE,
+                p.dtype
+            ));
+        }
+        if shards.len() != self.ranks.len() {
+            return Err(invalid!(
+                "{} shards for the {} rank(s) this process drives",
+                shards.len(),
+                self.ranks.len()
+            ));
+        }
+        for r in &self.ranks {
+            if let Some(c) = &r.comm {
+                c.live()?;
+            }
+        }
+        let local = local_problem(p, &z);
+        for (r, s) in self.ranks.iter().zip(shards.iter()) {
+            check_shard(r, s, &local, p.lse)?;
+        }
+        let deadline = Deadline::after(self.opts.timeout);
+        if self.transport == Transport::Nccl {
+            self.agree(fingerprint(p, self.world), deadline)?;
+        }
+        // Ordered after the work queued on the shards' own streams, and theirs after the call
+        // (also after a failed one: part of it may be queued).
+        let orders = self
+            .ranks
+            .iter()
+            .zip(shards.iter())
+            .map(|(r, s)| {
+                let mut streams = vec![s.q.stream(), s.k.stream(), s.v.stream(), s.out.stream()];
+                streams.extend(s.lse.as_ref().map(|l| l.stream()));
+                r.dev.order_after(streams)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let result = self.run(p, &z, &local, shards, deadline);
+        if let Err(e) = &result {
+            abort_all(&mut self.ranks, &e.to_string());
+        }
+        for o in orders {
+            o.finish(Ok(()))?;
+        }
+        result
+    }
+
+    /// Every rank checks that all have the same problem: an all-reduce (max) of the
+    /// fingerprint and of its complement equals both only where every rank's is the same.
+    fn agree(&mut self, fp: u64, deadline: Deadline) -> Result<()> {
+        let nccl = self.nccl.expect("NCCL rings have the library");
+        let bufs = self
+            .ranks
+            .iter()
+            .map(|r| Ok(r.comm_stream.clone_htod(&[fp, !fp])?))
+            .collect::<Result<Vec<CudaSlice<u64>>>>()?;
+        let ptrs: Vec<u64> = bufs
+            .iter()
+            .zip(&self.ranks)
+            .map(|(b, r)| b.device_ptr(&r.comm_stream).0)
+            .collect();
+        let ranks = &self.ranks;
+        let issued = nccl.group(|| {
+            for (r, &ptr) in ranks.iter().zip(&ptrs) {
+                bind(&r.dev)?;
+                let comm = r.comm.as_ref().expect("NCCL ranks have communicators");
+                // SAFETY: two u64s on this rank's GPU, read back only after the stream is done.
+                unsafe { comm.max_u64(ptr, 2, raw(&r.comm_stream))? };
+            }
+            Ok(())
+        });
+        if let Err(e) = issued {
+            abort_all(&mut self.ranks, &e.to_string());
+            return Err(e.into());
+        }
+        wait_all(&mut self.ranks, "the problem check", deadline)?;
+        let streams: Vec<_> = self.ranks.iter().map(|r| r.comm_stream.clone()).collect();
+        wait_streams(
+            &mut self.ranks,
+            &streams,
+            "the problem check (all-reduce)",
+            deadline,
+        )?;
+        for (r, b) in self.ranks.iter().zip(&bufs) {
+            let got = r.comm_stream.clone_dtoh(b)?;
+            if got != [fp, !fp] {
+                return Err(DistError::Mismatch(format!(
+                    "rank {} was called with another problem than some other rank (fingerprints \
+                     range over {:016x}..={:016x}; this rank's {fp:016x})",
+                    r.rank, !got[1], got[0]
+                ))
+                .into());
+            }
+        }
+        Ok(())
+    }
+
+    fn run<T: Element>(
+        &mut self,
+        p: &Problem,
+        z: &Zigzag,
+        local: &Problem,
+        shards: &mut [Shard<'_, T>],
+        deadline: Deadline,
+    ) -> Result<RingReport> {
+        let w = self.world;
+        let (qs, ks) = (local.q_strides(), local.kv_strides());
+        let kv_elems = local.kv_len().expect("validated");
+        let kv_bytes = kv_elems * std::mem::size_of::<T>();
+        let rows = local.batch * local.heads * z.local_len();
+        // Two K/V buffers per rank for the shards in flight (none in a ring of one), the
+        // partial output and log-sum-exp of one call, and the running result.
+        let mut bufs = Vec::with_capacity(self.ranks.len());
+        let mut work = Vec::with_capacity(self.ranks.len());
+        for r in &self.ranks {
+            bufs.push(if w > 1 {
+                // SAFETY: a buffer is received into before any step reads it.
+                unsafe {
+                    vec![
+                        [r.dev.alloc::<T>(kv_elems)?, r.dev.alloc::<T>(kv_elems)?],
+                        [r.dev.alloc::<T>(kv_elems)?, r.dev.alloc::<T>(kv_elems)?],
+                    ]
+                }
+            } else {
+                Vec::new()
+            });
+            // SAFETY: every call writes the rows it covers before the merge reads them.
+            let (part, part_lse) = unsafe {
+                (
+                    r.dev.alloc::<T>(local.q_len().expect("validated"))?,
+                    r.dev.alloc::<f32>(rows)?,
+                )
+            };
+            let acc = Accumulator::new(
+                &r.dev,
+                local.batch,
+                local.heads,
+                z.local_len(),
+                local.head_dim,
+            )?;
+            work.push(Scratch {
+                part,
+                part_lse,
+                acc,
+            });
+        }
+        // Device addresses of what travels: the caller's K/V (step 0) and the buffers.
+        let user_kv: Vec<[u64; 2]> = self
+            .ranks
+            .iter()
+            .zip(shards.iter())
+            .map(|(r, s)| {
+                [
+                    s.k.device_ptr(r.dev.stream()).0,
+                    s.v.device_ptr(r.dev.stream()).0,
+                ]
+            })
+            .collect();
+        let buf_kv: Vec<Vec<[u64; 2]>> = self
+            .ranks
+            .iter()
+            .zip(&bufs)
+            .map(|(r, b)| {
+                b.iter()
+                    .map(|[k, v]| {
+                        [
+                            k.device_ptr(r.dev.stream()).0,
+                            v.device_ptr(r.dev.stream()).0,
+                        ]
+                    })
+                    .collect()
+            })
+            .collect();
+        // The K/V rank i holds at step t, and the buffer it receives into at step t.
+        let held = |i: usize, t: usize| {
+            if t == 0 {
+                user_kv[i]
+            } else {
+                buf_kv[i][(t - 1) % 2]
+            }
+        };
+        let next = |i: usize, t: usize| buf_kv[i][t % 2];
+        let plans: Vec<Vec<schedule::Step>> = self
+            .ranks
+            .iter()
+            .map(|r| schedule::steps(z, r.rank, p.is_causal()))
+            .collect();
+        let mut calls = 0;
+        for t in 0..w {
+            for r in &self.ranks {
+                if t > 0 {
+                    r.dev.stream().join(&r.comm_stream)?;
+                }
+                r.comm_stream.join(r.dev.stream())?;
+            }
+            if t + 1 < w {
+                self.exchange(t, kv_bytes, &held, &next, deadline)?;
+            }
+            for (i, r) in self.ranks.iter().enumerate() {
+                let s = &shards[i];
+                let wk = &mut work[i];
+                for block in &plans[i][t].blocks {
+                    let (k, v) = if t == 0 {
+                        (s.k.slice(..), s.v.slice(..))
+                    } else {
+                        let [k, v] = &bufs[i][(t - 1) % 2];
+                        (k.slice(..), v.slice(..))
+                    };
+                    attend(r, p, block, &s.q, &k, &v, (qs, ks), wk, self.opts.backend)?;
+                    calls += 1;
+                }
+            }
+        }
+        for (i, r) in self.ranks.iter().enumerate() {
+            let s = &mut shards[i];
+            let out = s.out.device_ptr_mut(r.dev.stream()).0;
+            let lse = s.lse.as_mut().map(|l| l.device_ptr_mut(r.dev.stream()).0);
+            // SAFETY: checked against the local problem in `check_shard`.
+            unsafe { work[i].acc.finish(&r.dev, out, qs, p.dtype, lse)? };
+        }
+        let streams: Vec<_> = self.ranks.iter().map(|r| r.dev.stream().clone()).collect();
+        wait_streams(&mut self.ranks, &streams, "the ring's last step", deadline)?;
+        drop((bufs, work));
+        Ok(RingReport {
+            transport: self.transport,
+            world: w,
+            steps: w,
+            exchanges: w - 1,
+            bytes_sent: 2 * kv_bytes * (w - 1),
+            calls,
+        })
+    }
+
+    /// Step `t`'s hand-over: every local rank sends the K/V it holds to the next rank and
+    /// receives the previous rank's into its other buffer, on its communication stream.
+    fn exchange(
+        &mut self,
+        t: usize,
+        kv_bytes: usize,
+        held: &dyn Fn(usize, usize) -> [u64; 2],
+        next: &dyn Fn(usize, usize) -> [u64; 2],
+        deadline: Deadline,
+    ) -> Result<()> {
+        let w = self.world;
+        match self.transport {
+            Transport::Loopback => {
+                // All ranks are here, in rank order, on one stream.
+                for i in 0..w {
+                    let from = held((i + w - 1) % w, t);
+                    let to = next(i, t);
+                    let s = self.ranks[i].comm_stream.cu_stream();
+                    for (dst, src) in to.into_iter().zip(from) {
+                        // SAFETY: both are K/V buffers of `kv_bytes` on this GPU, ordered on
+                        // the shared stream after their last use (the joins of `run`).
+                        unsafe {
+                            cudarc::driver::result::memcpy_dtod_async(dst, src, kv_bytes, s)?
+                        };
+                    }
+                }
+                Ok(())
+            }
+            Transport::Nccl => {
+                let nccl = self.nccl.expect("NCCL rings have the library");
+                let ranks = &self.ranks;
+                let issued = nccl.group(|| {
+                    for (i, r) in ranks.iter().enumerate() {
+                        bind(&r.dev)?;
+                        let comm = r.comm.as_ref().expect("NCCL ranks have communicators");
+                        let s = raw(&r.comm_stream);
+                        let (to, from) = ((r.rank + 1) % w, (r.rank + w - 1) % w);
+                        // SAFETY: the K/V buffers hold `kv_bytes`; the stream joins of `run` keep
+                        // them from being written (sent) or read (received) meanwhile.
+                        unsafe {
+                            for buf in held(i, t) {
+                                comm.send(buf, kv_bytes, to, s)?;
+                            }
+                            for buf in next(i, t) {
+                                comm.recv(buf, kv_bytes, from, s)?;
+                            }
+                        }
+                    }
+                    Ok(())
+                });
+                if let Err(e) = issued {
+                    abort_all(&mut self.ranks, &e.to_string());
+                    return Err(e.into());
+                }
+                wait_all(
+                    &mut self.ranks,
+                    &format!("ring step {t}'s K/V hand-over"),
+                    deadline,
+                )
+            }
+        }
+    }
+}
+
+/// What one rank's attention calls write: one call's partial output and log-sum-exp, and the
+/// running result.
+struct Scratch<T> {
+    part: CudaSlice<T>,
+    part_lse: CudaSlice<f32>,
+    acc: Accumulator,
+}
+
+/// One block of a step: attention of the block's query rows to its keys, into the partial
+/// buffers, then folded into the running result.
+#[allow(clippy::too_many_arguments)]
+fn attend<T: Element>(
+    r: &LocalRank,
+    p: &Problem,
+    block: &Block,
+    q: &CudaView<'_, T>,
+    k: &CudaView<'_, T>,
+    v: &CudaView<'_, T>,
+    (qs, ks): (Strides, Strides),
+    wk: &mut Scratch<T>,
+    backend: Backend,
+) -> Result<()> {
+    let bp = block_problem(p, block);
+    let rows = block.q.len();
+    let part_strides = bp.with_layout(crate::problem::Layout::Bhsd).q_strides();
+    let n_out = bp.q_len().expect("validated");
+    let n_lse = bp.lse_len();
+    {
+        let views = Views {
+            q: View::new(q.slice(block.q.start * qs.seq..), qs),
+            k: View::new(k.slice(block.k.start * ks.seq..), ks),
+            v: View::new(v.slice(block.k.start * ks.seq..), ks),
+            out: ViewMut::new(wk.part.slice_mut(..n_out), part_strides),
+        };
+        let extras = Extras {
+            lse: Some(wk.part_lse.slice_mut(..n_lse)),
+            ..Extras::default()
+        };
+        forward_views_with(&r.dev, &bp, backend, views, extras)?;
+    }
+    let part = Partial {
+        o: wk.part.device_ptr(r.dev.stream()).0,
+        strides: part_strides,
+        lse: wk.part_lse.device_ptr(r.dev.stream()).0,
+        row0: block.q.start,
+        rows,
+        dtype: p.dtype,
+    };
+    // SAFETY: the partial buffers hold the block's rows, just written on this stream.
+    unsafe { wk.acc.fold(&r.dev, &part) }
+}
+
+/// The single-GPU problem of one block: the block's rows and keys, the ring problem's heads,
+/// scale and softcap, causal where the block is.
+pub(crate) fn block_problem(p: &Problem, b: &Block) -> Problem {
+    let mut bp = Problem::new(p.batch, p.heads, b.q.len(), b.k.len(), p.head_dim)
+        .with_kv_heads(p.kv_heads)
+        .with_dtype(p.dtype)
+        .with_layout(p.layout)
+        .with_scale(p.scale())
+        .with_lse(true);
+    if let Some(c) = p.softcap {
+        bp = bp.with_softcap(c);
+    }
+    if b.causal {
+        bp = bp.with_mask(Mask::CausalBottomRight);
+    }
+    bp
+}
+
+/// One rank's shard as a problem of its own: the local sequence against itself.
+pub(crate) fn local_problem(p: &Problem, z: &Zigzag) -> Problem {
+    let n = z.local_len();
+    let mut lp = *p;
+    lp.seq_q = n;
+    lp.seq_k = n;
+    lp
+}
+
+/// Whether a ring of `world` ranks can run `p`, and how its sequence splits.
+pub fn check_problem(p: &Problem, world: usize) -> Result<Zigzag> {
+    p.validate()?;
+    let refuse = |reason: String| Error::Unsupported {
+        backend: "ring",
+        reason,
+    };
+    if !matches!(p.dtype, DType::F16 | DType::Bf16) || p.output_dtype() != p.dtype {
+        return Err(refuse(format!(
+            "ring attention runs f16 and bf16 (inputs and output alike), not {} -> {}",
+            p.dtype,
+            p.output_dtype()
+        )));
+    }
+    if p.seq_q != p.seq_k {
+        return Err(refuse(format!(
+            "ring attention shards one sequence: seq_q {} must equal seq_k {}",
+            p.seq_q, p.seq_k
+        )));
+    }
+    if !matches!(
+        p.mask.canonical(),
+        Mask::None | Mask::CausalBottomRight | Mask::CausalTopLeft
+    ) {
+        return Err(refuse(format!(
+            "ring attention takes no mask or the causal one, not {}",
+            p.mask.name()
+        )));
+    }
+    if p.alibi.is_some() {
+        return Err(refuse(
+            "ALiBi over a sharded sequence is not supported".into(),
+        ));
+    }
+    if !p.seqs.is_dense() {
+        return Err(refuse(
+            "packed or paged sequences are not sharded; ring attention takes dense ones".into(),
+        ));
+    }
+    Zigzag::new(p.seq_q, world)
+}
+
+fn check_shard<T>(r: &LocalRank, s: &Shard<'_, T>, local: &Problem, lse: bool) -> Result<()> {
+    let (ql, kl) = (
+        local.q_len().expect("validated"),
+        local.kv_len().expect("validated"),
+    );
+    let rank = r.rank;
+    for (name, len, need, stream) in [
+        ("q", s.q.len(), ql, s.q.stream()),
+        ("k", s.k.len(), kl, s.k.stream()),
+        ("v", s.v.len(), kl, s.v.stream()),
+        ("out", s.out.len(), ql, s.out.stream()),
+    ] {
+        if len < need {
+            return Err(invalid!(
+                "rank {rank}'s {name} shard holds {len} elements, its {} positions need {need}",
+                local.seq_q
+            ));
+        }
+        if stream.context() != r.dev.ctx() {
+            return Err(invalid!(
+                "rank {rank}'s {name} shard lives on another GPU than the rank"
+            ));
+        }
+    }
+    match (&s.lse, lse) {
+        (Some(l), true) => {
+            if l.len() < local.lse_len() {
+                return Err(invalid!(
+                    "rank {rank}'s lse holds {} values, batch x heads x local positions = {}",
+                    l.len(),
+                    local.lse_len()
+                ));
+            }
+            if l.stream().context() != r.dev.ctx() {
+                return Err(invalid!(
+                    "rank {rank}'s lse lives on another GPU than the rank"
+                ));
+            }
+        }
+        (None, false) => {}
+        (None, true) => {
+            return Err(invalid!(
+                "the problem asks for the LSE; give each shard one"
+            ));
+        }
+        (Some(_), false) => {
+            return Err(invalid!(
+                "lse given for a problem that does not ask for it (Problem::with_lse)"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What every rank must call with: a hash of the problem and the ring's size.
+fn fingerprint(p: &Problem, world: usize) -> u64 {
+    let key = format!(
+        "{} {} {} {} {} {} {:?} {:08x} {:?} {} {:?} {}",
+        p.batch,
+        p.heads,
+        p.kv_heads,
+        p.seq_q,
+        p.seq_k,
+        p.head_dim,
+        p.mask.canonical(),
+        p.scale().to_bits(),
+        p.softcap.map(f32::to_bits),
+        p.dtype,
+        p.layout,
+        world
+    );
+    fnv1a(key.as_bytes())
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+fn bind(dev: &Device) -> Result<(), DistError> {
+    dev.ctx()
+        .bind_to_thread()
+        .map_err(|e| DistError::Rendezvous(format!("binding the rank's GPU: {e}")))
+}
+
+fn raw(s: &CudaStream) -> *mut std::ffi::c_void {
+    s.cu_stream() as *mut std::ffi::c_void
+}
+
+/// Waits until every local communicator's last call is through (see [`Comm::wait`]); on a
+/// failure of any, aborts them all.
+fn wait_all(ranks: &mut [LocalRank], what: &str, deadline: Deadline) -> Result<()> {
+    for i in 0..ranks.len() {
+        let Some(comm) = ranks[i].comm.as_mut() else {
+            continue;
+        };
+        if let Err(e) = comm.wait(what, deadline) {
+            abort_all(ranks, &e.to_string());
+            return Err(e.into());
+        }
+    }
+    Ok(())
+}
+
+/// Waits until the work queued on `streams` is done, watching the communicators for
+/// asynchronous errors; past the deadline, or on an error, aborts them (which ends NCCL
+/// kernels still waiting for a peer) and fails.
+fn wait_streams(
+    ranks: &mut [LocalRank],
+    streams: &[Arc<CudaStream>],
+    what: &str,
+    deadline: Deadline,
+) -> Result<()> {
+    let events = streams
+        .iter()
+        .map(|s| s.record_event(None))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    loop {
+        let mut done = true;
+        for e in &events {
+            done &= e.try_is_complete()?;
+        }
+        if done {
+            return Ok(());
+        }
+        for i in 0..ranks.len() {
+            if let Some(comm) = ranks[i].comm.as_mut()
+                && let Err(e) = comm.poll()
+            {
+                abort_all(ranks, &e.to_string());
+                return Err(e.into());
+            }
+        }
+        if deadline.passed() {
+            let e = deadline.timeout(what);
+            abort_all(ranks, &e.to_string());
+            return Err(e.into());
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+}
+
+fn abort_all(ranks: &mut [LocalRank], why: &str) {
+    for r in ranks {
+        if let Some(c) = r.comm.as_mut() {
+            c.abort(why);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn problems_a_ring_cannot_run_are_refused_with_the_reason() {
+        let p = Problem::new(1, 4, 64, 64, 64).with_dtype(DType::Bf16);
+        assert_eq!(check_problem(&p, 4).unwrap().chunk(), 8);
+        assert_eq!(
+            check_problem(&p.with_causal(true), 2).unwrap().local_len(),
+            32
+        );
+        let why = |p: Problem, w: usize| check_problem(&p, w).unwrap_err().to_string();
+        assert!(why(Problem::new(1, 4, 32, 64, 64), 2).contains("seq_q 32 must equal seq_k 64"));
+        assert!(why(p, 3).contains("multiple of 2 x ranks = 6"));
+        assert!(
+            why(
+                p.with_mask(Mask::Window {
+                    left: Some(8),
+                    right: Some(0)
+                }),
+                2
+            )
+            .contains("no mask or the causal one")
+        );
+        assert!(why(p.with_alibi(crate::Alibi::PerHead), 2).contains("ALiBi"));
+        assert!(why(p.with_dtype(DType::E4m3), 2).contains("f16 and bf16"));
+        assert!(check_problem(&p.with_out_dtype(DType::F16), 2).is_err());
+        assert!(why(p.with_packed_q(64), 2).contains("dense"));
+        // The problem's own checks come first.
+        assert!(why(Problem::new(1, 3, 64, 64, 64).with_kv_heads(2), 2).contains("kv_heads"));
+    }
+
+    #[test]
+    fn blocks_become_single_gpu_problems_with_the_ring_problems_parameters() {
+        let p = Problem::new(2, 8, 64, 64, 128)
+            .with_kv_heads(2)
+            .with_causal(true)
+            .with_softcap(30.0)
+            .with_dtype(DType::Bf16);
+        let b = Block {
+            q: 8..16,
+            k: 0..16,
+            causal: false,
+        };
+        let bp = block_problem(&p, &b);
+        assert_eq!(
+            (bp.seq_q, bp.seq_k, bp.kv_heads, bp.mask),
+            (8, 16, 2, Mask::None)
+        );
+        assert_eq!(
+            (bp.scale(), bp.softcap, bp.lse),
+            (p.scale(), Some(30.0), true)
+        );
+        let diag = block_problem(
+            &p,
+            &Block {
+                q: 0..16,
+                k: 0..16,
+                causal: true,
+            },
+        );
+        assert!(diag.is_causal());
+        let lp = local_problem(&p, &Zigzag::new(64, 2).unwrap());
+        assert_eq!(
+            (lp.seq_q, lp.seq_k, lp.q_len()),
+            (32, 32, Some(2 * 8 * 32 * 128))
+        );
+    }
+
+    #[test]
+    fn fingerprints_tell_problems_apart() {
+        let p = Problem::new(1, 4, 64, 64, 64);
+        let f = fingerprint(&p, 2);
+        assert_eq!(f, fingerprint(&p.with_mask(Mask::None), 2));
+        assert_ne!(f, fingerprint(&p, 4));
+        assert_ne!(f, fingerprint(&p.with_causal(true), 2));
+        assert_ne!(f, fingerprint(&p.with_scale(0.5), 2));
+        assert_ne!(f, fingerprint(&p.with_kv_heads(2), 2));
+        assert_ne!(f, fingerprint(&p.with_dtype(DType::Bf16), 2));
+    }
+}
