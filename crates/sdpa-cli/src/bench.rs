@@ -1,6 +1,7 @@
 //! `sdpa bench`: named problems x backends, CUDA-event timing (`us_graph`, `us_event`),
 //! TFLOP/s, rel_err, and `--json` records in the format of shared/anchors/compare.py.
 
+use crate::energy::{Energy, Meter};
 use crate::progress::Progress;
 use crate::validate::{ProblemArgs, auto_note, backends, require_runnable};
 use crate::{CliResult, chosen_backend, device_for, npy, open_device};
@@ -31,6 +32,11 @@ pub struct Args {
     /// Time budget per measurement, milliseconds.
     #[arg(long, default_value_t = 1000.0)]
     budget_ms: f64,
+    /// Also run each problem back to back for this many seconds (the first quarter warm-up)
+    /// and report its time per call under sustained load, energy per call (the GPU's energy
+    /// counter, NVML), mean power and SM clock.
+    #[arg(long)]
+    energy_s: Option<f64>,
 }
 
 pub fn main(a: Args) -> CliResult<ExitCode> {
@@ -86,6 +92,11 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     if dev.is_some() {
         outln!("{}", crate::machine::describe(&machine))?;
     }
+    let meter = match (a.energy_s, &dev) {
+        (Some(_), Some(d)) => Some(crate::energy::Meter::open(d)?),
+        _ => None,
+    };
+    let energy = a.energy_s.zip(meter.as_ref());
     let mut records = Vec::new();
     let mut failed = false;
     let unix_time = std::time::SystemTime::now()
@@ -106,8 +117,14 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                 true => progress.done(format!("{what}{result}")),
                 false => eprintln!("{result}"),
             };
-            match chosen.and_then(|c| bench_one(dev.as_ref(), name, p, c, a.budget_ms)) {
-                Ok((t, rel_err, kv, flops)) => {
+            match chosen.and_then(|c| bench_one(dev.as_ref(), name, p, c, a.budget_ms, energy)) {
+                Ok(Measured {
+                    t,
+                    rel_err,
+                    kv,
+                    flops,
+                    energy,
+                }) => {
                     let kv_gbps = kv / (t.us_graph * 1e3);
                     match p.seq_q <= 16 {
                         true => said(format!("{:.2} us, K/V {kv_gbps:.0} GB/s", t.us_graph)),
@@ -133,6 +150,10 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                         "driver": machine["driver"], "sm_clock_mhz": machine["sm_clock_mhz"],
                         "sm_clock_max_mhz": machine["sm_clock_max_mhz"],
                         "power_limit_w": machine["power_limit_w"],
+                        "sustained_us": energy.map(|e| e.us_per_call),
+                        "mj_per_call": energy.map(|e| e.mj_per_call),
+                        "sustained_watts": energy.map(|e| e.watts),
+                        "sustained_sm_mhz": energy.map(|e| e.sm_mhz),
                     }));
                 }
                 Err(e @ sdpa::Error::Unsupported { .. }) => said(format!("skipped: {e}")),
@@ -176,6 +197,32 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                 .map_or("-".into(), |x| format!("{x:.2e}")),
         )?;
     }
+    if energy.is_some() {
+        outln!(
+            "\nunder sustained load ({} s each, the first quarter warm-up):\n{:<18} {:<5} {:<8} \
+             {:>13} {:>12} {:>8} {:>8}",
+            a.energy_s.unwrap_or_default(),
+            "problem",
+            "dtype",
+            "backend",
+            "us per call",
+            "mJ per call",
+            "W",
+            "SM MHz"
+        )?;
+        for r in records.iter().filter(|r| r["mj_per_call"].is_f64()) {
+            outln!(
+                "{:<18} {:<5} {:<8} {:>13.2} {:>12.3} {:>8.1} {:>8.0}",
+                r["name"].as_str().unwrap_or(""),
+                r["dtype"].as_str().unwrap_or(""),
+                r["backend"].as_str().unwrap_or(""),
+                r["sustained_us"].as_f64().unwrap_or(f64::NAN),
+                r["mj_per_call"].as_f64().unwrap_or(f64::NAN),
+                r["sustained_watts"].as_f64().unwrap_or(f64::NAN),
+                r["sustained_sm_mhz"].as_f64().unwrap_or(f64::NAN),
+            )?;
+        }
+    }
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&records).expect("records serialize");
         npy::write_atomically(path, |w| w.write_all(text.as_bytes()))?;
@@ -197,19 +244,39 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     })
 }
 
-/// Checks the output once (when the reference is affordable), then times the backend.
-/// Also the bytes of K and V the call reads and its floating-point operations.
+/// What `bench_one` measured of one backend on one problem.
+struct Measured {
+    t: sdpa_harness::timing::Timing,
+    /// Against the float64 reference, where it is affordable.
+    rel_err: Option<f64>,
+    /// Bytes of K and V the call reads.
+    kv: f64,
+    /// Floating-point operations of the call.
+    flops: f64,
+    /// Under sustained load, where asked for.
+    energy: Option<Energy>,
+}
+
+/// Checks the output once (when the reference is affordable), then times the backend, and
+/// where `energy` gives seconds and a meter, measures it under sustained load too.
 fn bench_one(
     dev: Option<&Device>,
     name: &str,
     p: &Problem,
     b: Backend,
     budget_ms: f64,
-) -> Result<(sdpa_harness::timing::Timing, Option<f64>, f64, f64)> {
+    energy: Option<(f64, &Meter)>,
+) -> Result<Measured> {
     b.supports(dev, p)?;
     let Some(dev) = dev.filter(|_| b != Backend::Cpu) else {
         let t = time_backend(dev, p, b, budget_ms)?;
-        return Ok((t, None, kv_bytes(p, None), p.flops()));
+        return Ok(Measured {
+            t,
+            rel_err: None,
+            kv: kv_bytes(p, None),
+            flops: p.flops(),
+            energy: None,
+        });
     };
     let seed = fresh_seed();
     let inputs = named_inputs(name, p, seed)?;
@@ -244,5 +311,15 @@ fn bench_one(
         None
     };
     let t = time_gpu(dev, budget_ms, || call(&mut out))?;
-    Ok((t, rel_err, kv, flops))
+    let energy = match energy {
+        Some((seconds, meter)) => Some(meter.measure(dev, seconds, || call(&mut out))?),
+        None => None,
+    };
+    Ok(Measured {
+        t,
+        rel_err,
+        kv,
+        flops,
+        energy,
+    })
 }

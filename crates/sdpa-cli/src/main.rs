@@ -12,6 +12,7 @@ macro_rules! outln {
 mod autotable;
 mod bench;
 mod compare;
+mod energy;
 mod machine;
 mod npy;
 mod plot;

@@ -2,7 +2,7 @@
 //! first, medians. `us_graph` is the per-call time inside a CUDA graph of many calls (the kernel
 //! without launch gaps); `us_event` is one call between two events (what a caller sees).
 
-use cudarc::driver::sys;
+use cudarc::driver::{CudaGraph, sys};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use sdpa::{Backend, Device, Error, Problem, Result, Tensor};
 use std::time::Instant;
@@ -123,16 +123,7 @@ pub fn time_gpu(dev: &Device, budget_ms: f64, mut f: impl FnMut() -> Result<()>)
     let reps = ((share_us / first_us) as usize).clamp(5, 200);
     let events: Vec<f64> = (0..reps).map(|_| once(&mut f)).collect::<Result<_>>()?;
 
-    // Enough calls per graph that a replay lasts ~2 ms (launch of the graph itself amortized).
-    let calls = ((2000.0 / first_us) as usize).clamp(2, 200);
-    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-    let captured: Result<()> = (0..calls).try_for_each(|_| f());
-    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-    captured?;
-    let graph = graph?.ok_or_else(|| Error::Cuda("stream capture produced no graph".into()))?;
-    graph.upload()?;
-    graph.launch()?;
-    dev.synchronize()?;
+    let (graph, calls) = capture(dev, first_us, &mut f)?;
     let replays = ((share_us / (first_us * calls as f64)) as usize).clamp(3, 50);
     let mut per_call = Vec::with_capacity(replays);
     for _ in 0..replays {
@@ -142,6 +133,103 @@ pub fn time_gpu(dev: &Device, budget_ms: f64, mut f: impl FnMut() -> Result<()>)
         per_call.push(f64::from(start.elapsed_ms(&end)?) * 1e3 / calls as f64);
     }
     Ok(Timing::from_samples(&per_call, &events))
+}
+
+/// `f` captured into a CUDA graph of enough calls that a replay lasts about 2 ms (the graph's
+/// own launch amortized), uploaded and replayed once; `call_us` is one call's time.
+fn capture(
+    dev: &Device,
+    call_us: f64,
+    f: &mut dyn FnMut() -> Result<()>,
+) -> Result<(CudaGraph, usize)> {
+    let stream = dev.stream();
+    let calls = ((2000.0 / call_us) as usize).clamp(2, 200);
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    let captured: Result<()> = (0..calls).try_for_each(|_| f());
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    captured?;
+    let graph = graph?.ok_or_else(|| Error::Cuda("stream capture produced no graph".into()))?;
+    graph.upload()?;
+    graph.launch()?;
+    dev.synchronize()?;
+    Ok((graph, calls))
+}
+
+/// Where a sustained run is when it calls its observer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The warm-up is over and the GPU idle: the measured window starts now.
+    Start,
+    /// Replays are in flight (called after each batch of replays is enqueued).
+    Running,
+    /// The last replay has finished: the measured window ends now.
+    End,
+}
+
+/// What a sustained run measured between `Phase::Start` and `Phase::End`.
+#[derive(Debug, Clone, Copy)]
+pub struct Sustained {
+    /// Calls of `f` that ran in the window.
+    pub calls: u64,
+    /// The window's length on the host clock.
+    pub seconds: f64,
+}
+
+impl Sustained {
+    /// Wall time per call in the window, microseconds (the launch of each ~2 ms replay
+    /// included: a few microseconds in thousands).
+    pub fn us_per_call(&self) -> f64 {
+        self.seconds * 1e6 / self.calls as f64
+    }
+}
+
+/// Runs `f` (which must only enqueue work on `dev`'s stream) back to back, captured in a graph,
+/// for about `seconds`: the first quarter warms the GPU up to the clock and power it holds under
+/// load, the rest is the measured window, which `observe` brackets (`Phase::Start`, `End`) and
+/// is called in (`Running`, between batches of replays: for sampling clocks or power).
+pub fn sustain(
+    dev: &Device,
+    seconds: f64,
+    mut f: impl FnMut() -> Result<()>,
+    mut observe: impl FnMut(Phase),
+) -> Result<Sustained> {
+    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let ctx = dev.stream().context();
+    let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
+    start.record(dev.stream())?;
+    f()?;
+    end.record(dev.stream())?;
+    let call_us = (f64::from(start.elapsed_ms(&end)?) * 1e3).max(1.0);
+    let (graph, calls) = capture(dev, call_us, &mut f)?;
+    // Replays of ~2 ms enqueued in batches of 8, the host waiting for each batch before the
+    // next: the queue stays short and the GPU busy but for one launch gap a batch.
+    let batch = |graph: &CudaGraph| -> Result<()> {
+        for _ in 0..8 {
+            graph.launch()?;
+        }
+        Ok(())
+    };
+    let run_for = |secs: f64, observe: &mut dyn FnMut(Phase)| -> Result<u64> {
+        let t0 = Instant::now();
+        let mut replays = 0u64;
+        while replays == 0 || t0.elapsed().as_secs_f64() < secs {
+            batch(&graph)?;
+            replays += 8;
+            observe(Phase::Running);
+            dev.synchronize()?;
+        }
+        Ok(replays)
+    };
+    run_for(seconds / 4.0, &mut |_| {})?;
+    observe(Phase::Start);
+    let t0 = Instant::now();
+    let replays = run_for(seconds * 3.0 / 4.0, &mut observe)?;
+    let elapsed = t0.elapsed().as_secs_f64();
+    observe(Phase::End);
+    Ok(Sustained {
+        calls: replays * calls as u64,
+        seconds: elapsed,
+    })
 }
 
 /// Times one backend on one problem (inputs random, rounded to the dtype). `Cpu` is timed with
