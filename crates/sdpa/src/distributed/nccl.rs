@@ -115,8 +115,13 @@ pub(crate) fn candidates(env: &dyn Fn(&str) -> Option<OsString>) -> Vec<PathBuf>
     }
     let mut out = vec![PathBuf::from(SONAME), PathBuf::from("libnccl.so")];
     let ld = env("LD_LIBRARY_PATH").unwrap_or_default();
-    for dir in std::env::split_paths(&ld).filter(|d| !d.as_os_str().is_empty()) {
-        if let Some(nvidia) = dir.parent().and_then(Path::parent) {
+    for dir in std::env::split_paths(&ld) {
+        // pip's layout: site-packages/nvidia/<package>/lib.
+        if let Some(nvidia) = dir
+            .parent()
+            .and_then(Path::parent)
+            .filter(|n| n.file_name().is_some_and(|f| f == "nvidia"))
+        {
             out.push(nvidia.join("nccl/lib").join(SONAME));
         }
     }
@@ -175,7 +180,11 @@ fn open(candidates: &[PathBuf]) -> Result<Nccl, DistError> {
                 Ok(n) => return Ok(n),
                 Err(e) => tried.push(format!("{}: {e}", path.display())),
             },
-            Err(e) => tried.push(format!("{}: {e}", path.display())),
+            Err(e) => {
+                // libloading says "dlopen failed"; the loader's own words are its source.
+                let why = std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string());
+                tried.push(format!("{}: {why}", path.display()));
+            }
         }
     }
     Err(DistError::NcclNotFound { searched: tried })
@@ -609,6 +618,25 @@ mod tests {
         assert_eq!((c.magic, c.version, c.blocking), (0xcafebeef, 23000, 0));
         assert_eq!((c.minCTAs, c.maxP2pPeers), (i32::MIN, i32::MIN));
         assert!(c.netName.is_null() && c.commName.is_null());
+    }
+
+    /// Where NCCL is installed (the GPU machines; `SDPA_NCCL_LIB` elsewhere), it opens, reports
+    /// its version, and NVLink multicast is off unless the user chose; else the search's error.
+    #[test]
+    fn nccl_opens_where_installed() {
+        match library() {
+            Ok(n) => {
+                assert!(n.version >= 21800, "{}", n.version);
+                let (v, path) = nccl_version().unwrap();
+                assert_eq!((v, path.as_str()), (n.version, n.path.as_str()));
+                assert!(std::env::var_os("NCCL_NVLS_ENABLE").is_some());
+                eprintln!("NCCL {v} from {path}");
+            }
+            Err(e) => {
+                assert!(matches!(e, DistError::NcclNotFound { .. }), "{e}");
+                eprintln!("nccl_opens_where_installed: NCCL not here ({e})");
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,274 @@
+//! Ring attention (`sdpa::distributed`) on the GPU: the sharded result against the single-GPU
+//! kernel and the float64 reference, O and the log-sum-exp, with and without the causal mask,
+//! GQA, f16 and bf16, both layouts. Loopback rings run any number of virtual ranks on one GPU;
+//! NCCL rings run one rank per visible GPU (a ring of one on a one-GPU machine), in one
+//! process and through the torchrun-style rendezvous. Each test asserts from the ring's report
+//! that the ring ran: its transport, steps, hand-overs and calls.
+
+mod common;
+
+use sdpa::distributed::{
+    DistError, RankEnv, Ring, RingOptions, RingReport, Transport, forward_host, nccl_version,
+};
+use sdpa::{Backend, DType, Device, Extras, Layout, Operands, Problem, Tensor};
+use std::time::Duration;
+
+/// Inputs in [-1, 1) from a fixed seed (xorshift), so a failure reproduces.
+fn inputs(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+    let (mut num, mut den) = (0.0, 0.0);
+    for (g, w) in got.iter().zip(want) {
+        num += (*g as f64 - w).powi(2);
+        den += w * w;
+    }
+    (num / den).sqrt()
+}
+
+fn max_abs(got: &[f32], want: &[f64]) -> f64 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).abs())
+        .fold(0.0, f64::max)
+}
+
+/// Runs `p` on `ring` and on GPU 0 alone, compares both with the reference, and returns the
+/// ring's report.
+fn compare(dev: &Device, ring: &mut Ring, p: &Problem, what: &str) -> RingReport {
+    let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
+    let (q, k, v) = (inputs(ql, 1), inputs(kl, 2), inputs(kl, 3));
+    let shards = forward_host(ring, p, &q, &k, &v).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let (out, lse) = shards.gather(p).expect("every rank is local");
+
+    // The reference sees the inputs as the GPU does: rounded to the dtype.
+    let round = |x: &[f32]| sdpa::decode(p.dtype, &sdpa::encode(p.dtype, x));
+    let r = sdpa::reference_with(p, &round(&q), &round(&k), &round(&v), None).unwrap();
+
+    // The single-GPU kernel on the whole problem.
+    let p1 = p.with_lse(true);
+    let up = |x: &[f32]| Tensor::from_f32(dev, p.dtype, x).unwrap();
+    let (tq, tk, tv) = (up(&q), up(&k), up(&v));
+    let mut tout = Tensor::poisoned(dev, p.dtype, ql).unwrap();
+    let mut lse1 = dev.stream().alloc_zeros::<f32>(p1.lse_len()).unwrap();
+    let t = Operands {
+        q: &tq,
+        k: &tk,
+        v: &tv,
+        out: &mut tout,
+    };
+    let extras = Extras {
+        lse: Some(lse1.as_view_mut()),
+        ..Extras::default()
+    };
+    sdpa::forward_with(dev, &p1, Backend::Auto, t, extras).unwrap();
+    let out1 = tout.to_f32(dev).unwrap();
+    let lse1 = dev.stream().clone_dtoh(&lse1).unwrap();
+
+    let (e_ring, e_one) = (rel_err(&out, &r.out), rel_err(&out1, &r.out));
+    let (l_ring, l_one) = (max_abs(&lse, &r.lse), max_abs(&lse1, &r.lse));
+    eprintln!(
+        "{what}: rel_err ring {e_ring:.3e}, one GPU {e_one:.3e}; LSE max error ring {l_ring:.3e}, \
+         one GPU {l_one:.3e}; {:?}",
+        shards.report
+    );
+    // The ring rounds each partial output to the dtype once and the merged result once more;
+    // the single-GPU kernel rounds once. Twice its error, or the dtype's rounding, bounds it.
+    let u = p.dtype.unit_roundoff();
+    assert!(
+        e_ring <= (2.0 * e_one).max(2.0 * u),
+        "{what}: ring {e_ring:e}, one GPU {e_one:e}"
+    );
+    assert!(
+        l_ring <= 1e-4 + 4.0 * l_one,
+        "{what}: LSE ring {l_ring:e}, one GPU {l_one:e}"
+    );
+    assert!(
+        out.iter().all(|x| x.is_finite()),
+        "{what}: non-finite output"
+    );
+    shards.report
+}
+
+fn problems() -> Vec<(String, Problem)> {
+    let mut out = Vec::new();
+    for (causal, dtype, layout, d) in [
+        (true, DType::Bf16, Layout::Bhsd, 128),
+        (false, DType::F16, Layout::Bhsd, 64),
+        (true, DType::F16, Layout::Bshd, 64),
+        (false, DType::Bf16, Layout::Bshd, 128),
+    ] {
+        let p = Problem::new(1, 8, 1024, 1024, d)
+            .with_kv_heads(2)
+            .with_causal(causal)
+            .with_dtype(dtype)
+            .with_layout(layout);
+        out.push((
+            format!("causal {causal}, {dtype}, {layout:?}, d {d}, GQA 8/2"),
+            p,
+        ));
+    }
+    out
+}
+
+#[test]
+fn loopback_rings_match_one_gpu_and_the_reference() {
+    let Some(dev) = common::device("loopback_rings_match_one_gpu_and_the_reference") else {
+        return;
+    };
+    for world in [1, 2, 4] {
+        let mut ring = Ring::loopback(&dev, world, RingOptions::default()).unwrap();
+        for (what, p) in problems() {
+            let report = compare(&dev, &mut ring, &p, &format!("loopback x{world}, {what}"));
+            assert_eq!(report.transport, Transport::Loopback);
+            assert_eq!(
+                (report.world, report.steps, report.exchanges),
+                (world, world, world - 1)
+            );
+            // One call a step a rank (the causal schedule's off-diagonal steps are one
+            // rectangle each), every rank here.
+            assert_eq!(report.calls, world * world);
+        }
+    }
+}
+
+/// NCCL, or why the test cannot use it: skipped without a GPU machine's NCCL, a failure under
+/// `SDPA_REQUIRE_GPU=1` (where NCCL is part of what the run must have).
+fn nccl_or_skip(test: &str) -> bool {
+    match nccl_version() {
+        Ok((v, path)) => {
+            eprintln!("{test}: NCCL {v} from {path}");
+            true
+        }
+        Err(e) if common::require_gpu() => panic!("{test}: SDPA_REQUIRE_GPU=1 but {e}"),
+        Err(e) => {
+            common::skip(test, &e.to_string());
+            false
+        }
+    }
+}
+
+fn gpu_count() -> usize {
+    cudarc::driver::CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
+#[test]
+fn nccl_ring_over_every_visible_gpu() {
+    let test = "nccl_ring_over_every_visible_gpu";
+    let Some(dev) = common::device(test) else {
+        return;
+    };
+    if !nccl_or_skip(test) {
+        return;
+    }
+    let n = gpu_count();
+    let devices: Vec<Device> = (0..n).map(|i| Device::new(i).unwrap()).collect();
+    let mut ring = Ring::single_process(devices, RingOptions::default()).unwrap();
+    assert_eq!(ring.world(), n);
+    for (what, p) in problems() {
+        let report = compare(&dev, &mut ring, &p, &format!("NCCL x{n}, {what}"));
+        assert_eq!(report.transport, Transport::Nccl);
+        assert_eq!(
+            (report.world, report.steps, report.exchanges),
+            (n, n, n - 1)
+        );
+        assert_eq!(report.calls, n * n);
+        let kv = p.kv_len().unwrap() / n * 2;
+        assert_eq!(report.bytes_sent, 2 * kv * (n - 1));
+    }
+}
+
+#[test]
+fn nccl_ring_of_several_gpus() {
+    let test = "nccl_ring_of_several_gpus";
+    if common::device(test).is_none() || !nccl_or_skip(test) {
+        return;
+    }
+    let n = gpu_count();
+    if n < 2 {
+        // Not a failure under SDPA_REQUIRE_GPU=1: the machine decides how many GPUs it has.
+        common::skip(test, &format!("{n} GPU visible; this test needs 2 or more"));
+        return;
+    }
+    let devices: Vec<Device> = (0..n).map(|i| Device::new(i).unwrap()).collect();
+    let dev0 = devices[0].clone();
+    let mut ring = Ring::single_process(devices, RingOptions::default()).unwrap();
+    let p = Problem::new(1, 8, 2048, 2048, 128)
+        .with_kv_heads(2)
+        .with_causal(true)
+        .with_dtype(DType::Bf16);
+    let report = compare(&dev0, &mut ring, &p, &format!("NCCL x{n}, seq 2048"));
+    assert_eq!(
+        (report.transport, report.exchanges),
+        (Transport::Nccl, n - 1)
+    );
+}
+
+/// The torchrun form with a world of one: the rendezvous (rank 0 alone), NCCL set up from the
+/// id it makes, then a ring call; and a second call of another problem on the same ring.
+#[test]
+fn rendezvous_ring_of_one_process() {
+    let test = "rendezvous_ring_of_one_process";
+    let Some(dev) = common::device(test) else {
+        return;
+    };
+    if !nccl_or_skip(test) {
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let env = RankEnv {
+        rank: 0,
+        world: 1,
+        local_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        port,
+    };
+    let opts = RingOptions {
+        timeout: Duration::from_secs(60),
+        ..RingOptions::default()
+    };
+    let mut ring = Ring::from_rank_env(&env, dev.clone(), opts).unwrap();
+    for (what, p) in problems().into_iter().take(2) {
+        let report = compare(&dev, &mut ring, &p, &format!("rendezvous x1, {what}"));
+        assert_eq!(
+            (report.transport, report.world, report.steps),
+            (Transport::Nccl, 1, 1)
+        );
+    }
+}
+
+/// Arguments a ring refuses come back as errors before anything runs, on any machine with a
+/// GPU (the loopback ring needs no NCCL).
+#[test]
+fn bad_shards_are_typed_errors() {
+    let Some(dev) = common::device("bad_shards_are_typed_errors") else {
+        return;
+    };
+    let mut ring = Ring::loopback(&dev, 2, RingOptions::default()).unwrap();
+    let p = Problem::new(1, 2, 64, 64, 64).with_dtype(DType::F16);
+    let short = vec![0.0; 10];
+    let e = forward_host(&mut ring, &p, &short, &short, &short).unwrap_err();
+    assert!(e.to_string().contains("q holds 10 values"), "{e}");
+    let odd = Problem::new(1, 2, 66, 66, 64).with_dtype(DType::F16);
+    let n = odd.q_len().unwrap();
+    let e = forward_host(&mut ring, &odd, &vec![0.0; n], &vec![0.0; n], &vec![0.0; n]).unwrap_err();
+    assert!(e.to_string().contains("multiple of 2 x ranks = 4"), "{e}");
+    // Not a distributed failure: nothing reached another rank.
+    assert!(!matches!(
+        e,
+        sdpa::Error::Distributed(DistError::Timeout { .. })
+    ));
+}
