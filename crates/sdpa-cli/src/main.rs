@@ -17,6 +17,8 @@ mod machine;
 mod npy;
 mod plot;
 mod progress;
+#[cfg(feature = "distributed")]
+mod ring;
 mod run;
 mod validate;
 
@@ -50,6 +52,9 @@ enum Cmd {
     Autotable(autotable::Args),
     /// Our bench records against the anchors' (speedup table; `--plot` draws both).
     Compare(compare::Args),
+    /// Ring attention over several GPUs (NCCL): `ring bench --ranks N`, `ring validate`.
+    #[cfg(feature = "distributed")]
+    Ring(ring::Args),
 }
 
 /// Why a command failed: the library said so, or standard output refused a write.
@@ -87,6 +92,8 @@ fn main() -> ExitCode {
         Cmd::Run(a) => run::main(a),
         Cmd::Autotable(a) => autotable::main(a).map_err(Failure::from),
         Cmd::Compare(a) => compare::main(a),
+        #[cfg(feature = "distributed")]
+        Cmd::Ring(a) => ring::main(a),
     };
     // Whatever is still buffered must reach standard output too, or the run did not succeed.
     let result =

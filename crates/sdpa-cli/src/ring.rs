@@ -1,0 +1,420 @@
+//! `sdpa ring`: ring attention (`sdpa::distributed`) on the long named problems.
+//!
+//! Where the ranks come from: launched by torchrun (or with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//! `MASTER_ADDR`, `MASTER_PORT` set), each process is one rank on GPU `LOCAL_RANK`; otherwise
+//! this one process drives `--ranks` GPUs (default: every visible one), or `--ranks` virtual
+//! ranks on GPU 0 with `--loopback`.
+//!
+//! `bench` times the ring (wall clock around each synchronous call, median) and, on rank 0,
+//! the single-GPU kernel on the whole problem where it fits, for the scaling efficiency
+//! t(1 GPU) / (N · t(N)). `validate` checks the sharded result, O and LSE, against the
+//! single-GPU kernel and the float64 reference on a smaller problem.
+
+use crate::{CliResult, Failure};
+use sdpa::distributed::{
+    HostShards, Ring, RingOptions, RingReport, Shard, Transport, Zigzag, forward_host, kv_dims,
+    lse_dims, q_dims,
+};
+use sdpa::{Backend, DType, Device, Extras, Operands, Problem, Tensor};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    cmd: Sub,
+}
+
+#[derive(clap::Subcommand)]
+enum Sub {
+    /// Times ring attention on the named long problems.
+    Bench(BenchArgs),
+    /// Checks ring attention against one GPU and the float64 reference.
+    Validate(ValidateArgs),
+}
+
+/// Which ranks, for both subcommands.
+#[derive(clap::Args)]
+struct RankArgs {
+    /// Ranks of a single-process ring (default: every visible GPU). Under torchrun: must equal
+    /// WORLD_SIZE when given.
+    #[arg(long)]
+    ranks: Option<usize>,
+    /// `--ranks` virtual ranks on GPU 0 (device copies instead of NCCL).
+    #[arg(long)]
+    loopback: bool,
+    /// Seconds any wait for another rank may take before every rank fails.
+    #[arg(long, default_value_t = 300)]
+    timeout_s: u64,
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    ranks: RankArgs,
+    /// Named problems (comma-separated): s32k-d128-causal, s128k-d128-causal,
+    /// s512k-d128-causal, s128k-d128.
+    #[arg(long, value_delimiter = ',', default_value = "s128k-d128-causal")]
+    problem: Vec<String>,
+    /// Timed calls per problem (after one warm-up call).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Also time the single-GPU kernel on the whole problem (rank 0, where it fits).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    baseline: bool,
+    /// Write records (JSON list) here (rank 0).
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct ValidateArgs {
+    #[command(flatten)]
+    ranks: RankArgs,
+    /// Named problems (comma-separated): v2k-d128 (1, 16 heads, 2048, 128), v4k-d128-causal-gqa
+    /// (1, 16 heads, 4 K/V heads, 4096, 128, causal), or any `bench` problem.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "v4k-d128-causal-gqa,v2k-d128"
+    )]
+    problem: Vec<String>,
+    /// Seed of the random inputs (the same on every rank).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+/// The ring's problems: (name, batch, heads, kv_heads, seq, head_dim, causal), bf16. The `v`
+/// ones are small enough for the float64 reference; the issue's targets are s128k and s512k.
+const PROBLEMS: &[(&str, usize, usize, usize, usize, usize, bool)] = &[
+    ("v2k-d128", 1, 16, 16, 2048, 128, false),
+    ("v4k-d128-causal-gqa", 1, 16, 4, 4096, 128, true),
+    ("s32k-d128-causal", 1, 32, 32, 32768, 128, true),
+    ("s128k-d128", 1, 32, 32, 131072, 128, false),
+    ("s128k-d128-causal", 1, 32, 32, 131072, 128, true),
+    ("s512k-d128-causal", 1, 32, 32, 524288, 128, true),
+];
+
+fn problem(name: &str) -> sdpa::Result<Problem> {
+    let &(_, b, h, hk, s, d, causal) = PROBLEMS.iter().find(|p| p.0 == name).ok_or_else(|| {
+        let names: Vec<_> = PROBLEMS.iter().map(|p| p.0).collect();
+        sdpa::Error::InvalidArgument(format!(
+            "unknown ring problem {name:?}; named: {}",
+            names.join(", ")
+        ))
+    })?;
+    Ok(Problem::new(b, h, s, s, d)
+        .with_kv_heads(hk)
+        .with_causal(causal)
+        .with_dtype(DType::Bf16))
+}
+
+pub fn main(a: Args) -> CliResult<ExitCode> {
+    match a.cmd {
+        Sub::Bench(a) => bench(a),
+        Sub::Validate(a) => validate(a),
+    }
+}
+
+/// The ring the arguments and the environment describe.
+fn open_ring(a: &RankArgs) -> sdpa::Result<Ring> {
+    let opts = RingOptions {
+        timeout: Duration::from_secs(a.timeout_s),
+        ..RingOptions::default()
+    };
+    if std::env::var_os("WORLD_SIZE").is_some() && !a.loopback {
+        let ring = Ring::from_env(opts)?;
+        if let Some(n) = a.ranks.filter(|&n| n != ring.world()) {
+            return Err(sdpa::Error::InvalidArgument(format!(
+                "--ranks {n}, but WORLD_SIZE is {}",
+                ring.world()
+            )));
+        }
+        return Ok(ring);
+    }
+    if a.loopback {
+        return Ring::loopback(&Device::new(0)?, a.ranks.unwrap_or(2), opts);
+    }
+    // cudarc panics where there is no driver to ask.
+    let visible = if sdpa::driver_present() {
+        cudarc::driver::CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+    } else {
+        0
+    };
+    let n = a.ranks.unwrap_or(visible);
+    if n == 0 || n > visible {
+        return Err(sdpa::Error::NoDevice(format!(
+            "{n} rank(s) asked for, {visible} GPU(s) visible (--loopback runs virtual ranks on one)"
+        )));
+    }
+    let devices = (0..n).map(Device::new).collect::<sdpa::Result<Vec<_>>>()?;
+    Ring::single_process(devices, opts)
+}
+
+fn transport_name(r: &Ring) -> String {
+    let t = match r.transport() {
+        Transport::Nccl => "nccl",
+        Transport::Loopback => "loopback",
+    };
+    format!("ring-{t}-x{}", r.world())
+}
+
+/// Whether this process prints the results (rank 0, or the one process of the ring).
+fn leads(ring: &Ring) -> bool {
+    ring.local_ranks().any(|(r, _)| r == 0)
+}
+
+fn bench(a: BenchArgs) -> CliResult<ExitCode> {
+    let mut ring = open_ring(&a.ranks)?;
+    let name = transport_name(&ring);
+    let mut records = Vec::new();
+    for pname in &a.problem {
+        let p = problem(pname)?;
+        let z = sdpa::distributed::check_problem(&p, ring.world())?;
+        let times = time_ring(&mut ring, &p, &z, a.iters.max(1))?;
+        let t = median(&times);
+        let tflops = p.flops() / t / 1e12;
+        let one = if a.baseline && leads(&ring) {
+            time_one_gpu(&p, a.iters.max(1))
+        } else {
+            None
+        };
+        let eff = one.map(|t1| t1 / (ring.world() as f64 * t));
+        if leads(&ring) {
+            outln!(
+                "{pname}: {name} {:.2} ms/call ({tflops:.1} TFLOP/s, {:.1} a GPU); one GPU {}; \
+                 scaling efficiency {}",
+                t * 1e3,
+                tflops / ring.world() as f64,
+                one.map_or("n/a".into(), |t1| format!("{:.2} ms", t1 * 1e3)),
+                eff.map_or("n/a".into(), |e| format!("{:.1}%", 100.0 * e)),
+            )?;
+        }
+        records.push(serde_json::json!({
+            "name": pname, "batch": p.batch, "heads": p.heads, "kv_heads": p.kv_heads,
+            "seq_q": p.seq_q, "seq_k": p.seq_k, "head_dim": p.head_dim, "causal": p.is_causal(),
+            "dtype": p.dtype.to_string(), "backend": name, "ranks": ring.world(),
+            "us_event": t * 1e6, "tflops": tflops,
+            "us_one_gpu": one.map(|t1| t1 * 1e6), "scaling_efficiency": eff,
+        }));
+    }
+    if let (Some(path), true) = (&a.json, leads(&ring)) {
+        let text = serde_json::to_string_pretty(&records).expect("JSON of plain values");
+        std::fs::write(path, text).map_err(|e| {
+            Failure::Sdpa(sdpa::Error::Io {
+                path: path.display().to_string(),
+                msg: e.to_string(),
+            })
+        })?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Seconds per ring call: shards of random values made on each local rank (no whole tensor is
+/// ever on one host or GPU), one warm-up call, then `iters` timed ones.
+fn time_ring(ring: &mut Ring, p: &Problem, z: &Zigzag, iters: usize) -> sdpa::Result<Vec<f64>> {
+    let local =
+        |dims: sdpa::distributed::Dims| dims.batch * dims.heads * dims.inner * z.local_len();
+    let (ql, kl) = (local(q_dims(p)), local(kv_dims(p)));
+    let mut bufs = Vec::new();
+    for (rank, dev) in ring.local_ranks() {
+        let s = dev.stream();
+        let up = |n: usize, seed: u64| -> sdpa::Result<_> {
+            let bits = sdpa::encode(p.dtype, &noise(n, seed));
+            let vals: Vec<half::bf16> = bits.into_iter().map(half::bf16::from_bits).collect();
+            Ok(s.clone_htod(&vals)?)
+        };
+        let seed = 3 * rank as u64;
+        bufs.push((
+            up(ql, seed)?,
+            up(kl, seed + 1)?,
+            up(kl, seed + 2)?,
+            up(ql, 0)?,
+        ));
+    }
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..=iters {
+        let mut shards: Vec<Shard<'_, half::bf16>> = bufs
+            .iter_mut()
+            .map(|(q, k, v, o)| Shard {
+                q: q.as_view(),
+                k: k.as_view(),
+                v: v.as_view(),
+                out: o.as_view_mut(),
+                lse: None,
+            })
+            .collect();
+        let t0 = Instant::now();
+        ring.forward(p, &mut shards)?;
+        if i > 0 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(times)
+}
+
+/// Seconds per call of the single-GPU kernel (`Auto`) on the whole problem on GPU 0, or `None`
+/// where it does not fit or fails (said on stderr).
+fn time_one_gpu(p: &Problem, iters: usize) -> Option<f64> {
+    let run = || -> sdpa::Result<f64> {
+        let dev = Device::new(0)?;
+        let (ql, kl) = (p.q_len().unwrap_or(0), p.kv_len().unwrap_or(0));
+        let (q, k, v) = (
+            Tensor::zeros(&dev, p.dtype, ql)?,
+            Tensor::zeros(&dev, p.dtype, kl)?,
+            Tensor::zeros(&dev, p.dtype, kl)?,
+        );
+        let mut out = Tensor::zeros(&dev, p.dtype, ql)?;
+        let mut times = Vec::new();
+        for i in 0..=iters {
+            let t0 = Instant::now();
+            let t = Operands {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &mut out,
+            };
+            sdpa::forward_with(&dev, p, Backend::Auto, t, Extras::default())?;
+            dev.synchronize()?;
+            if i > 0 {
+                times.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        Ok(median(&times))
+    };
+    run()
+        .map_err(|e| eprintln!("sdpa ring bench: one-GPU baseline not run: {e}"))
+        .ok()
+}
+
+fn validate(a: ValidateArgs) -> CliResult<ExitCode> {
+    let mut ring = open_ring(&a.ranks)?;
+    let name = transport_name(&ring);
+    let mut ok = true;
+    for pname in &a.problem {
+        let p = problem(pname)?;
+        let (ql, kl) = (p.q_len().unwrap_or(0), p.kv_len().unwrap_or(0));
+        let (q, k, v) = (
+            noise(ql, a.seed),
+            noise(kl, a.seed + 1),
+            noise(kl, a.seed + 2),
+        );
+        let shards = forward_host(&mut ring, &p, &q, &k, &v)?;
+        let round = |x: &[f32]| sdpa::decode(p.dtype, &sdpa::encode(p.dtype, x));
+        let r = sdpa::reference_with(&p, &round(&q), &round(&k), &round(&v), None)?;
+        let one = one_gpu(&p, &q, &k, &v, &shards)?;
+        let z = Zigzag::new(p.seq_q, ring.world())?;
+        for (i, &rank) in shards.ranks.iter().enumerate() {
+            let want_o = z.shard(&r.out, q_dims(&p), rank)?;
+            let want_l = z.shard(&r.lse, lse_dims(&p), rank)?;
+            let e_ring = rel_err(&shards.out[i], &want_o);
+            let e_one = rel_err(&one.0[i], &want_o);
+            let l_ring = max_abs(&shards.lse[i], &want_l);
+            let l_one = max_abs(&one.1[i], &want_l);
+            let pass = e_ring <= (2.0 * e_one).max(2.0 * p.dtype.unit_roundoff())
+                && l_ring <= 1e-4 + 4.0 * l_one;
+            ok &= pass;
+            outln!(
+                "{pname} rank {rank}/{}: {name} rel_err {e_ring:.3e} (one GPU {e_one:.3e}), LSE max \
+                 error {l_ring:.3e} (one GPU {l_one:.3e}) {}",
+                ring.world(),
+                if pass { "ok" } else { "FAIL" }
+            )?;
+        }
+        report_line(&shards.report)?;
+    }
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn report_line(r: &RingReport) -> CliResult<()> {
+    outln!(
+        "  ring: {:?} x{}, {} steps, {} K/V hand-overs of {} bytes each rank, {} attention calls",
+        r.transport,
+        r.world,
+        r.steps,
+        r.exchanges,
+        r.bytes_sent,
+        r.calls
+    )
+}
+
+/// The single-GPU kernel on the whole problem (GPU 0), cut into the same shards as the ring's
+/// local ranks: (outputs, log-sum-exps).
+type ShardsOut = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+fn one_gpu(
+    p: &Problem,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    like: &HostShards,
+) -> sdpa::Result<ShardsOut> {
+    let dev = Device::new(0)?;
+    let p1 = p.with_lse(true);
+    let (tq, tk, tv) = (
+        Tensor::from_f32(&dev, p.dtype, q)?,
+        Tensor::from_f32(&dev, p.dtype, k)?,
+        Tensor::from_f32(&dev, p.dtype, v)?,
+    );
+    let mut out = Tensor::poisoned(&dev, p.dtype, q.len())?;
+    let mut lse = dev.stream().alloc_zeros::<f32>(p1.lse_len())?;
+    let t = Operands {
+        q: &tq,
+        k: &tk,
+        v: &tv,
+        out: &mut out,
+    };
+    let extras = Extras {
+        lse: Some(lse.as_view_mut()),
+        ..Extras::default()
+    };
+    sdpa::forward_with(&dev, &p1, Backend::Auto, t, extras)?;
+    let out = out.to_f32(&dev)?;
+    let lse = dev.stream().clone_dtoh(&lse)?;
+    let z = Zigzag::new(p.seq_q, like.report.world)?;
+    let mut o = Vec::new();
+    let mut l = Vec::new();
+    for &rank in &like.ranks {
+        o.push(z.shard(&out, q_dims(p), rank)?);
+        l.push(z.shard(&lse, lse_dims(p), rank)?);
+    }
+    Ok((o, l))
+}
+
+/// Values in [-1, 1) from `seed` (xorshift): the same on every rank for the same seed.
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+    let (mut num, mut den) = (0.0, 0.0);
+    for (g, w) in got.iter().zip(want) {
+        num += (*g as f64 - w).powi(2);
+        den += w * w;
+    }
+    (num / den).sqrt()
+}
+
+fn max_abs(got: &[f32], want: &[f64]) -> f64 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).abs())
+        .fold(0.0, f64::max)
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
