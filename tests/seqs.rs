@@ -383,6 +383,65 @@ fn varlen_keeps_nonfinite_v_in_its_sequence() {
     common::assert_ran("varlen nonfinite", &ran);
 }
 
+/// More query tiles than SMs, so that the cutlass (sm_90a) band kernel's persistent CTAs each
+/// run several of them from the tile feed, one after another: packed sequences of uneven
+/// lengths, causal and a window, GQA, D = 64, 128 and 256, the log-sum-exp, and non-finite V in
+/// tiles that some rows see and others do not (the check's records of consecutive tiles of a
+/// CTA), against the reference.
+#[test]
+fn varlen_on_a_persistent_grid() {
+    let Some(dev) = common::device("varlen persistent") else {
+        return;
+    };
+    let lens: &[usize] = &[700, 1300, 90, 1500, 513, 1];
+    let mut ran = Vec::new();
+    for (n, (d, mask)) in [
+        (64, Mask::CausalBottomRight),
+        (
+            128,
+            Mask::Window {
+                left: Some(300),
+                right: Some(0),
+            },
+        ),
+        (256, Mask::CausalBottomRight),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let base = Problem::new(1, 16, 1, 1, d)
+            .with_kv_heads(4)
+            .with_mask(mask)
+            .with_lse(true)
+            .with_dtype(DType::ALL[n % 2]);
+        let (p, meta) = varlen(base, lens, lens);
+        // 128-row query tiles (64 where they would leave SMs idle): well over one a SM.
+        let tiles: usize = lens.iter().map(|l| l.div_ceil(128)).sum::<usize>() * p.heads;
+        assert!(
+            tiles > 2 * dev.sm_count().unwrap() as usize,
+            "{tiles} tiles"
+        );
+        let mut x = inputs(&p, meta);
+        let row = p.kv_heads * d;
+        // Keys 650 (sequence 0, seen by its last rows), 699 (its last key: the tail tile it
+        // shares with sequence 1's first keys), 1000 (sequence 1's key 300) and 3000 (sequence
+        // 3's key 910), in different heads and columns.
+        for (key, head, val) in [
+            (650, 0, f64::NAN),
+            (699, 1, f64::INFINITY),
+            (1000, 3, f64::NEG_INFINITY),
+            (3000, 2, f64::NAN),
+        ] {
+            x.set_value(2, key * row + head * d + 5, val, p.dtype);
+        }
+        for b in seq_backends(&dev) {
+            ran.push((b, p));
+            assert_eq!(check(&dev, &p, b, &x).unwrap(), None);
+        }
+    }
+    common::assert_ran("varlen persistent", &ran);
+}
+
 /// `append_kv` writes each sequence's new rows at its length's position through the block table
 /// (across a page boundary too) and advances the lengths; attention on the grown cache matches
 /// the reference; with `Seqs::checked` an append past the pages is a typed error.

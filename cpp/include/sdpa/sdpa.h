@@ -59,6 +59,11 @@ struct FwdArgs {
   // Scratch device memory of workspace_bytes(kernel, args) bytes, owned by the caller (null
   // when that is 0). Valid until the enqueued work is done.
   void* workspace;
+  // Two device ints that are zero between calls (null: none), with which a kernel may hand out
+  // its work tiles to a persistent grid as they free up (the cutlass-sm90 band kernel). Such a
+  // kernel leaves them zero when it ends; a call may run before the previous one on the same
+  // stream has ended only where it waits for it before touching them.
+  int32_t* tile_counter;
   // Sequences of different lengths (FlashAttention's varlen and paged cache); all 0 / false /
   // null for dense ones. batch is then the number of sequences, seq_q and seq_k the longest
   // one's lengths. Sequence b's queries: rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of packed

@@ -56,13 +56,14 @@ inline std::string grid_of_query_tiles(const FwdArgs& a, int64_t rows) {
   return "";
 }
 
-// seq_q and seq_k (and the rows of packed Q) held as `int`, with row and key indices formed up to
-// one tile of `tile` rows or keys past them (tile start + tile size, last row + the causal
-// offset), also in `int`.
+// seq_q and seq_k (and the rows of packed Q, of packed or paged K/V, the block table's entries)
+// held as `int`, with row and key indices formed up to one tile of `tile` rows or keys past them
+// (tile start + tile size, last row + the causal offset), also in `int`.
 inline std::string int_sequences(const FwdArgs& a, const char* kernel, int64_t tile) {
   for (const auto& [what, n] :
        {std::pair{"seq_q", a.seq_q}, std::pair{"seq_k", a.seq_k}, std::pair{"total_q", a.total_q},
-        std::pair{"the rows of packed or paged K/V", a.kv_rows}})
+        std::pair{"the rows of packed or paged K/V", a.kv_rows},
+        std::pair{"the block table's entries", a.page_size > 0 ? a.batch * a.pages_per_seq : 0}})
     if (n > kIntMax - (tile - 1))
       return std::string(what) + " = " + std::to_string(n) + " exceeds 2^31 - " +
              std::to_string(tile) + ": the " + kernel +

@@ -40,6 +40,7 @@ sdpa::FwdArgs convert(const FwdArgs& a) {
   r.v_scale = reinterpret_cast<const float*>(a.v_scale);
   r.per_head_scales = a.per_head_scales;
   r.workspace = reinterpret_cast<void*>(a.workspace);
+  r.tile_counter = reinterpret_cast<int32_t*>(a.tile_counter);
   r.total_q = a.total_q;
   r.packed_kv = a.packed_kv;
   r.kv_rows = a.kv_rows;

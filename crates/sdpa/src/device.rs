@@ -4,7 +4,7 @@ use crate::backend::cublas::state::BlasState;
 use crate::error::MemoryKind;
 use crate::error::{Error, Result};
 use crate::memory::{bytes_of, host_vec, out_of_memory};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, sys};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, sys};
 use sdpa_sys::ffi::DeviceInfo;
 use std::sync::{Arc, Mutex};
 
@@ -31,6 +31,10 @@ pub struct Device {
     /// simulated path's 16-bit Q, K, V), grown on demand and reused: work on one stream runs in
     /// order, so one buffer per stream suffices.
     scratch: Arc<Mutex<Option<CudaSlice<u8>>>>,
+    /// Two i32, zero between calls, with which the cutlass-sm90 band kernel hands out its work
+    /// tiles (`FwdArgs::tile_counter`); made on first use outside a stream capture (`reserve`
+    /// makes it ahead of one). One per stream: calls on a stream run in order.
+    tile_counter: Arc<Mutex<Option<CudaSlice<i32>>>>,
     /// What the fused kernels are told about the GPU, read once when it is opened.
     info: DeviceInfo,
 }
@@ -106,6 +110,7 @@ impl Device {
             stream,
             blas: Arc::default(),
             scratch: Arc::default(),
+            tile_counter: Arc::default(),
             info,
         })
     }
@@ -129,6 +134,7 @@ impl Device {
             stream,
             blas: Arc::default(),
             scratch: Arc::default(),
+            tile_counter: Arc::default(),
             info,
         })
     }
@@ -140,6 +146,7 @@ impl Device {
             stream: self.ctx.new_stream()?,
             blas: Arc::default(),
             scratch: Arc::default(),
+            tile_counter: Arc::default(),
             info: self.info,
         })
     }
@@ -178,6 +185,24 @@ impl Device {
     }
     pub(crate) fn scratch(&self) -> &Mutex<Option<CudaSlice<u8>>> {
         &self.scratch
+    }
+    /// The device address of this stream's tile counter, made (zeroed) on first use; 0 while
+    /// the stream captures a graph and there is none yet (the kernel then runs one work tile a
+    /// CTA, as fast as before the counter, only without its overlap).
+    pub(crate) fn tile_counter(&self) -> Result<u64> {
+        let mut counter = self
+            .tile_counter
+            .lock()
+            .map_err(|_| Error::Cuda("tile counter poisoned by a panic".into()))?;
+        if counter.is_none() {
+            use cudarc::driver::sys::CUstreamCaptureStatus as Capture;
+            if self.stream.capture_status()? != Capture::CU_STREAM_CAPTURE_STATUS_NONE {
+                return Ok(0);
+            }
+            *counter = Some(self.stream.alloc_zeros::<i32>(2)?);
+        }
+        let slice = counter.as_ref().expect("made above");
+        Ok(slice.device_ptr(&self.stream).0)
     }
     pub(crate) fn ctx(&self) -> &Arc<CudaContext> {
         &self.ctx

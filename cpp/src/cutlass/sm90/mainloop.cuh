@@ -15,6 +15,7 @@
 #include "cutlass/sm90/primitives.cuh"
 #include "cutlass/sm90/softmax.cuh"
 #include "cutlass/sm90/tile_config.cuh"
+#include "cutlass/sm90/tile_feed.cuh"
 #include "cutlass/sm90/tile_scheduler.cuh"
 
 namespace sdpa::cutlass_sm90 {
@@ -86,7 +87,30 @@ struct Mainloop {
     // pages hold whole key tiles (can_implement), found through the block table per tile.
     SeqParams seqs;
   };
-  static_assert(!kBand || Sched::kOneTile, "a band kernel runs one work tile a CTA");
+  // Whether the band kernel walks the tile feed (a persistent grid where there is a counter):
+  // up to D = 128. At D = 192 and 256 the producer's TMA thread, which issues three or four
+  // copies a tile, has no registers left for the walk (ptxas spills); it runs one tile a CTA.
+  static constexpr bool kFeed = kBand && D <= 128;
+  // Whether a CTA runs one work tile only: the causal kernel, the band kernel without the feed.
+  // The unmasked kernel walks its tiles statically (a persistent grid).
+  static constexpr bool kOneTile = Mask::kMasksKeys && !kFeed;
+
+  // Work tile k of this CTA (sp.tiles: none left) for the roles that read it: in the band
+  // kernel from the feed the producer's TMA thread publishes (Mainloop::load), else the static
+  // walk.
+  __device__ __forceinline__ static int reader_tile(const typename Sched::Params& sp,
+                                                    typename C::Smem& sm, int k) {
+    if constexpr (kFeed)
+      return TileFeed::take(sm, k);
+    else
+      return walk_tile(sp, k);
+  }
+  // The static walk: tiles blockIdx.x, blockIdx.x + gridDim.x, ... (the first alone where a CTA
+  // runs one).
+  __device__ __forceinline__ static int walk_tile(const typename Sched::Params& sp, int k) {
+    const int t = int(blockIdx.x) + k * int(gridDim.x);
+    return (kOneTile && k > 0) || t >= sp.tiles ? sp.tiles : t;
+  }
 
   // Work tile w's sequence: its rows in the packed tensors and its lengths (the call's for
   // dense sequences, which every kernel but the band kernel runs). Read afresh (an opaque b)
@@ -118,15 +142,15 @@ struct Mainloop {
 
   // Where key tile j of sequence b lies among the BN-row tiles of K's and V's TMA tensor from
   // the sequence's first row: tile j itself, or for a paged cache the tile its page holds it
-  // as (pages hold whole tiles; the cache's rows fit an int: can_implement). Recomputed per
-  // copy from an opaque b: the producer thread holds nothing of the block table across its loop.
+  // as (pages hold whole tiles; the cache's rows and the table's entries fit an int:
+  // can_implement). Recomputed per copy from an opaque b: the producer thread holds nothing of
+  // the block table across its loop.
   __device__ __forceinline__ static int key_tile_at(const Params& p, int b, int j) {
     if constexpr (kBand) {
       if (p.seqs.paged()) {
         asm volatile("" : "+r"(b));
         const int shift = p.seqs.page_shift - kLog2BN;  // tiles a page: 1 << shift
-        const int page =
-            __ldg(p.seqs.block_table + int64_t(b) * p.seqs.pages_per_seq + (j >> shift));
+        const int page = __ldg(p.seqs.block_table + (b * int(p.seqs.pages_per_seq) + (j >> shift)));
         return (page << shift) | (j & ((1 << shift) - 1));
       }
     }
@@ -201,20 +225,14 @@ struct Mainloop {
     constexpr uint32_t kKBytes = BN * D * sizeof(QK);
     constexpr uint32_t kVBytes = BN * D * (E::kConvertV ? sizeof(QK) : sizeof(PV));
     const int bm = 64 * sp.wgs;
-    int it = 0, qi = 0;
-    // kConvertV: the grid stride re-read each tile; held in a register across the loop it is
-    // the one value ptxas spills at 24 registers (4-8 bytes).
-    const auto stride = [] {
-      uint32_t n = gridDim.x;
-      if constexpr (E::kConvertV) asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
-      return int(n);
-    };
-    for (int t = blockIdx.x; t < sp.tiles; t += stride(), ++qi) {
+    int it = 0, qi = 0;  // qi: the tiles with queries so far (Q loads)
+    // Work tile t's loads.
+    const auto load_tile = [&](int t) {
       const WorkTile w = Sched::decode(sp, t);
       const int hk = p.div_group.div(w.h);
       const int m0 = w.m_block * bm;
       const Seq<int> seq = seq_of_tile(p, w);
-      if (past_end(seq, m0)) continue;
+      if (past_end(seq, m0)) return;
       const KeyTiles kt = key_tiles(p, seq, m0, bm);
       // Packed or paged tensors are one batch entry.
       const int qb = kBand && p.seqs.cu_q != nullptr ? 0 : w.b;
@@ -247,19 +265,20 @@ struct Mainloop {
         Bar::arrive_and_expect_tx(&sm.bar_q, kQBytes);
         copy(p.tma_q.with(sm.bar_q), get<0>(tQ), get<1>(tQ));
       };
-      // A CTA of one tile loads Q first (nothing frees it); nothing visible: the consumers still
-      // wait for Q.
-      if (Sched::kOneTile || kt.n_tiles == 0) load_q();
+      // The causal and band kernels' first tile of a CTA loads Q first (nothing frees it); later
+      // tiles, and every tile of the unmasked kernel, after K_0, which the previous tile frees at
+      // about the same time.
+      const bool q_first = kOneTile || kt.n_tiles == 0 || (kBand && qi == 0);
+      if (q_first) load_q();
       for (int n = 0; n < kt.n_tiles; ++n, ++it) {
         // Ring use `it`, which is n where a CTA runs one tile (one register less).
-        const PipelineState<S> use{Sched::kOneTile ? n : it};
+        const PipelineState<S> use{kOneTile ? n : it};
         const int s = use.stage();
         if (use.reuses()) Bar::wait(&sm.empty_k[s], use.empty_phase());
         Bar::arrive_and_expect_tx(&sm.full_k[s], kKBytes);
         const int j = key_tile(n, kt), jt = key_tile_at(p, w.b, j);
         copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, jt), get<1>(tK)(_, s));
-        // After K_0: the previous tile frees both at about the same time.
-        if (!Sched::kOneTile && n == 0) load_q();
+        if (!q_first && n == 0) load_q();
         if constexpr (E::kConvertV) {
           const PipelineState<C::kV8Stages> use8{use.u};
           const int s8 = use8.stage();
@@ -277,7 +296,32 @@ struct Mainloop {
           copy(p.tma_v.with(full), get<0>(tV)(_, jt), get<1>(tV)(_, s));
         }
       }
-      if constexpr (Sched::kOneTile) break;
+      ++qi;
+    };
+    if constexpr (kFeed) {
+      // The feed's index lives in shared memory: in a register across the loop it is what
+      // ptxas spills first at D >= 192.
+      const uint32_t k_at = uint32_t(__cvta_generic_to_shared(&sm.feed_next));
+      st_shared(k_at, 0u);
+      for (;;) {
+        const int k = int(ld_shared_32(k_at));
+        st_shared(k_at, uint32_t(k + 1));
+        const int t = TileFeed{sp.counter, sp.tiles}.publish(sm, k);
+        if (t >= sp.tiles) break;
+        load_tile(t);
+      }
+    } else {
+      // kConvertV: the grid stride re-read each tile; held in a register across the loop it is
+      // the one value ptxas spills at 24 registers (4-8 bytes).
+      const auto stride = [] {
+        uint32_t n = gridDim.x;
+        if constexpr (E::kConvertV) asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+        return int(n);
+      };
+      for (int t = blockIdx.x; t < sp.tiles; t += stride()) {
+        load_tile(t);
+        if constexpr (kOneTile) break;
+      }
     }
   }
 
@@ -328,40 +372,61 @@ struct Mainloop {
         Bar::arrive(&sm.empty_v8[s8]);
         Bar::arrive(&sm.full_v[s]);
       }
-      if constexpr (Sched::kOneTile) break;
+      if constexpr (kOneTile) break;
     }
   }
 
   // Masked kernels without kConvertV, producer warps 1-3 (thread ct of C::kConverters): the
   // non-finite V check of each partly masked V tile, once TMA has landed it, before the
-  // consumers' P·V (they wait on checked_v for those tiles).
+  // consumers' P·V (they wait on checked_v for those tiles). A query tile walks its keys as
+  // key_tile says: its partly masked tiles are its first ring uses (two across the diagonal, a
+  // band's lower edge adds up to two more, which take the stages again), each recorded in its own
+  // slot. The causal kernel runs one tile a CTA: full_vd's phases follow its uses. The band
+  // kernel walks the tile feed: full_vd's phase per stage is tracked (only checked uses complete
+  // it), and each tile's records take the slots of its parity once the consumers have read the
+  // tile's two back (nf_free), and are announced as complete (nf_ready).
   __device__ __forceinline__ static void check_v(const Params& p, const typename Sched::Params& sp,
                                                  typename C::Smem& sm, int ct) {
-    static_assert(Sched::kOneTile && S >= 2);
+    static_assert(S >= 2);
     const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
-    // One tile a CTA, its keys walked as key_tile says: the partly masked tiles are its first
-    // ring uses (two across the diagonal: stages 0 and 1, full_vd's first phase; a band's lower
-    // edge adds up to two more, which take the stages again), each recorded in its own slot.
-    int t = blockIdx.x;
-    asm volatile("" : "+r"(t));  // opaque: nothing shared with the TMA thread's registers
-    const WorkTile w = Sched::decode(sp, t);
-    const int bm = 64 * sp.wgs, m0 = w.m_block * bm;
-    const Seq<int> seq = seq_of_tile(p, w);
-    if (past_end(seq, m0)) return;
-    const KeyTiles kt = key_tiles(p, seq, m0, bm);
-    const int n_checked = checked_uses(kt);
-    for (int u = 0; u < n_checked; ++u) {
-      const PipelineState<S> use{u};
-      const int s = use.stage();
-      Bar::wait(&sm.full_vd[s], use.full_phase());
-      const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
-      // Rows past the sequence's keys (packed K/V: the next sequence's) are zeroed unrecorded.
-      const int real_keys = seq.seq_k - key_tile(u, kt) * BN;
-      const bool any =
-          settle_nonfinite<C, kBand>(sm, s, u, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters),
-                                     ct, kCheckBarrier, real_keys);
-      if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
-      Bar::arrive(&sm.checked_v[s]);
+    const int bm = 64 * sp.wgs;
+    int it = 0, nt = 0;     // ring uses and tiles with queries so far
+    uint32_t vd_phase = 0;  // band: bit s, the phase full_vd[s] is in
+    for (int k = 0;; ++k) {
+      int t = reader_tile(sp, sm, k);
+      if (t >= sp.tiles) break;
+      asm volatile("" : "+r"(t));  // opaque: nothing shared with the TMA thread's registers
+      const WorkTile w = Sched::decode(sp, t);
+      const int m0 = w.m_block * bm;
+      const Seq<int> seq = seq_of_tile(p, w);
+      if (past_end(seq, m0)) continue;
+      const KeyTiles kt = key_tiles(p, seq, m0, bm);
+      const int n_checked = checked_uses(kt);
+      const int slot0 = kBand ? (nt & 1) * C::kTileSlots : 0;
+      if constexpr (kBand)
+        if (nt >= 2) Bar::wait(&sm.nf_free[nt & 1], ((nt >> 1) - 1) & 1);
+      for (int u = 0; u < n_checked; ++u) {
+        const PipelineState<S> use{it + u};
+        const int s = use.stage();
+        if constexpr (kBand) {
+          Bar::wait(&sm.full_vd[s], (vd_phase >> s) & 1);
+          vd_phase ^= 1u << s;
+        } else {
+          Bar::wait(&sm.full_vd[s], use.full_phase());
+        }
+        const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
+        // Rows past the sequence's keys (packed K/V: the next sequence's) are zeroed unrecorded.
+        const int real_keys = seq.seq_k - key_tile(u, kt) * BN;
+        const bool any = settle_nonfinite<C, kBand>(
+            sm, s, slot0 + u, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters), ct,
+            kCheckBarrier, real_keys);
+        if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
+        Bar::arrive(&sm.checked_v[s]);
+      }
+      if constexpr (kBand) Bar::arrive(&sm.nf_ready[nt & 1]);
+      it += kt.n_tiles;
+      ++nt;
+      if constexpr (kOneTile) break;
     }
   }
 
@@ -436,7 +501,7 @@ struct Mainloop {
   __device__ __forceinline__ static void mma(const Params& p, typename C::Smem& sm, const Ops& ops,
                                              int m0, const KeyTiles& kt, int& it, int qi, TO& tOrO,
                                              Softmax& softmax, const WorkTile& w, float sl2_raw,
-                                             int wg) {
+                                             int wg, uint32_t& v_phase) {
     const float sl2 = step_scale(p, sl2_raw);
     const int n_tiles = kt.n_tiles;
     const bool turns = C::kPingPong && p.turns;
@@ -485,11 +550,18 @@ struct Mainloop {
         apply_mask(Srow, cSrc, mask, m0, key_tile(n, kt) * BN, BN);
       softmax.step(Srow, sl2);
     };
-    // V of the tile's i-th ring use: landed, and checked if partly masked. Masked: one tile a
-    // CTA, and the n_cross partly masked tiles are its first uses (key_tile), completing
-    // checked_v (first phase) instead of full_v.
+    // V of the tile's i-th ring use: landed, and checked if partly masked. The n_cross partly
+    // masked tiles are a tile's first uses (key_tile), completing checked_v instead of full_v.
+    // The band kernel (tiles walked from the feed) tracks both barriers' phase per stage in
+    // v_phase (bit s: full_v[s], bit S + s: checked_v[s]); the causal kernel runs one tile a
+    // CTA, its phases follow from its uses.
     const auto wait_v = [&](int i, const PipelineState<S>& use) {
-      if constexpr (kBand || C::kBN < C::kBM) {
+      if constexpr (kBand) {
+        const int s = use.stage();
+        const int bit = i < checked_uses(kt) ? S + s : s;
+        Bar::wait(i < checked_uses(kt) ? &sm.checked_v[s] : &sm.full_v[s], (v_phase >> bit) & 1);
+        v_phase ^= 1u << bit;
+      } else if constexpr (C::kBN < C::kBM) {
         // Possibly more checked uses than stages: each stage's barriers count its own.
         if (i < checked_uses(kt))
           Bar::wait(&sm.checked_v[use.stage()], use.full_phase());
@@ -587,19 +659,19 @@ struct Mainloop {
   // After the tile's last P·V: the non-finite values the check took out of its partly masked V
   // tiles, added once rather than after each tile's P·V (the terms are NaN or ±Inf, which the
   // rescaling in between keeps as they are). Those tiles were the tile's first ring uses (stages
-  // 0 and 1), and only they write records, so the records are all still there. `it` has moved
-  // past the tile's uses.
+  // 0 and 1), and only they write records, so the records are all still there (the band kernel's
+  // from slot0, its tile's parity's). `it` has moved past the tile's uses.
   template <class TO>
   __device__ __forceinline__ static void add_masked_nonfinite(typename C::Smem& sm,
                                                               const Mask& mask, int m0,
                                                               const KeyTiles& kt, int it, TO& tOrO,
-                                                              int ctid) {
+                                                              int ctid, int slot0) {
     if constexpr (kBand) {
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
-      for (int u = 0; u < kt.n_cross; ++u) {  // check slot u: the tile's ring use u
-        if (!sm.nf_any[u]) continue;
-        add_band_nonfinite_terms(O, o_coords(ctid), sm.nf[u], sm.nf_last[u], mask, m0,
-                                 key_tile(u, kt) * BN);
+      for (int u = 0; u < kt.n_cross; ++u) {  // check slot slot0 + u: the tile's ring use u
+        if (!sm.nf_any[slot0 + u]) continue;
+        add_band_nonfinite_terms(O, o_coords(ctid), sm.nf[slot0 + u], sm.nf_last[slot0 + u], mask,
+                                 m0, key_tile(u, kt) * BN);
       }
     } else if constexpr (Mask::kMasksKeys) {
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));

@@ -4,6 +4,7 @@
 // (S on e4m3 wgmma, P·V on f16). The kernel is role dispatch over its collectives:
 //   tile_config.cuh     element types, the per-head-dim tuning table, layouts, shared storage
 //   tile_scheduler.cuh  which work tiles a CTA runs, in what order; the grid size
+//   tile_feed.cuh       the band kernel's tiles handed to a persistent grid as CTAs free up
 //   mainloop.cuh        the producer's TMA loads, the spare warps' V work, the consumers' rounds
 //   pipeline.cuh        ring positions and barrier phases
 //   softmax.cuh         the online softmax on the accumulators; mask application
@@ -25,7 +26,8 @@
 // registers to the consumers (setmaxnreg: 24 a producer thread, 240 a consumer thread, which is
 // what 2 x 128 x (240 - 168) = 128 x (168 - 24) allows from the 168 x 384 the CTA launches with;
 // more makes the consumers' setmaxnreg wait forever; the band kernel's producer, which also
-// looks up a paged cache's block table, keeps 32 and its consumers take 232); and values the
+// looks up a paged cache's block table and walks the tile feed, keeps 40 or 48: kProducerRegs);
+// and values the
 // compiler would otherwise hoist out of the tile loops and hold across the main loop (addresses,
 // coordinates, the grid stride) are recomputed from an opaque copy of their input (`asm volatile(""
 // : "+r"(x))`), which keeps the producer within 24 registers and the consumers free of spills.
@@ -38,6 +40,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -63,12 +66,21 @@ struct KernelParams {
   typename Epilogue<E, D>::Params epilogue;
 };
 
-// Registers of a producer and of a consumer thread (see the top of this file).
-template <class Mask>
-constexpr int kProducerRegs = mask::kIsBand<Mask> ? 32 : 24;
-template <class Mask>
-constexpr int kConsumerRegs = mask::kIsBand<Mask> ? 232 : 240;
-static_assert(2 * (kConsumerRegs<mask::Band<int>> - 168) <= 168 - kProducerRegs<mask::Band<int>>);
+// Registers of a producer and of a consumer thread (see the top of this file). The band kernel's
+// producer also reads a paged cache's block table and, up to D = 128, walks the tile feed (48);
+// its consumers need 232 at D >= 192 (more of O to hold), 224 below.
+template <class Mask, int D>
+constexpr int kProducerRegs = !mask::kIsBand<Mask> ? 24
+                              : D <= 128           ? 48
+                                                   : 40;
+template <class Mask, int D>
+constexpr int kConsumerRegs = !mask::kIsBand<Mask> ? 240
+                              : D <= 128           ? 224
+                                                   : 232;
+static_assert(2 * (kConsumerRegs<mask::Band<int>, 128> - 168) <=
+              168 - kProducerRegs<mask::Band<int>, 128>);
+static_assert(2 * (kConsumerRegs<mask::Band<int>, 256> - 168) <=
+              168 - kProducerRegs<mask::Band<int>, 256>);
 
 // What a thread of the producer warpgroup (threads 0-127) does.
 enum class ProducerRole { kLoad, kConvertV, kCheckV, kIdle };
@@ -85,6 +97,12 @@ template <class C>
 __device__ __forceinline__ void init_barriers(typename C::Smem& sm, int consumers, bool convert_v) {
   mbar_init(&sm.bar_q, 1);
   mbar_init(&sm.empty_q, consumers);
+  for (int i = 0; i < 2; ++i) {  // the band kernel's tile feed and check records
+    mbar_init(&sm.feed_full[i], 1);
+    mbar_init(&sm.feed_empty[i], consumers + C::kConverters);
+    mbar_init(&sm.nf_ready[i], C::kConverters);
+    mbar_init(&sm.nf_free[i], consumers);
+  }
   for (int s = 0; s < C::kStages; ++s) {
     mbar_init(&sm.full_k[s], 1);
     mbar_init(&sm.full_v[s], convert_v ? C::kConverters : 1);
@@ -125,7 +143,7 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   pdl_launch_dependents();
 
   if (tid < 128) {
-    cutlass::arch::warpgroup_reg_dealloc<uint32_t(kProducerRegs<Mask>)>();
+    cutlass::arch::warpgroup_reg_dealloc<uint32_t(kProducerRegs<Mask, D>)>();
     switch (producer_role<E, Mask>(tid)) {
       case ProducerRole::kLoad:
         Main::load(p.mainloop, p.sched, sm);
@@ -143,9 +161,8 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
     return;
   }
 
-  // Consumer warpgroups: the CTA takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... (one when
-  // the grid covers them all), as the producer does.
-  cutlass::arch::warpgroup_reg_alloc<uint32_t(kConsumerRegs<Mask>)>();
+  // Consumer warpgroups: the CTA's work tiles as the producer walks them (Mainloop::reader_tile).
+  cutlass::arch::warpgroup_reg_alloc<uint32_t(kConsumerRegs<Mask, D>)>();
   const int ctid = tid - 128;       // 0 .. consumers - 1
   const int wg = ctid / 128;        // this consumer warpgroup: rows [64 wg, 64 wg + 64)
   const int bm = 64 * p.sched.wgs;  // query rows per tile (the Q buffer always holds BM = 128)
@@ -153,8 +170,11 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<C::kBM>, Int<D>>{});
   Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
   const auto ops = Main::consumer_operands(sm, ctid);
-  int it = 0, qi = 0;
-  for (int t = blockIdx.x; t < p.sched.tiles; t += gridDim.x, ++qi) {
+  int it = 0, qi = 0;    // ring uses and tiles with queries so far
+  uint32_t v_phase = 0;  // the band kernel's V barrier phases (Mainloop::mma)
+  for (int k = 0;; ++k) {
+    const int t = Main::reader_tile(p.sched, sm, k);
+    if (t >= p.sched.tiles) break;
     const WorkTile w = Sched::decode(p.sched, t);
     const int m0 = w.m_block * bm;
     if (Main::past_end(Main::seq_of_tile(p.mainloop, w), m0)) continue;
@@ -163,10 +183,15 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
     Main::scales(p.mainloop, w, sl2, o_scale);
     OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop> softmax;
     clear(tOrO);
-    Main::mma(p.mainloop, sm, ops, m0, kt, it, qi, tOrO, softmax, w, sl2, wg);
+    Main::mma(p.mainloop, sm, ops, m0, kt, it, qi, tOrO, softmax, w, sl2, wg, v_phase);
     // The sequence and its mask again, not held across the main loop.
     const Seq<int> seq = Main::seq_of_tile(p.mainloop, w);
-    Main::add_masked_nonfinite(sm, Main::mask_of(p.mainloop, seq), m0, kt, it, tOrO, ctid);
+    // The band kernel's check runs ahead by up to a tile: its records of this tile are in the
+    // slots of the tile's parity, complete once nf_ready says so, and free once read.
+    if constexpr (mask::kIsBand<Mask>) Main::Bar::wait(&sm.nf_ready[qi & 1], (qi >> 1) & 1);
+    Main::add_masked_nonfinite(sm, Main::mask_of(p.mainloop, seq), m0, kt, it, tOrO, ctid,
+                               (qi & 1) * C::kTileSlots);
+    if constexpr (mask::kIsBand<Mask>) Main::Bar::arrive(&sm.nf_free[qi & 1]);
     Epilogue<E, D>::store_lse(p.epilogue, softmax, ops.coords, seq, w.b, w.h, m0,
                               Main::step_scale(p.mainloop, sl2));
     softmax.normalize(O, o_scale);
@@ -181,6 +206,8 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
       cutlass::arch::fence_view_async_shared();
       Main::Bar::arrive(&sm.empty_q);
     }
+    ++qi;
+    if constexpr (Main::kOneTile) break;
   }
 #endif
 }
@@ -236,14 +263,35 @@ inline int64_t workspace_e4m3_bytes(const FwdArgs& a) {
   return prepass ? a.batch * a.kv_heads * a.seq_k * a.head_dim * int64_t(sizeof(cute::half_t)) : 0;
 }
 
+// SDPA_SM90_CTAS=n in the environment (read once), for tests, sanitizers and measurements: n > 0
+// caps the band kernel's persistent grid at n CTAs (several tiles a CTA on small problems);
+// n < 0 leaves it one CTA a tile, as without a tile counter.
+inline int forced_ctas() {
+  static const int n = [] {
+    const char* e = std::getenv("SDPA_SM90_CTAS");
+    return e != nullptr ? std::atoi(e) : 0;
+  }();
+  return n;
+}
+
+// The CTAs a persistent grid may have: one an SM, or fewer as SDPA_SM90_CTAS asks.
+template <class Params>
+int persistent_ctas(const Params& sched, int sms) {
+  return sched.counter != nullptr && forced_ctas() > 0 ? std::min(forced_ctas(), sms) : sms;
+}
+
 template <class E, int D, class Mask>
 KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   using Sched = TileScheduler<Mask::kMasksKeys>;
   KernelParams<E, D, Mask> p{};
   p.sched = Sched::make(a.seq_q, a.heads, a.batch, sms, a.total_q, a.cu_seqlens_q);
-  // Non-masked grids are persistent past one wave (Sched::grid_size); turns only pay where
-  // every CTA runs a single tile.
-  const bool turns = p.sched.wgs == 2 && (Mask::kMasksKeys || p.sched.tiles <= sms);
+  // The band kernel's grid is persistent where the caller gave a tile counter (tile_feed.cuh).
+  if constexpr (Mainloop<E, D, Mask>::kFeed)
+    p.sched.counter = forced_ctas() < 0 ? nullptr : a.tile_counter;
+  // Non-masked grids are persistent past one wave (Sched::grid_size), as is the band kernel's
+  // with a counter; turns only pay where every CTA runs a single tile.
+  const bool turns = p.sched.wgs == 2 && ((Mask::kMasksKeys && p.sched.counter == nullptr) ||
+                                          p.sched.tiles <= persistent_ctas(p.sched, sms));
   // E4M3 with the pre-pass: V is convert_v's f16 copy in the workspace.
   const void* v = E::kPrepass ? a.workspace : a.v;
   const Strides vs = E::kPrepass ? packed_v_strides(a) : a.v_stride;
@@ -363,7 +411,8 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   }
   const KernelParams<E, D, Mask> p = make_params<E, D, Mask>(a, sms);
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(TileScheduler<Mask::kMasksKeys>::grid_size(p.sched, sms)));
+  cfg.gridDim = dim3(
+      unsigned(TileScheduler<Mask::kMasksKeys>::grid_size(p.sched, persistent_ctas(p.sched, sms))));
   cfg.blockDim = dim3(unsigned(128 * (p.sched.wgs + 1)));
   cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;

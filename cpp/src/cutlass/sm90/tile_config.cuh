@@ -146,9 +146,11 @@ struct TileConfig {
   static constexpr int kV8Stages = 2;
   static constexpr int kConverters = 96;  // producer warps 1-3 (warp 0 issues the TMA loads)
   // Partly masked V tiles of one query tile the non-finite V check records: those a block's
-  // diagonal crosses (two where kBM <= kBN), as many again across a band's lower edge.
+  // diagonal crosses (two where kBM <= kBN), as many again across a band's lower edge; the band
+  // kernel keeps two tiles' records (its check runs a tile ahead of the consumers).
   static constexpr int kCrossTiles = (kBM + kBN - 1) / kBN + 1;
-  static constexpr int kCheckSlots = 2 * kCrossTiles;
+  static constexpr int kTileSlots = 2 * kCrossTiles;
+  static constexpr int kCheckSlots = 2 * kTileSlots;
   using BM = Int<kBM>;
   using BN = Int<kBN>;
   using HD = Int<D>;
@@ -227,6 +229,13 @@ struct TileConfig {
     // value, nf the first key of each kind per column, and for a band nf_last the last.
     uint64_t full_vd[kStages];
     uint64_t checked_v[kStages];
+    // The band kernel: its work tiles as the producer hands them out (tile_feed.cuh), and the
+    // hand-over of each tile's records (slots kTileSlots * (tile % 2) on): the check has
+    // written them (nf_ready), the consumers have read them (nf_free).
+    uint64_t feed_full[2], feed_empty[2];
+    uint64_t nf_ready[2], nf_free[2];
+    int feed_tile[2];
+    uint32_t feed_next;  // the producer's next feed index
     uint32_t nf_any[kCheckSlots];
     NonFiniteCols<D> nf[kCheckSlots];
     NonFiniteCols<D> nf_last[kCheckSlots];

@@ -17,10 +17,12 @@ struct WorkTile {
 // Tiles of 64 * wgs query rows. Unmasked: a persistent grid of at most one CTA per SM, each
 // taking tiles blockIdx.x, blockIdx.x + gridDim.x, ...; the query tiles of one head are
 // neighbours, so the CTAs running at once share that head's K/V in L2. Masked (kVaries: tiles
-// differ in cost, query tile m seeing about m + 1 key tiles): one CTA per tile (a static
-// persistent split of the uneven tiles was slower), heads one after another, each heaviest tile
-// first (L2 locality as above), except the (batch, head) pairs from tail_bh on, which are
-// interleaved heaviest first, so that the CTAs launched last are the cheap ones.
+// differ in cost, query tile m seeing about m + 1 key tiles): heads one after another, each
+// heaviest tile first (L2 locality as above), except the (batch, head) pairs from tail_bh on,
+// which are interleaved heaviest first, so that the tiles handed out last are the cheap ones;
+// one CTA per tile (a static persistent split of the uneven tiles was slower), or, with a
+// counter (the band kernel), a persistent grid that takes them in this order as CTAs free up
+// (tile_feed.cuh).
 //
 // Packed Q (varlen; masked kernels alone run it): the host knows total_q but not the lengths, so
 // the grid covers heads x (ceil(total_q / rows) + batch) tiles, at least every sequence's; tile
@@ -40,6 +42,9 @@ struct TileScheduler {
     FastDiv div_m_blocks, div_heads, div_tail;  // div_tail: by bh - tail_bh
     const int32_t* cu_q;                        // packed Q: cu_seqlens_q (else null)
     int batch;                                  // packed Q: the sequences
+    // kVaries: the counter a persistent grid hands tiles out with (tile_feed.cuh); null: one
+    // CTA a tile.
+    int32_t* counter;
   };
 
   // 64-row tiles when 128-row tiles would leave more than half the SMs idle (faster on the
@@ -91,11 +96,8 @@ struct TileScheduler {
   }
 
   static int grid_size(const Params& p, int sms) {
-    return kVaries ? p.tiles : std::min(p.tiles, sms);
+    return kVaries && p.counter == nullptr ? p.tiles : std::min(p.tiles, sms);
   }
-
-  // Whether a CTA runs one tile only (its loop then ends after the first).
-  static constexpr bool kOneTile = kVaries;
 
   __device__ __forceinline__ static WorkTile decode(const Params& p, int t) {
     if (kVaries && p.cu_q != nullptr) return decode_packed(p, t);

@@ -126,6 +126,7 @@ pub(crate) fn forward(kernel: Kernel, dev: &Device, p: &Checked, b: &Buffers) ->
         grow(dev, scratch, bytes)?;
         args.workspace = scratch.as_mut().unwrap().device_ptr_mut(dev.stream()).0;
     }
+    args.tile_counter = dev.tile_counter()?;
     let stream = dev.raw_stream()?;
     // SAFETY: the caller validated shapes, dtypes, lengths, strides and context of every buffer
     // against `p`; the strides in `args` address only elements inside them; the workspace holds
@@ -142,6 +143,7 @@ pub(crate) fn reserve(kernel: Kernel, dev: &Device, p: &Problem) -> Result<()> {
     if bytes > 0 {
         grow(dev, &mut *lock_scratch(dev)?, bytes)?;
     }
+    dev.tile_counter()?;
     Ok(())
 }
 
@@ -202,6 +204,7 @@ fn problem_args(p: &Problem) -> sdpa_sys::ffi::FwdArgs {
         v_scale: 0,
         per_head_scales: fp8 && p.fp8_scaling == Scaling::PerHead,
         workspace: 0,
+        tile_counter: 0,
         total_q: p.seqs.packed_q.unwrap_or(0) as i64,
         packed_kv: matches!(p.seqs.kv, KvRows::Packed { .. }),
         kv_rows: match p.seqs.kv {
