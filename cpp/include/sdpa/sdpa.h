@@ -60,8 +60,8 @@ struct FwdArgs {
   // when that is 0). Valid until the enqueued work is done.
   void* workspace;
   // Two device ints that are zero between calls (null: none), with which a kernel may hand out
-  // its work tiles to a persistent grid as they free up (the cutlass-sm90 band kernel). Such a
-  // kernel leaves them zero when it ends; a call may run before the previous one on the same
+  // its work tiles to a persistent grid as they free up (the cutlass-sm90 masked kernels). Such
+  // a kernel leaves them zero when it ends; a call may run before the previous one on the same
   // stream has ended only where it waits for it before touching them.
   int32_t* tile_counter;
   // Sequences of different lengths (FlashAttention's varlen and paged cache); all 0 / false /

@@ -193,13 +193,7 @@ pub fn sustain(
     mut f: impl FnMut() -> Result<()>,
     mut observe: impl FnMut(Phase),
 ) -> Result<Sustained> {
-    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let ctx = dev.stream().context();
-    let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
-    start.record(dev.stream())?;
-    f()?;
-    end.record(dev.stream())?;
-    let call_us = (f64::from(start.elapsed_ms(&end)?) * 1e3).max(1.0);
+    let call_us = (elapsed(dev, &mut f)?.as_secs_f64() * 1e6).max(1.0);
     let (graph, calls) = capture(dev, call_us, &mut f)?;
     // Replays of ~2 ms enqueued in batches of 8, the host waiting for each batch before the
     // next: the queue stays short and the GPU busy but for one launch gap a batch.

@@ -92,8 +92,8 @@ pub mod ffi {
         pub per_head_scales: bool,
         /// Scratch of `workspace_bytes(kernel, args)` bytes (0 when none is needed).
         pub workspace: u64,
-        /// Two device i32, zero between calls (0: none), with which the cutlass-sm90 band kernel
-        /// hands out its work tiles to a persistent grid.
+        /// Two device i32, zero between calls (0: none), with which the cutlass-sm90 masked
+        /// kernels hand out their work tiles to a persistent grid.
         pub tile_counter: u64,
         /// Sequences of different lengths (0 / false for dense ones; sdpa.h says how): rows
         /// of packed Q, whether K/V are packed, the rows of packed K/V or of a paged cache, a

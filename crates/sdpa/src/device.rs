@@ -31,8 +31,8 @@ pub struct Device {
     /// simulated path's 16-bit Q, K, V), grown on demand and reused: work on one stream runs in
     /// order, so one buffer per stream suffices.
     scratch: Arc<Mutex<Option<CudaSlice<u8>>>>,
-    /// Two i32, zero between calls, with which the cutlass-sm90 band kernel hands out its work
-    /// tiles (`FwdArgs::tile_counter`); made on first use outside a stream capture (`reserve`
+    /// Two i32, zero between calls, with which the cutlass-sm90 masked kernels hand out their
+    /// work tiles (`FwdArgs::tile_counter`); made on first use outside a stream capture (`reserve`
     /// makes it ahead of one). One per stream: calls on a stream run in order.
     tile_counter: Arc<Mutex<Option<CudaSlice<i32>>>>,
     /// What the fused kernels are told about the GPU, read once when it is opened.
@@ -187,8 +187,8 @@ impl Device {
         &self.scratch
     }
     /// The device address of this stream's tile counter, made (zeroed) on first use; 0 while
-    /// the stream captures a graph and there is none yet (the kernel then runs one work tile a
-    /// CTA, as fast as before the counter, only without its overlap).
+    /// the stream captures a graph and there is none yet (the masked kernels then run one work
+    /// tile a CTA).
     pub(crate) fn tile_counter(&self) -> Result<u64> {
         let mut counter = self
             .tile_counter

@@ -87,13 +87,17 @@ struct Mainloop {
     // pages hold whole key tiles (can_implement), found through the block table per tile.
     SeqParams seqs;
   };
-  // Whether the band kernel walks the tile feed (a persistent grid where there is a counter):
-  // up to D = 128. At D = 192 and 256 the producer's TMA thread, which issues three or four
-  // copies a tile, has no registers left for the walk (ptxas spills); it runs one tile a CTA.
-  static constexpr bool kFeed = kBand && D <= 128;
-  // Whether a CTA runs one work tile only: the causal kernel, the band kernel without the feed.
-  // The unmasked kernel walks its tiles statically (a persistent grid).
+  // Whether the masked (causal, band) 16-bit kernels walk the tile feed (a persistent grid where
+  // there is a counter): up to D = 128. At D = 192 and 256 the producer's TMA thread, which
+  // issues three or four copies a tile, has no registers left for the walk (ptxas spills), and
+  // the e4m3 kernels keep their one tile a CTA: they run one tile a CTA.
+  static constexpr bool kFeed = Mask::kMasksKeys && !E::kFp8 && D <= 128;
+  // Whether a CTA runs one work tile only: the masked kernels without the feed. The unmasked
+  // kernel walks its tiles statically (a persistent grid).
   static constexpr bool kOneTile = Mask::kMasksKeys && !kFeed;
+  // Whether the non-finite V check's records and the V barriers' phases are tracked across
+  // tiles (check_v, mma): the kernels on the feed, and the band kernel always (one code path).
+  static constexpr bool kTracked = kFeed || kBand;
 
   // Work tile k of this CTA (sp.tiles: none left) for the roles that read it: in the band
   // kernel from the feed the producer's TMA thread publishes (Mainloop::load), else the static
@@ -268,7 +272,7 @@ struct Mainloop {
       // The causal and band kernels' first tile of a CTA loads Q first (nothing frees it); later
       // tiles, and every tile of the unmasked kernel, after K_0, which the previous tile frees at
       // about the same time.
-      const bool q_first = kOneTile || kt.n_tiles == 0 || (kBand && qi == 0);
+      const bool q_first = kOneTile || kt.n_tiles == 0 || (kFeed && qi == 0);
       if (q_first) load_q();
       for (int n = 0; n < kt.n_tiles; ++n, ++it) {
         // Ring use `it`, which is n where a CTA runs one tile (one register less).
@@ -402,13 +406,13 @@ struct Mainloop {
       if (past_end(seq, m0)) continue;
       const KeyTiles kt = key_tiles(p, seq, m0, bm);
       const int n_checked = checked_uses(kt);
-      const int slot0 = kBand ? (nt & 1) * C::kTileSlots : 0;
-      if constexpr (kBand)
+      const int slot0 = kTracked ? (nt & 1) * C::kTileSlots : 0;
+      if constexpr (kTracked)
         if (nt >= 2) Bar::wait(&sm.nf_free[nt & 1], ((nt >> 1) - 1) & 1);
       for (int u = 0; u < n_checked; ++u) {
         const PipelineState<S> use{it + u};
         const int s = use.stage();
-        if constexpr (kBand) {
+        if constexpr (kTracked) {
           Bar::wait(&sm.full_vd[s], (vd_phase >> s) & 1);
           vd_phase ^= 1u << s;
         } else {
@@ -423,7 +427,7 @@ struct Mainloop {
         if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
         Bar::arrive(&sm.checked_v[s]);
       }
-      if constexpr (kBand) Bar::arrive(&sm.nf_ready[nt & 1]);
+      if constexpr (kTracked) Bar::arrive(&sm.nf_ready[nt & 1]);
       it += kt.n_tiles;
       ++nt;
       if constexpr (kOneTile) break;
@@ -552,11 +556,11 @@ struct Mainloop {
     };
     // V of the tile's i-th ring use: landed, and checked if partly masked. The n_cross partly
     // masked tiles are a tile's first uses (key_tile), completing checked_v instead of full_v.
-    // The band kernel (tiles walked from the feed) tracks both barriers' phase per stage in
-    // v_phase (bit s: full_v[s], bit S + s: checked_v[s]); the causal kernel runs one tile a
-    // CTA, its phases follow from its uses.
+    // kTracked kernels (tiles walked from the feed) track both barriers' phase per stage in
+    // v_phase (bit s: full_v[s], bit S + s: checked_v[s]); the others run one tile a CTA, their
+    // phases follow from its uses.
     const auto wait_v = [&](int i, const PipelineState<S>& use) {
-      if constexpr (kBand) {
+      if constexpr (kTracked) {
         const int s = use.stage();
         const int bit = i < checked_uses(kt) ? S + s : s;
         Bar::wait(i < checked_uses(kt) ? &sm.checked_v[s] : &sm.full_v[s], (v_phase >> bit) & 1);
@@ -659,12 +663,12 @@ struct Mainloop {
   // After the tile's last P·V: the non-finite values the check took out of its partly masked V
   // tiles, added once rather than after each tile's P·V (the terms are NaN or ±Inf, which the
   // rescaling in between keeps as they are). Those tiles were the tile's first ring uses (stages
-  // 0 and 1), and only they write records, so the records are all still there (the band kernel's
-  // from slot0, its tile's parity's). `it` has moved past the tile's uses.
+  // 0 and 1), and only they write records, so the records are all still there, from slot0 (the
+  // slots of the tile's parity; 0 where a CTA runs one tile).
   template <class TO>
   __device__ __forceinline__ static void add_masked_nonfinite(typename C::Smem& sm,
                                                               const Mask& mask, int m0,
-                                                              const KeyTiles& kt, int it, TO& tOrO,
+                                                              const KeyTiles& kt, TO& tOrO,
                                                               int ctid, int slot0) {
     if constexpr (kBand) {
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
@@ -676,8 +680,8 @@ struct Mainloop {
     } else if constexpr (Mask::kMasksKeys) {
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
       for (int j = kt.n_first; j < kt.n_tiles; ++j) {
-        // Check slot = the tile's ring use (key_tile is an involution here).
-        const int sv = it - kt.n_tiles + key_tile(j, kt);
+        // Check slot: slot0 + the tile's ring use (key_tile is an involution here).
+        const int sv = slot0 + key_tile(j, kt);
         if (!sm.nf_any[sv]) continue;
         add_nonfinite_terms(O, o_coords(ctid), sm.nf[sv], mask, m0, j * BN);
       }

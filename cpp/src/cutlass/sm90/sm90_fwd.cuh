@@ -4,7 +4,7 @@
 // (S on e4m3 wgmma, P·V on f16). The kernel is role dispatch over its collectives:
 //   tile_config.cuh     element types, the per-head-dim tuning table, layouts, shared storage
 //   tile_scheduler.cuh  which work tiles a CTA runs, in what order; the grid size
-//   tile_feed.cuh       the band kernel's tiles handed to a persistent grid as CTAs free up
+//   tile_feed.cuh       the masked kernels' tiles handed to a persistent grid as CTAs free up
 //   mainloop.cuh        the producer's TMA loads, the spare warps' V work, the consumers' rounds
 //   pipeline.cuh        ring positions and barrier phases
 //   softmax.cuh         the online softmax on the accumulators; mask application
@@ -26,11 +26,11 @@
 // registers to the consumers (setmaxnreg: 24 a producer thread, 240 a consumer thread, which is
 // what 2 x 128 x (240 - 168) = 128 x (168 - 24) allows from the 168 x 384 the CTA launches with;
 // more makes the consumers' setmaxnreg wait forever; the band kernel's producer, which also
-// looks up a paged cache's block table and walks the tile feed, keeps 40 or 48: kProducerRegs);
-// and values the
-// compiler would otherwise hoist out of the tile loops and hold across the main loop (addresses,
-// coordinates, the grid stride) are recomputed from an opaque copy of their input (`asm volatile(""
-// : "+r"(x))`), which keeps the producer within 24 registers and the consumers free of spills.
+// looks up a paged cache's block table, and the kernels on the tile feed keep 40 or 48:
+// kProducerRegs); and values the compiler would otherwise hoist out of the tile loops and hold
+// across the main loop (addresses, coordinates, the grid stride) are recomputed from an opaque copy
+// of their input (`asm volatile("" : "+r"(x))`), which keeps the producer within 24 registers and
+// the consumers free of spills.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -66,21 +66,20 @@ struct KernelParams {
   typename Epilogue<E, D>::Params epilogue;
 };
 
-// Registers of a producer and of a consumer thread (see the top of this file). The band kernel's
-// producer also reads a paged cache's block table and, up to D = 128, walks the tile feed (48);
-// its consumers need 232 at D >= 192 (more of O to hold), 224 below.
-template <class Mask, int D>
-constexpr int kProducerRegs = !mask::kIsBand<Mask> ? 24
-                              : D <= 128           ? 48
-                                                   : 40;
-template <class Mask, int D>
-constexpr int kConsumerRegs = !mask::kIsBand<Mask> ? 240
-                              : D <= 128           ? 224
-                                                   : 232;
-static_assert(2 * (kConsumerRegs<mask::Band<int>, 128> - 168) <=
-              168 - kProducerRegs<mask::Band<int>, 128>);
-static_assert(2 * (kConsumerRegs<mask::Band<int>, 256> - 168) <=
-              168 - kProducerRegs<mask::Band<int>, 256>);
+// Registers of a producer and of a consumer thread (see the top of this file). Kernels on the
+// tile feed (masked, 16-bit, D <= 128) walk it in the producer's TMA thread: 48 and 224. The band
+// kernel's producer also reads a paged cache's block table: 40 at D >= 192, where its consumers
+// need 232 (more of O to hold).
+template <class E, int D, class Mask>
+constexpr int kProducerRegs = Mainloop<E, D, Mask>::kFeed ? 48
+                              : mask::kIsBand<Mask>       ? 40
+                                                          : 24;
+template <class E, int D, class Mask>
+constexpr int kConsumerRegs = Mainloop<E, D, Mask>::kFeed ? 224
+                              : mask::kIsBand<Mask>       ? 232
+                                                          : 240;
+template <class E, int D, class Mask>
+constexpr bool kRegsFit = 2 * (kConsumerRegs<E, D, Mask> - 168) <= 168 - kProducerRegs<E, D, Mask>;
 
 // What a thread of the producer warpgroup (threads 0-127) does.
 enum class ProducerRole { kLoad, kConvertV, kCheckV, kIdle };
@@ -127,6 +126,7 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   using C = TileConfig<E, D>;
   using Main = Mainloop<E, D, Mask>;
   using Sched = TileScheduler<Mask::kMasksKeys>;
+  static_assert(kRegsFit<E, D, Mask>, "the consumers' setmaxnreg would wait forever");
   auto& sm = smem_storage<typename C::Smem>();
   const int tid = threadIdx.x;
 
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   pdl_launch_dependents();
 
   if (tid < 128) {
-    cutlass::arch::warpgroup_reg_dealloc<uint32_t(kProducerRegs<Mask, D>)>();
+    cutlass::arch::warpgroup_reg_dealloc<uint32_t(kProducerRegs<E, D, Mask>)>();
     switch (producer_role<E, Mask>(tid)) {
       case ProducerRole::kLoad:
         Main::load(p.mainloop, p.sched, sm);
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   }
 
   // Consumer warpgroups: the CTA's work tiles as the producer walks them (Mainloop::reader_tile).
-  cutlass::arch::warpgroup_reg_alloc<uint32_t(kConsumerRegs<Mask, D>)>();
+  cutlass::arch::warpgroup_reg_alloc<uint32_t(kConsumerRegs<E, D, Mask>)>();
   const int ctid = tid - 128;       // 0 .. consumers - 1
   const int wg = ctid / 128;        // this consumer warpgroup: rows [64 wg, 64 wg + 64)
   const int bm = 64 * p.sched.wgs;  // query rows per tile (the Q buffer always holds BM = 128)
@@ -186,12 +186,12 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
     Main::mma(p.mainloop, sm, ops, m0, kt, it, qi, tOrO, softmax, w, sl2, wg, v_phase);
     // The sequence and its mask again, not held across the main loop.
     const Seq<int> seq = Main::seq_of_tile(p.mainloop, w);
-    // The band kernel's check runs ahead by up to a tile: its records of this tile are in the
+    // On the feed the check runs ahead by up to a tile: its records of this tile are in the
     // slots of the tile's parity, complete once nf_ready says so, and free once read.
-    if constexpr (mask::kIsBand<Mask>) Main::Bar::wait(&sm.nf_ready[qi & 1], (qi >> 1) & 1);
-    Main::add_masked_nonfinite(sm, Main::mask_of(p.mainloop, seq), m0, kt, it, tOrO, ctid,
+    if constexpr (Main::kTracked) Main::Bar::wait(&sm.nf_ready[qi & 1], (qi >> 1) & 1);
+    Main::add_masked_nonfinite(sm, Main::mask_of(p.mainloop, seq), m0, kt, tOrO, ctid,
                                (qi & 1) * C::kTileSlots);
-    if constexpr (mask::kIsBand<Mask>) Main::Bar::arrive(&sm.nf_free[qi & 1]);
+    if constexpr (Main::kTracked) Main::Bar::arrive(&sm.nf_free[qi & 1]);
     Epilogue<E, D>::store_lse(p.epilogue, softmax, ops.coords, seq, w.b, w.h, m0,
                               Main::step_scale(p.mainloop, sl2));
     softmax.normalize(O, o_scale);

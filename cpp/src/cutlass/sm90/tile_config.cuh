@@ -229,8 +229,8 @@ struct TileConfig {
     // value, nf the first key of each kind per column, and for a band nf_last the last.
     uint64_t full_vd[kStages];
     uint64_t checked_v[kStages];
-    // The band kernel: its work tiles as the producer hands them out (tile_feed.cuh), and the
-    // hand-over of each tile's records (slots kTileSlots * (tile % 2) on): the check has
+    // Kernels on the tile feed: their work tiles as the producer hands them out (tile_feed.cuh),
+    // and the hand-over of each tile's records (slots kTileSlots * (tile % 2) on): the check has
     // written them (nf_ready), the consumers have read them (nf_free).
     uint64_t feed_full[2], feed_empty[2];
     uint64_t nf_ready[2], nf_free[2];

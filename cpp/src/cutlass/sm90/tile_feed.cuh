@@ -1,4 +1,4 @@
-// The band kernel's work tiles, handed to a persistent grid as its CTAs free up. Tiles differ
+// The masked kernels' work tiles, handed to a persistent grid as its CTAs free up. Tiles differ
 // tenfold in cost (a causal query tile sees as many key tiles as its index, and packed sequences
 // differ in length); the scheduler orders them heaviest first, and a CTA that finishes takes the
 // next from a global counter, which balances them greedily. Within a CTA the producer's TMA

@@ -21,8 +21,8 @@ struct WorkTile {
 // heaviest tile first (L2 locality as above), except the (batch, head) pairs from tail_bh on,
 // which are interleaved heaviest first, so that the tiles handed out last are the cheap ones;
 // one CTA per tile (a static persistent split of the uneven tiles was slower), or, with a
-// counter (the band kernel), a persistent grid that takes them in this order as CTAs free up
-// (tile_feed.cuh).
+// counter (the 16-bit kernels up to D = 128), a persistent grid that takes them in this order as
+// CTAs free up (tile_feed.cuh).
 //
 // Packed Q (varlen; masked kernels alone run it): the host knows total_q but not the lengths, so
 // the grid covers heads x (ceil(total_q / rows) + batch) tiles, at least every sequence's; tile
