@@ -10,72 +10,35 @@ mod common;
 use sdpa::distributed::{
     DistError, RankEnv, Ring, RingOptions, RingReport, Transport, forward_host, nccl_version,
 };
-use sdpa::{Backend, DType, Device, Extras, Layout, Operands, Problem, Tensor};
+use sdpa::{Backend, DType, Device, Layout, Problem};
+use sdpa_harness::check;
 use std::time::Duration;
-
-/// Inputs in [-1, 1) from a fixed seed (xorshift), so a failure reproduces.
-fn inputs(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
-
-fn rel_err(got: &[f32], want: &[f64]) -> f64 {
-    let (mut num, mut den) = (0.0, 0.0);
-    for (g, w) in got.iter().zip(want) {
-        num += (*g as f64 - w).powi(2);
-        den += w * w;
-    }
-    (num / den).sqrt()
-}
-
-fn max_abs(got: &[f32], want: &[f64]) -> f64 {
-    got.iter()
-        .zip(want)
-        .map(|(g, w)| (*g as f64 - w).abs())
-        .fold(0.0, f64::max)
-}
 
 /// Runs `p` on `ring` and on GPU 0 alone, compares both with the reference, and returns the
 /// ring's report.
 fn compare(dev: &Device, ring: &mut Ring, p: &Problem, what: &str) -> RingReport {
-    let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
-    let (q, k, v) = (inputs(ql, 1), inputs(kl, 2), inputs(kl, 3));
+    // A fixed seed, so a failure reproduces.
+    let seed = 1;
+    let inputs = check::random_inputs(p, seed).unwrap();
+    // Already rounded to the dtype, so exact in f32.
+    let [q, k, v] = inputs
+        .values
+        .each_ref()
+        .map(|t| t.iter().map(|&x| x as f32).collect::<Vec<_>>());
     let shards = forward_host(ring, p, &q, &k, &v).unwrap_or_else(|e| panic!("{what}: {e}"));
     let (out, lse) = shards.gather(p).expect("every rank is local");
-
-    // The reference sees the inputs as the GPU does: rounded to the dtype.
-    let round = |x: &[f32]| sdpa::decode(p.dtype, &sdpa::encode(p.dtype, x));
-    let r = sdpa::reference_with(p, &round(&q), &round(&k), &round(&v), None).unwrap();
+    let r = inputs.reference(p).unwrap();
 
     // The single-GPU kernel on the whole problem.
-    let p1 = p.with_lse(true);
-    let up = |x: &[f32]| Tensor::from_f32(dev, p.dtype, x).unwrap();
-    let (tq, tk, tv) = (up(&q), up(&k), up(&v));
-    let mut tout = Tensor::poisoned(dev, p.dtype, ql).unwrap();
-    let mut lse1 = dev.stream().alloc_zeros::<f32>(p1.lse_len()).unwrap();
-    let t = Operands {
-        q: &tq,
-        k: &tk,
-        v: &tv,
-        out: &mut tout,
-    };
-    let extras = Extras {
-        lse: Some(lse1.as_view_mut()),
-        ..Extras::default()
-    };
-    sdpa::forward_with(dev, &p1, Backend::Auto, t, extras).unwrap();
-    let out1 = tout.to_f32(dev).unwrap();
-    let lse1 = dev.stream().clone_dtoh(&lse1).unwrap();
+    let (out1, lse1) =
+        check::run_backend_with_lse(Some(dev), &p.with_lse(true), Backend::Auto, &inputs, None)
+            .unwrap();
+    let lse1 = lse1.expect("the log-sum-exp was asked for");
 
-    let (e_ring, e_one) = (rel_err(&out, &r.out), rel_err(&out1, &r.out));
-    let (l_ring, l_one) = (max_abs(&lse, &r.lse), max_abs(&lse1, &r.lse));
+    let err = |got: &[f64], want: &[f64]| check::compare(got, want, p.dtype, seed);
+    let wide = |t: &[f32]| t.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+    let (e_ring, e_one) = (err(&wide(&out), &r.out).rel_err, err(&out1, &r.out).rel_err);
+    let (l_ring, l_one) = (err(&wide(&lse), &r.lse).max_err, err(&lse1, &r.lse).max_err);
     eprintln!(
         "{what}: rel_err ring {e_ring:.3e}, one GPU {e_one:.3e}; LSE max error ring {l_ring:.3e}, \
          one GPU {l_one:.3e}; {:?}",

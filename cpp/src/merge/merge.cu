@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 
 #include "common/check.cuh"
 #include "common/dtype.cuh"
@@ -20,6 +21,34 @@ unsigned blocks_for(int64_t rows) {
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   if (blocks > INT32_MAX) throw Error("merge: more rows than one grid covers");
   return unsigned(blocks);
+}
+
+// A type as a value, for a generic lambda to instantiate a kernel with.
+template <typename T>
+struct Type {
+  using type = T;
+};
+
+// The host side both row kernels share: head_dim even (lanes take pairs), nothing launched for
+// no rows, `launch(Type<T>{}, blocks, stream)` with T the 16-bit type of `dtype` (`what` names
+// the tensor of that dtype), then the launch checked under `name`.
+template <typename Launch>
+void launch_rows(const char* name, const char* what, int64_t rows, int64_t head_dim, Dtype dtype,
+                 void* stream, Launch launch) {
+  if (head_dim % 2 != 0) throw Error("merge: head_dim must be even");
+  if (rows == 0) return;
+  const auto st = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case Dtype::F16:
+      launch(Type<__half>{}, blocks_for(rows), st);
+      break;
+    case Dtype::BF16:
+      launch(Type<__nv_bfloat16>{}, blocks_for(rows), st);
+      break;
+    default:
+      throw Error(std::string("merge: ") + what + " are f16 or bf16");
+  }
+  SDPA_LAUNCH_CHECK(name);
 }
 
 __global__ void fill_no_key(float* lse, int64_t rows) {
@@ -80,39 +109,17 @@ void merge_init(float* acc_o, float* acc_lse, int64_t rows, int64_t head_dim, vo
 }
 
 void merge_partial(const MergeArgs& a, void* stream) {
-  if (a.head_dim % 2 != 0) throw Error("merge: head_dim must be even");
-  const int64_t rows = a.batch * a.heads * a.rows;
-  if (rows == 0) return;
-  const auto st = static_cast<cudaStream_t>(stream);
-  switch (a.dtype) {
-    case Dtype::F16:
-      merge_rows<__half><<<blocks_for(rows), kThreads, 0, st>>>(a);
-      break;
-    case Dtype::BF16:
-      merge_rows<__nv_bfloat16><<<blocks_for(rows), kThreads, 0, st>>>(a);
-      break;
-    default:
-      throw Error("merge: partial outputs are f16 or bf16");
-  }
-  SDPA_LAUNCH_CHECK("merge_partial launch");
+  launch_rows("merge_partial launch", "partial outputs", a.batch * a.heads * a.rows, a.head_dim,
+              a.dtype, stream, [&](auto t, unsigned blocks, cudaStream_t st) {
+                merge_rows<typename decltype(t)::type><<<blocks, kThreads, 0, st>>>(a);
+              });
 }
 
 void merge_finish(const MergeFinishArgs& a, void* stream) {
-  if (a.head_dim % 2 != 0) throw Error("merge: head_dim must be even");
-  const int64_t rows = a.batch * a.heads * a.seq;
-  if (rows == 0) return;
-  const auto st = static_cast<cudaStream_t>(stream);
-  switch (a.dtype) {
-    case Dtype::F16:
-      finish_rows<__half><<<blocks_for(rows), kThreads, 0, st>>>(a);
-      break;
-    case Dtype::BF16:
-      finish_rows<__nv_bfloat16><<<blocks_for(rows), kThreads, 0, st>>>(a);
-      break;
-    default:
-      throw Error("merge: outputs are f16 or bf16");
-  }
-  SDPA_LAUNCH_CHECK("merge_finish launch");
+  launch_rows("merge_finish launch", "outputs", a.batch * a.heads * a.seq, a.head_dim, a.dtype,
+              stream, [&](auto t, unsigned blocks, cudaStream_t st) {
+                finish_rows<typename decltype(t)::type><<<blocks, kThreads, 0, st>>>(a);
+              });
 }
 
 }  // namespace sdpa

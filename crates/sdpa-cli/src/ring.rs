@@ -12,10 +12,11 @@
 
 use crate::{CliResult, Failure};
 use sdpa::distributed::{
-    HostShards, Ring, RingOptions, RingReport, Shard, Transport, Zigzag, forward_host, kv_dims,
-    lse_dims, q_dims,
+    HostShards, Ring, RingOptions, RingReport, Shard, Transport, Zigzag, forward_host, lse_dims,
+    q_dims,
 };
 use sdpa::{Backend, DType, Device, Extras, Operands, Problem, Tensor};
+use sdpa_harness::check;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -213,24 +214,21 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
 /// Seconds per ring call: shards of random values made on each local rank (no whole tensor is
 /// ever on one host or GPU), one warm-up call, then `iters` timed ones.
 fn time_ring(ring: &mut Ring, p: &Problem, z: &Zigzag, iters: usize) -> sdpa::Result<Vec<f64>> {
-    let local =
-        |dims: sdpa::distributed::Dims| dims.batch * dims.heads * dims.inner * z.local_len();
-    let (ql, kl) = (local(q_dims(p)), local(kv_dims(p)));
+    // A rank's shard holds what a problem of `local_len` query and key positions would.
+    let local = z.local_len();
+    let shard = Problem::new(p.batch, p.heads, local, local, p.head_dim)
+        .with_kv_heads(p.kv_heads)
+        .with_dtype(p.dtype);
     let mut bufs = Vec::new();
     for (rank, dev) in ring.local_ranks() {
         let s = dev.stream();
-        let up = |n: usize, seed: u64| -> sdpa::Result<_> {
-            let bits = sdpa::encode(p.dtype, &noise(n, seed));
-            let vals: Vec<half::bf16> = bits.into_iter().map(half::bf16::from_bits).collect();
+        let up = |bits: &[u16]| -> sdpa::Result<_> {
+            let vals: Vec<half::bf16> = bits.iter().map(|&b| half::bf16::from_bits(b)).collect();
             Ok(s.clone_htod(&vals)?)
         };
-        let seed = 3 * rank as u64;
-        bufs.push((
-            up(ql, seed)?,
-            up(kl, seed + 1)?,
-            up(kl, seed + 2)?,
-            up(ql, 0)?,
-        ));
+        let [q, k, v] = &check::random_inputs(&shard, rank as u64)?.bits;
+        let out = s.alloc_zeros::<half::bf16>(q.len())?;
+        bufs.push((up(q)?, up(k)?, up(v)?, out));
     }
     let mut times = Vec::with_capacity(iters);
     for i in 0..=iters {
@@ -293,25 +291,29 @@ fn validate(a: ValidateArgs) -> CliResult<ExitCode> {
     let mut ok = true;
     for pname in &a.problem {
         let p = problem(pname)?;
-        let (ql, kl) = (p.q_len().unwrap_or(0), p.kv_len().unwrap_or(0));
-        let (q, k, v) = (
-            noise(ql, a.seed),
-            noise(kl, a.seed + 1),
-            noise(kl, a.seed + 2),
-        );
+        let inputs = check::random_inputs(&p, a.seed)?;
+        // Already rounded to the dtype, so exact in f32.
+        let [q, k, v] = inputs
+            .values
+            .each_ref()
+            .map(|t| t.iter().map(|&x| x as f32).collect::<Vec<_>>());
         let shards = forward_host(&mut ring, &p, &q, &k, &v)?;
-        let round = |x: &[f32]| sdpa::decode(p.dtype, &sdpa::encode(p.dtype, x));
-        let r = sdpa::reference_with(&p, &round(&q), &round(&k), &round(&v), None)?;
-        let one = one_gpu(&p, &q, &k, &v, &shards)?;
+        let r = inputs.reference(&p)?;
+        let one = one_gpu(&p, &inputs, &shards)?;
         let z = Zigzag::new(p.seq_q, ring.world())?;
+        let err = |got: &[f64], want: &[f64]| check::compare(got, want, p.dtype, a.seed);
+        let wide = |t: &[f32]| t.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
         for (i, &rank) in shards.ranks.iter().enumerate() {
             let want_o = z.shard(&r.out, q_dims(&p), rank)?;
             let want_l = z.shard(&r.lse, lse_dims(&p), rank)?;
-            let e_ring = rel_err(&shards.out[i], &want_o);
-            let e_one = rel_err(&one.0[i], &want_o);
-            let l_ring = max_abs(&shards.lse[i], &want_l);
-            let l_one = max_abs(&one.1[i], &want_l);
-            let pass = e_ring <= (2.0 * e_one).max(2.0 * p.dtype.unit_roundoff())
+            let ring_o = err(&wide(&shards.out[i]), &want_o);
+            let e_ring = ring_o.rel_err;
+            let e_one = err(&one.0[i], &want_o).rel_err;
+            let l_ring = err(&wide(&shards.lse[i]), &want_l).max_err;
+            let l_one = err(&one.1[i], &want_l).max_err;
+            // A NaN in the ring's output fails (the error skips NaN positions and counts them).
+            let pass = ring_o.nan_count == 0
+                && e_ring <= (2.0 * e_one).max(2.0 * p.dtype.unit_roundoff())
                 && l_ring <= 1e-4 + 4.0 * l_one;
             ok &= pass;
             outln!(
@@ -344,36 +346,12 @@ fn report_line(r: &RingReport) -> CliResult<()> {
 
 /// The single-GPU kernel on the whole problem (GPU 0), cut into the same shards as the ring's
 /// local ranks: (outputs, log-sum-exps).
-type ShardsOut = (Vec<Vec<f32>>, Vec<Vec<f32>>);
-fn one_gpu(
-    p: &Problem,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    like: &HostShards,
-) -> sdpa::Result<ShardsOut> {
+type ShardsOut = (Vec<Vec<f64>>, Vec<Vec<f64>>);
+fn one_gpu(p: &Problem, inputs: &check::Inputs, like: &HostShards) -> sdpa::Result<ShardsOut> {
     let dev = Device::new(0)?;
     let p1 = p.with_lse(true);
-    let (tq, tk, tv) = (
-        Tensor::from_f32(&dev, p.dtype, q)?,
-        Tensor::from_f32(&dev, p.dtype, k)?,
-        Tensor::from_f32(&dev, p.dtype, v)?,
-    );
-    let mut out = Tensor::poisoned(&dev, p.dtype, q.len())?;
-    let mut lse = dev.stream().alloc_zeros::<f32>(p1.lse_len())?;
-    let t = Operands {
-        q: &tq,
-        k: &tk,
-        v: &tv,
-        out: &mut out,
-    };
-    let extras = Extras {
-        lse: Some(lse.as_view_mut()),
-        ..Extras::default()
-    };
-    sdpa::forward_with(&dev, &p1, Backend::Auto, t, extras)?;
-    let out = out.to_f32(&dev)?;
-    let lse = dev.stream().clone_dtoh(&lse)?;
+    let (out, lse) = check::run_backend_with_lse(Some(&dev), &p1, Backend::Auto, inputs, None)?;
+    let lse = lse.expect("the log-sum-exp was asked for");
     let z = Zigzag::new(p.seq_q, like.report.world)?;
     let mut o = Vec::new();
     let mut l = Vec::new();
@@ -382,35 +360,6 @@ fn one_gpu(
         l.push(z.shard(&lse, lse_dims(p), rank)?);
     }
     Ok((o, l))
-}
-
-/// Values in [-1, 1) from `seed` (xorshift): the same on every rank for the same seed.
-fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
-
-fn rel_err(got: &[f32], want: &[f64]) -> f64 {
-    let (mut num, mut den) = (0.0, 0.0);
-    for (g, w) in got.iter().zip(want) {
-        num += (*g as f64 - w).powi(2);
-        den += w * w;
-    }
-    (num / den).sqrt()
-}
-
-fn max_abs(got: &[f32], want: &[f64]) -> f64 {
-    got.iter()
-        .zip(want)
-        .map(|(g, w)| (*g as f64 - w).abs())
-        .fold(0.0, f64::max)
 }
 
 fn median(xs: &[f64]) -> f64 {

@@ -72,13 +72,12 @@ impl Accumulator {
         let stream = dev.raw_stream()?;
         let (op, _og) = self.o.device_ptr_mut(dev.stream());
         let (lp, _lg) = self.lse.device_ptr_mut(dev.stream());
-        let s = part.strides;
         let args = MergeArgs {
             acc_o: op,
             acc_lse: lp,
             part_o: part.o,
             part_lse: part.lse,
-            part_stride: [s.batch as i64, s.head as i64, s.seq as i64],
+            part_stride: part.strides.as_i64(),
             batch: self.batch as i64,
             heads: self.heads as i64,
             rows: part.rows as i64,
@@ -110,11 +109,7 @@ impl Accumulator {
         let args = MergeFinishArgs {
             acc_o: op,
             out,
-            out_stride: [
-                strides.batch as i64,
-                strides.head as i64,
-                strides.seq as i64,
-            ],
+            out_stride: strides.as_i64(),
             batch: self.batch as i64,
             heads: self.heads as i64,
             seq: self.seq as i64,

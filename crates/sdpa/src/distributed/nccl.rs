@@ -125,12 +125,14 @@ pub(crate) fn candidates(env: &dyn Fn(&str) -> Option<OsString>) -> Vec<PathBuf>
             out.push(nvidia.join("nccl/lib").join(SONAME));
         }
     }
-    let envs = [env("VIRTUAL_ENV"), env("CONDA_PREFIX")]
-        .into_iter()
-        .flatten()
-        .map(PathBuf::from)
-        .chain([PathBuf::from("/opt/torch/.venv")]);
-    for prefix in envs {
+    // The folders the variables name (those set), then the default.
+    let folders = |vars: [&'static str; 2], default: &str| {
+        vars.into_iter()
+            .filter_map(env)
+            .map(PathBuf::from)
+            .chain([PathBuf::from(default)])
+    };
+    for prefix in folders(["VIRTUAL_ENV", "CONDA_PREFIX"], "/opt/torch/.venv") {
         let lib = prefix.join("lib");
         let mut pythons: Vec<PathBuf> = std::fs::read_dir(&lib)
             .into_iter()
@@ -151,12 +153,7 @@ pub(crate) fn candidates(env: &dyn Fn(&str) -> Option<OsString>) -> Vec<PathBuf>
             out.push(py.join("site-packages/nvidia/nccl/lib").join(SONAME));
         }
     }
-    let homes = [env("CUDA_HOME"), env("CUDA_PATH")]
-        .into_iter()
-        .flatten()
-        .map(PathBuf::from)
-        .chain([PathBuf::from("/usr/local/cuda")]);
-    for home in homes {
+    for home in folders(["CUDA_HOME", "CUDA_PATH"], "/usr/local/cuda") {
         out.push(home.join("lib64").join(SONAME));
     }
     let mut seen = std::collections::HashSet::new();
@@ -387,6 +384,16 @@ impl Comm {
         }
     }
 
+    /// Makes one call on the live communicator (`f` gets its handle) and checks the code.
+    fn issue(
+        &self,
+        call: &'static str,
+        f: impl FnOnce(ncclComm_t) -> c_int,
+    ) -> Result<(), DistError> {
+        let raw = self.live()?;
+        self.nccl.check(call, f(raw), Some(raw))
+    }
+
     /// Sends `bytes` bytes at `buf` to `peer` on `stream` (inside a group with the matching
     /// receive).
     ///
@@ -400,19 +407,11 @@ impl Comm {
         peer: usize,
         stream: Stream,
     ) -> Result<(), DistError> {
-        let raw = self.live()?;
-        // SAFETY: forwarded to the caller.
-        let code = unsafe {
-            (self.nccl.send)(
-                buf as *const c_void,
-                bytes,
-                UINT8,
-                to_int(peer)?,
-                raw,
-                stream,
-            )
-        };
-        self.nccl.check("ncclSend", code, Some(raw))
+        let peer = to_int(peer)?;
+        self.issue("ncclSend", |raw| {
+            // SAFETY: forwarded to the caller.
+            unsafe { (self.nccl.send)(buf as *const c_void, bytes, UINT8, peer, raw, stream) }
+        })
     }
 
     /// Receives `bytes` bytes from `peer` into `buf` on `stream`.
@@ -427,12 +426,11 @@ impl Comm {
         peer: usize,
         stream: Stream,
     ) -> Result<(), DistError> {
-        let raw = self.live()?;
-        // SAFETY: forwarded to the caller.
-        let code = unsafe {
-            (self.nccl.recv)(buf as *mut c_void, bytes, UINT8, to_int(peer)?, raw, stream)
-        };
-        self.nccl.check("ncclRecv", code, Some(raw))
+        let peer = to_int(peer)?;
+        self.issue("ncclRecv", |raw| {
+            // SAFETY: forwarded to the caller.
+            unsafe { (self.nccl.recv)(buf as *mut c_void, bytes, UINT8, peer, raw, stream) }
+        })
     }
 
     /// The element-wise maximum of `count` u64s at `buf` over all ranks, in place, on `stream`.
@@ -445,11 +443,11 @@ impl Comm {
         count: usize,
         stream: Stream,
     ) -> Result<(), DistError> {
-        let raw = self.live()?;
         let p = buf as *mut c_void;
-        // SAFETY: forwarded to the caller; NCCL reduces in place when both pointers agree.
-        let code = unsafe { (self.nccl.all_reduce)(p, p, count, UINT64, MAX, raw, stream) };
-        self.nccl.check("ncclAllReduce", code, Some(raw))
+        self.issue("ncclAllReduce", |raw| {
+            // SAFETY: forwarded to the caller; NCCL reduces in place when both pointers agree.
+            unsafe { (self.nccl.all_reduce)(p, p, count, UINT64, MAX, raw, stream) }
+        })
     }
 }
 
