@@ -180,8 +180,22 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
         } else {
             None
         };
-        let eff = one.map(|t1| t1 / (ring.world() as f64 * t));
-        if leads(&ring) {
+        // Loopback runs every rank on one GPU: no scaling figure, but the ring's own cost (the
+        // shorter calls, the merges, the hand-overs) over the single call on the same work.
+        let loopback = ring.transport() == Transport::Loopback;
+        let eff = one
+            .filter(|_| !loopback)
+            .map(|t1| t1 / (ring.world() as f64 * t));
+        let overhead = one.filter(|_| loopback).map(|t1| t / t1 - 1.0);
+        if leads(&ring) && loopback {
+            outln!(
+                "{pname}: {name} {:.2} ms/call ({tflops:.1} TFLOP/s, every rank on one GPU); \
+                 one GPU {}; the ring's own cost {}",
+                t * 1e3,
+                one.map_or("n/a".into(), |t1| format!("{:.2} ms", t1 * 1e3)),
+                overhead.map_or("n/a".into(), |o| format!("{:+.1}%", 100.0 * o)),
+            )?;
+        } else if leads(&ring) {
             outln!(
                 "{pname}: {name} {:.2} ms/call ({tflops:.1} TFLOP/s, {:.1} a GPU); one GPU {}; \
                  scaling efficiency {}",
@@ -197,6 +211,7 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
             "dtype": p.dtype.to_string(), "backend": name, "ranks": ring.world(),
             "us_event": t * 1e6, "tflops": tflops,
             "us_one_gpu": one.map(|t1| t1 * 1e6), "scaling_efficiency": eff,
+            "loopback_overhead": overhead,
         }));
     }
     if let (Some(path), true) = (&a.json, leads(&ring)) {
