@@ -99,21 +99,17 @@ struct Mainloop {
   // tiles (check_v, mma): the kernels on the feed, and the band kernel always (one code path).
   static constexpr bool kTracked = kFeed || kBand;
 
-  // Work tile k of this CTA (sp.tiles: none left) for the roles that read it: in the band
-  // kernel from the feed the producer's TMA thread publishes (Mainloop::load), else the static
-  // walk.
+  // Work tile k of this CTA (sp.tiles: none left) for the roles that read it: on the feed, the
+  // tile the producer's TMA thread published (Mainloop::load); else the static walk, tiles
+  // blockIdx.x, blockIdx.x + gridDim.x, ... (the first alone where a CTA runs one).
   __device__ __forceinline__ static int reader_tile(const typename Sched::Params& sp,
                                                     typename C::Smem& sm, int k) {
-    if constexpr (kFeed)
+    if constexpr (kFeed) {
       return TileFeed::take(sm, k);
-    else
-      return walk_tile(sp, k);
-  }
-  // The static walk: tiles blockIdx.x, blockIdx.x + gridDim.x, ... (the first alone where a CTA
-  // runs one).
-  __device__ __forceinline__ static int walk_tile(const typename Sched::Params& sp, int k) {
-    const int t = int(blockIdx.x) + k * int(gridDim.x);
-    return (kOneTile && k > 0) || t >= sp.tiles ? sp.tiles : t;
+    } else {
+      const int t = int(blockIdx.x) + k * int(gridDim.x);
+      return (kOneTile && k > 0) || t >= sp.tiles ? sp.tiles : t;
+    }
   }
 
   // Work tile w's sequence: its rows in the packed tensors and its lengths (the call's for

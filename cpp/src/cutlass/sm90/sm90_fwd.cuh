@@ -96,7 +96,7 @@ template <class C>
 __device__ __forceinline__ void init_barriers(typename C::Smem& sm, int consumers, bool convert_v) {
   mbar_init(&sm.bar_q, 1);
   mbar_init(&sm.empty_q, consumers);
-  for (int i = 0; i < 2; ++i) {  // the band kernel's tile feed and check records
+  for (int i = 0; i < 2; ++i) {  // the tile feed and the check records' hand-over
     mbar_init(&sm.feed_full[i], 1);
     mbar_init(&sm.feed_empty[i], consumers + C::kConverters);
     mbar_init(&sm.nf_ready[i], C::kConverters);
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
   const auto ops = Main::consumer_operands(sm, ctid);
   int it = 0, qi = 0;    // ring uses and tiles with queries so far
-  uint32_t v_phase = 0;  // the band kernel's V barrier phases (Mainloop::mma)
+  uint32_t v_phase = 0;  // kTracked kernels' V barrier phases (Mainloop::mma)
   for (int k = 0;; ++k) {
     const int t = Main::reader_tile(p.sched, sm, k);
     if (t >= p.sched.tiles) break;
@@ -264,7 +264,7 @@ inline int64_t workspace_e4m3_bytes(const FwdArgs& a) {
 }
 
 // SDPA_SM90_CTAS=n in the environment (read once), for tests, sanitizers and measurements: n > 0
-// caps the band kernel's persistent grid at n CTAs (several tiles a CTA on small problems);
+// caps the masked kernels' persistent grid at n CTAs (several tiles a CTA on small problems);
 // n < 0 leaves it one CTA a tile, as without a tile counter.
 inline int forced_ctas() {
   static const int n = [] {
@@ -285,10 +285,10 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   using Sched = TileScheduler<Mask::kMasksKeys>;
   KernelParams<E, D, Mask> p{};
   p.sched = Sched::make(a.seq_q, a.heads, a.batch, sms, a.total_q, a.cu_seqlens_q);
-  // The band kernel's grid is persistent where the caller gave a tile counter (tile_feed.cuh).
+  // A kernel on the feed is persistent where the caller gave a tile counter (tile_feed.cuh).
   if constexpr (Mainloop<E, D, Mask>::kFeed)
     p.sched.counter = forced_ctas() < 0 ? nullptr : a.tile_counter;
-  // Non-masked grids are persistent past one wave (Sched::grid_size), as is the band kernel's
+  // Non-masked grids are persistent past one wave (Sched::grid_size), as are those on the feed
   // with a counter; turns only pay where every CTA runs a single tile.
   const bool turns = p.sched.wgs == 2 && ((Mask::kMasksKeys && p.sched.counter == nullptr) ||
                                           p.sched.tiles <= persistent_ctas(p.sched, sms));
