@@ -56,6 +56,9 @@ struct FwdArgs {
   // q_scale[b * heads + h], k_scale[b * kv_heads + hk], v_scale[b * kv_heads + hk].
   const float *q_scale, *k_scale, *v_scale;
   bool per_head_scales;
+  // E4M3 only: fast mode, P·V on e4m3 tensor cores (P rounded to e4m3) where the kernel has it
+  // (cutlass-sm90); false, and every other kernel: P·V in 16 bit (accurate mode).
+  bool fp8_fast;
   // Scratch device memory of workspace_bytes(kernel, args) bytes, owned by the caller (null
   // when that is 0). Valid until the enqueued work is done.
   void* workspace;

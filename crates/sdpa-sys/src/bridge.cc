@@ -39,6 +39,7 @@ sdpa::FwdArgs convert(const FwdArgs& a) {
   r.k_scale = reinterpret_cast<const float*>(a.k_scale);
   r.v_scale = reinterpret_cast<const float*>(a.v_scale);
   r.per_head_scales = a.per_head_scales;
+  r.fp8_fast = a.fp8_fast;
   r.workspace = reinterpret_cast<void*>(a.workspace);
   r.tile_counter = reinterpret_cast<int32_t*>(a.tile_counter);
   r.total_q = a.total_q;

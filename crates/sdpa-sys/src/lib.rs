@@ -90,6 +90,8 @@ pub mod ffi {
         pub k_scale: u64,
         pub v_scale: u64,
         pub per_head_scales: bool,
+        /// e4m3 only: fast mode, P·V on e4m3 tensor cores where the kernel has it.
+        pub fp8_fast: bool,
         /// Scratch of `workspace_bytes(kernel, args)` bytes (0 when none is needed).
         pub workspace: u64,
         /// Two device i32, zero between calls (0: none), with which the cutlass-sm90 masked

@@ -203,6 +203,7 @@ fn problem_args(p: &Problem) -> sdpa_sys::ffi::FwdArgs {
         k_scale: 0,
         v_scale: 0,
         per_head_scales: fp8 && p.fp8_scaling == Scaling::PerHead,
+        fp8_fast: false,
         workspace: 0,
         tile_counter: 0,
         total_q: p.seqs.packed_q.unwrap_or(0) as i64,
