@@ -315,6 +315,7 @@ mod tests {
         check::<crate::Layout>();
         check::<crate::Mask>();
         check::<crate::Scaling>();
+        check::<crate::Fp8Mode>();
         check::<crate::Strides>();
         check::<crate::TensorShape>();
         check::<crate::backend::Instance>();

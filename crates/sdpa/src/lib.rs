@@ -57,13 +57,13 @@ mod tensor;
 mod view;
 
 pub use backend::Backend;
-pub use backend::cpu::{Reference, reference, reference_seqs, reference_with};
+pub use backend::cpu::{Reference, reference, reference_fp8_fast, reference_seqs, reference_with};
 pub use codec::{decode, encode};
 pub use device::{Device, driver_present};
 pub use error::{CudaError, Error, MemoryKind, Result};
 pub use extras::Extras;
 pub use kv_cache::{KvAppend, append_kv};
-pub use problem::{Alibi, DType, Layout, Mask, Problem, Scaling, Strides, TensorShape};
+pub use problem::{Alibi, DType, Fp8Mode, Layout, Mask, Problem, Scaling, Strides, TensorShape};
 pub use seqs::{KvRows, SeqMeta, SeqSpan, Seqs, check_metadata};
 
 use buffers::Buffers;

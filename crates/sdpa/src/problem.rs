@@ -88,6 +88,53 @@ impl FromStr for Scaling {
     }
 }
 
+/// How an e4m3 problem computes P·V (Q·Kᵀ is the same in both modes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Fp8Mode {
+    /// P·V in 16 bit: P stays f16/bf16, so the error stays near the 16-bit kernels'. The
+    /// default, and what training-quality numerics need.
+    #[default]
+    Accurate,
+    /// P·V on e4m3 tensor cores where the backend has them: P offset into (0, 256] and rounded
+    /// to e4m3 (3 mantissa bits), the row sum taken from the unrounded P. About 1e-2 relative
+    /// error on zero-mean outputs, as FlashAttention-3 and cuDNN ship (README, "FP8: accurate or
+    /// fast"). A permission, not a demand: a backend or kernel without an e4m3 P·V runs the
+    /// problem exactly as in [`Fp8Mode::Accurate`]; the `cutlass` backend's sm_90a kernel takes
+    /// it at head_dim 64 and 128, with no mask or the causal one.
+    Fast,
+}
+
+impl Fp8Mode {
+    /// Name as the CLI and bench records spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Mode::Accurate => "accurate",
+            Fp8Mode::Fast => "fast",
+        }
+    }
+    /// Both modes, the default first.
+    pub const ALL: [Fp8Mode; 2] = [Fp8Mode::Accurate, Fp8Mode::Fast];
+}
+
+impl fmt::Display for Fp8Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Fp8Mode {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "accurate" => Ok(Fp8Mode::Accurate),
+            "fast" => Ok(Fp8Mode::Fast),
+            _ => Err(invalid!(
+                "unknown fp8 mode {s:?} (expected accurate or fast)"
+            )),
+        }
+    }
+}
+
 /// The logical shape of one 4-D tensor: [batch, heads, seq, head_dim] stored in `layout`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TensorShape {
@@ -417,6 +464,10 @@ pub struct Problem {
     pub out_dtype: Option<DType>,
     /// How the scales of e4m3 inputs are laid out (ignored for f16/bf16).
     pub fp8_scaling: Scaling,
+    /// How an e4m3 problem computes P·V ([`Fp8Mode`]); `Fast` on an f16/bf16 problem is an
+    /// `InvalidArgument` error (there is nothing to make fast, and silently ignoring it would
+    /// hide a caller's mistake).
+    pub fp8_mode: Fp8Mode,
     /// Memory layout of all four tensors (of the dense ones where `seqs` packs some).
     pub layout: Layout,
     /// How the sequences are stored: dense (the default), packed Q and K/V of different
@@ -448,6 +499,7 @@ impl Problem {
             dtype: DType::F16,
             out_dtype: None,
             fp8_scaling: Scaling::PerHead,
+            fp8_mode: Fp8Mode::Accurate,
             layout: Layout::Bhsd,
             seqs: Seqs::default(),
         }
@@ -556,6 +608,16 @@ impl Problem {
         self.fp8_scaling = scaling;
         self
     }
+    /// Sets how an e4m3 problem computes P·V ([`Fp8Mode`]; `Fast` is valid on e4m3 problems
+    /// only).
+    pub fn with_fp8_mode(mut self, mode: Fp8Mode) -> Self {
+        self.fp8_mode = mode;
+        self
+    }
+    /// Whether P·V may run on e4m3 tensor cores: an e4m3 problem in [`Fp8Mode::Fast`].
+    pub fn is_fp8_fast(&self) -> bool {
+        self.dtype == DType::E4m3 && self.fp8_mode == Fp8Mode::Fast
+    }
     /// The output's element type.
     pub fn output_dtype(&self) -> DType {
         self.out_dtype.unwrap_or(match self.dtype {
@@ -564,11 +626,13 @@ impl Problem {
         })
     }
     /// The f16/bf16 problem an e4m3 problem becomes once its inputs are dequantized to the
-    /// output dtype (the simulated FP8 path); other problems unchanged.
+    /// output dtype (the simulated FP8 path, which runs P·V in 16 bit: the mode is back to
+    /// accurate); other problems unchanged.
     pub fn as_dequantized(&self) -> Problem {
         Problem {
             dtype: self.output_dtype(),
             out_dtype: None,
+            fp8_mode: Fp8Mode::Accurate,
             ..*self
         }
     }
@@ -651,6 +715,13 @@ impl Problem {
                 ));
             }
             _ => {}
+        }
+        if self.fp8_mode == Fp8Mode::Fast && self.dtype != DType::E4m3 {
+            return Err(invalid!(
+                "fp8 mode fast needs e4m3 inputs, the problem is {} (P·V on e4m3 tensor cores \
+                 applies to e4m3 problems only)",
+                self.dtype
+            ));
         }
         if let Some(s) = self.scale
             && !(s.is_finite() && s > 0.0)
@@ -805,6 +876,9 @@ impl fmt::Display for Problem {
         write!(f, " D{} {}", self.head_dim, self.dtype)?;
         if self.dtype == DType::E4m3 {
             write!(f, "/{}->{}", self.fp8_scaling.name(), self.output_dtype())?;
+            if self.fp8_mode == Fp8Mode::Fast {
+                f.write_str(" fast")?;
+            }
         }
         match self.mask.canonical() {
             Mask::None => {}
@@ -935,6 +1009,55 @@ mod tests {
             }
             assert!(seen.into_iter().all(|x| x));
         }
+    }
+
+    #[test]
+    fn fp8_modes_parse_as_they_print() {
+        for m in Fp8Mode::ALL {
+            assert_eq!(m.name().parse::<Fp8Mode>().unwrap(), m);
+            assert_eq!(m.to_string(), m.name());
+        }
+        assert_eq!("FAST".parse::<Fp8Mode>().unwrap(), Fp8Mode::Fast);
+        assert_eq!(Fp8Mode::default(), Fp8Mode::Accurate);
+        assert_eq!(Problem::new(1, 1, 4, 4, 64).fp8_mode, Fp8Mode::Accurate);
+        let e = "quick".parse::<Fp8Mode>().unwrap_err();
+        assert!(matches!(e, crate::Error::InvalidArgument(_)), "{e:?}");
+        assert!(
+            e.to_string()
+                .contains("\"quick\" (expected accurate or fast)"),
+            "{e}"
+        );
+    }
+
+    /// Fast mode is an e4m3 property: on f16/bf16 a typed error naming the dtype; on e4m3 valid,
+    /// shown in the problem's name, and gone from the dequantized (16-bit) problem.
+    #[test]
+    fn fast_fp8_mode_needs_e4m3() {
+        for dtype in DType::ALL {
+            let p = Problem::new(1, 1, 4, 4, 64)
+                .with_dtype(dtype)
+                .with_fp8_mode(Fp8Mode::Fast);
+            let e = p.validate().unwrap_err();
+            assert!(matches!(e, crate::Error::InvalidArgument(_)), "{e:?}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains(&format!(
+                    "fp8 mode fast needs e4m3 inputs, the problem is {dtype}"
+                )),
+                "{msg}"
+            );
+            assert!(!p.is_fp8_fast());
+        }
+        let p = Problem::new(1, 2, 4, 4, 64).with_dtype(DType::E4m3);
+        assert_eq!(p.to_string(), "B1 H2 S4 D64 e4m3/head->f16");
+        let fast = p.with_fp8_mode(Fp8Mode::Fast).with_causal(true);
+        fast.validate().unwrap();
+        assert!(fast.is_fp8_fast());
+        assert_eq!(fast.to_string(), "B1 H2 S4 D64 e4m3/head->f16 fast causal");
+        let sim = fast.as_dequantized();
+        assert_eq!((sim.dtype, sim.fp8_mode), (DType::F16, Fp8Mode::Accurate));
+        sim.validate().unwrap();
+        assert_ne!(fast, p.with_causal(true), "the mode tells problems apart");
     }
 
     #[test]

@@ -32,6 +32,61 @@ pub fn reference_with(
     v: &[f64],
     alibi_slopes: Option<&[f32]>,
 ) -> Result<Reference> {
+    attend(p, q, k, v, alibi_slopes, Weights::Exact)
+}
+
+/// What the fast FP8 mode ([`crate::Fp8Mode::Fast`]) computes, emulated in f64: for each row,
+/// with m its largest score, P_j = 2^((s_j − m)·log2(e) + 8) (so P lies in (0, 256]) rounded
+/// to e4m3 (round to nearest even, saturating: the host codec of [`crate::fp8`]) weights the
+/// values, and the unrounded P sum to the denominator. Masked keys contribute nothing. The
+/// kernel takes the running maximum of each key tile where this takes the row's final one, so
+/// it rounds some P at other points of the e4m3 grid: it matches this in size of error, not bit
+/// for bit. The log-sum-exp is the exact one (the kernel's comes from the unrounded sum too).
+///
+/// Arguments as [`reference_with`]: values already dequantized, any problem (`p.fp8_mode` is
+/// not consulted: the emulation is what the mode would do).
+pub fn reference_fp8_fast(
+    p: &Problem,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    alibi_slopes: Option<&[f32]>,
+) -> Result<Reference> {
+    attend(p, q, k, v, alibi_slopes, Weights::Fp8Fast)
+}
+
+/// How [`attend`] weights each visible key's values.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Weights {
+    /// exp(s_j − m): the softmax itself.
+    Exact,
+    /// exp(s_j − m) as the fast FP8 mode's e4m3 P·V sees it: times 2^8, rounded to e4m3, and
+    /// the 2^8 taken out again (a power of two: exact). The denominator stays unrounded.
+    Fp8Fast,
+}
+
+impl Weights {
+    fn of(self, e: f64) -> f64 {
+        match self {
+            Weights::Exact => e,
+            Weights::Fp8Fast => {
+                let p = crate::fp8::e4m3_from_f32((e * 256.0) as f32);
+                f64::from(crate::fp8::e4m3_to_f32(p)) / 256.0
+            }
+        }
+    }
+}
+
+/// The reference with the values weighted as `weights` says (the denominator always the
+/// exact sum).
+fn attend(
+    p: &Problem,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    alibi_slopes: Option<&[f32]>,
+    weights: Weights,
+) -> Result<Reference> {
     p.validate()?;
     if !p.seqs.is_dense() {
         return Err(invalid!(
@@ -114,9 +169,10 @@ pub fn reference_with(
                 for (j, &sj) in keys.zip(s.iter()) {
                     let e = (sj - m).exp();
                     sum += e;
+                    let w = weights.of(e);
                     let vj = &v[ks.offset(b, hk, j, 0)..][..d];
                     for (od, vd) in o.iter_mut().zip(vj) {
-                        *od += e * vd;
+                        *od += w * vd;
                     }
                 }
                 o.iter_mut().for_each(|x| *x /= sum);
@@ -578,6 +634,97 @@ mod tests {
         assert_eq!(r.lse[..2], [f64::NEG_INFINITY; 2]);
         // Row 2 sees key 0 alone: lse is its logit, 0.5·0.25·2 times the (f32) scale.
         assert_relative_eq!(r.lse[2], 0.25 * f64::from(p.scale()), epsilon = 1e-14);
+    }
+
+    /// Where every P = 2^8·exp(s − m) is an e4m3 value (scores ln(3/4) and −j·ln 2 below the
+    /// row's maximum: P = 192 and 2^(8−j)), rounding changes nothing: the emulation is the
+    /// reference, causal rows included.
+    #[test]
+    fn fp8_fast_emulation_is_exact_where_p_is_representable() {
+        let ln2 = std::f64::consts::LN_2;
+        let k = [
+            0.0,
+            (0.75f64).ln(),
+            -ln2,
+            -3.0 * ln2,
+            -9.0 * ln2,
+            -12.0 * ln2,
+        ];
+        let v = [2.0, -6.0, 0.5, 7.0, -1.0, 3.0];
+        for causal in [false, true] {
+            let p = Problem::new(1, 1, 4, 6, 1)
+                .with_scale(1.0)
+                .with_causal(causal);
+            let q = [1.0; 4];
+            let want = reference_with(&p, &q, &k, &v, None).unwrap();
+            let got = reference_fp8_fast(&p, &q, &k, &v, None).unwrap();
+            for (g, w) in got.out.iter().zip(&want.out) {
+                assert_relative_eq!(g, w, epsilon = 1e-14, max_relative = 1e-14);
+            }
+            assert_eq!(got.lse, want.lse);
+        }
+    }
+
+    /// By hand: scores 0, ln 0.3 and −20·ln 2 give P = 256, 76.8 and 2^-12. e4m3 rounds 76.8
+    /// to 80 (steps of 8 in [64, 128)) and 2^-12 to 0 (below 2^-10, half the smallest
+    /// subnormal), while the denominator keeps the unrounded 256 + 76.8 + 2^-12.
+    #[test]
+    fn fp8_fast_emulation_rounds_p_and_not_the_sum() {
+        let p = Problem::new(1, 1, 1, 3, 1).with_scale(1.0);
+        let k = [0.0, (0.3f64).ln(), -20.0 * std::f64::consts::LN_2];
+        let v = [2.0, 6.0, 1000.0];
+        let got = reference_fp8_fast(&p, &[1.0], &k, &v, None).unwrap();
+        let den = 1.0 + 0.3 + 2f64.powi(-20);
+        assert_relative_eq!(
+            got.out[0],
+            (2.0 + 80.0 / 256.0 * 6.0) / den,
+            epsilon = 1e-14
+        );
+        let exact = reference(&p, &[1.0], &k, &v).unwrap();
+        assert_relative_eq!(
+            exact[0],
+            (2.0 + 0.3 * 6.0 + 2f64.powi(-20) * 1000.0) / den,
+            epsilon = 1e-14
+        );
+    }
+
+    /// Masked keys contribute nothing, not even a NaN: a NaN in V at key 4 of a causal 6 x 6
+    /// problem reaches rows 4 and 5 only. An unmasked key whose P rounds to 0 still carries its
+    /// NaN (0 · NaN), as a tensor core's product does.
+    #[test]
+    fn fp8_fast_emulation_keeps_masked_keys_out() {
+        let p = Problem::new(1, 1, 6, 6, 2).with_causal(true);
+        let (q, k) = (pseudo_random(12, 31), pseudo_random(12, 32));
+        let mut v = pseudo_random(12, 33);
+        v[4 * 2 + 1] = f64::NAN;
+        let got = reference_fp8_fast(&p, &q, &k, &v, None).unwrap();
+        for i in 0..6 {
+            let row = &got.out[i * 2..][..2];
+            assert!(row[0].is_finite(), "row {i}: {row:?}");
+            assert_eq!(row[1].is_nan(), i >= 4, "row {i}: {row:?}");
+        }
+        let far = Problem::new(1, 1, 1, 2, 1).with_scale(1.0);
+        let r = reference_fp8_fast(&far, &[1.0], &[0.0, -40.0], &[1.0, f64::NAN], None).unwrap();
+        assert!(r.out[0].is_nan());
+    }
+
+    /// On zero-mean inputs the rounding of P costs 1e-2 to 3e-2 (2.1e-2 here), the e4m3 floor
+    /// the fast mode is held to, where P in 16 bit costs 1e-4.
+    #[test]
+    fn fp8_fast_emulation_error_is_the_e4m3_floor() {
+        let p = Problem::new(1, 2, 64, 256, 64);
+        let [q, k, v] = [1, 2, 3].map(|s| pseudo_random(p.q_len().unwrap() * 4, s));
+        let (q, k, v) = (
+            &q[..p.q_len().unwrap()],
+            &k[..p.kv_len().unwrap()],
+            &v[..p.kv_len().unwrap()],
+        );
+        let want = reference(&p, q, k, v).unwrap();
+        let got = reference_fp8_fast(&p, q, k, v, None).unwrap().out;
+        let norm = |x: &[f64]| x.iter().map(|a| a * a).sum::<f64>().sqrt();
+        let diff: Vec<f64> = got.iter().zip(&want).map(|(a, b)| a - b).collect();
+        let rel = norm(&diff) / norm(&want);
+        assert!((1e-2..3e-2).contains(&rel), "rel_err {rel:.3e}");
     }
 
     #[test]

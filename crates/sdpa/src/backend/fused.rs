@@ -10,7 +10,7 @@ use crate::buffers::Buffers;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ffi;
-use crate::problem::{Alibi, Checked, DType, KvRows, Problem, Scaling};
+use crate::problem::{Alibi, Checked, DType, Fp8Mode, KvRows, Problem, Scaling};
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use sdpa_sys::INSTANCES;
 use sdpa_sys::ffi::{DeviceInfo, Kernel};
@@ -203,7 +203,8 @@ fn problem_args(p: &Problem) -> sdpa_sys::ffi::FwdArgs {
         k_scale: 0,
         v_scale: 0,
         per_head_scales: fp8 && p.fp8_scaling == Scaling::PerHead,
-        fp8_fast: false,
+        // A permission: kernels without an e4m3 P·V (and the simulated path) ignore it.
+        fp8_fast: fp8 && p.fp8_mode == Fp8Mode::Fast,
         workspace: 0,
         tile_counter: 0,
         total_q: p.seqs.packed_q.unwrap_or(0) as i64,
@@ -455,6 +456,30 @@ mod tests {
         };
         let why = sdpa_sys::ffi::can_implement(Kernel::Cutlass, &args, &H100).unwrap();
         assert!(why.contains("k is not TMA-addressable"), "{why}");
+    }
+
+    /// The mode travels in the argument block that both the launch and the workspace query
+    /// (`reserve`, `forward`) are built from, so scratch is sized for the mode that runs.
+    #[test]
+    fn the_fp8_mode_reaches_the_argument_block() {
+        let p = Problem::new(1, 1, 8, 8, 64).with_dtype(DType::E4m3);
+        assert!(!problem_args(&p).fp8_fast);
+        let fast = p.with_fp8_mode(Fp8Mode::Fast);
+        assert!(problem_args(&fast).fp8_fast);
+        let (qs, ks) = (p.q_strides(), p.kv_strides());
+        let b = Buffers {
+            q: 0,
+            k: 0,
+            v: 0,
+            o: 0,
+            scales: [0; 3],
+            strides: [qs, ks, ks, qs],
+            alibi_slopes: 0,
+            lse: 0,
+            seqs: [0; 4],
+        };
+        assert!(fwd_args(&fast, &b).fp8_fast);
+        assert!(!fwd_args(&p, &b).fp8_fast);
     }
 
     /// `forward` asks `can_implement` first and launches nothing it refuses; it needs a known
