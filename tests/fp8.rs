@@ -398,3 +398,287 @@ fn e4m3_per_head_scales_that_differ() {
     let want = 4 * common::expected_backends(&dev).len();
     assert!(ran.len() >= want, "only {} of {want} runs", ran.len());
 }
+
+// The fast FP8 mode (P·V on e4m3 tensor cores, P rounded to e4m3): the cutlass sm_90a kernel at
+// head_dim 64 and 128, no mask or causal, held to the fast mode's bars per input family
+// (sdpa_harness::check::fast_fp8_tolerance). Where cutlass does not run here (not a Hopper),
+// each test says so and checks nothing; on a Hopper a refusal fails it.
+
+use sdpa::{Device, Fp8Mode};
+use sdpa_harness::check::{Report, check_output, fresh_seed, run_backend, tolerance};
+use sdpa_harness::families::{Family, family_inputs};
+
+/// The backend whose kernel has an e4m3 P·V.
+const FAST: Backend = Backend::Cutlass;
+
+/// An e4m3 problem in the fast mode, f16 output.
+fn fast(b: usize, h: usize, hk: usize, sq: usize, sk: usize, d: usize, causal: bool) -> Problem {
+    Problem::new(b, h, sq, sk, d)
+        .with_kv_heads(hk)
+        .with_causal(causal)
+        .with_dtype(DType::E4m3)
+        .with_fp8_mode(Fp8Mode::Fast)
+}
+
+/// `p` on cutlass on `inputs` (the output poisoned first), checked at the bar of `p`'s mode
+/// and the inputs' family, printed. `None` after printing why when cutlass does not run `p` on
+/// this GPU (and this GPU is not expected to: `backend_runs_here` fails the test otherwise).
+fn run_cutlass(
+    dev: &Device,
+    test: &str,
+    p: &Problem,
+    inputs: &Inputs,
+    seed: u64,
+) -> Option<Report> {
+    if let Err(e) = common::backend_runs_here(test, dev, FAST, p) {
+        common::skip(test, &format!("{FAST} does not run {p} here: {e}"));
+        return None;
+    }
+    let want = inputs.reference(p).unwrap().out;
+    let got = run_backend(Some(dev), p, FAST, inputs, None).unwrap();
+    let r = check_output(&got, &want, p, inputs, seed).unwrap();
+    eprintln!(
+        "{test}: {FAST} {p}, {}: rel_err {:.3e} (emulated {}), max_err {:.3e} of {:.3e}, cos {:.6}",
+        inputs.family,
+        r.rel_err,
+        r.emulated_rel_err
+            .map_or("-".to_string(), |e| format!("{e:.3e}")),
+        r.max_err,
+        r.tol.max_abs,
+        r.cosine
+    );
+    Some(r)
+}
+
+/// N(0,1) inputs, head_dim 64 and 128, no mask and causal (bottom-right, seq_q < seq_k), GQA:
+/// rel_err ≤ 3.5e-2 and ≤ 1.25 x the emulated reference's own error, and at least half of it
+/// (P really was rounded to e4m3: accurate mode's error is a small fraction of it).
+#[test]
+fn e4m3_fast_normal_inputs_stay_within_the_emulated_error() {
+    let test = "fp8 fast N(0,1)";
+    let Some(dev) = common::device(test) else {
+        return;
+    };
+    let (mut ran, mut skipped) = (Vec::new(), 0);
+    for d in [64, 128] {
+        for causal in [false, true] {
+            let p = fast(2, 4, 2, 300, 1000, d, causal);
+            let seed = fresh_seed() + d as u64;
+            let inputs = family_inputs(&p, Family::Normal, seed).unwrap();
+            let Some(r) = run_cutlass(&dev, test, &p, &inputs, seed) else {
+                skipped += 1;
+                continue;
+            };
+            let e = r
+                .emulated_rel_err
+                .expect("a fast problem's bar has an emulated error");
+            assert!(r.pass(), "{p}: {r:?}");
+            assert!(r.rel_err <= 3.5e-2 && r.rel_err <= 1.25 * e, "{p}: {r:?}");
+            assert!(
+                r.rel_err >= 0.5 * e,
+                "{p}: rel_err {:.3e} is far below the e4m3 rounding of P ({e:.3e}): did P·V run \
+                 in 16 bit?",
+                r.rel_err
+            );
+            ran.push(p);
+        }
+    }
+    if skipped == 0 {
+        common::assert_ran(test, &ran);
+    }
+}
+
+/// V with a mean per channel, and FlashAttention-3's outliers (N(0,1) + N(0,100)·Bernoulli(0.001)
+/// in Q, K and V), head_dim 64 and 128, no mask and causal: cosine ≥ 0.999, rel_err ≤ 5e-3
+/// (outliers: or 1.25 x the emulated error where rounding P alone costs more, 6-10e-3 at this
+/// size; `fast_fp8_tolerance` says why).
+#[test]
+fn e4m3_fast_channel_mean_and_outlier_inputs() {
+    let test = "fp8 fast families";
+    let Some(dev) = common::device(test) else {
+        return;
+    };
+    let (mut ran, mut skipped) = (Vec::new(), 0);
+    for family in [Family::ChannelMean, Family::Outliers] {
+        for d in [64, 128] {
+            for causal in [false, true] {
+                let p = fast(1, 4, 4, 512, 2048, d, causal);
+                let seed = fresh_seed() + d as u64;
+                let inputs = family_inputs(&p, family, seed).unwrap();
+                let Some(r) = run_cutlass(&dev, test, &p, &inputs, seed) else {
+                    skipped += 1;
+                    continue;
+                };
+                assert!(r.pass(), "{p} {family}: {r:?}");
+                let e = r
+                    .emulated_rel_err
+                    .expect("a fast problem's bar has an emulated error");
+                let rel = match family {
+                    Family::Outliers => (1.25 * e).max(5e-3),
+                    _ => 5e-3,
+                };
+                assert!(r.rel_err <= rel && r.cosine >= 0.999, "{p} {family}: {r:?}");
+                ran.push((family, p));
+            }
+        }
+    }
+    if skipped == 0 {
+        common::assert_ran(test, &ran);
+    }
+}
+
+/// 128 queries against 32768 keys (one head, head_dim 128): where an FP8 accumulator that keeps
+/// too few bits would drift. N(0,1) inputs at the emulated bar, V with channel means at 5e-3.
+#[test]
+fn e4m3_fast_32k_keys_do_not_drift() {
+    let test = "fp8 fast 32k keys";
+    let Some(dev) = common::device(test) else {
+        return;
+    };
+    let (mut ran, mut skipped) = (Vec::new(), 0);
+    for family in [Family::Normal, Family::ChannelMean] {
+        let p = fast(1, 1, 1, 128, 32768, 128, false);
+        let seed = fresh_seed();
+        let inputs = family_inputs(&p, family, seed).unwrap();
+        let Some(r) = run_cutlass(&dev, test, &p, &inputs, seed) else {
+            skipped += 1;
+            continue;
+        };
+        assert!(r.pass(), "{p} {family}: {r:?}");
+        ran.push((family, p));
+    }
+    if skipped == 0 {
+        common::assert_ran(test, &ran);
+    }
+}
+
+/// NaN codes in V at keys some causal rows see and others do not, in the fast mode: the rows
+/// that see the key get NaN in its column, the rows before it stay finite (masked keys
+/// contribute nothing, not even 0 · NaN), as in the reference.
+#[test]
+fn e4m3_fast_nan_in_v_reaches_only_rows_that_see_it() {
+    let test = "fp8 fast NaN in V";
+    let Some(dev) = common::device(test) else {
+        return;
+    };
+    let (mut ran, mut skipped) = (Vec::new(), 0);
+    for &(h, hk, sq, sk, d) in &[
+        (2, 1, 200, 200, 64),
+        (2, 2, 100, 230, 128),
+        (1, 1, 384, 384, 128),
+    ] {
+        let p = fast(1, h, hk, sq, sk, d, true);
+        let seed = fresh_seed();
+        let mut inputs = random_inputs(&p, seed).unwrap();
+        // Keys spread over the diagonal's range; column 3 shared by all, 3 + 8i one key's own.
+        let keys = [sk / 5, sk / 2, sk - sk / 4, sk - 2];
+        for (i, &key) in keys.iter().enumerate() {
+            for hv in 0..hk {
+                for col in [3, 3 + 8 * i] {
+                    inputs.set_value(2, (hv * sk + key) * d + col, f64::NAN, DType::E4m3);
+                }
+            }
+        }
+        let want = inputs.reference(&p).unwrap().out;
+        // Head 0's last key's own column: finite in the rows before it, NaN where it is seen.
+        let col = 3 + 8 * 3;
+        assert!(want[(sq - 3) * d + col].is_finite() && want[(sq - 1) * d + col].is_nan());
+        let Some(r) = run_cutlass(&dev, test, &p, &inputs, seed) else {
+            skipped += 1;
+            continue;
+        };
+        assert_eq!(
+            r.nan_count, 0,
+            "{p}: NaN where the reference has none, or none where it has: {r:?}"
+        );
+        assert!(r.pass(), "{p}: {r:?}");
+        ran.push(p);
+    }
+    if skipped == 0 {
+        common::assert_ran(test, &ran);
+    }
+}
+
+/// The default, accurate mode is what it was: held to the e4m3 bar it always had, and at
+/// head_dim 128 (f16 output) within the 5e-4 it is stated to keep, a small fraction of the
+/// fast mode's e4m3 floor on the same inputs (P·V still in 16 bit).
+#[test]
+fn e4m3_accurate_mode_is_unchanged() {
+    let test = "fp8 accurate mode";
+    let Some(dev) = common::device(test) else {
+        return;
+    };
+    let (mut ran, mut skipped) = (Vec::new(), 0);
+    for d in [64, 128] {
+        for causal in [false, true] {
+            let p = Problem::new(2, 4, 300, 1000, d)
+                .with_kv_heads(2)
+                .with_causal(causal)
+                .with_dtype(DType::E4m3);
+            assert_eq!(p.fp8_mode, Fp8Mode::Accurate, "accurate is the default");
+            let seed = fresh_seed() + d as u64;
+            let inputs = random_inputs(&p, seed).unwrap();
+            let Some(r) = run_cutlass(&dev, test, &p, &inputs, seed) else {
+                skipped += 1;
+                continue;
+            };
+            assert_eq!(r.tol.rel, tolerance(DType::E4m3).rel);
+            assert_eq!(r.emulated_rel_err, None);
+            assert!(r.pass(), "{p}: {r:?}");
+            let fast_floor = {
+                let f = p.with_fp8_mode(Fp8Mode::Fast);
+                let want = inputs.reference(&f).unwrap().out;
+                let emu = inputs.reference_fp8_fast(&f).unwrap().out;
+                compare(&emu, &want, DType::E4m3, seed).rel_err
+            };
+            assert!(
+                r.rel_err < 0.1 * fast_floor,
+                "{p}: {r:?} vs the fast floor {fast_floor:.3e}"
+            );
+            if d == 128 {
+                assert!(r.rel_err <= 5e-4, "{p}: {r:?}");
+            }
+            ran.push(p);
+        }
+    }
+    if skipped == 0 {
+        common::assert_ran(test, &ran);
+    }
+}
+
+/// Fast mode is a permission: a backend without an e4m3 P·V (the simulated path of wmma) and
+/// cutlass on a mask its fast kernel does not take (a sliding window) give exactly what the
+/// accurate mode gives on the same inputs.
+#[test]
+fn e4m3_fast_mode_elsewhere_is_the_accurate_mode() {
+    let test = "fp8 fast elsewhere";
+    let Some(dev) = common::device(test) else {
+        return;
+    };
+    let window = sdpa::Mask::Window {
+        left: Some(100),
+        right: Some(0),
+    };
+    let mut ran = Vec::new();
+    for (backend, mask) in [
+        (Backend::Wmma, sdpa::Mask::None),
+        (Backend::Cutlass, window),
+    ] {
+        let p = fast(1, 2, 2, 200, 300, 64, false).with_mask(mask);
+        if let Err(e) = common::backend_runs_here(test, &dev, backend, &p) {
+            common::skip(test, &format!("{backend} does not run {p} here: {e}"));
+            continue;
+        }
+        let inputs = random_inputs(&p, fresh_seed()).unwrap();
+        let got = run_backend(Some(&dev), &p, backend, &inputs, None).unwrap();
+        let acc = p.with_fp8_mode(Fp8Mode::Accurate);
+        let want = run_backend(Some(&dev), &acc, backend, &inputs, None).unwrap();
+        let same = got
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
+        assert!(same, "{backend} {p}: fast and accurate outputs differ");
+        ran.push((backend, p));
+    }
+    common::assert_ran(test, &ran);
+}

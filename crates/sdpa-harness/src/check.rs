@@ -1,6 +1,8 @@
 //! Accuracy checks against the float64 reference, the same way everywhere: fresh random
-//! inputs, the output poisoned with NaN before the run, rel_err and max abs error.
+//! inputs, the output poisoned with NaN before the run, rel_err and max abs error (and the
+//! cosine similarity), at the bar of the problem's dtype and FP8 mode.
 
+use crate::families::Family;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use sdpa::{
@@ -8,13 +10,15 @@ use sdpa::{
     TensorShape, decode, encode, fp8,
 };
 
-/// Pass/fail thresholds for one dtype.
+/// Pass/fail thresholds for one dtype (and, for fast FP8, one input family).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Tolerance {
     /// Bound on ‖out − ref‖ / ‖ref‖.
     pub rel: f64,
     /// Bound on max |out − ref|, relative to max(1, max |ref|).
     pub max_abs: f64,
+    /// Lower bound on the cosine similarity ⟨out, ref⟩ / (‖out‖·‖ref‖), where one is set.
+    pub min_cosine: Option<f64>,
 }
 
 /// The tolerances every backend is held to, stated once.
@@ -30,21 +34,106 @@ pub struct Tolerance {
 /// e4m3 problems are checked against the reference on the dequantized inputs (the kernel's own
 /// error, not the quantization's). The simulated path is exact up to its 16-bit kernel
 /// (power-of-two scales: code·scale is exact), so its error is that kernel's. The native kernel
-/// runs P·V in f16 (P rounded to e4m3, 3 mantissa bits, would be far coarser), which keeps its
-/// error near the 16-bit kernels' (docs/perf.md). `rel = 2e-2` is the FP8 accuracy bar;
-/// `max_abs = 2u(e4m3)` catches any element off by O(1).
+/// runs P·V in f16 in its default, accurate mode (P rounded to e4m3, 3 mantissa bits, is far
+/// coarser: the fast mode's bars are [`fast_fp8_tolerance`]), which keeps its error near the
+/// 16-bit kernels' (docs/perf.md). `rel = 2e-2` is the FP8 accuracy bar; `max_abs = 2u(e4m3)`
+/// catches any element off by O(1).
 pub fn tolerance(dtype: DType) -> Tolerance {
     let u = dtype.unit_roundoff();
     match dtype {
         DType::E4m3 => Tolerance {
             rel: 2e-2,
             max_abs: 2.0 * u,
+            min_cosine: None,
         },
         _ => Tolerance {
             rel: 2.0 * u,
             max_abs: 8.0 * u,
+            min_cosine: None,
         },
     }
+}
+
+/// The fast FP8 mode's bar ([`sdpa::Fp8Mode::Fast`]: P rounded to e4m3 before P·V), against the
+/// float64 reference on the dequantized inputs, per input family; `emulated` is the error of
+/// [`sdpa::reference_fp8_fast`] (P rounded as the kernel rounds it) against the same reference:
+/// what rounding P costs by itself. A kernel may differ from the emulation by its running
+/// maximum and its f32 sums, not by a coarser rounding: 1.25x it is allowed.
+///
+/// - [`Family::Normal`] (N(0,1), or inputs of no stated family): each output is an average of
+///   zero-mean values, so its error is an average of P's rounding errors, the e4m3 floor of
+///   1e-2 to 3e-2 that FlashAttention-3 and cuDNN ship. `rel ≤ 3.5e-2` and `rel ≤ 1.25 ×
+///   emulated`, the latter floored at the output dtype's own bar (2u), so a problem where
+///   rounding P costs nothing (a single key) still allows the output's rounding.
+/// - [`Family::ChannelMean`]: `rel ≤ 5e-3` and cosine ≥ 0.999 (the emulation: 1-2e-3 at 1-2k
+///   keys, under 1e-3 from 8k).
+/// - [`Family::Outliers`]: cosine ≥ 0.999 and `rel ≤ 5e-3` where the rounding of P allows it;
+///   it does not always: the emulation alone gives 6-10e-3 at 1-2k keys and 4-6e-3 at 8k-32k
+///   (N(0,1) values still carry most of V's variance), so the bar is max(5e-3, 1.25 ×
+///   emulated), at most 3.5e-2.
+///
+/// `max_abs = 2^-3` of max(1, max |ref|) for every family: one P rounded to e4m3 is off by at
+/// most 2^-4 of itself, and the key with the largest score has P = 2^8 exactly, so an element
+/// moves by at most 2^-4 of the weighted |V| it averages (the emulation's largest error is
+/// 0.2-1.5% of max(1, max |ref|) in the tests' cases); twice that is still far below the O(1)
+/// error of a wrong key, row or scale.
+pub fn fast_fp8_tolerance(family: Family, emulated: f64, out_dtype: DType) -> Tolerance {
+    let max_abs = 2f64.powi(-3);
+    let cap = 3.5e-2;
+    match family {
+        Family::Normal => Tolerance {
+            rel: (1.25 * emulated).max(tolerance(out_dtype).rel).min(cap),
+            max_abs,
+            min_cosine: None,
+        },
+        Family::ChannelMean => Tolerance {
+            rel: 5e-3,
+            max_abs,
+            min_cosine: Some(0.999),
+        },
+        Family::Outliers => Tolerance {
+            rel: (1.25 * emulated).max(5e-3).min(cap),
+            max_abs,
+            min_cosine: Some(0.999),
+        },
+    }
+}
+
+/// The bar `p`'s output on `inputs` is held to, with `want` the reference on those inputs:
+/// [`tolerance`] of its dtype, or for an e4m3 problem in the fast mode [`fast_fp8_tolerance`]
+/// of the inputs' family, with the emulated reference's error (computed here, as costly as the
+/// reference; returned too).
+pub fn tolerance_for(
+    p: &Problem,
+    inputs: &Inputs,
+    want: &[f64],
+) -> Result<(Tolerance, Option<f64>)> {
+    if !p.is_fp8_fast() {
+        return Ok((tolerance(p.dtype), None));
+    }
+    let od = p.output_dtype();
+    let emulated = inputs.reference_fp8_fast(p)?.out;
+    // Rounded to the output dtype, as the kernel writes it.
+    let o32: Vec<f32> = emulated.iter().map(|&x| x as f32).collect();
+    let emulated = decode(od, &encode(od, &o32));
+    let err = compare(&emulated, want, p.dtype, 0).rel_err;
+    Ok((fast_fp8_tolerance(inputs.family, err, od), Some(err)))
+}
+
+/// Compares `out` (of `p`, run on `inputs`) with `want` at the bar [`tolerance_for`] picks: the
+/// check every caller that knows its problem uses, so that a fast FP8 problem is held to the
+/// fast mode's bar and every other problem to its dtype's.
+pub fn check_output(
+    out: &[f64],
+    want: &[f64],
+    p: &Problem,
+    inputs: &Inputs,
+    seed: u64,
+) -> Result<Report> {
+    let (tol, emulated) = tolerance_for(p, inputs, want)?;
+    let mut r = compare_with(out, want, tol, seed);
+    r.emulated_rel_err = emulated;
+    Ok(r)
 }
 
 /// Bound on |lse − ref| / max(1, |ref|) for the log-sum-exp (f32 out of f32 logits: the
@@ -101,6 +190,10 @@ pub struct Report {
     /// Where the log-sum-exp was checked: its error ([`compare_lse`]; its mismatched rows count
     /// in `nan_count`).
     pub lse_err: Option<f64>,
+    /// ⟨out, ref⟩ / (‖out‖·‖ref‖) over the same positions as `rel_err` (1 where both are 0).
+    pub cosine: f64,
+    /// Fast FP8: the emulated reference's own rel_err, the basis of the N(0,1) bar.
+    pub emulated_rel_err: Option<f64>,
 }
 
 impl Report {
@@ -111,15 +204,23 @@ impl Report {
             && self.rel_err <= self.tol.rel
             && self.max_err <= self.tol.max_abs
             && self.lse_err.is_none_or(|e| e <= LSE_TOLERANCE)
+            && self.tol.min_cosine.is_none_or(|c| self.cosine >= c)
     }
 }
 
-/// Compares an output with the reference. Positions where the reference itself is NaN (NaN
-/// inputs propagate) must be NaN in the output too and are otherwise left out; a NaN on one
-/// side only counts in `nan_count` and fails the check. `max_err` in the report is absolute;
-/// the pass test scales the tolerance by max(1, max |ref|).
+/// Compares an output with the reference at `dtype`'s bar ([`tolerance`]; a fast FP8 problem
+/// needs [`check_output`]). Positions where the reference itself is NaN (NaN inputs propagate)
+/// must be NaN in the output too and are otherwise left out; a NaN on one side only counts in
+/// `nan_count` and fails the check. `max_err` in the report is absolute; the pass test scales
+/// the tolerance by max(1, max |ref|).
 pub fn compare(out: &[f64], reference: &[f64], dtype: DType, seed: u64) -> Report {
+    compare_with(out, reference, tolerance(dtype), seed)
+}
+
+/// [`compare`] at a given bar.
+pub fn compare_with(out: &[f64], reference: &[f64], mut tol: Tolerance, seed: u64) -> Report {
     let (mut num, mut den, mut max_err, mut ref_max, mut nan_count) = (0.0, 0.0, 0.0f64, 1.0f64, 0);
+    let (mut dot, mut out_sq) = (0.0, 0.0);
     for (&o, &r) in out.iter().zip(reference) {
         if o.is_nan() || r.is_nan() {
             nan_count += usize::from(o.is_nan() != r.is_nan());
@@ -133,13 +234,14 @@ pub fn compare(out: &[f64], reference: &[f64], dtype: DType, seed: u64) -> Repor
         }
         num += d * d;
         den += r * r;
+        dot += o * r;
+        out_sq += o * o;
         max_err = max_err.max(d.abs());
         ref_max = ref_max.max(r.abs());
     }
     if out.len() != reference.len() {
         nan_count += out.len().abs_diff(reference.len());
     }
-    let mut tol = tolerance(dtype);
     tol.max_abs *= ref_max;
     Report {
         rel_err: if den > 0.0 {
@@ -152,6 +254,12 @@ pub fn compare(out: &[f64], reference: &[f64], dtype: DType, seed: u64) -> Repor
         tol,
         seed,
         lse_err: None,
+        cosine: match (out_sq > 0.0, den > 0.0) {
+            (true, true) => dot / (out_sq * den).sqrt(),
+            (false, false) => 1.0,
+            _ => 0.0,
+        },
+        emulated_rel_err: None,
     }
 }
 
@@ -167,6 +275,10 @@ pub struct Inputs {
     pub alibi_slopes: Option<Vec<f32>>,
     /// The sequence metadata of packed or paged problems (host copies).
     pub seq_meta: Option<SeqMeta>,
+    /// The distribution the values were drawn from (the fast FP8 mode's bar depends on it):
+    /// [`Family::Normal`] unless [`crate::families::family_inputs`] drew them or the caller says
+    /// otherwise ([`Inputs::with_family`]).
+    pub family: Family,
 }
 
 /// What e4m3 inputs carry beyond their codes.
@@ -216,6 +328,7 @@ impl Inputs {
             fp8: None,
             alibi_slopes: None,
             seq_meta: None,
+            family: Family::Normal,
         }
     }
 
@@ -225,6 +338,23 @@ impl Inputs {
             seq_meta: Some(meta),
             ..self
         }
+    }
+
+    /// The same inputs, stated to come from `family` (which picks the fast FP8 mode's bar).
+    pub fn with_family(self, family: Family) -> Inputs {
+        Inputs { family, ..self }
+    }
+
+    /// What the fast FP8 mode computes on these inputs, emulated in f64
+    /// ([`sdpa::reference_fp8_fast`]); dense problems only (as every e4m3 problem is).
+    pub fn reference_fp8_fast(&self, p: &Problem) -> Result<sdpa::Reference> {
+        if self.seq_meta.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "the fast FP8 emulation takes dense problems only, {p} has sequence metadata"
+            )));
+        }
+        let [q, k, v] = &self.values;
+        sdpa::reference_fp8_fast(p, q, k, v, self.alibi_slopes.as_deref())
     }
 
     /// The float64 reference of `p` on these inputs (output and log-sum-exp).
@@ -263,6 +393,7 @@ impl Inputs {
             }),
             alibi_slopes: alibi_slopes(p),
             seq_meta: None,
+            family: Family::Normal,
         })
     }
 
@@ -313,20 +444,7 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
         return Inputs::quantized(p, &q, &k, &v);
     }
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut draw = |n: usize| -> Vec<u16> {
-        // Box–Muller, two normals per pair of uniforms.
-        let mut v = Vec::with_capacity(n + 1);
-        while v.len() < n {
-            let u1: f64 = 1.0 - rng.random::<f64>();
-            let u2: f64 = rng.random::<f64>();
-            let r = (-2.0 * u1.ln()).sqrt();
-            let t = std::f64::consts::TAU * u2;
-            v.push((r * t.cos()) as f32);
-            v.push((r * t.sin()) as f32);
-        }
-        v.truncate(n);
-        encode(p.dtype, &v)
-    };
+    let mut draw = |n: usize| encode(p.dtype, &normals(&mut rng, n));
     let bits = [draw(ql), draw(kl), draw(kl)];
     let values = [
         decode(p.dtype, &bits[0]),
@@ -344,7 +462,23 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
         fp8: None,
         alibi_slopes: alibi_slopes(p),
         seq_meta,
+        family: Family::Normal,
     })
+}
+
+/// `n` draws of N(0, 1) from `rng` (Box–Muller, two normals per pair of uniforms), as f32.
+pub(crate) fn normals(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(n + 1);
+    while v.len() < n {
+        let u1: f64 = 1.0 - rng.random::<f64>();
+        let u2: f64 = rng.random::<f64>();
+        let r = (-2.0 * u1.ln()).sqrt();
+        let t = std::f64::consts::TAU * u2;
+        v.push((r * t.cos()) as f32);
+        v.push((r * t.sin()) as f32);
+    }
+    v.truncate(n);
+    v
 }
 
 /// [`random_inputs`] for a problem the CLI or a bench names: a named problem's own sequence
@@ -551,7 +685,7 @@ pub fn check_backend(
     let inputs = random_inputs(p, seed)?;
     let want = inputs.reference(p)?;
     let (got, lse) = run_backend_with_lse(dev, p, backend, &inputs, Some(&want))?;
-    let mut report = compare(&got, &want.out, p.dtype, seed);
+    let mut report = check_output(&got, &want.out, p, &inputs, seed)?;
     if let Some(lse) = lse {
         let (err, mismatched) = compare_lse(&lse, &want.lse);
         report.lse_err = Some(err);
@@ -653,6 +787,87 @@ mod tests {
             let rep = check_backend(None, &p, Backend::Cpu, 5).unwrap();
             assert!(rep.pass(), "{rep:?}");
         }
+    }
+
+    /// The fast mode's bars by family: N(0,1) at 1.25 x the emulated error, capped at 3.5e-2 and
+    /// floored at the output dtype's own bar; the other families at 5e-3 and cosine 0.999.
+    #[test]
+    fn fast_fp8_bars_follow_the_family() {
+        let t = fast_fp8_tolerance(Family::Normal, 0.02, DType::F16);
+        assert_eq!((t.rel, t.max_abs, t.min_cosine), (0.025, 0.125, None));
+        assert_eq!(
+            fast_fp8_tolerance(Family::Normal, 0.05, DType::F16).rel,
+            3.5e-2
+        );
+        let floor = fast_fp8_tolerance(Family::Normal, 0.0, DType::Bf16).rel;
+        assert_eq!(floor, 2.0 * DType::Bf16.unit_roundoff());
+        for f in [Family::ChannelMean, Family::Outliers] {
+            let t = fast_fp8_tolerance(f, 1e-3, DType::F16);
+            assert_eq!((t.rel, t.min_cosine), (5e-3, Some(0.999)), "{f}");
+        }
+        // Outliers: the emulation's own error, where rounding P alone exceeds 5e-3.
+        let t = fast_fp8_tolerance(Family::Outliers, 8e-3, DType::F16);
+        assert!((t.rel - 1e-2).abs() < 1e-15, "{t:?}");
+        assert_eq!(
+            fast_fp8_tolerance(Family::ChannelMean, 8e-3, DType::F16).rel,
+            5e-3
+        );
+    }
+
+    /// `check_output` (and so `check_backend`, `sdpa validate`, `sdpa bench`) picks the bar of
+    /// the problem's mode: accurate e4m3 the dtype's, fast the emulated one's. The emulation,
+    /// rounded to the output dtype, passes its own bar; an output 1.3 x as far from the
+    /// reference as the emulation fails it (1.25 x allowed).
+    #[test]
+    fn the_fast_fp8_bar_is_picked_by_the_problem_and_holds_the_ratio() {
+        let p = Problem::new(1, 2, 96, 200, 64).with_dtype(DType::E4m3);
+        let fast = p.with_fp8_mode(sdpa::Fp8Mode::Fast);
+        let acc = check_backend(None, &p, Backend::Cpu, 11).unwrap();
+        assert_eq!((acc.tol.rel, acc.emulated_rel_err), (2e-2, None));
+        assert!(acc.pass(), "{acc:?}");
+        let inputs = random_inputs(&fast, 11).unwrap();
+        let want = inputs.reference(&fast).unwrap().out;
+        let emu = inputs.reference_fp8_fast(&fast).unwrap().out;
+        let emu16 = decode(
+            DType::F16,
+            &encode(
+                DType::F16,
+                &emu.iter().map(|&x| x as f32).collect::<Vec<_>>(),
+            ),
+        );
+        let r = check_output(&emu16, &want, &fast, &inputs, 11).unwrap();
+        let e = r.emulated_rel_err.unwrap();
+        assert!((5e-3..3e-2).contains(&e), "the e4m3 floor: {r:?}");
+        assert_eq!(r.rel_err, e, "the emulation is its own basis");
+        assert!((r.tol.rel - 1.25 * e).abs() < 1e-15, "{r:?}");
+        assert!(r.pass() && r.cosine > 0.999, "{r:?}");
+        let worse: Vec<f64> = want
+            .iter()
+            .zip(&emu16)
+            .map(|(w, x)| w + 1.3 * (x - w))
+            .collect();
+        let r = check_output(&worse, &want, &fast, &inputs, 11).unwrap();
+        assert!(!r.pass() && r.rel_err > r.tol.rel, "{r:?}");
+        // The reference itself (what the cpu backend returns) passes the fast bar easily.
+        let cpu = check_backend(None, &fast, Backend::Cpu, 11).unwrap();
+        assert!(cpu.pass() && cpu.rel_err < 1e-3, "{cpu:?}");
+        assert_eq!(cpu.emulated_rel_err, Some(e));
+    }
+
+    #[test]
+    fn cosine_is_reported_and_bounds_where_set() {
+        let r = [1.0, -2.0, 0.5];
+        assert_eq!(compare(&r, &r, DType::F16, 0).cosine, 1.0);
+        let flipped = compare(&[-1.0, 2.0, -0.5], &r, DType::F16, 0);
+        assert!((flipped.cosine + 1.0).abs() < 1e-15, "{flipped:?}");
+        let tol = Tolerance {
+            rel: 1.0,
+            max_abs: 10.0,
+            min_cosine: Some(0.999),
+        };
+        let off = compare_with(&[1.0, -2.0, 1.0], &r, tol, 0);
+        assert!(off.cosine < 0.999 && !off.pass(), "{off:?}");
+        assert_eq!(compare(&[0.0; 3], &[0.0; 3], DType::F16, 0).cosine, 1.0);
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! user API only.
 //!
 //! - [`check`]: accuracy checks against the float64 reference (fresh random inputs, output
-//!   poisoned with NaN, the tolerances every backend is held to).
+//!   poisoned with NaN, the tolerances every backend is held to, per dtype and FP8 mode).
+//! - [`families`]: the input distributions the fast FP8 mode's bars are stated for.
 //! - [`timing`]: GPU timing with CUDA events and graphs, warm-up first, medians.
 //! - [`info`]: what this build compiled (the ptxas report, the driver's kernel attributes).
 //! - [`problems`]: the named problems the CLI, benches and PyTorch anchors share.
@@ -25,6 +26,7 @@
 #![warn(missing_docs)]
 
 pub mod check;
+pub mod families;
 pub mod info;
 pub mod problems;
 pub mod seqs;
