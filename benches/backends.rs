@@ -1,12 +1,13 @@
 //! `cargo bench`: every available backend on the named problems (sdpa_harness::problems), timed on
 //! the GPU with CUDA events through `iter_custom` (not host clocks). Without a GPU it benches the
 //! f64 CPU reference on the mission problem and says so. e4m3 rows: per-head scales, f16 output
-//! (the native kernel where built, else each backend's simulated path). First, the host cost of
+//! (the native kernel where built, else each backend's simulated path), accurate and fast FP8
+//! modes (`e4m3-fast`: backends without an e4m3 P·V run it as accurate). First, the host cost of
 //! a call through tensors and through views (`call_overhead`).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::f16;
-use sdpa::{Backend, DType, Device, Problem, Tensor, View, ViewMut, Views};
+use sdpa::{Backend, DType, Device, Fp8Mode, Problem, Tensor, View, ViewMut, Views};
 use sdpa_harness::NAMED_PROBLEMS;
 use std::time::{Duration, Instant};
 
@@ -26,15 +27,29 @@ fn gpu_benches(c: &mut Criterion, dev: &Device) {
                 sdpa_harness::check::random_inputs(&p, sdpa_harness::check::fresh_seed()).unwrap();
             let [q, k, v] = inputs.upload(dev, dtype).unwrap();
             let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap()).unwrap();
-            for backend in Backend::GPU {
-                if let Err(e) = backend.supports(Some(dev), &p) {
-                    eprintln!("{name} {dtype} {backend}: skipped ({e})");
-                    continue;
+            // e4m3 in both FP8 modes, on the same inputs.
+            let modes = match dtype {
+                DType::E4m3 => &Fp8Mode::ALL[..],
+                _ => &[Fp8Mode::Accurate][..],
+            };
+            for &mode in modes {
+                let p = p.with_fp8_mode(mode);
+                let label = match mode {
+                    Fp8Mode::Fast => format!("{dtype}-fast"),
+                    Fp8Mode::Accurate => dtype.to_string(),
+                };
+                for backend in Backend::GPU {
+                    if let Err(e) = backend.supports(Some(dev), &p) {
+                        eprintln!("{name} {label} {backend}: skipped ({e})");
+                        continue;
+                    }
+                    let id = BenchmarkId::new(backend.name(), &label);
+                    group.bench_function(id, |b| {
+                        b.iter_custom(|iters| {
+                            gpu_time(dev, iters, &p, backend, &q, &k, &v, &mut out)
+                        })
+                    });
                 }
-                let id = BenchmarkId::new(backend.name(), dtype);
-                group.bench_function(id, |b| {
-                    b.iter_custom(|iters| gpu_time(dev, iters, &p, backend, &q, &k, &v, &mut out))
-                });
             }
         }
         group.finish();

@@ -7,7 +7,7 @@
 //! leaves half a table behind. Errors name the record as `records[i]` (0-based).
 
 use sdpa::backend::auto::{FALLBACK, SizeClass};
-use sdpa::{Backend, DType, Error, Problem, Result};
+use sdpa::{Backend, DType, Error, Fp8Mode, Problem, Result};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -54,7 +54,7 @@ const SM_RANGE: RangeInclusive<u64> = 10..=200;
 
 /// One row of the table: the kind of problem and device the row decides for. Variant names are
 /// kept as text so rows sort as the checked-in table lists them (Bf16 < E4m3 < F16,
-/// Large < Medium < Small).
+/// Large < Medium < Small, Accurate < Fast).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 struct RowKey {
     sm: u32,
@@ -62,6 +62,7 @@ struct RowKey {
     head_dim: usize,
     causal: bool,
     size: &'static str,
+    fp8_mode: &'static str,
 }
 
 /// One timed problem: the row it belongs to plus what tells problems of that row apart.
@@ -139,6 +140,13 @@ fn parse_record(r: &Value, default_sm: Option<u32>) -> std::result::Result<Recor
     let mut p = Problem::new(batch, heads, seq_q, seq_k, head_dim)
         .with_dtype(dtype)
         .with_causal(causal);
+    // Records without the field (or null: f16/bf16) are accurate, as bench writes them.
+    let fp8_mode = match r.get("fp8_mode") {
+        None | Some(Value::Null) => Fp8Mode::Accurate,
+        Some(Value::String(m)) => m.parse().map_err(|e| format!("fp8_mode: {}", message(e)))?,
+        Some(v) => return Err(format!("fp8_mode must be a string, got {}", short(v))),
+    };
+    p = p.with_fp8_mode(fp8_mode);
     if let Some(out) = optional_str(r, "out_dtype")? {
         let out: DType = out
             .parse()
@@ -156,6 +164,7 @@ fn parse_record(r: &Value, default_sm: Option<u32>) -> std::result::Result<Recor
         head_dim,
         causal,
         size: size_variant(SizeClass::of(&p)),
+        fp8_mode: fp8_mode_variant(fp8_mode),
     };
     let name = optional_str(r, "name")?.unwrap_or_default().to_string();
     Ok(Record {
@@ -300,18 +309,21 @@ fn render(device: &str, rows: &[(RowKey, Vec<Backend>)]) -> String {
          use super::row::{{Row, SizeClass::*}};\n\
          use crate::backend::Backend::*;\n\
          use crate::problem::DType::*;\n\
+         use crate::problem::Fp8Mode::*;\n\
          \n\
          pub(crate) const TABLE: &[Row] = &[\n"
     );
     for (k, order) in rows {
         let names: Vec<String> = order.iter().map(|b| format!("{b:?}")).collect();
         out.push_str(&format!(
-            "    Row {{ sm: {}, dtype: {}, head_dim: {}, causal: {}, size: {}, order: &[{}] }},\n",
+            "    Row {{ sm: {}, dtype: {}, head_dim: {}, causal: {}, size: {}, fp8_mode: {}, \
+             order: &[{}] }},\n",
             k.sm,
             k.dtype,
             k.head_dim,
             k.causal,
             k.size,
+            k.fp8_mode,
             names.join(", ")
         ));
     }
@@ -326,6 +338,13 @@ fn dtype_variant(d: DType) -> &'static str {
         DType::F16 => "F16",
         DType::Bf16 => "Bf16",
         DType::E4m3 => "E4m3",
+    }
+}
+
+fn fp8_mode_variant(m: Fp8Mode) -> &'static str {
+    match m {
+        Fp8Mode::Accurate => "Accurate",
+        Fp8Mode::Fast => "Fast",
     }
 }
 
@@ -403,7 +422,7 @@ mod tests {
             rows_of(&source),
             [
                 "    Row { sm: 90, dtype: F16, head_dim: 64, causal: false, size: Small, \
-              order: &[Cutlass, Wmma, CutlassSm80, Cublas, Scalar] },"
+              fp8_mode: Accurate, order: &[Cutlass, Wmma, CutlassSm80, Cublas, Scalar] },"
             ]
         );
         assert!(source.starts_with(
@@ -459,10 +478,66 @@ mod tests {
         assert!(!source.contains("Bf16"), "{source}");
     }
 
+    /// Bench times e4m3 problems in both modes: each mode is its own row (the same problem
+    /// and backend once per mode is not a duplicate), records without the field are accurate,
+    /// and a fast f16 record is refused by the library's validation.
+    #[test]
+    fn fp8_modes_make_rows_of_their_own() {
+        let e4m3 = |b: &str, us: f64, mode: Value| {
+            record(
+                b,
+                us,
+                json!({"dtype": "e4m3", "out_dtype": "f16", "fp8_mode": mode}),
+            )
+        };
+        let records = [
+            e4m3("cutlass", 8.0, json!("accurate")),
+            e4m3("wmma", 6.0, json!("accurate")),
+            e4m3("cutlass", 4.0, json!("fast")),
+            e4m3("wmma", 6.0, json!("fast")),
+            record("wmma", 5.0, json!({"fp8_mode": null})),
+        ];
+        let source = generate(&records, None, "unused").unwrap();
+        let rows = rows_of(&source);
+        assert_eq!(rows.len(), 3, "{source}");
+        assert!(
+            rows[0].contains("dtype: E4m3,")
+                && rows[0].ends_with(
+                    "fp8_mode: Accurate, order: &[Wmma, Cutlass, CutlassSm80, Cublas, Scalar] },"
+                ),
+            "{}",
+            rows[0]
+        );
+        assert!(
+            rows[1].ends_with(
+                "fp8_mode: Fast, order: &[Cutlass, Wmma, CutlassSm80, Cublas, Scalar] },"
+            ),
+            "{}",
+            rows[1]
+        );
+        assert!(rows[2].contains("dtype: F16,") && rows[2].contains("fp8_mode: Accurate,"));
+        assert!(source.contains("use crate::problem::Fp8Mode::*;\n"));
+        let m = error_of(&[record("wmma", 5.0, json!({"fp8_mode": "fast"}))]);
+        assert!(
+            m.starts_with("records[0]: bad problem: fp8 mode fast needs e4m3 inputs"),
+            "{m}"
+        );
+        let m = error_of(&[e4m3("wmma", 5.0, json!("quick"))]);
+        assert!(
+            m.starts_with("records[0]: fp8_mode: unknown fp8 mode \"quick\""),
+            "{m}"
+        );
+        let m = error_of(&[e4m3("wmma", 5.0, json!(1))]);
+        assert_eq!(m, "records[0]: fp8_mode must be a string, got 1");
+    }
+
     #[test]
     fn every_input_dtype_has_a_variant_that_round_trips() {
         for d in DType::INPUTS {
             assert_eq!(format!("{d:?}"), dtype_variant(d));
+        }
+        for m in Fp8Mode::ALL {
+            assert_eq!(format!("{m:?}"), fp8_mode_variant(m));
         }
     }
 
@@ -487,7 +562,7 @@ mod tests {
                 || l == "];"
         };
         assert!(source.lines().all(ours), "{source}");
-        assert_eq!(source.lines().count(), 11);
+        assert_eq!(source.lines().count(), 12);
         assert!(
             source
                 .chars()

@@ -3,17 +3,18 @@
 
 use crate::energy::{Energy, Meter};
 use crate::progress::Progress;
-use crate::validate::{ProblemArgs, auto_note, backends, require_runnable};
+use crate::validate::{ProblemArgs, auto_note, backends, dtype_label, require_runnable};
 use crate::{CliResult, chosen_backend, device_for, npy, open_device};
-use sdpa::{Backend, Device, Problem, Result, Tensor};
-use sdpa_harness::check::{ExtraBuffers, compare, fresh_seed, kv_bytes, named_inputs};
+use sdpa::{Backend, DType, Device, Problem, Result, Tensor};
+use sdpa_harness::check::{ExtraBuffers, check_output, fresh_seed, kv_bytes, named_inputs};
 use sdpa_harness::timing::{launch_floor, time_backend, time_gpu};
 use serde_json::json;
 use std::io::Write;
 use std::process::ExitCode;
 
 /// Problems whose f64 reference costs more than this many flops get no rel_err in the bench
-/// (minutes of CPU time); `sdpa validate` covers them.
+/// (minutes of CPU time; fast FP8 problems compute an emulated reference too); `sdpa validate`
+/// covers them.
 const REFERENCE_FLOP_LIMIT: f64 = 2e11;
 
 #[derive(clap::Args)]
@@ -107,7 +108,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         for &b in &backends {
             let chosen = chosen_backend(dev.as_ref(), p, b);
             let note = chosen.as_ref().map_or(String::new(), |&c| auto_note(b, c));
-            let what = format!("bench {name} {} {}{note} ... ", p.dtype, b.name());
+            let what = format!("bench {name} {} {}{note} ... ", dtype_label(p), b.name());
             // On a terminal the bar names the run; in a log the line starts before it.
             progress.step(what.clone());
             if !progress.shown() {
@@ -130,7 +131,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                         true => said(format!("{:.2} us, K/V {kv_gbps:.0} GB/s", t.us_graph)),
                         false => said(format!("{:.2} us", t.us_graph)),
                     }
-                    records.push(json!({
+                    let mut record = json!({
                         "name": name, "batch": p.batch, "heads": p.heads, "seq_q": p.seq_q,
                         "seq_k": p.seq_k, "head_dim": p.head_dim, "causal": p.is_causal(),
                         "kv_heads": p.kv_heads, "mask": p.mask.name(), "softcap": p.softcap,
@@ -154,7 +155,11 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                         "mj_per_call": energy.map(|e| e.mj_per_call),
                         "sustained_watts": energy.map(|e| e.watts),
                         "sustained_sm_mhz": energy.map(|e| e.sm_mhz),
-                    }));
+                    });
+                    // Which FP8 mode ran (null for f16/bf16), so fast and accurate records of
+                    // one problem stay apart (outside the literal: json! recursion limit).
+                    record["fp8_mode"] = json!((p.dtype == DType::E4m3).then(|| p.fp8_mode.name()));
+                    records.push(record);
                 }
                 Err(e @ sdpa::Error::Unsupported { .. }) => said(format!("skipped: {e}")),
                 Err(e) => {
@@ -166,7 +171,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     }
     drop(progress);
     outln!(
-        "\n{:<18} {:<5} {:<8} {:>11} {:>21} {:>11} {:>8} {:>10}",
+        "\n{:<18} {:<9} {:<8} {:>11} {:>21} {:>11} {:>8} {:>10}",
         "problem",
         "dtype",
         "backend",
@@ -179,9 +184,9 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     for r in &records {
         let ci = &r["us_graph_ci95"];
         outln!(
-            "{:<18} {:<5} {:<8} {:>11.2} {:>21} {:>11.2} {:>8.2} {:>10}",
+            "{:<18} {:<9} {:<8} {:>11.2} {:>21} {:>11.2} {:>8.2} {:>10}",
             r["name"].as_str().unwrap_or(""),
-            r["dtype"].as_str().unwrap_or(""),
+            crate::plot::record_dtype(r),
             r["backend"].as_str().unwrap_or(""),
             r["us_graph"].as_f64().unwrap_or(f64::NAN),
             format!(
@@ -199,7 +204,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     }
     if energy.is_some() {
         outln!(
-            "\nunder sustained load ({} s each, the first quarter warm-up):\n{:<18} {:<5} {:<8} \
+            "\nunder sustained load ({} s each, the first quarter warm-up):\n{:<18} {:<9} {:<8} \
              {:>13} {:>12} {:>8} {:>8}",
             a.energy_s.unwrap_or_default(),
             "problem",
@@ -212,9 +217,9 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         )?;
         for r in records.iter().filter(|r| r["mj_per_call"].is_f64()) {
             outln!(
-                "{:<18} {:<5} {:<8} {:>13.2} {:>12.3} {:>8.1} {:>8.0}",
+                "{:<18} {:<9} {:<8} {:>13.2} {:>12.3} {:>8.1} {:>8.0}",
                 r["name"].as_str().unwrap_or(""),
-                r["dtype"].as_str().unwrap_or(""),
+                crate::plot::record_dtype(r),
                 r["backend"].as_str().unwrap_or(""),
                 r["sustained_us"].as_f64().unwrap_or(f64::NAN),
                 r["mj_per_call"].as_f64().unwrap_or(f64::NAN),
@@ -300,7 +305,7 @@ fn bench_one(
     call(&mut out)?;
     let rel_err = if flops <= REFERENCE_FLOP_LIMIT {
         let want = inputs.reference(p)?;
-        let r = compare(&out.to_f64(dev)?, &want.out, p.dtype, seed);
+        let r = check_output(&out.to_f64(dev)?, &want.out, p, &inputs, seed)?;
         if !r.pass() {
             return Err(sdpa::Error::Cuda(
                 format!("wrong result before timing: {r:?}").into(),

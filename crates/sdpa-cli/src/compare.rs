@@ -191,6 +191,13 @@ mod tests {
             "e4m3 meets the bf16 anchors"
         );
         assert_eq!(rows(&ours, &[])[0].anchor, None);
+        // A fast FP8 record: its own label, the same anchors.
+        let mut fast = rec("s8k-d128", "cutlass", 500.0, 1000.0);
+        fast["dtype"] = json!("e4m3");
+        fast["fp8_mode"] = json!("fast");
+        let t = rows(&[fast], &anchors);
+        assert_eq!(t[0].problem, "s8k-d128 e4m3/fast");
+        assert_eq!(t[0].anchor, Some(("fa4".to_string(), 800.0)));
     }
 
     #[test]

@@ -200,10 +200,14 @@ fn info() -> CliResult<ExitCode> {
             continue;
         }
         let order: Vec<_> = r.order.iter().map(|b| b.name()).collect();
+        let dtype = match r.fp8_mode {
+            sdpa::Fp8Mode::Fast => format!("{} fast", r.dtype),
+            sdpa::Fp8Mode::Accurate => r.dtype.to_string(),
+        };
         outln!(
-            "  sm_{} {:<4} d{:<3} {:<10} {:<6} -> {}",
+            "  sm_{} {:<9} d{:<3} {:<10} {:<6} -> {}",
             r.sm,
-            r.dtype,
+            dtype,
             r.head_dim,
             if r.causal { "causal" } else { "non-causal" },
             format!("{:?}", r.size),

@@ -37,15 +37,27 @@ pub fn key(r: &Value) -> Option<Key> {
     ))
 }
 
-/// A problem's label: its name where the record has one, else its shape.
+/// A problem's label: its name where the record has one, else its shape; then its dtype
+/// ([`record_dtype`]: fast and accurate e4m3 records are apart).
 pub fn label(r: &Value) -> String {
     match (r["name"].as_str(), key(r)) {
-        (Some(name), Some(k)) => format!("{name} {}", k.6),
-        (None, Some((b, h, sq, sk, d, causal, dtype))) => format!(
-            "B{b} H{h} {sq}x{sk} D{d}{} {dtype}",
-            if causal { " causal" } else { "" }
+        (Some(name), Some(_)) => format!("{name} {}", record_dtype(r)),
+        (None, Some((b, h, sq, sk, d, causal, _))) => format!(
+            "B{b} H{h} {sq}x{sk} D{d}{} {}",
+            if causal { " causal" } else { "" },
+            record_dtype(r)
         ),
         _ => "?".into(),
+    }
+}
+
+/// A record's dtype as tables show it: with `/fast` where it ran in the fast FP8 mode (records
+/// without the field, the anchors' among them, are as their dtype says).
+pub fn record_dtype(r: &Value) -> String {
+    let dtype = r["dtype"].as_str().unwrap_or("");
+    match r["fp8_mode"].as_str() {
+        Some("fast") => format!("{dtype}/fast"),
+        _ => dtype.to_string(),
     }
 }
 

@@ -1,7 +1,7 @@
 //! `sdpa run`: attention on .npy files, so PyTorch/NumPy users can check us.
 
 use crate::{CliResult, chosen_backend, device_for, npy};
-use sdpa::{Alibi, Backend, DType, Error, Layout, Problem, Result, Scaling, Tensor};
+use sdpa::{Alibi, Backend, DType, Error, Fp8Mode, Layout, Problem, Result, Scaling, Tensor};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -53,6 +53,10 @@ pub struct Args {
     /// e4m3: the output dtype the kernel writes (f16 or bf16).
     #[arg(long, default_value = "f16")]
     out_dtype: String,
+    /// e4m3: accurate (P·V in 16 bit) or fast (P·V on e4m3 tensor cores where the backend has
+    /// them; the cpu reference is exact either way).
+    #[arg(long, default_value = "accurate")]
+    fp8_mode: String,
     /// Softmax scale; default 1/sqrt(D).
     #[arg(long)]
     scale: Option<f32>,
@@ -145,6 +149,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     let layout: Layout = a.layout.parse()?;
     let scaling: Scaling = a.scaling.parse()?;
     let out_dtype: DType = a.out_dtype.parse()?;
+    let fp8_mode: Fp8Mode = a.fp8_mode.parse()?;
     refuse_overwriting_inputs(&a)?;
     let (q, qshape) = npy::read(&a.q)?;
     let (k, kshape) = npy::read(&a.k)?;
@@ -212,6 +217,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     if dtype == DType::E4m3 {
         p = p.with_fp8_scaling(scaling).with_out_dtype(out_dtype);
     }
+    p = p.with_fp8_mode(fp8_mode);
     p.validate().map_err(|e| match e {
         // Heads that do not divide are most often arrays of the other layout.
         Error::InvalidArgument(msg) if msg.contains("kv_heads") => {

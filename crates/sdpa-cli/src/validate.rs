@@ -2,9 +2,10 @@
 
 use crate::progress::Progress;
 use crate::{CliResult, chosen_backend, device_for};
-use sdpa::{Alibi, Backend, DType, Device, Layout, Mask, Problem, Result, Scaling};
+use sdpa::{Alibi, Backend, DType, Device, Fp8Mode, Layout, Mask, Problem, Result, Scaling};
 use sdpa_harness::check::{
-    Inputs, compare, compare_lse, fresh_seed, named_inputs, run_backend_with_lse,
+    Inputs, compare, compare_lse, compare_with, fresh_seed, named_inputs, run_backend_with_lse,
+    tolerance_for,
 };
 use std::process::ExitCode;
 
@@ -37,6 +38,11 @@ pub struct ProblemArgs {
     /// e4m3 inputs: output dtype, f16 or bf16.
     #[arg(long, default_value = "f16")]
     pub out_dtype: String,
+    /// e4m3 inputs: how P·V runs (comma-separated): accurate (16 bit) or fast (e4m3 tensor
+    /// cores where the backend has them, P rounded to e4m3). Default: each e4m3 problem in
+    /// both modes, each held to its own bar.
+    #[arg(long, value_delimiter = ',')]
+    pub fp8_mode: Vec<String>,
     /// A mask instead of --causal: none, causal, causal-top-left, or a sliding window L,R (keys
     /// left and right of the bottom-right diagonal, -1 unbounded; FlashAttention's window_size).
     #[arg(long, allow_hyphen_values = true)]
@@ -85,6 +91,14 @@ impl ProblemArgs {
         };
         let scaling: Scaling = self.scaling.parse()?;
         let out_dtype: DType = self.out_dtype.parse()?;
+        let fp8_modes: Vec<Fp8Mode> = match self.fp8_mode.is_empty() {
+            true => Fp8Mode::ALL.to_vec(),
+            false => self
+                .fp8_mode
+                .iter()
+                .map(|m| m.parse())
+                .collect::<Result<_>>()?,
+        };
         let causal: &[bool] = match self.causal.as_deref().unwrap_or(default_causal) {
             "both" => &[false, true],
             "yes" | "true" | "on" => &[true],
@@ -126,9 +140,18 @@ impl ProblemArgs {
                 Problem::new(b, h, sq, sk, d),
             ));
         }
+        let dtypes: Vec<DType> = self
+            .dtype
+            .iter()
+            .map(|d| d.parse())
+            .collect::<Result<_>>()?;
+        if !self.fp8_mode.is_empty() && !dtypes.contains(&DType::E4m3) {
+            return Err(sdpa::Error::InvalidArgument(
+                "--fp8-mode applies to e4m3 problems; add e4m3 to --dtype".into(),
+            ));
+        }
         let mut out: Vec<(String, Problem)> = Vec::new();
-        for dtype in &self.dtype {
-            let dtype: DType = dtype.parse()?;
+        for dtype in dtypes {
             for (name, base) in &bases {
                 // A named problem's own band (a window) stays: --causal does not replace it.
                 let named = [base.is_causal()];
@@ -154,7 +177,6 @@ impl ProblemArgs {
                     if dtype == DType::E4m3 {
                         p = p.with_fp8_scaling(scaling).with_out_dtype(out_dtype);
                     }
-                    p.validate()?;
                     let mut name = name.clone();
                     if !keep && c && !name.ends_with("-causal") {
                         name.push_str("-causal");
@@ -162,8 +184,17 @@ impl ProblemArgs {
                     if mask.is_some() && !matches!(p.mask.canonical(), Mask::None) {
                         name = format!("{name}-{}", p.mask);
                     }
-                    if !out.iter().any(|(_, q)| *q == p) {
-                        out.push((name, p));
+                    // An e4m3 problem once per mode asked for (the mode is in its dtype label).
+                    let modes = match dtype {
+                        DType::E4m3 => &fp8_modes[..],
+                        _ => &[Fp8Mode::Accurate][..],
+                    };
+                    for &m in modes {
+                        let p = p.with_fp8_mode(m);
+                        p.validate()?;
+                        if !out.iter().any(|(_, q)| *q == p) {
+                            out.push((name.clone(), p));
+                        }
                     }
                 }
             }
@@ -172,10 +203,10 @@ impl ProblemArgs {
     }
 }
 
-/// The dtype column: `e4m3>f16` for e4m3 inputs, the dtype otherwise.
-fn dtype_label(p: &Problem) -> String {
+/// The dtype column: `e4m3>f16/accurate` (or `/fast`) for e4m3 inputs, the dtype otherwise.
+pub fn dtype_label(p: &Problem) -> String {
     if p.dtype == DType::E4m3 {
-        format!("e4m3>{}", p.output_dtype())
+        format!("e4m3>{}/{}", p.output_dtype(), p.fp8_mode)
     } else {
         p.dtype.name().to_string()
     }
@@ -253,7 +284,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     let seed = a.seed.unwrap_or_else(fresh_seed);
     outln!("seed {seed}")?;
     outln!(
-        "{:<8} {:<22} {:<8} {:>10} {:>10} {:>10} {:>10}  result",
+        "{:<8} {:<22} {:<18} {:>10} {:>10} {:>10} {:>10}  result",
         "backend",
         "problem",
         "dtype",
@@ -265,8 +296,16 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     let (mut failed, mut ran) = (0, 0);
     let progress = Progress::new(problems.len() * backends.len(), "validate");
     for (i, (name, p)) in problems.iter().enumerate() {
-        let inputs: Inputs = named_inputs(name, p, seed.wrapping_add(i as u64))?;
+        // Both FP8 modes of a case draw the same inputs: their rows compare like for like.
+        let case = |q: &Problem| q.with_fp8_mode(Fp8Mode::Accurate);
+        let first = problems
+            .iter()
+            .position(|(n, q)| n == name && case(q) == case(p))
+            .unwrap_or(i);
+        let inputs: Inputs = named_inputs(name, p, seed.wrapping_add(first as u64))?;
         let want = inputs.reference(p)?;
+        // The bar of the problem's dtype and mode (fast FP8: from the emulated reference).
+        let (tol, emulated) = tolerance_for(p, &inputs, &want.out)?;
         let e2e_want = match &inputs.fp8 {
             Some(f) => {
                 let [q, k, v] = &f.unquantized;
@@ -276,7 +315,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
             None => None,
         };
         for &b in &backends {
-            let line = |r: &str| format!("{:<8} {:<22} {:<8} {r}", b.name(), name, dtype_label(p));
+            let line = |r: &str| format!("{:<8} {:<22} {:<18} {r}", b.name(), name, dtype_label(p));
             progress.step(format!("{} {name} {}", b.name(), dtype_label(p)));
             progress.tick();
             let chosen = chosen_backend(dev.as_ref(), p, b);
@@ -293,7 +332,8 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
             ran += 1;
             match run_backend_with_lse(dev.as_ref(), p, ran_as, &inputs, Some(&want)) {
                 Ok((got, lse)) => {
-                    let mut r = compare(&got, &want.out, p.dtype, seed);
+                    let mut r = compare_with(&got, &want.out, tol, seed);
+                    r.emulated_rel_err = emulated;
                     if let Some(lse) = &lse {
                         let (err, mismatched) = compare_lse(lse, &want.lse);
                         r.lse_err = Some(err);
@@ -311,6 +351,10 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                     };
                     let e2e = match r.lse_err {
                         Some(e) => format!("{e2e} (lse {e:.1e})"),
+                        None => e2e,
+                    };
+                    let e2e = match r.emulated_rel_err {
+                        Some(e) => format!("{e2e} (emulated {e:.3e}, cos {:.5})", r.cosine),
                         None => e2e,
                     };
                     let verdict = if r.pass() { "pass" } else { "FAIL" };

@@ -425,6 +425,131 @@ fn validate_and_bench_work_with_or_without_a_gpu() {
     );
 }
 
+/// `validate --dtype e4m3` runs each e4m3 case in both FP8 modes, the mode in the dtype column
+/// and each row at its own bar (fast: from the emulated reference, whose error it prints);
+/// `--fp8-mode` narrows it, and a mode without e4m3 is refused. `bench` records say which mode
+/// ran. On the CPU reference, so it runs anywhere.
+#[test]
+fn validate_and_bench_report_both_fp8_modes() {
+    let run = |extra: &[&str]| {
+        let out = sdpa()
+            .args(["validate", "--backend", "cpu", "--shape", "1,2,33,47,64"])
+            .args(["--dtype", "e4m3", "--seed", "3"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{extra:?}: {text}");
+        text
+    };
+    let both = run(&[]);
+    assert!(both.contains("4 of 4 checks passed"), "{both}");
+    let rows = |text: &str, label: &str| text.lines().filter(|l| l.contains(label)).count();
+    assert_eq!(rows(&both, "e4m3>f16/accurate"), 2, "{both}");
+    assert_eq!(rows(&both, "e4m3>f16/fast"), 2, "{both}");
+    // The accurate rows keep the e4m3 bar (2e-2); the fast ones show the emulation's error.
+    for line in both.lines().filter(|l| l.contains("e4m3>f16/")) {
+        let fast = line.contains("/fast");
+        assert!(fast || line.contains(" 2.0e-2 "), "{line}");
+        assert_eq!(line.contains("(emulated "), fast, "{line}");
+    }
+    let fast = run(&["--fp8-mode", "fast"]);
+    assert!(fast.contains("2 of 2 checks passed"), "{fast}");
+    assert_eq!(rows(&fast, "e4m3>f16/accurate"), 0, "{fast}");
+    let out = sdpa()
+        .args(["validate", "--backend", "cpu", "--shape", "1,1,8,8,64"])
+        .args(["--dtype", "f16", "--fp8-mode", "fast"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--fp8-mode applies to e4m3"),
+        "{err}"
+    );
+
+    let json = tmp("bench-fp8.json");
+    let out = sdpa()
+        .args(["bench", "--backend", "cpu", "--shape", "1,1,64,64,64"])
+        .args(["--dtype", "f16,e4m3", "--causal", "no"])
+        .args(["--budget-ms", "20", "--json", json.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let records: Vec<serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let modes: Vec<(String, serde_json::Value)> = records
+        .iter()
+        .map(|r| {
+            (
+                r["dtype"].as_str().unwrap().to_string(),
+                r["fp8_mode"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        modes,
+        [
+            ("f16".to_string(), serde_json::Value::Null),
+            ("e4m3".to_string(), "accurate".into()),
+            ("e4m3".to_string(), "fast".into()),
+        ]
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains(" e4m3/fast "), "{table}");
+}
+
+/// `run --fp8-mode`: fast on e4m3 runs (the cpu reference is exact in either mode), fast on
+/// f16 is a one-line error naming the dtype.
+#[test]
+fn run_takes_the_fp8_mode() {
+    let (b, h, s, d) = (1, 2, 16, 64);
+    let x = values(b * h * s * d, 3);
+    let paths = [tmp("fq.npy"), tmp("fo.npy"), tmp("fo2.npy")];
+    write_npy(&paths[0], &x, &[b as u64, h as u64, s as u64, d as u64]);
+    let q = paths[0].to_str().unwrap();
+    let run = |dtype: &str, mode: &str, out: &Path| {
+        sdpa()
+            .args([
+                "run",
+                "--backend",
+                "cpu",
+                "--dtype",
+                dtype,
+                "--fp8-mode",
+                mode,
+            ])
+            .args(["--q", q, "--k", q, "--v", q, "--out", out.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    let fast = run("e4m3", "fast", &paths[1]);
+    assert!(
+        fast.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fast.stderr)
+    );
+    assert!(String::from_utf8_lossy(&fast.stdout).contains("e4m3/head->f16 fast"));
+    let acc = run("e4m3", "accurate", &paths[2]);
+    assert!(acc.status.success());
+    assert_eq!(
+        std::fs::read(&paths[1]).unwrap(),
+        std::fs::read(&paths[2]).unwrap()
+    );
+    let bad = run("f16", "fast", &paths[1]);
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        !bad.status.success()
+            && err.contains("fp8 mode fast needs e4m3 inputs, the problem is f16"),
+        "{err}"
+    );
+    let unknown = run("e4m3", "quick", &paths[1]);
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("unknown fp8 mode \"quick\""));
+}
+
 /// `sdpa run` through the GPU (auto backend) agrees with the reference within the dtype's
 /// tolerance; skipped with a printed reason where there is no GPU.
 #[test]

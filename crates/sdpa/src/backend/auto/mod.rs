@@ -1,6 +1,7 @@
 //! How `Backend::Auto` chooses: by measurement. `sdpa bench --json` times every backend;
 //! `sdpa autotable` turns those records into `table.rs` (checked in), one row per
-//! (compute capability, dtype, head_dim, causal, size class) with the backends fastest first.
+//! (compute capability, dtype, head_dim, causal, size class, FP8 mode) with the backends fastest
+//! first.
 
 mod row;
 mod table;
@@ -33,6 +34,7 @@ pub fn order(sm: Option<u32>, p: &Problem) -> &'static [Backend] {
             && r.head_dim == p.head_dim
             && r.causal == p.is_causal()
             && r.size == size
+            && r.fp8_mode == p.fp8_mode
     };
     let rows = table::TABLE;
     rows.iter()
@@ -64,6 +66,16 @@ mod tests {
             seen.dedup();
             assert_eq!(seen.len(), r.order.len(), "{r:?}");
             assert!(r.order.iter().all(|b| Backend::GPU.contains(b)), "{r:?}");
+        }
+    }
+
+    #[test]
+    fn fast_fp8_rows_are_e4m3_rows() {
+        for r in super::table::TABLE {
+            let p = Problem::new(1, 1, 8, 8, r.head_dim)
+                .with_dtype(r.dtype)
+                .with_fp8_mode(r.fp8_mode);
+            assert!(p.validate().is_ok(), "{r:?}");
         }
     }
 

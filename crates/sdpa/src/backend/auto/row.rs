@@ -2,7 +2,7 @@
 //! in the order they were measured fastest.
 
 use crate::backend::Backend;
-use crate::problem::{DType, Problem};
+use crate::problem::{DType, Fp8Mode, Problem};
 
 /// Problem size by the number of attention scores, B·H·Sq·Sk: small problems are decided by
 /// launch and latency, large ones by throughput, and the winners differ.
@@ -43,6 +43,9 @@ pub struct Row {
     pub causal: bool,
     /// Size class.
     pub size: SizeClass,
+    /// How the row's e4m3 problems compute P·V (the fast mode changes only the backends with an
+    /// e4m3 P·V, so it is timed and ranked on its own); `Accurate` for f16/bf16 rows.
+    pub fp8_mode: Fp8Mode,
     /// Backends, fastest first (measured us_graph).
     pub order: &'static [Backend],
 }

@@ -5,6 +5,7 @@
 use super::row::{Row, SizeClass::*};
 use crate::backend::Backend::*;
 use crate::problem::DType::*;
+use crate::problem::Fp8Mode::*;
 
 pub(crate) const TABLE: &[Row] = &[
     Row {
@@ -13,6 +14,7 @@ pub(crate) const TABLE: &[Row] = &[
         head_dim: 64,
         causal: false,
         size: Medium,
+        fp8_mode: Accurate,
         order: &[Cutlass, CutlassSm80, Wmma, Cublas, Scalar],
     },
     Row {
@@ -21,6 +23,7 @@ pub(crate) const TABLE: &[Row] = &[
         head_dim: 64,
         causal: false,
         size: Small,
+        fp8_mode: Accurate,
         order: &[Cutlass, CutlassSm80, Wmma, Cublas, Scalar],
     },
     Row {
@@ -29,6 +32,7 @@ pub(crate) const TABLE: &[Row] = &[
         head_dim: 64,
         causal: true,
         size: Small,
+        fp8_mode: Accurate,
         order: &[Cutlass, CutlassSm80, Wmma, Cublas, Scalar],
     },
     Row {
@@ -37,6 +41,7 @@ pub(crate) const TABLE: &[Row] = &[
         head_dim: 128,
         causal: false,
         size: Large,
+        fp8_mode: Accurate,
         order: &[Cutlass, CutlassSm80, Wmma, Cublas, Scalar],
     },
     Row {
@@ -45,6 +50,7 @@ pub(crate) const TABLE: &[Row] = &[
         head_dim: 128,
         causal: true,
         size: Large,
+        fp8_mode: Accurate,
         order: &[Cutlass, CutlassSm80, Wmma, Cublas, Scalar],
     },
     Row {
@@ -53,6 +59,7 @@ pub(crate) const TABLE: &[Row] = &[
         head_dim: 64,
         causal: false,
         size: Medium,
+        fp8_mode: Accurate,
         order: &[Cutlass, CutlassSm80, Wmma, Cublas, Scalar],
     },
     Row {
@@ -61,6 +68,7 @@ pub(crate) const TABLE: &[Row] = &[
         head_dim: 64,
         causal: false,
         size: Small,
+        fp8_mode: Accurate,
         order: &[Cutlass, CutlassSm80, Wmma, Cublas, Scalar],
     },
     Row {
@@ -69,6 +77,7 @@ pub(crate) const TABLE: &[Row] = &[
         head_dim: 64,
         causal: true,
         size: Small,
+        fp8_mode: Accurate,
         order: &[Cutlass, CutlassSm80, Wmma, Cublas, Scalar],
     },
     Row {
@@ -77,6 +86,7 @@ pub(crate) const TABLE: &[Row] = &[
         head_dim: 128,
         causal: false,
         size: Large,
+        fp8_mode: Accurate,
         order: &[Cutlass, CutlassSm80, Wmma, Cublas, Scalar],
     },
     Row {
@@ -85,6 +95,7 @@ pub(crate) const TABLE: &[Row] = &[
         head_dim: 128,
         causal: true,
         size: Large,
+        fp8_mode: Accurate,
         order: &[Cutlass, CutlassSm80, Wmma, Cublas, Scalar],
     },
 ];
