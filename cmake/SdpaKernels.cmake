@@ -1,5 +1,6 @@
 # Generates the fused-kernel instantiations from cpp/kernels.txt: one .cu per line (from the
-# backend folder's instantiate.cu.in, or instantiate_e4m3.cu.in for e4m3) into
+# backend folder's instantiate.cu.in, or instantiate_e4m3.cu.in for e4m3, with its fast-mode
+# sibling instantiate_e4m3_fast.cu.in where the folder has one) into
 # ${CMAKE_CURRENT_BINARY_DIR}/gen, and gen/registry.inc, one SDPA_INSTANCE(...) per line, which
 # src/api.cu expands into declarations and its dispatch table. Sets SDPA_KERNEL_SOURCES.
 # Files are rewritten only when their text changes, so a re-configure rebuilds nothing.
@@ -59,6 +60,14 @@ function(sdpa_generate_kernels list_file out_sources)
     set(out "${gen}/${folder}/fwd_${dtype}_d${head_dim}.cu")
     configure_file("${template}" "${out}" @ONLY)
     list(APPEND sources "${out}")
+    # A backend's e4m3 fast mode, where it has one: a sibling source the e4m3 one calls.
+    set(fast "${CMAKE_CURRENT_SOURCE_DIR}/src/${folder}/instantiate_e4m3_fast.cu.in")
+    if(dtype STREQUAL "e4m3" AND EXISTS "${fast}")
+      set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${fast}")
+      set(out "${gen}/${folder}/fwd_e4m3_fast_d${head_dim}.cu")
+      configure_file("${fast}" "${out}" @ONLY)
+      list(APPEND sources "${out}")
+    endif()
     string(APPEND registry "SDPA_INSTANCE(${ns}, ${kernel}, ${enum}, ${head_dim}, ${dtype})\n")
   endforeach()
   file(CONFIGURE OUTPUT "${gen}/registry.inc" CONTENT "${registry}")

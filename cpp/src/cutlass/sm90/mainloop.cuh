@@ -17,6 +17,7 @@
 #include "cutlass/sm90/tile_config.cuh"
 #include "cutlass/sm90/tile_feed.cuh"
 #include "cutlass/sm90/tile_scheduler.cuh"
+#include "cutlass/sm90/v_prepass.cuh"
 
 namespace sdpa::cutlass_sm90 {
 
@@ -76,6 +77,10 @@ struct Mainloop {
     // E4M3 only: dequantization scales, one per tensor or one per (batch, head) (per_head).
     const float *q_scale, *k_scale, *v_scale;
     int per_head;
+    // Fast mode: V^T's keys a row (v_prepass.cuh), and the masked kernels' table of the NaN
+    // codes the pre-pass took out of V (null: none).
+    int keys_t;
+    const uint32_t* nan_first;
     // Band only: the band (mask::Band's diag, left, right, top_left) and the score mods:
     // softcap · log2 e (0: none), ALiBi slopes (null: none) of (b, h) at b * alibi_bstride + h.
     int diag, left, right, top_left;
@@ -98,6 +103,10 @@ struct Mainloop {
   // Whether the non-finite V check's records and the V barriers' phases are tracked across
   // tiles (check_v, mma): the kernels on the feed, and the band kernel always (one code path).
   static constexpr bool kTracked = kFeed || kBand;
+  // Whether the producer's spare warps check partly masked V tiles for non-finite values: the
+  // masked kernels, except where V's e4m3 codes are checked as they are converted (kConvertV)
+  // and fast mode, whose pre-pass took V's NaN codes out (add_nan_columns).
+  static constexpr bool kChecksV = Mask::kMasksKeys && !E::kConvertV && !E::kFp8PV;
 
   // Work tile k of this CTA (sp.tiles: none left) for the roles that read it: on the feed, the
   // tile the producer's TMA thread published (Mainloop::load); else the static walk, tiles
@@ -220,7 +229,13 @@ struct Mainloop {
     Tensor sV = make_tensor(make_smem_ptr(sm.v), typename C::LayoutV{});  // (BN, D, stage)
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seq_q, Int<D>{}, p.heads, p.batch));
     Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
-    Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
+    // V, or fast mode's V^T (d, key, head, batch).
+    Tensor mV = [&]() {
+      if constexpr (E::kFp8PV)
+        return p.tma_v.get_tma_tensor(make_shape(Int<D>{}, p.keys_t, p.kv_heads, p.batch));
+      else
+        return p.tma_v.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
+    }();
     constexpr uint32_t kQBytes = BM * D * sizeof(QK);
     constexpr uint32_t kKBytes = BN * D * sizeof(QK);
     constexpr uint32_t kVBytes = BN * D * (E::kConvertV ? sizeof(QK) : sizeof(PV));
@@ -243,8 +258,13 @@ struct Mainloop {
       // K and V as tiles of BN rows from the sequence's first (key_tile_at).
       Tensor gK = local_tile(domain_offset(make_coord(seq.k0, _0{}), mK(_, _, hk, kb)),
                              Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
-      Tensor gV = local_tile(domain_offset(make_coord(seq.k0, _0{}), mV(_, _, hk, kb)),
-                             Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+      Tensor gV = [&]() {
+        if constexpr (E::kFp8PV)  // dense sequences only
+          return local_tile(mV(_, _, hk, kb), Shape<Int<D>, Int<BN>>{}, make_coord(_0{}, _));
+        else
+          return local_tile(domain_offset(make_coord(seq.k0, _0{}), mV(_, _, hk, kb)),
+                            Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+      }();
       auto tQ = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                               group_modes<0, 2>(gQ));
       auto tK = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
@@ -254,6 +274,10 @@ struct Mainloop {
         if constexpr (E::kConvertV) {
           Tensor sV8 = make_tensor(make_smem_ptr(sm.v8), typename C::LayoutV8{});
           return tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV8),
+                               group_modes<0, 2>(gV));
+        } else if constexpr (E::kFp8PV) {
+          Tensor sVt = make_tensor(make_smem_ptr(sm.v), typename C::LayoutVt{});  // (D, BN, stage)
+          return tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt),
                                group_modes<0, 2>(gV));
         } else {
           return tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
@@ -291,7 +315,7 @@ struct Mainloop {
           if (use.reuses()) Bar::wait(&sm.empty_v[s], use.empty_phase());
           // Partly masked tiles land on full_vd: the non-finite V check waits for them.
           const bool checked = kBand ? n < kt.n_cross : j >= kt.n_first;
-          uint64_t& full = Mask::kMasksKeys && checked ? sm.full_vd[s] : sm.full_v[s];
+          uint64_t& full = kChecksV && checked ? sm.full_vd[s] : sm.full_v[s];
           Bar::arrive_and_expect_tx(&full, kVBytes);
           copy(p.tma_v.with(full), get<0>(tV)(_, jt), get<1>(tV)(_, s));
         }
@@ -525,6 +549,35 @@ struct Mainloop {
     auto& cSrc = ops.coords;
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
     Tensor rP = make_tensor<PV>(typename C::LayoutP{});
+    // Fast mode: each tile's P·V into a fresh accumulator, added into O once done (two-level
+    // accumulation). The e4m3 wgmma adds its products into the accumulator at reduced precision
+    // and truncating: over thousands of keys whose V has a non-zero mean, O drifts by tens of
+    // percent; over one tile's 128 it does not.
+    Tensor tOrOt = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<D>>{});
+    const auto fence_pv_acc = [&]() {
+      if constexpr (E::kFp8PV)
+        warpgroup_fence_operand(tOrOt);
+      else
+        warpgroup_fence_operand(tOrO);
+    };
+    const auto issue_pv = [&](int sv) {
+      if constexpr (E::kFp8PV) {
+        mma_pv.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(rP); ++kb) {
+          cute::gemm(mma_pv, rP(_, _, kb), tOrV(_, _, kb, sv), tOrOt);
+          mma_pv.accumulate_ = GMMA::ScaleOut::One;
+        }
+      } else {
+        cute::gemm(mma_pv, rP, tOrV(_, _, _, sv), tOrO);
+      }
+    };
+    const auto add_pv = [&]() {
+      if constexpr (E::kFp8PV) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tOrO); ++i) tOrO(i) += tOrOt(i);
+      }
+    };
     Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
     Tensor Srow = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
 
@@ -538,7 +591,7 @@ struct Mainloop {
     };
     const auto fence_all = [&]() {
       warpgroup_fence_operand(tSrS);
-      warpgroup_fence_operand(tOrO);
+      fence_pv_acc();
       warpgroup_fence_operand(rP);
     };
     const auto softmax_step = [&](int n) {
@@ -567,7 +620,7 @@ struct Mainloop {
           Bar::wait(&sm.checked_v[use.stage()], use.full_phase());
         else
           Bar::wait(&sm.full_v[use.stage()], use.full_phase_after_uses(checked_uses(kt)));
-      } else if constexpr (Mask::kMasksKeys && !E::kConvertV) {
+      } else if constexpr (kChecksV) {
         const int n_cross = max(0, n_tiles - kt.n_first);
         if (i < n_cross)
           Bar::wait(&sm.checked_v[use.stage()], 0);
@@ -596,7 +649,7 @@ struct Mainloop {
       Bar::arrive(&sm.empty_k[k.stage()]);
       if (!C::kAliasO && n_tiles == 1) Bar::arrive(&sm.empty_q);
       softmax_step(0);
-      convert_p<PV>(rP, tSrS);  // O is still zero: no rescale
+      convert_p(rP, tSrS);  // O is still zero: no rescale
     }
 
     for (int n = 1; n < n_tiles; ++n) {
@@ -611,9 +664,9 @@ struct Mainloop {
       // O was last written by P_{n-2}·V_{n-2} (done); rescale it by softmax n-1's factor while
       // S_n runs (O is still zero at n = 1).
       if (n > 1) softmax.rescale_o(O);
-      warpgroup_fence_operand(tOrO);
+      fence_pv_acc();
       warpgroup_arrive();
-      cute::gemm(mma_pv, rP, tOrV(_, _, _, v.stage()), tOrO);
+      issue_pv(v.stage());
       warpgroup_commit_batch();
       turn_arrive(wg ^ 1);
       warpgroup_wait<1>();  // S_n done; P_{n-1}·V_{n-1} may still run
@@ -624,7 +677,8 @@ struct Mainloop {
       warpgroup_wait<0>();
       fence_all();
       Bar::arrive(&sm.empty_v[v.stage()]);
-      convert_p<PV>(rP, tSrS);
+      add_pv();
+      convert_p(rP, tSrS);
     }
 
     // Round N.
@@ -635,12 +689,13 @@ struct Mainloop {
       if (n_tiles > 1) softmax.rescale_o(O);
       fence_all();
       warpgroup_arrive();
-      cute::gemm(mma_pv, rP, tOrV(_, _, _, v.stage()), tOrO);
+      issue_pv(v.stage());
       warpgroup_commit_batch();
       if (wg == 0) turn_arrive(1);
       warpgroup_wait<0>();
       fence_all();
       Bar::arrive(&sm.empty_v[v.stage()]);
+      add_pv();
     }
     it += n_tiles;
   }
@@ -662,11 +717,14 @@ struct Mainloop {
   // 0 and 1), and only they write records, so the records are all still there, from slot0 (the
   // slots of the tile's parity; 0 where a CTA runs one tile).
   template <class TO>
-  __device__ __forceinline__ static void add_masked_nonfinite(typename C::Smem& sm,
+  __device__ __forceinline__ static void add_masked_nonfinite(const Params& p, const WorkTile& w,
+                                                              typename C::Smem& sm,
                                                               const Mask& mask, int m0,
                                                               const KeyTiles& kt, TO& tOrO,
                                                               int ctid, int slot0) {
-    if constexpr (kBand) {
+    if constexpr (E::kFp8PV) {
+      if (p.nan_first != nullptr) add_nan_columns(p, w, mask, m0, tOrO, ctid);
+    } else if constexpr (kBand) {
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
       for (int u = 0; u < kt.n_cross; ++u) {  // check slot slot0 + u: the tile's ring use u
         if (!sm.nf_any[slot0 + u]) continue;
@@ -681,6 +739,29 @@ struct Mainloop {
         if (!sm.nf_any[sv]) continue;
         add_nonfinite_terms(O, o_coords(ctid), sm.nf[sv], mask, m0, j * BN);
       }
+    }
+  }
+
+  // Fast mode, masked kernels: O set to NaN where a row sees a key whose V code in that column
+  // was a NaN, which the pre-pass wrote as zero and recorded (nan_table_words). The table is the
+  // pre-pass's output: these threads wait for it too (at once: the producer already has).
+  template <class TO>
+  __device__ __forceinline__ static void add_nan_columns(const Params& p, const WorkTile& w,
+                                                         const Mask& mask, int m0, TO& tOrO,
+                                                         int ctid) {
+    pdl_wait();
+    const uint32_t* table =
+        p.nan_first + (int64_t(w.b) * p.kv_heads + p.div_group.div(w.h)) * nan_table_words(D);
+    const uint32_t first = __ldg(table);
+    if (first == ~0u || int64_t(first) > mask.last_key(m0 + BM - 1)) return;
+    Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+    const auto cO = o_coords(ctid);
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(O); ++r) {
+      const int64_t last = mask.last_key(m0 + get<0>(cO(r, 0)));
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(O); ++c)
+        if (int64_t(__ldg(table + 1 + get<1>(cO(r, c)))) <= last) O(r, c) = NAN;
     }
   }
 
@@ -709,14 +790,29 @@ struct Mainloop {
         make_tma_copy(SM90_TMA_LOAD{},
                       gmem(static_cast<const QK*>(a.k), kv_rows, a.kv_heads, kv_batch, a.k_stride),
                       take<0, 2>(typename C::LayoutK{}), Shape<Int<BN>, Int<D>>{}, _1{});
-    if constexpr (E::kConvertV)
+    if constexpr (E::kConvertV) {
       p.tma_v = make_tma_copy(SM90_TMA_LOAD{},
                               gmem(static_cast<const QK*>(v), kv_rows, a.kv_heads, kv_batch, vs),
                               take<0, 2>(typename C::LayoutV8{}), Shape<Int<BN>, Int<D>>{}, _1{});
-    else
+    } else if constexpr (E::kFp8PV) {
+      // The pre-pass's V^T in the workspace `v`, [batch][kv_head][D][keys_t]; after it, the
+      // masked kernels' NaN table.
+      const int64_t keys = transposed_keys(a);
+      p.keys_t = int(keys);
+      p.tma_v =
+          make_tma_copy(SM90_TMA_LOAD{},
+                        make_tensor(make_gmem_ptr(static_cast<const PV*>(v)),
+                                    make_shape(Int<D>{}, int(keys), int(a.kv_heads), int(a.batch)),
+                                    make_stride(keys, _1{}, D * keys, a.kv_heads * D * keys)),
+                        take<0, 2>(typename C::LayoutVt{}), Shape<Int<D>, Int<BN>>{}, _1{});
+      if (nan_table_bytes(a) > 0)
+        p.nan_first = reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(v) +
+                                                        transposed_v_bytes(a));
+    } else {
       p.tma_v = make_tma_copy(SM90_TMA_LOAD{},
                               gmem(static_cast<const PV*>(v), kv_rows, a.kv_heads, kv_batch, vs),
                               take<0, 2>(typename C::LayoutV{}), Shape<Int<BN>, Int<D>>{}, _1{});
+    }
     fill_sizes(p, a);
     p.turns = turns ? 1 : 0;
     p.q_scale = a.q_scale;

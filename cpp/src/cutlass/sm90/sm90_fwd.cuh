@@ -1,7 +1,8 @@
 // CUTLASS/CuTe backend for sm_90a (Hopper): FlashAttention-2 style forward on wgmma, with Q, K
 // and V brought into swizzled shared memory by TMA; a TMA producer warpgroup and one or two
 // consumer warpgroups of 64 query rows on a ring of K/V stages; e4m3 inputs on the same kernel
-// (S on e4m3 wgmma, P·V on f16). The kernel is role dispatch over its collectives:
+// (S on e4m3 wgmma; P·V on f16, or in fast mode on e4m3). The kernel is role dispatch over its
+// collectives:
 //   tile_config.cuh     element types, the per-head-dim tuning table, layouts, shared storage
 //   tile_scheduler.cuh  which work tiles a CTA runs, in what order; the grid size
 //   tile_feed.cuh       the masked kernels' tiles handed to a persistent grid as CTAs free up
@@ -10,6 +11,7 @@
 //   softmax.cuh         the online softmax on the accumulators; mask application
 //   nonfinite_v.cuh     the non-finite V check
 //   epilogue.cuh        O to global memory
+//   v_prepass.cuh       e4m3: V converted (accurate mode) or transposed (fast mode) before
 // and the mask policy (common/mask.cuh) it is templated on. Sequences of different lengths
 // (common/seqs.cuh: packed Q, K and V, a paged cache whose pages hold whole key tiles,
 // seqused_k) run on the band kernel: each role finds its work tile's sequence, skips tiles past
@@ -56,6 +58,7 @@
 #include "cutlass/sm90/softmax.cuh"
 #include "cutlass/sm90/tile_config.cuh"
 #include "cutlass/sm90/tile_scheduler.cuh"
+#include "cutlass/sm90/v_prepass.cuh"
 
 namespace sdpa::cutlass_sm90 {
 
@@ -84,11 +87,11 @@ constexpr bool kRegsFit = 2 * (kConsumerRegs<E, D, Mask> - 168) <= 168 - kProduc
 // What a thread of the producer warpgroup (threads 0-127) does.
 enum class ProducerRole { kLoad, kConvertV, kCheckV, kIdle };
 
-template <class E, class Mask>
+template <class E, int D, class Mask>
 __device__ __forceinline__ ProducerRole producer_role(int tid) {
   if (tid == 0) return ProducerRole::kLoad;
   if (tid >= 32 && E::kConvertV) return ProducerRole::kConvertV;
-  if (tid >= 32 && Mask::kMasksKeys) return ProducerRole::kCheckV;
+  if (tid >= 32 && Mainloop<E, D, Mask>::kChecksV) return ProducerRole::kCheckV;
   return ProducerRole::kIdle;
 }
 
@@ -137,14 +140,15 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   __syncthreads();  // the last CTA-wide barrier: the roles part here
   // Programmatic launch (launch()): everything above overlapped the previous grid; nothing
   // global is read or written before this. E4M3 with the pre-pass: the grid before is
-  // convert_v, itself launched the ordinary way (everything before it has completed), and only
-  // V depends on it: the producer waits before its first V load instead.
+  // the pre-pass (v_prepass.cuh), itself launched the ordinary way (everything before it has
+  // completed), and only V (and fast mode's NaN table) depends on it: the producer waits before
+  // its first V load instead (the consumers before reading the table).
   if constexpr (!E::kPrepass) pdl_wait();
   pdl_launch_dependents();
 
   if (tid < 128) {
     cutlass::arch::warpgroup_reg_dealloc<uint32_t(kProducerRegs<E, D, Mask>)>();
-    switch (producer_role<E, Mask>(tid)) {
+    switch (producer_role<E, D, Mask>(tid)) {
       case ProducerRole::kLoad:
         Main::load(p.mainloop, p.sched, sm);
         break;
@@ -152,8 +156,7 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
         if constexpr (E::kConvertV) Main::convert_v(p.mainloop, p.sched, sm, tid - 32);
         break;
       case ProducerRole::kCheckV:
-        if constexpr (Mask::kMasksKeys && !E::kConvertV)
-          Main::check_v(p.mainloop, p.sched, sm, tid - 32);
+        if constexpr (Main::kChecksV) Main::check_v(p.mainloop, p.sched, sm, tid - 32);
         break;
       case ProducerRole::kIdle:
         break;
@@ -181,7 +184,7 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
     const KeyTiles kt = Main::key_tiles(p.mainloop, Main::seq_of_tile(p.mainloop, w), m0, bm);
     float sl2, o_scale;
     Main::scales(p.mainloop, w, sl2, o_scale);
-    OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop> softmax;
+    OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop, E::kFp8PV ? 8 : 0> softmax;
     clear(tOrO);
     Main::mma(p.mainloop, sm, ops, m0, kt, it, qi, tOrO, softmax, w, sl2, wg, v_phase);
     // The sequence and its mask again, not held across the main loop.
@@ -189,8 +192,8 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
     // On the feed the check runs ahead by up to a tile: its records of this tile are in the
     // slots of the tile's parity, complete once nf_ready says so, and free once read.
     if constexpr (Main::kTracked) Main::Bar::wait(&sm.nf_ready[qi & 1], (qi >> 1) & 1);
-    Main::add_masked_nonfinite(sm, Main::mask_of(p.mainloop, seq), m0, kt, tOrO, ctid,
-                               (qi & 1) * C::kTileSlots);
+    Main::add_masked_nonfinite(p.mainloop, w, sm, Main::mask_of(p.mainloop, seq), m0, kt, tOrO,
+                               ctid, (qi & 1) * C::kTileSlots);
     if constexpr (Main::kTracked) Main::Bar::arrive(&sm.nf_free[qi & 1]);
     Epilogue<E, D>::store_lse(p.epilogue, softmax, ops.coords, seq, w.b, w.h, m0,
                               Main::step_scale(p.mainloop, sl2));
@@ -212,30 +215,6 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
 #endif
 }
 
-// The E4M3 kernel's pre-pass: V's codes as f16 (exact) into the workspace, packed
-// [batch][kv_head][seq_k][D]. 16 codes a thread and step: one 16-byte load, two 16-byte stores.
-template <int D>
-__global__ void __launch_bounds__(256)
-    convert_v(const uint8_t* __restrict__ v, Strides vs, int seq_k, int kv_heads, int64_t chunks,
-              uint4* __restrict__ out) {
-#ifdef SDPA_SM90_DEVICE
-  // The attention grid may launch now: it waits (griddepcontrol.wait) before its first V load.
-  pdl_launch_dependents();
-  constexpr int kChunks = D / 16;  // 16-code chunks per row
-  const int64_t step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks; i += step) {
-    const int64_t row = i / kChunks, bk = row / seq_k;  // bk = b * kv_heads + hk
-    const int64_t key = row - bk * seq_k, b = bk / kv_heads, hk = bk - b * kv_heads;
-    const uint4 x = *reinterpret_cast<const uint4*>(v + b * vs.batch + hk * vs.head + key * vs.seq +
-                                                    16 * (i % kChunks));
-    out[2 * i] = make_uint4(f16x2_of_e4m3x2(x.x), f16x2_of_e4m3x2(x.x >> 16), f16x2_of_e4m3x2(x.y),
-                            f16x2_of_e4m3x2(x.y >> 16));
-    out[2 * i + 1] = make_uint4(f16x2_of_e4m3x2(x.z), f16x2_of_e4m3x2(x.z >> 16),
-                                f16x2_of_e4m3x2(x.w), f16x2_of_e4m3x2(x.w >> 16));
-  }
-#endif
-}
-
 // Host side ----------------------------------------------------------------------------------
 
 // TMA needs a 16-byte aligned base and 16-byte multiple strides below 2^40 bytes (and dims
@@ -250,17 +229,6 @@ inline std::string tma_operand(const void* ptr, const Strides& s, const char* wh
     return std::string(what) +
            " is not TMA-addressable (16-byte aligned base and strides required)";
   return "";
-}
-
-// E4M3 with the pre-pass: the packed f16 V that convert_v writes into the workspace, and its
-// size (none where V is converted in shared memory).
-inline Strides packed_v_strides(const FwdArgs& a) {
-  return {a.kv_heads * a.seq_k * a.head_dim, a.seq_k * a.head_dim, a.head_dim};
-}
-inline int64_t workspace_e4m3_bytes(const FwdArgs& a) {
-  const bool prepass =
-      a.head_dim == 64 ? E4m3<cute::half_t, 64>::kPrepass : E4m3<cute::half_t, 128>::kPrepass;
-  return prepass ? a.batch * a.kv_heads * a.seq_k * a.head_dim * int64_t(sizeof(cute::half_t)) : 0;
 }
 
 // SDPA_SM90_CTAS=n in the environment (read once), for tests, sanitizers and measurements: n > 0
@@ -292,9 +260,9 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   // with a counter; turns only pay where every CTA runs a single tile.
   const bool turns = p.sched.wgs == 2 && ((Mask::kMasksKeys && p.sched.counter == nullptr) ||
                                           p.sched.tiles <= persistent_ctas(p.sched, sms));
-  // E4M3 with the pre-pass: V is convert_v's f16 copy in the workspace.
+  // E4M3 with the pre-pass: V is its copy in the workspace (v_prepass.cuh).
   const void* v = E::kPrepass ? a.workspace : a.v;
-  const Strides vs = E::kPrepass ? packed_v_strides(a) : a.v_stride;
+  const Strides vs = E::kPrepass && !E::kFp8PV ? packed_v_strides(a) : a.v_stride;
   p.mainloop = Mainloop<E, D, Mask>::make(a, v, vs, turns);
   p.epilogue = {static_cast<typename E::Out*>(a.o), a.o_stride,   int(a.seq_q),
                 a.has_lse ? a.lse : nullptr,        int(a.heads), a.total_q};
@@ -334,8 +302,8 @@ std::string int_limits(const FwdArgs& a) {
 // size, which exceeds every stride of it), 16-byte multiples, and 16-byte aligned bases.
 template <class E, int D>
 std::string tma_limits(const FwdArgs& a) {
-  // E4M3 with the pre-pass reads V through its 16-bit copy.
-  const int64_t in = sizeof(typename E::QK), v_in = E::kPrepass ? 2 : in;
+  // E4M3 with the pre-pass reads V through its copy (f16, or e4m3 transposed).
+  const int64_t in = sizeof(typename E::QK), v_in = E::kPrepass ? sizeof(typename E::PV) : in;
   const int64_t q_elems = (a.total_q > 0 ? a.total_q : a.batch * a.seq_q) * a.heads * a.head_dim;
   const int64_t kv_elems =
       (a.kv_rows > 0 ? a.kv_rows : a.batch * a.seq_k) * a.kv_heads * a.head_dim;
@@ -396,19 +364,7 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
     if (!a.q_scale || !a.k_scale || !a.v_scale)
       throw Error("cutlass-sm90 e4m3: q, k and v scales are required");
   }
-  if constexpr (E::kPrepass) {
-    if (a.workspace == nullptr || reinterpret_cast<uintptr_t>(a.workspace) % 16 != 0)
-      throw Error("cutlass-sm90 e4m3: needs a 16-byte aligned workspace of workspace_bytes()");
-    // Launched the ordinary way: it starts once everything before it on the stream is done,
-    // which is what lets the attention grid read Q and K before its own wait.
-    const int64_t chunks = a.batch * a.kv_heads * a.seq_k * (D / 16);
-    // At most 8 CTAs of 256 threads per SM (the SM's 2048 threads), a stride loop beyond.
-    const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, 8 * int64_t(sms));
-    convert_v<D><<<unsigned(blocks), 256, 0, stream>>>(static_cast<const uint8_t*>(a.v), a.v_stride,
-                                                       int(a.seq_k), int(a.kv_heads), chunks,
-                                                       static_cast<uint4*>(a.workspace));
-    SDPA_LAUNCH_CHECK("cutlass-sm90 e4m3 convert_v launch");
-  }
+  launch_v_prepass<E, D>(a, sms, stream);
   const KernelParams<E, D, Mask> p = make_params<E, D, Mask>(a, sms);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(
@@ -451,19 +407,26 @@ void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   forward_elems<Same<T>, D>(a, dev, stream);
 }
 
-// E4M3 Q, K, V; O in a.out_dtype.
-template <int D>
+// E4M3 Q, K, V; O in a.out_dtype. Accurate mode (E4m3: P·V in f16) or fast mode (E4m3Fast:
+// P·V in e4m3), each instantiated in its own translation unit (instantiate_e4m3*.cu.in).
+template <typename Out, int D, bool kFast>
+using E4m3Of = std::conditional_t<kFast, E4m3Fast<Out>, E4m3<Out, D>>;
+
+template <int D, bool kFast>
 std::string can_implement_e4m3(const FwdArgs& a, const DeviceInfo& dev) {
-  if (a.out_dtype == Dtype::F16) return can_implement_elems<E4m3<cute::half_t, D>, D>(a, dev);
-  if (a.out_dtype == Dtype::BF16) return can_implement_elems<E4m3<cute::bfloat16_t, D>, D>(a, dev);
+  if (a.out_dtype == Dtype::F16)
+    return can_implement_elems<E4m3Of<cute::half_t, D, kFast>, D>(a, dev);
+  if (a.out_dtype == Dtype::BF16)
+    return can_implement_elems<E4m3Of<cute::bfloat16_t, D, kFast>, D>(a, dev);
   return "e4m3: out_dtype must be f16 or bf16";
 }
 
-template <int D>
+template <int D, bool kFast>
 void forward_e4m3(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
-  if (a.out_dtype == Dtype::F16) return forward_elems<E4m3<cute::half_t, D>, D>(a, dev, stream);
+  if (a.out_dtype == Dtype::F16)
+    return forward_elems<E4m3Of<cute::half_t, D, kFast>, D>(a, dev, stream);
   if (a.out_dtype == Dtype::BF16)
-    return forward_elems<E4m3<cute::bfloat16_t, D>, D>(a, dev, stream);
+    return forward_elems<E4m3Of<cute::bfloat16_t, D, kFast>, D>(a, dev, stream);
   throw Error("cutlass-sm90 e4m3: out_dtype must be f16 or bf16");
 }
 
@@ -488,10 +451,12 @@ void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
   if constexpr (D == 64) small_attributes<T, D>(out);
 }
 
-template <int D>
+template <int D, bool kFast>
 void attributes_e4m3(std::vector<KernelAttr>& out, const DeviceInfo&) {
-  push_elems_attributes<E4m3<cute::half_t, D>, D>(out, "e4m3_f16");
-  push_elems_attributes<E4m3<cute::bfloat16_t, D>, D>(out, "e4m3_bf16");
+  push_elems_attributes<E4m3Of<cute::half_t, D, kFast>, D>(out,
+                                                           kFast ? "e4m3_fast_f16" : "e4m3_f16");
+  push_elems_attributes<E4m3Of<cute::bfloat16_t, D, kFast>, D>(
+      out, kFast ? "e4m3_fast_bf16" : "e4m3_bf16");
 }
 
 }  // namespace sdpa::cutlass_sm90

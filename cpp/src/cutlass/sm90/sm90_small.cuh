@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(128, 1)
 
     apply_mask(S, cSrc, mask, m0, k0, KN);
     softmax.step(S, p.scale_log2);
-    convert_p<T>(rP, tSrS);
+    convert_p(rP, tSrS);
 
     Bar::wait(&sm.bar_v, 0);
     const auto pv = [&] {

@@ -81,8 +81,11 @@ __device__ __forceinline__ void apply_band(TS& S, TC const& cSrc, const Mask& ma
 
 // Row state of the online softmax for the kRows accumulator rows a thread holds: the running
 // max m (raw score units), this thread's partial row sum l (the quad adds them last), and alpha,
-// the factor by which O must be rescaled after the latest step.
-template <int kRows, bool kOneExpLoop>
+// the factor by which O must be rescaled after the latest step. The exponentials are scaled by
+// 2^kLog2P (the row max's is 2^kLog2P): e4m3 P takes kLog2P = 8, P in (0, 256], where its 3
+// mantissa bits hold the most of it below the 448 it saturates at. The row sum is of the same
+// unrounded values, so normalize() cancels the scale; lse() takes it out.
+template <int kRows, bool kOneExpLoop, int kLog2P = 0>
 struct OnlineSoftmax {
   float m[kRows], l[kRows], alpha[kRows];
 
@@ -117,6 +120,7 @@ struct OnlineSoftmax {
       large |= !(fabsf(base[r]) < kFoldLimit);
       alpha[r] = ex2(__fmul_rn(m[r], sl2) - base[r]);  // ratio of the bases; 0 from -inf
       m[r] = m_new;
+      if constexpr (kLog2P != 0) base[r] -= float(kLog2P);
     }
     const auto exps = [&](auto exponent) {
       CUTE_UNROLL
@@ -177,7 +181,8 @@ struct OnlineSoftmax {
   // log2 l); -inf for a row with no visible key. Every lane of the quad calls it.
   __device__ __forceinline__ float lse(int r, float sl2) const {
     const float sum = row_sum(r);
-    return sum > 0.f ? (m[r] * sl2 + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
+    return sum > 0.f ? (m[r] * sl2 + __log2f(sum) - float(kLog2P)) * 0.6931471805599453f
+                     : -INFINITY;
   }
 
   // O *= f / row sum (f: 1, or V's dequantization scale); a row with no visible key has l = 0
@@ -195,12 +200,36 @@ struct OnlineSoftmax {
   }
 };
 
-// S accumulator (f32) -> P in T, in the register layout of P·V's A operand.
-template <typename T, class TP, class TS>
+// Four floats as e4m3 codes (a in the low byte): round to nearest even, saturating at 448.
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(lo) : "f"(a), "f"(b));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(hi) : "f"(c), "f"(d));
+  return uint32_t(lo) | (uint32_t(hi) << 16);
+}
+
+// S accumulator (f32) -> P in rP's type, in the register layout of P·V's A operand
+// (TileConfig::LayoutP). 16-bit P: pairs in place. E4m3 P: per 32-key step (S elements 16kb ..
+// 16kb + 15: 2 cols, 2 rows, 4 col groups), its 4 registers take row r's cols of groups 0-1,
+// row r + 8's, row r's of groups 2-3, row r + 8's: the keys p_key_of (v_prepass.cuh) orders
+// V^T's by.
+template <class TP, class TS>
 __device__ __forceinline__ void convert_p(TP& rP, TS const& tSrS) {
+  using T = typename TP::value_type;
   Tensor rP32 = recast<uint32_t>(rP);
-  CUTE_UNROLL
-  for (int i = 0; i < size(rP32); ++i) rP32(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
+  if constexpr (std::is_same_v<T, cute::float_e4m3_t>) {
+    CUTE_UNROLL
+    for (int kb = 0; kb < size(rP32) / 4; ++kb) {
+      const auto s = [&](int i) { return tSrS(16 * kb + i); };
+      rP32(4 * kb + 0) = e4m3x4(s(0), s(1), s(4), s(5));
+      rP32(4 * kb + 1) = e4m3x4(s(2), s(3), s(6), s(7));
+      rP32(4 * kb + 2) = e4m3x4(s(8), s(9), s(12), s(13));
+      rP32(4 * kb + 3) = e4m3x4(s(10), s(11), s(14), s(15));
+    }
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size(rP32); ++i) rP32(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
+  }
 }
 
 }  // namespace sdpa::cutlass_sm90

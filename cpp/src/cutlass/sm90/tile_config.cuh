@@ -89,7 +89,8 @@ struct Tuning<256, kFp8> {
 
 // Element types of one instantiation: QK for Q and K (the operands of S = Q·Kᵀ), PV for V and
 // P in shared memory and registers (the operands of O = P·V), Out for O. The 16-bit kernels
-// use one type throughout (Same<T>).
+// use one type throughout (Same<T>); e4m3 runs P·V in f16 (E4m3, accurate mode) or in e4m3
+// (E4m3Fast, fast mode).
 template <typename QK_, typename PV_, typename Out_, bool kConvertV_ = false>
 struct Elems {
   using QK = QK_;
@@ -101,7 +102,11 @@ struct Elems {
   static constexpr bool kFp8 = std::is_same_v<QK, cute::float_e4m3_t>;
   static constexpr bool kConvertV = kFp8 && kConvertV_;
   static constexpr bool kPrepass = kFp8 && !kConvertV_;
-  static_assert(sizeof(PV) == 2 && sizeof(Out) == 2, "P·V and O in a 16-bit type");
+  // Fast mode: P rounded to e4m3 for an e4m3 P·V, whose B operand (V) must be K-major: the
+  // pre-pass writes V transposed, [d][key] (v_prepass.cuh).
+  static constexpr bool kFp8PV = std::is_same_v<PV, cute::float_e4m3_t>;
+  static_assert(sizeof(Out) == 2, "O in a 16-bit type");
+  static_assert(sizeof(PV) == 2 || (kFp8PV && kPrepass), "P·V in a 16-bit type, or e4m3 on V^T");
 };
 template <typename T>
 using Same = Elems<T, T, T>;
@@ -110,6 +115,9 @@ using Same = Elems<T, T, T>;
 // than bf16; V's codes are exact in both).
 template <typename Out, int D>
 using E4m3 = Elems<cute::float_e4m3_t, cute::half_t, Out, Tuning<D, true>::kConvertV>;
+// Fast mode: E4M3 Q, K, V and P, O in Out; V transposed by the pre-pass at every head dim.
+template <typename Out>
+using E4m3Fast = Elems<cute::float_e4m3_t, cute::float_e4m3_t, Out, false>;
 
 // The widest GMMA K-major swizzle atom whose row (128, 64 or 32 bytes) divides a row of D
 // elements of T: 128 bytes for the 16-bit types and e4m3 at D = 128, 64 bytes for e4m3 at
@@ -125,6 +133,24 @@ template <typename T, int D>
 using GTensorOf = decltype(make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)),
                                        std::declval<Shape<int, Int<D>, int, int>>(),
                                        std::declval<Stride<int64_t, _1, int64_t, int64_t>>()));
+
+// Fast mode's V^T as TMA sees it: (d, key, head, batch), keys contiguous.
+template <typename T, int D>
+using GTensorTOf = decltype(make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)),
+                                        std::declval<Shape<Int<D>, int, int, int>>(),
+                                        std::declval<Stride<int64_t, _1, int64_t, int64_t>>()));
+
+// V^T in shared memory, (D, BN, stages): 16-bit V's rows seen as [d][key], MN-major; fast
+// mode's transposed V, K-major (made lazily: each form compiles for its own element type only).
+template <typename PV, int D, int BN, int S, bool kKMajor>
+struct VtLayout {
+  using type = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<PV>{},
+                                      Shape<Int<D>, Int<BN>, Int<S>>{}, Step<_2, _1, _3>{}));
+};
+template <typename PV, int D, int BN, int S>
+struct VtLayout<PV, D, BN, S, true> {
+  using type = decltype(tile_to_shape(KAtom<PV, BN>{}, Shape<Int<D>, Int<BN>, Int<S>>{}));
+};
 
 template <class E, int D>
 struct TileConfig {
@@ -161,27 +187,31 @@ struct TileConfig {
       decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<QK, QK, float, Shape<_64, BN, HD>,
                                                          GMMA::Major::K, GMMA::Major::K>(),
                               Layout<Shape<Int<kWG>, _1, _1>>{}));
-  using MmaPV =
-      decltype(make_tiled_mma(SM90::GMMA::rs_op_selector<PV, PV, float, Shape<_64, HD, BN>,
-                                                         GMMA::Major::K, GMMA::Major::MN>(),
-                              Layout<Shape<Int<kWG>, _1, _1>>{}));
+  static constexpr auto kMajorV = E::kFp8PV ? GMMA::Major::K : GMMA::Major::MN;
+  using MmaPV = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<PV, PV, float, Shape<_64, HD, BN>, GMMA::Major::K, kMajorV>(),
+      Layout<Shape<Int<kWG>, _1, _1>>{}));
 
-  // Shared memory layouts: Q and K rows of D elements in swizzle atoms of 8 rows (KAtom). V
-  // rows of 64 16-bit elements (128 bytes) with the 128-byte swizzle, stacked 8 rows to an atom;
-  // Vt is the same bytes seen as [d][key] for the MN-major B operand of P·V.
+  // Shared memory layouts: Q and K rows of D elements in swizzle atoms of 8 rows (KAtom). 16-bit
+  // V: rows of 64 elements (128 bytes) with the 128-byte swizzle, stacked 8 rows to an atom; Vt
+  // is the same bytes seen as [d][key] for the MN-major B operand of P·V. Fast mode: Vt is the
+  // pre-pass's transposed V, rows of BN keys (128 bytes), K-major (LayoutV goes unused).
   using LayoutQ = decltype(tile_to_shape(KAtom<QK, D>{}, Shape<BM, HD>{}));
   using LayoutK = decltype(tile_to_shape(KAtom<QK, D>{}, Shape<BN, HD, Stages>{}));
-  using LayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<PV>{}, Shape<HD, BN, Stages>{},
-                                          Step<_2, _1, _3>{}));
+  using LayoutVt = typename VtLayout<PV, D, kBN, kStages, E::kFp8PV>::type;
   using LayoutV = decltype(composition(
       LayoutVt{}, make_layout(Shape<BN, HD, Stages>{}, Stride<HD, _1, Int<D * kBN>>{})));
 
   // P as the A operand of P·V, over the registers of the S accumulator. S per thread is
-  // ((2 cols, 2 rows, BN/8 col groups), 1, 1), compact, whatever QK is; the A fragment of one
-  // 16-key step is ((2 cols, 2 rows, 2 col groups)), so key step kb takes col groups 2kb and
-  // 2kb + 1.
-  using LayoutP =
-      Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+  // ((2 cols, 2 rows, BN/8 col groups), 1, 1), compact, whatever QK is. 16-bit P: the A fragment
+  // of one 16-key step is ((2 cols, 2 rows, 2 col groups)), so key step kb takes col groups 2kb
+  // and 2kb + 1, in place. E4m3 P: the fragment of a 32-key step is ((4 cols, 2 rows, 2 col
+  // halves)), packed by convert_p from the step's 4 col groups (softmax.cuh) with its keys in
+  // the order the pre-pass gives V^T's (v_prepass.cuh).
+  using LayoutP = std::conditional_t<
+      E::kFp8PV,
+      Layout<Shape<Shape<_4, _2, _2>, _1, Int<kBN / 32>>, Stride<Stride<_1, _4, _8>, _0, _16>>,
+      Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>>;
 
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(), LayoutQ{},
                                       Shape<BM, HD>{}, _1{}));
@@ -189,12 +219,15 @@ struct TileConfig {
                                       take<0, 2>(LayoutK{}), Shape<BN, HD>{}, _1{}));
   using LayoutV8 =
       Layout<Shape<BN, HD, Int<kV8Stages>>, Stride<HD, _1, Int<kBN * D>>>;  // kConvertV's ring
-  using TmaV =
-      std::conditional_t<E::kConvertV,
-                         decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(),
-                                                take<0, 2>(LayoutV8{}), Shape<BN, HD>{}, _1{})),
+  using TmaV = std::conditional_t<
+      E::kConvertV,
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(),
+                             take<0, 2>(LayoutV8{}), Shape<BN, HD>{}, _1{})),
+      std::conditional_t<E::kFp8PV,
+                         decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorTOf<PV, D>>(),
+                                                take<0, 2>(LayoutVt{}), Shape<HD, BN>{}, _1{})),
                          decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<PV, D>>(),
-                                                take<0, 2>(LayoutV{}), Shape<BN, HD>{}, _1{}))>;
+                                                take<0, 2>(LayoutV{}), Shape<BN, HD>{}, _1{}))>>;
 
   // kConvertV's e4m3 V ring, a base of Smem (empty, so of no size, in the other kernels).
   struct V8Ring {

@@ -1,0 +1,180 @@
+// The e4m3 kernels' pre-passes over V, which the attention grid overlaps (programmatic launch:
+// it waits before its first V load), and the workspace they write:
+//   accurate mode (D = 128)  convert_v: V's codes as f16, exactly, [batch][kv_head][seq_k][D];
+//   fast mode                transpose_v: V^T's codes, [batch][kv_head][D][keys], for the K-major
+//                            B operand of the e4m3 P·V, keys reordered within each group of 32
+//                            as the P fragment holds them (p_key_of), and for masked kernels
+//                            NaN codes taken out and recorded (nan_table_words).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/launch.cuh"
+#include "cutlass/sm90/nonfinite_v.cuh"
+#include "cutlass/sm90/tile_config.cuh"
+#include "sdpa/sdpa.h"
+
+namespace sdpa::cutlass_sm90 {
+
+// Accurate mode: V's codes as f16 (exact), packed [batch][kv_head][seq_k][D]. 16 codes a thread
+// and step: one 16-byte load, two 16-byte stores.
+template <int D>
+__global__ void __launch_bounds__(256)
+    convert_v(const uint8_t* __restrict__ v, Strides vs, int seq_k, int kv_heads, int64_t chunks,
+              uint4* __restrict__ out) {
+#ifdef SDPA_SM90_DEVICE
+  // The attention grid may launch now: it waits (griddepcontrol.wait) before its first V load.
+  pdl_launch_dependents();
+  constexpr int kChunks = D / 16;  // 16-code chunks per row
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks; i += step) {
+    const int64_t row = i / kChunks, bk = row / seq_k;  // bk = b * kv_heads + hk
+    const int64_t key = row - bk * seq_k, b = bk / kv_heads, hk = bk - b * kv_heads;
+    const uint4 x = *reinterpret_cast<const uint4*>(v + b * vs.batch + hk * vs.head + key * vs.seq +
+                                                    16 * (i % kChunks));
+    out[2 * i] = make_uint4(f16x2_of_e4m3x2(x.x), f16x2_of_e4m3x2(x.x >> 16), f16x2_of_e4m3x2(x.y),
+                            f16x2_of_e4m3x2(x.y >> 16));
+    out[2 * i + 1] = make_uint4(f16x2_of_e4m3x2(x.z), f16x2_of_e4m3x2(x.z >> 16),
+                                f16x2_of_e4m3x2(x.w), f16x2_of_e4m3x2(x.w >> 16));
+  }
+#endif
+}
+
+// Fast mode, the key order within a group of 32. The e4m3 P·V's A fragment gives a thread, for
+// each 32-key step, columns 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 (t = lane % 4); the S
+// accumulator it is packed from (convert_p) holds keys 2t, 2t + 1, 8 + 2t, 9 + 2t, and 16 more of
+// each. Rather than move P between threads, the pre-pass writes V^T's keys in the fragment's
+// order: position L of a group holds key p_key_of(L).
+__host__ __device__ constexpr int p_key_of(int L) {
+  const int half = L & 16, q = (L & 15) >> 2, i = L & 3;
+  return half + 2 * q + (i & 1) + 4 * (i & 2);
+}
+
+// Fast mode's masked kernels: per (batch, kv_head), the first key holding a NaN code in any
+// column (word 0), then in each column d (word 1 + d); all ones where none. transpose_v writes
+// those codes as zero (0 · NaN in the P·V would reach rows that do not see the key) and records
+// them here; the kernel sets O to NaN where a row sees that key (Mainloop::add_nan_columns).
+__host__ __device__ constexpr int64_t nan_table_words(int64_t head_dim) { return 1 + head_dim; }
+
+// Fast mode: V^T into `out`, [batch][kv_head][D][keys_pad], keys_pad a multiple of 32, keys past
+// seq_k zero. A CTA transposes 32 keys at a time through shared memory: 16-byte loads along V's
+// rows, 16-byte stores along V^T's. nan_first: NanColumns's table (set to all ones before), or
+// null to keep NaN codes (the unmasked kernel: every row sees every key).
+template <int D>
+__global__ void __launch_bounds__(256)
+    transpose_v(const uint8_t* __restrict__ v, Strides vs, int seq_k, int kv_heads, int keys_pad,
+                int64_t groups, uint8_t* __restrict__ out, uint32_t* __restrict__ nan_first) {
+#ifdef SDPA_SM90_DEVICE
+  pdl_launch_dependents();
+  __shared__ alignas(16) uint8_t tile[32][D];
+  constexpr int kRowChunks = D / 16;  // 16-byte chunks of a V row
+  const int per_head = keys_pad / 32;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    const int64_t bk = g / per_head, b = bk / kv_heads, hk = bk - b * kv_heads;
+    const int key0 = int(g - bk * per_head) * 32;
+    for (int c = threadIdx.x; c < 32 * kRowChunks; c += blockDim.x) {
+      const int r = c / kRowChunks, col = (c % kRowChunks) * 16, key = key0 + r;
+      uint4 x = make_uint4(0u, 0u, 0u, 0u);
+      if (key < seq_k)
+        x = __ldg(reinterpret_cast<const uint4*>(v + b * vs.batch + hk * vs.head +
+                                                 int64_t(key) * vs.seq + col));
+      if (nan_first != nullptr) {
+        uint32_t* w = &x.x;
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t nan = __vcmpeq4(w[j] & 0x7f7f7f7fu, 0x7f7f7f7fu);  // 0xff per NaN byte
+          if (nan == 0u) continue;
+          w[j] &= ~nan;
+          uint32_t* table = nan_first + bk * nan_table_words(D);
+          atomicMin(table, uint32_t(key));
+          for (int byte = 0; byte < 4; ++byte)
+            if ((nan >> (8 * byte)) & 1u) atomicMin(table + 1 + col + 4 * j + byte, uint32_t(key));
+        }
+      }
+      *reinterpret_cast<uint4*>(&tile[r][col]) = x;
+    }
+    __syncthreads();
+    // Thread c writes 16 keys (half c % 2 of the group) of V^T's row d = c / 2.
+    for (int c = threadIdx.x; c < 2 * D; c += blockDim.x) {
+      const int d = c >> 1, half = 16 * (c & 1);
+      uint32_t w[4];
+      for (int q = 0; q < 4; ++q) {
+        w[q] = 0u;
+        for (int i = 0; i < 4; ++i)
+          w[q] |= uint32_t(tile[p_key_of(half + 4 * q + i)][d]) << (8 * i);
+      }
+      *reinterpret_cast<uint4*>(out + (bk * D + d) * keys_pad + key0 + half) =
+          make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    __syncthreads();
+  }
+#endif
+}
+
+// Host side ----------------------------------------------------------------------------------
+
+// Fast mode: V^T's keys a row.
+inline int64_t transposed_keys(const FwdArgs& a) { return (a.seq_k + 31) / 32 * 32; }
+
+// The workspace: accurate mode at D = 128, convert_v's f16 V; fast mode, V^T and after it (at a
+// 16-byte boundary) the NanColumns table of masked calls.
+inline Strides packed_v_strides(const FwdArgs& a) {
+  return {a.kv_heads * a.seq_k * a.head_dim, a.seq_k * a.head_dim, a.head_dim};
+}
+inline int64_t transposed_v_bytes(const FwdArgs& a) {
+  return (a.batch * a.kv_heads * a.head_dim * transposed_keys(a) + 15) / 16 * 16;
+}
+inline int64_t nan_table_bytes(const FwdArgs& a) {
+  return a.mask == Mask::NoMask ? 0 : a.batch * a.kv_heads * nan_table_words(a.head_dim) * 4;
+}
+// Whether an e4m3 call asking for fast mode gets it. At D = 64 accurate mode converts V inside
+// the kernel, and on small problems fast mode's pre-pass launch costs more than its e4m3 P·V
+// saves: below 2^23 scores (batch x heads x seq_q x seq_k) such calls run accurate mode, which
+// fast mode permits (docs/perf.md has the measurement).
+inline bool fast_mode_runs(const FwdArgs& a) {
+  return a.fp8_fast && (a.head_dim != 64 || a.batch * a.heads * a.seq_q * a.seq_k >= (1 << 23));
+}
+
+inline int64_t workspace_e4m3_bytes(const FwdArgs& a) {
+  if (fast_mode_runs(a)) return transposed_v_bytes(a) + nan_table_bytes(a);
+  const bool prepass =
+      a.head_dim == 64 ? E4m3<cute::half_t, 64>::kPrepass : E4m3<cute::half_t, 128>::kPrepass;
+  return prepass ? a.batch * a.kv_heads * a.seq_k * a.head_dim * int64_t(sizeof(cute::half_t)) : 0;
+}
+
+// Enqueues the pre-pass of E's kernel (none without one) on `stream`, into a.workspace.
+template <class E, int D>
+void launch_v_prepass(const FwdArgs& a, int sms, cudaStream_t stream) {
+  if constexpr (E::kPrepass) {
+    if (a.workspace == nullptr || reinterpret_cast<uintptr_t>(a.workspace) % 16 != 0)
+      throw Error("cutlass-sm90 e4m3: needs a 16-byte aligned workspace of workspace_bytes()");
+    // Launched the ordinary way: it starts once everything before it on the stream is done,
+    // which is what lets the attention grid read Q and K before its own wait.
+    if constexpr (E::kFp8PV) {
+      auto* out = static_cast<uint8_t*>(a.workspace);
+      uint32_t* table = nullptr;
+      if (nan_table_bytes(a) > 0) {
+        table = reinterpret_cast<uint32_t*>(out + transposed_v_bytes(a));
+        SDPA_CUDA_CHECK(cudaMemsetAsync(table, 0xff, size_t(nan_table_bytes(a)), stream));
+      }
+      const int64_t groups = a.batch * a.kv_heads * (transposed_keys(a) / 32);
+      // A 32-key group a CTA step; at most 8 CTAs an SM, a stride loop beyond.
+      const int64_t blocks = std::min<int64_t>(groups, 8 * int64_t(sms));
+      transpose_v<D><<<unsigned(blocks), 256, 0, stream>>>(
+          static_cast<const uint8_t*>(a.v), a.v_stride, int(a.seq_k), int(a.kv_heads),
+          int(transposed_keys(a)), groups, out, table);
+      SDPA_LAUNCH_CHECK("cutlass-sm90 e4m3 transpose_v launch");
+    } else {
+      const int64_t chunks = a.batch * a.kv_heads * a.seq_k * (D / 16);
+      // At most 8 CTAs of 256 threads per SM (the SM's 2048 threads), a stride loop beyond.
+      const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, 8 * int64_t(sms));
+      convert_v<D><<<unsigned(blocks), 256, 0, stream>>>(static_cast<const uint8_t*>(a.v),
+                                                         a.v_stride, int(a.seq_k), int(a.kv_heads),
+                                                         chunks, static_cast<uint4*>(a.workspace));
+      SDPA_LAUNCH_CHECK("cutlass-sm90 e4m3 convert_v launch");
+    }
+  }
+}
+
+}  // namespace sdpa::cutlass_sm90
