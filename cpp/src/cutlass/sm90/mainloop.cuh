@@ -77,10 +77,6 @@ struct Mainloop {
     // E4M3 only: dequantization scales, one per tensor or one per (batch, head) (per_head).
     const float *q_scale, *k_scale, *v_scale;
     int per_head;
-    // Fast mode: V^T's keys a row (v_prepass.cuh), and the masked kernels' table of the NaN
-    // codes the pre-pass took out of V (null: none).
-    int keys_t;
-    const uint32_t* nan_first;
     // Band only: the band (mask::Band's diag, left, right, top_left) and the score mods:
     // softcap · log2 e (0: none), ALiBi slopes (null: none) of (b, h) at b * alibi_bstride + h.
     int diag, left, right, top_left;
@@ -91,6 +87,10 @@ struct Mainloop {
     // tensors of one batch entry whose rows start at each sequence's offset; a paged cache's
     // pages hold whole key tiles (can_implement), found through the block table per tile.
     SeqParams seqs;
+    // Fast mode: V^T's keys a row (v_prepass.cuh), and the masked kernels' table of the NaN
+    // codes the pre-pass took out of V (null: none).
+    int keys_t;
+    const uint32_t* nan_first;
   };
   // Whether the masked (causal, band) 16-bit kernels walk the tile feed (a persistent grid where
   // there is a counter): up to D = 128. At D = 192 and 256 the producer's TMA thread, which
