@@ -73,11 +73,7 @@ fn run_on_npy_matches_the_reference() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
 
     let bytes = std::fs::read(&paths[3]).unwrap();
     let npy = npyz::NpyFile::new(&bytes[..]).unwrap();
@@ -140,11 +136,7 @@ fn run_takes_windows_softcap_alibi_and_writes_the_lse() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let read = |path: &Path| -> (Vec<u64>, Vec<f32>) {
         let bytes = std::fs::read(path).unwrap();
         let npy = npyz::NpyFile::new(&bytes[..]).unwrap();
@@ -372,11 +364,7 @@ fn validate_and_bench_work_with_or_without_a_gpu() {
         .args(["--budget-ms", "20", "--json", json.to_str().unwrap()])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let records: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let r = &records[0];
@@ -474,11 +462,7 @@ fn validate_and_bench_report_both_fp8_modes() {
         .args(["--budget-ms", "20", "--json", json.to_str().unwrap()])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let records: Vec<serde_json::Value> =
         serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let modes: Vec<(String, serde_json::Value)> = records
@@ -527,11 +511,7 @@ fn run_takes_the_fp8_mode() {
             .unwrap()
     };
     let fast = run("e4m3", "fast", &paths[1]);
-    assert!(
-        fast.status.success(),
-        "{}",
-        String::from_utf8_lossy(&fast.stderr)
-    );
+    assert_success(&fast);
     assert!(String::from_utf8_lossy(&fast.stdout).contains("e4m3/head->f16 fast"));
     let acc = run("e4m3", "accurate", &paths[2]);
     assert!(acc.status.success());
@@ -589,11 +569,7 @@ fn run_on_the_gpu_matches_the_reference() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     // The last line ends "(X backend)": X must be a GPU backend, not the CPU reference.
     let stdout = String::from_utf8_lossy(&out.stdout);
     let used = stdout
@@ -636,6 +612,15 @@ fn output_within(cmd: &mut Command, limit: std::time::Duration) -> std::process:
 }
 
 /// Asserts a failed command: exit code 1, exactly one line on stderr containing `fragment`.
+/// The command exited successfully; its stderr is the failure message otherwise.
+fn assert_success(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn assert_one_line_error(out: &std::process::Output, fragment: &str) {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "stderr: {err:?}");
@@ -1097,11 +1082,7 @@ fn compare_tabulates_and_plots_recorded_runs() {
         .args(["--budget-ms", "20", "--plot", bench_svg.to_str().unwrap()])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let chart = std::fs::read_to_string(&bench_svg).unwrap();
     assert!(
         chart.starts_with("<svg") && chart.contains("cpu"),
