@@ -305,6 +305,20 @@ fn decode_matches_the_reference() {
         let (p, meta) = varlen(base, &[seq_q, seq_q, seq_q], &[2999, 0, 700]);
         run(p, inputs(&p, meta));
     }
+    // More GQA groups than SMs (waves of CTAs, a group each, no combine), dense and paged with
+    // lengths that differ per sequence.
+    let many = Problem::new(300, 2, 1, 512, 64)
+        .with_kv_heads(1)
+        .with_lse(true);
+    run(many, random_inputs(&many, fresh_seed()).unwrap());
+    let lens: Vec<usize> = (0..300).map(|i| 256 + (i * 37) % 257).collect();
+    let (p, meta) = paged(many, &lens, 64, fresh_seed());
+    run(p, inputs(&p, meta));
+    // One group against many keys: more splits than a warp has lanes, merged by the combine.
+    let long = Problem::new(1, 4, 1, 32768, 64)
+        .with_kv_heads(1)
+        .with_lse(true);
+    run(long, random_inputs(&long, fresh_seed()).unwrap());
     common::assert_ran("decode", &ran);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

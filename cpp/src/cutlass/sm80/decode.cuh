@@ -303,39 +303,51 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // Merges the splits' partial outputs: one warp per (token, head), 4 a CTA; grid (tokens / 4,
-// heads, batch).
+// heads, batch). The lanes read the splits' log-sum-exps side by side (a split per lane), then
+// the partial outputs (a column pair per lane).
 template <typename T, int D, class Mask>
 __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Params<T, Mask> p) {
 #ifdef SDPA_SM80_DEVICE
-  pdl_wait();  // launched programmatically on sm_90: the splits' partials are complete
+  constexpr int kPer = D / 64;  // column pairs a lane
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int tok = blockIdx.x * 4 + warp, head = blockIdx.y, b = blockIdx.z;
+  const int tok = blockIdx.x * 4 + warp, head = blockIdx.y, b = blockIdx.z, n = p.splits;
+  pdl_wait();  // launched programmatically on sm_90: the splits' partials are complete
   const Seq<int> seq = seq_of<int>(p.seqs, b, p.mask.seq_q, p.mask.seq_k);
   if (tok >= seq.seq_q) return;
   const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
+  const auto lse_of = [&](int s) {
+    return s < n ? p.ws_lse[int64_t(s) * p.lse_rows + lrow] : -INFINITY;
+  };
   float m = -INFINITY;
-  for (int s = 0; s < p.splits; ++s) m = fmaxf(m, p.ws_lse[int64_t(s) * p.lse_rows + lrow]);
-  T* const out =
-      p.o + int64_t(b) * p.os.batch + int64_t(head) * p.os.head + int64_t(seq.q0 + tok) * p.os.seq;
-  float sum = 0.f;
-  constexpr int kPer = D / 64;  // column pairs a lane
-  float acc[kPer > 0 ? kPer : 1][2] = {};
-  if (m != -INFINITY) {
-    for (int s = 0; s < p.splits; ++s) {
-      const float ls = p.ws_lse[int64_t(s) * p.lse_rows + lrow];
-      if (ls == -INFINITY) continue;
-      const float w = __expf(ls - m);
-      sum += w;
-      const float* const wo = p.ws_o + (int64_t(s) * p.lse_rows + lrow) * D;
+  for (int s = lane; s < n; s += 32) m = fmaxf(m, lse_of(s));
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const float2 x = *reinterpret_cast<const float2*>(wo + 2 * lane + 64 * i);
-        acc[i][0] += w * x.x;
-        acc[i][1] += w * x.y;
+  for (int x = 16; x > 0; x /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
+  float sum = 0.f, acc[kPer][2] = {};
+  if (m != -INFINITY) {
+    for (int s0 = 0; s0 < n; s0 += 32) {
+      const float ls = lse_of(s0 + lane);
+      const float wl = ls == -INFINITY ? 0.f : __expf(ls - m);
+      sum += wl;
+      const int chunk = min(32, n - s0);
+#pragma unroll 4
+      for (int j = 0; j < chunk; ++j) {
+        // A split without keys for this row (weight 0) holds zeros.
+        const float wgt = __shfl_sync(0xffffffffu, wl, j);
+        const float* const wo = p.ws_o + (int64_t(s0 + j) * p.lse_rows + lrow) * D;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          const float2 x = *reinterpret_cast<const float2*>(wo + 2 * lane + 64 * i);
+          acc[i][0] += wgt * x.x;
+          acc[i][1] += wgt * x.y;
+        }
       }
     }
   }
+#pragma unroll
+  for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  T* const out =
+      p.o + int64_t(b) * p.os.batch + int64_t(head) * p.os.head + int64_t(seq.q0 + tok) * p.os.seq;
 #pragma unroll
   for (int i = 0; i < kPer; ++i)
     *reinterpret_cast<uint32_t*>(out + 2 * lane + 64 * i) =
