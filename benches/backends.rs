@@ -24,7 +24,8 @@ fn gpu_benches(c: &mut Criterion, dev: &Device) {
             // Throughput in "elements" = floating-point operations: criterion then prints FLOP/s.
             group.throughput(Throughput::Elements(p.flops() as u64));
             let inputs =
-                sdpa_harness::check::random_inputs(&p, sdpa_harness::check::fresh_seed()).unwrap();
+                sdpa_harness::inputs::random_inputs(&p, sdpa_harness::inputs::fresh_seed())
+                    .unwrap();
             let [q, k, v] = inputs.upload(dev, dtype).unwrap();
             let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap()).unwrap();
             // e4m3 in both FP8 modes, on the same inputs.
@@ -76,7 +77,7 @@ fn gpu_time(
 
 fn cpu_benches(c: &mut Criterion) {
     let p = sdpa_harness::named_problem("mission").unwrap();
-    let inputs = sdpa_harness::check::random_inputs(&p, 1).unwrap();
+    let inputs = sdpa_harness::inputs::random_inputs(&p, 1).unwrap();
     let [q, k, v] = &inputs.values;
     let mut group = c.benchmark_group("mission");
     group
@@ -92,7 +93,7 @@ fn cpu_benches(c: &mut Criterion) {
 /// call's host work, so this is the host path; in graph replay both are the same kernel.
 fn call_overhead(c: &mut Criterion, dev: &Device) {
     let p = sdpa_harness::named_problem("mission").unwrap();
-    let inputs = sdpa_harness::check::random_inputs(&p, 1).unwrap();
+    let inputs = sdpa_harness::inputs::random_inputs(&p, 1).unwrap();
     let [q, k, v] = inputs.upload(dev, p.dtype).unwrap();
     let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap()).unwrap();
     let host = |bits: &[u16]| -> Vec<f16> { bits.iter().map(|&b| f16::from_bits(b)).collect() };

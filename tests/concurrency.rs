@@ -5,7 +5,7 @@ mod common;
 
 use cudarc::driver::CudaStream;
 use sdpa::{Backend, Device, Problem, Tensor};
-use sdpa_harness::check::{fresh_seed, random_inputs};
+use sdpa_harness::inputs::{fresh_seed, random_inputs};
 use std::sync::Arc;
 
 /// `b` on fresh inputs from `seed`, all on `dev`'s stream: the output's bits.

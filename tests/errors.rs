@@ -272,7 +272,7 @@ fn host_functions_reject_inconsistent_arguments() {
 fn inputs_larger_than_memory_are_an_error() {
     let p = Problem::new(1, 1, 1 << 20, 1 << 20, 1 << 20);
     p.validate().unwrap();
-    let e = sdpa_harness::check::random_inputs(&p, 1)
+    let e = sdpa_harness::inputs::random_inputs(&p, 1)
         .err()
         .expect("8 TiB of inputs");
     assert!(

@@ -57,7 +57,8 @@ fn host_codec_is_bit_exact_with_the_gpu() {
 
 use sdpa::fp8::{dequantize_host, quantize_host};
 use sdpa::{Backend, DType, Layout, Problem, Scaling, Tensor, TensorShape};
-use sdpa_harness::check::{Inputs, compare, random_inputs};
+use sdpa_harness::check::compare;
+use sdpa_harness::inputs::{Inputs, random_inputs};
 
 fn normals(n: usize, seed: u64) -> Vec<f32> {
     let p = Problem::new(1, 1, 1, n, 1);
@@ -169,7 +170,7 @@ fn e4m3_forward_matches_the_reference() {
                 .with_fp8_scaling(scaling)
                 .with_out_dtype(out);
             problems += 1;
-            let seed = sdpa_harness::check::fresh_seed() + i as u64;
+            let seed = sdpa_harness::inputs::fresh_seed() + i as u64;
             let inputs = random_inputs(&p, seed).unwrap();
             let [q, k, v] = &inputs.values;
             let want = sdpa::reference(&p, q, k, v).unwrap();
@@ -354,7 +355,7 @@ fn e4m3_per_head_scales_that_differ() {
                 .with_dtype(DType::E4m3)
                 .with_fp8_scaling(Scaling::PerHead)
                 .with_out_dtype(DType::Bf16);
-            let seed = sdpa_harness::check::fresh_seed();
+            let seed = sdpa_harness::inputs::fresh_seed();
             let base = random_inputs(&p.as_dequantized(), seed).unwrap();
             // The head of element i: BHSD [b][h][s][d], BSHD [b][s][h][d].
             let head = |i: usize, heads: usize, seq: usize| match layout {
@@ -405,8 +406,9 @@ fn e4m3_per_head_scales_that_differ() {
 // each test says so and checks nothing; on a Hopper a refusal fails it.
 
 use sdpa::{Device, Fp8Mode};
-use sdpa_harness::check::{Report, check_output, fresh_seed, run_backend, tolerance};
-use sdpa_harness::families::{Family, family_inputs};
+use sdpa_harness::check::{Report, check_output, run_backend, tolerance};
+use sdpa_harness::inputs::fresh_seed;
+use sdpa_harness::inputs::{Family, family_inputs};
 
 /// The backend whose kernel has an e4m3 P·V.
 const FAST: Backend = Backend::Cutlass;

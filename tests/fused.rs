@@ -21,7 +21,8 @@ use common::Skip;
 use libtest_mimic::{Arguments, Completion, Trial};
 use sdpa::backend::Instance;
 use sdpa::{Backend, Layout, Problem};
-use sdpa_harness::check::{check_backend, fresh_seed};
+use sdpa_harness::check::check_backend;
+use sdpa_harness::inputs::fresh_seed;
 
 const SEQS: [(usize, usize); 10] = [
     (1, 1),
@@ -140,7 +141,7 @@ fn fused_kernels_are_deterministic() -> Result<(), Skip> {
 
 fn deterministic(dev: &sdpa::Device, p: &Problem, backend: Backend) {
     let dev = dev.clone();
-    let inputs = sdpa_harness::check::random_inputs(p, fresh_seed()).unwrap();
+    let inputs = sdpa_harness::inputs::random_inputs(p, fresh_seed()).unwrap();
     let [q, k, v] = inputs.upload(&dev, p.dtype).unwrap();
     let mut runs = Vec::new();
     for _ in 0..3 {

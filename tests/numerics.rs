@@ -5,7 +5,8 @@
 mod common;
 
 use sdpa::{Backend, DType, Device, Problem};
-use sdpa_harness::check::{Inputs, compare, fresh_seed, random_inputs, run_backend};
+use sdpa_harness::check::{compare, run_backend};
+use sdpa_harness::inputs::{Inputs, fresh_seed, random_inputs};
 
 /// Every GPU backend that supports `p` here against the reference; each run is recorded in
 /// `ran`, so the test can assert that the backends it means to cover did run.

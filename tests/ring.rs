@@ -11,7 +11,7 @@ use sdpa::distributed::{
     DistError, RankEnv, Ring, RingOptions, RingReport, Transport, forward_host, nccl_version,
 };
 use sdpa::{Backend, DType, Device, Layout, Problem};
-use sdpa_harness::check;
+use sdpa_harness::{check, inputs};
 use std::time::Duration;
 
 /// Runs `p` on `ring` and on GPU 0 alone, compares both with the reference, and returns the
@@ -19,7 +19,7 @@ use std::time::Duration;
 fn compare(dev: &Device, ring: &mut Ring, p: &Problem, what: &str) -> RingReport {
     // A fixed seed, so a failure reproduces.
     let seed = 1;
-    let inputs = check::random_inputs(p, seed).unwrap();
+    let inputs = inputs::random_inputs(p, seed).unwrap();
     // Already rounded to the dtype, so exact in f32.
     let [q, k, v] = inputs
         .values

@@ -7,7 +7,8 @@
 mod common;
 
 use sdpa::{Alibi, Backend, DType, Mask, Problem, SeqMeta};
-use sdpa_harness::check::{Inputs, compare, compare_lse, fresh_seed, random_inputs};
+use sdpa_harness::check::{compare, compare_lse};
+use sdpa_harness::inputs::{Inputs, fresh_seed, random_inputs};
 use sdpa_harness::seqs::{paged, varlen};
 
 /// The backends that run packed and paged batches on `dev`: each of scalar, cutlass-sm80 and

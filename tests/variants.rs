@@ -6,7 +6,8 @@
 mod common;
 
 use sdpa::{Alibi, Backend, DType, Mask, Problem};
-use sdpa_harness::check::{check_backend, compare, fresh_seed, random_inputs, run_backend};
+use sdpa_harness::check::{check_backend, compare, run_backend};
+use sdpa_harness::inputs::{fresh_seed, random_inputs};
 
 /// The backends that run every variant on `dev`.
 fn variant_backends(dev: &sdpa::Device) -> Vec<Backend> {
@@ -238,7 +239,7 @@ fn softcap_caps_huge_logits() {
             let base = random_inputs(&p, fresh_seed()).unwrap();
             let big = |x: &[f64]| x.iter().map(|&v| v as f32 * 100.0).collect::<Vec<_>>();
             let v: Vec<f32> = base.values[2].iter().map(|&x| x as f32).collect();
-            let inputs = sdpa_harness::check::Inputs::from_f32(
+            let inputs = sdpa_harness::inputs::Inputs::from_f32(
                 dtype,
                 &big(&base.values[0]),
                 &big(&base.values[1]),

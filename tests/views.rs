@@ -11,7 +11,8 @@ use sdpa::{
     Backend, DType, Device, Fp8View, Fp8Views, Problem, Scaling, Strides, TensorShape, View,
     ViewMut, Views,
 };
-use sdpa_harness::check::{compare, fresh_seed, random_inputs};
+use sdpa_harness::check::compare;
+use sdpa_harness::inputs::{fresh_seed, random_inputs};
 use std::sync::Arc;
 
 /// The caller's own stream on GPU 0 and a handle on it, or `None` (skipped).

@@ -16,7 +16,7 @@ use sdpa::distributed::{
     q_dims,
 };
 use sdpa::{Backend, DType, Device, Extras, Operands, Problem, Tensor};
-use sdpa_harness::check;
+use sdpa_harness::{check, inputs};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -241,7 +241,7 @@ fn time_ring(ring: &mut Ring, p: &Problem, z: &Zigzag, iters: usize) -> sdpa::Re
             let vals: Vec<half::bf16> = bits.iter().map(|&b| half::bf16::from_bits(b)).collect();
             Ok(s.clone_htod(&vals)?)
         };
-        let [q, k, v] = &check::random_inputs(&shard, rank as u64)?.bits;
+        let [q, k, v] = &inputs::random_inputs(&shard, rank as u64)?.bits;
         let out = s.alloc_zeros::<half::bf16>(q.len())?;
         bufs.push((up(q)?, up(k)?, up(v)?, out));
     }
@@ -306,7 +306,7 @@ fn validate(a: ValidateArgs) -> CliResult<ExitCode> {
     let mut ok = true;
     for pname in &a.problem {
         let p = problem(pname)?;
-        let inputs = check::random_inputs(&p, a.seed)?;
+        let inputs = inputs::random_inputs(&p, a.seed)?;
         // Already rounded to the dtype, so exact in f32.
         let [q, k, v] = inputs
             .values
@@ -362,7 +362,7 @@ fn report_line(r: &RingReport) -> CliResult<()> {
 /// The single-GPU kernel on the whole problem (GPU 0), cut into the same shards as the ring's
 /// local ranks: (outputs, log-sum-exps).
 type ShardsOut = (Vec<Vec<f64>>, Vec<Vec<f64>>);
-fn one_gpu(p: &Problem, inputs: &check::Inputs, like: &HostShards) -> sdpa::Result<ShardsOut> {
+fn one_gpu(p: &Problem, inputs: &inputs::Inputs, like: &HostShards) -> sdpa::Result<ShardsOut> {
     let dev = Device::new(0)?;
     let p1 = p.with_lse(true);
     let (out, lse) = check::run_backend_with_lse(Some(&dev), &p1, Backend::Auto, inputs, None)?;

@@ -4,9 +4,9 @@ use crate::progress::Progress;
 use crate::{CliResult, chosen_backend, device_for};
 use sdpa::{Alibi, Backend, DType, Device, Fp8Mode, Layout, Mask, Problem, Result, Scaling};
 use sdpa_harness::check::{
-    Inputs, compare, compare_lse, compare_with, fresh_seed, named_inputs, run_backend_with_lse,
-    tolerance_for,
+    compare, compare_lse, compare_with, run_backend_with_lse, tolerance_for,
 };
+use sdpa_harness::inputs::{Inputs, fresh_seed, named_inputs};
 use std::process::ExitCode;
 
 /// Arguments shared by `validate` and `bench`: which problems.

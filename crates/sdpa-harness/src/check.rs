@@ -2,12 +2,10 @@
 //! inputs, the output poisoned with NaN before the run, rel_err and max abs error (and the
 //! cosine similarity), at the bar of the problem's dtype and FP8 mode.
 
-use crate::families::Family;
+use crate::inputs::{Family, Inputs, random_inputs};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
-use rand::{RngExt, SeedableRng, rngs::StdRng};
 use sdpa::{
-    Backend, DType, Device, Error, MemoryKind, Problem, Result, Scaling, SeqMeta, Tensor,
-    TensorShape, decode, encode, fp8,
+    Backend, DType, Device, Error, MemoryKind, Problem, Result, SeqMeta, Tensor, decode, encode,
 };
 
 /// Pass/fail thresholds for one dtype (and, for fast FP8, one input family).
@@ -157,22 +155,6 @@ pub fn compare_lse(got: &[f64], want: &[f64]) -> (f64, usize) {
     (worst, mismatched)
 }
 
-/// ALiBi slopes for `p`'s layout (None without ALiBi): the standard geometric slopes
-/// 2^(-8 (h + 1) / heads), scaled by 1 + b / 4 per batch where the layout has one per batch.
-pub fn alibi_slopes(p: &Problem) -> Option<Vec<f32>> {
-    let a = p.alibi?;
-    let n = a.len(p.batch, p.heads);
-    Some(
-        (0..n)
-            .map(|i| {
-                let (b, h) = (i / p.heads, i % p.heads);
-                let base = 2f32.powf(-8.0 * (h + 1) as f32 / p.heads as f32);
-                base * (1.0 + b as f32 / 4.0)
-            })
-            .collect(),
-    )
-}
-
 /// The result of one check.
 #[derive(Debug, Clone, Copy)]
 pub struct Report {
@@ -261,234 +243,6 @@ pub fn compare_with(out: &[f64], reference: &[f64], mut tol: Tolerance, seed: u6
         },
         emulated_rel_err: None,
     }
-}
-
-/// Random inputs for one problem: standard normal values rounded to the dtype.
-pub struct Inputs {
-    /// Bit patterns of Q, K, V in the dtype (e4m3: the codes).
-    pub bits: [Vec<u16>; 3],
-    /// The same values, exactly, as f64 (what the reference sees; e4m3: code · scale).
-    pub values: [Vec<f64>; 3],
-    /// e4m3 inputs only: the scales and the values before quantization.
-    pub fp8: Option<Fp8Inputs>,
-    /// The ALiBi slopes of problems with ALiBi ([`alibi_slopes`]).
-    pub alibi_slopes: Option<Vec<f32>>,
-    /// The sequence metadata of packed or paged problems (host copies).
-    pub seq_meta: Option<SeqMeta>,
-    /// The distribution the values were drawn from (the fast FP8 mode's bar depends on it):
-    /// [`Family::Normal`] unless [`crate::families::family_inputs`] drew them or the caller says
-    /// otherwise ([`Inputs::with_family`]).
-    pub family: Family,
-}
-
-/// What e4m3 inputs carry beyond their codes.
-pub struct Fp8Inputs {
-    /// Scales of Q, K, V (one, or one per (batch, head) pair).
-    pub scales: [Vec<f32>; 3],
-    /// Shapes of Q, K, V.
-    pub shapes: [TensorShape; 3],
-    /// Scale layout.
-    pub scaling: Scaling,
-    /// The values before quantization (the end-to-end reference's inputs).
-    pub unquantized: [Vec<f64>; 3],
-}
-
-impl Inputs {
-    /// Sets element `at` of input `which` (0 Q, 1 K, 2 V) to `value` rounded to `dtype`, bits
-    /// and f64 alike (e4m3 takes only NaN here: its other codes depend on the scale).
-    pub fn set_value(&mut self, which: usize, at: usize, value: f64, dtype: DType) {
-        let bits = match dtype {
-            DType::E4m3 => {
-                assert!(
-                    value.is_nan(),
-                    "set_value writes e4m3 NaN only, got {value}"
-                );
-                0x7f
-            }
-            _ => encode(dtype, &[value as f32])[0],
-        };
-        self.bits[which][at] = bits;
-        self.values[which][at] = match dtype {
-            DType::E4m3 => f64::NAN,
-            _ => decode(dtype, &[bits])[0],
-        };
-    }
-
-    /// Inputs from given values (rounded to `dtype`).
-    pub fn from_f32(dtype: DType, q: &[f32], k: &[f32], v: &[f32]) -> Inputs {
-        let bits = [encode(dtype, q), encode(dtype, k), encode(dtype, v)];
-        let values = [
-            decode(dtype, &bits[0]),
-            decode(dtype, &bits[1]),
-            decode(dtype, &bits[2]),
-        ];
-        Inputs {
-            bits,
-            values,
-            fp8: None,
-            alibi_slopes: None,
-            seq_meta: None,
-            family: Family::Normal,
-        }
-    }
-
-    /// The same inputs with this sequence metadata (a packed or paged problem's).
-    pub fn with_meta(self, meta: SeqMeta) -> Inputs {
-        Inputs {
-            seq_meta: Some(meta),
-            ..self
-        }
-    }
-
-    /// The same inputs, stated to come from `family` (which picks the fast FP8 mode's bar).
-    pub fn with_family(self, family: Family) -> Inputs {
-        Inputs { family, ..self }
-    }
-
-    /// What the fast FP8 mode computes on these inputs, emulated in f64
-    /// ([`sdpa::reference_fp8_fast`]); dense problems only (as every e4m3 problem is).
-    pub fn reference_fp8_fast(&self, p: &Problem) -> Result<sdpa::Reference> {
-        if self.seq_meta.is_some() {
-            return Err(Error::InvalidArgument(format!(
-                "the fast FP8 emulation takes dense problems only, {p} has sequence metadata"
-            )));
-        }
-        let [q, k, v] = &self.values;
-        sdpa::reference_fp8_fast(p, q, k, v, self.alibi_slopes.as_deref())
-    }
-
-    /// The float64 reference of `p` on these inputs (output and log-sum-exp).
-    pub fn reference(&self, p: &Problem) -> Result<sdpa::Reference> {
-        let [q, k, v] = &self.values;
-        match &self.seq_meta {
-            Some(m) => sdpa::reference_seqs(p, q, k, v, self.alibi_slopes.as_deref(), m),
-            None => sdpa::reference_with(p, q, k, v, self.alibi_slopes.as_deref()),
-        }
-    }
-
-    /// e4m3 inputs of `p` quantized from given values (per `p.fp8_scaling`, amax scales).
-    pub fn quantized(p: &Problem, q: &[f32], k: &[f32], v: &[f32]) -> Result<Inputs> {
-        let shapes = [p.q_shape(), p.kv_shape(), p.kv_shape()];
-        let mut bits: [Vec<u16>; 3] = Default::default();
-        let mut values: [Vec<f64>; 3] = Default::default();
-        let mut scales: [Vec<f32>; 3] = Default::default();
-        for (i, x) in [q, k, v].into_iter().enumerate() {
-            let (codes, s) = fp8::quantize_host(x, &shapes[i], p.fp8_scaling)?;
-            values[i] = fp8::dequantize_host(&codes, &s, &shapes[i], p.fp8_scaling)?
-                .into_iter()
-                .map(f64::from)
-                .collect();
-            bits[i] = codes.into_iter().map(u16::from).collect();
-            scales[i] = s;
-        }
-        let unquantized = [q, k, v].map(|x| x.iter().map(|&a| f64::from(a)).collect());
-        Ok(Inputs {
-            bits,
-            values,
-            fp8: Some(Fp8Inputs {
-                scales,
-                shapes,
-                scaling: p.fp8_scaling,
-                unquantized,
-            }),
-            alibi_slopes: alibi_slopes(p),
-            seq_meta: None,
-            family: Family::Normal,
-        })
-    }
-
-    /// Uploads Q, K, V to `dev` as tensors of `dtype`.
-    pub fn upload(&self, dev: &Device, dtype: DType) -> Result<[Tensor; 3]> {
-        let [q, k, v] = &self.bits;
-        if dtype == DType::E4m3 {
-            let f = self.fp8.as_ref().ok_or_else(|| {
-                Error::InvalidArgument("these inputs were not quantized to e4m3".into())
-            })?;
-            let up = |i: usize, b: &[u16]| {
-                let codes: Vec<u8> = b.iter().map(|&c| c as u8).collect();
-                Tensor::from_e4m3(dev, &codes, &f.scales[i], f.shapes[i], f.scaling)
-            };
-            return Ok([up(0, q)?, up(1, k)?, up(2, v)?]);
-        }
-        Ok([
-            Tensor::from_bits(dev, dtype, q)?,
-            Tensor::from_bits(dev, dtype, k)?,
-            Tensor::from_bits(dev, dtype, v)?,
-        ])
-    }
-}
-
-/// Draws fresh N(0, 1) inputs from `seed`, rounded to `p.dtype` (e4m3: quantized with amax
-/// scales per `p.fp8_scaling`). `p` must validate; inputs the host has no memory for are
-/// `Error::OutOfMemory` before anything is allocated.
-pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
-    p.validate()?;
-    let (ql, kl) = (p.q_len().unwrap_or(0), p.kv_len().unwrap_or(0));
-    // Per element: its bits, its f64 value, and the f32 draw they are made from (e4m3 inputs
-    // also keep the unquantized values and the codes as f32 while quantizing).
-    let per_element = if p.dtype == DType::E4m3 {
-        2 + 8 + 4 + 8 + 4
-    } else {
-        2 + 8 + 4
-    };
-    sdpa::memory::check_host(
-        kl.checked_mul(2)
-            .and_then(|k2| k2.checked_add(ql))
-            .and_then(|n| n.checked_mul(per_element)),
-    )?;
-    if p.dtype == DType::E4m3 {
-        let f = random_inputs(&p.as_dequantized().with_dtype(DType::F16), seed)?;
-        let [q, k, v] = f
-            .values
-            .map(|x| x.into_iter().map(|a| a as f32).collect::<Vec<_>>());
-        return Inputs::quantized(p, &q, &k, &v);
-    }
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut draw = |n: usize| encode(p.dtype, &normals(&mut rng, n));
-    let bits = [draw(ql), draw(kl), draw(kl)];
-    let values = [
-        decode(p.dtype, &bits[0]),
-        decode(p.dtype, &bits[1]),
-        decode(p.dtype, &bits[2]),
-    ];
-    // Packed or paged problems: their metadata from the same seed.
-    let seq_meta = match p.seqs.is_dense() {
-        true => None,
-        false => Some(crate::seqs::random_meta(p, seed ^ 0x5e95)?),
-    };
-    Ok(Inputs {
-        bits,
-        values,
-        fp8: None,
-        alibi_slopes: alibi_slopes(p),
-        seq_meta,
-        family: Family::Normal,
-    })
-}
-
-/// `n` draws of N(0, 1) from `rng` (Box–Muller, two normals per pair of uniforms), as f32.
-pub(crate) fn normals(rng: &mut StdRng, n: usize) -> Vec<f32> {
-    let mut v = Vec::with_capacity(n + 1);
-    while v.len() < n {
-        let u1: f64 = 1.0 - rng.random::<f64>();
-        let u2: f64 = rng.random::<f64>();
-        let r = (-2.0 * u1.ln()).sqrt();
-        let t = std::f64::consts::TAU * u2;
-        v.push((r * t.cos()) as f32);
-        v.push((r * t.sin()) as f32);
-    }
-    v.truncate(n);
-    v
-}
-
-/// [`random_inputs`] for a problem the CLI or a bench names: a named problem's own sequence
-/// metadata (the anchor's lengths, its paged cache) in place of random metadata.
-pub fn named_inputs(name: &str, p: &Problem, seed: u64) -> Result<Inputs> {
-    let inputs = random_inputs(p, seed)?;
-    Ok(match crate::problems::named_meta(name, seed) {
-        Some(m) if !p.seqs.is_dense() => inputs.with_meta(m),
-        _ => inputs,
-    })
 }
 
 /// Bytes of K and V a call reads: each sequence's keys, once per K/V head (a paged cache's
@@ -597,14 +351,6 @@ impl ExtraBuffers {
             None => Ok(None),
         }
     }
-}
-
-/// A seed that differs from run to run (time-based), for "fresh inputs every time".
-pub fn fresh_seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0x5eed)
 }
 
 /// Runs `backend` on `inputs` (output poisoned first) and returns its output as f64.
@@ -725,6 +471,8 @@ pub fn encode_on_device(dev: &Device, x: &[f32], inv_scale: f32) -> Result<Vec<u
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::inputs::alibi_slopes;
+    use sdpa::{Scaling, fp8};
 
     #[test]
     fn compare_flags_nan_and_wrong_values() {
@@ -757,35 +505,6 @@ mod tests {
                 rep.rel_err > 0.2 * u && rep.rel_err < 0.8 * u,
                 "{dtype}: {rep:?}"
             );
-        }
-    }
-
-    #[test]
-    fn e4m3_inputs_dequantize_to_their_values() {
-        for scaling in [Scaling::PerTensor, Scaling::PerHead] {
-            let p = Problem::new(2, 3, 17, 9, 64)
-                .with_kv_heads(1)
-                .with_dtype(DType::E4m3)
-                .with_fp8_scaling(scaling);
-            let i = random_inputs(&p, 3).unwrap();
-            let f = i.fp8.as_ref().expect("e4m3 inputs carry scales");
-            for t in 0..3 {
-                assert_eq!(f.scales[t].len(), fp8::scale_count(&f.shapes[t], scaling));
-                // The largest value lands in the top binade of the scale: (224, 448].
-                let codes: Vec<u8> = i.bits[t].iter().map(|&b| b as u8).collect();
-                let top = codes.iter().map(|&c| c & 0x7F).max().unwrap();
-                assert!((0x76..=0x7E).contains(&top), "{scaling:?} {t}: {top:#04x}");
-                // Quantization error within half an e4m3 step of each value.
-                let smax = f.scales[t].iter().fold(0f64, |m, &s| m.max(f64::from(s)));
-                for (x, (&d, &c)) in f.unquantized[t].iter().zip(i.values[t].iter().zip(&codes)) {
-                    // Half a step: 2^-4 of the value, or of the smallest normal (subnormals).
-                    let step = 2f64.powi(-4) * d.abs().max(2f64.powi(-6) * smax) * 1.0001;
-                    assert!((x - d).abs() <= step, "{x} -> {d} (code {c:#04x})");
-                }
-            }
-            // The reference on these inputs passes its own check at the output dtype.
-            let rep = check_backend(None, &p, Backend::Cpu, 5).unwrap();
-            assert!(rep.pass(), "{rep:?}");
         }
     }
 
@@ -901,16 +620,31 @@ mod tests {
     }
 
     #[test]
-    fn inputs_are_fresh_per_seed_and_normal() {
-        let p = Problem::new(1, 1, 64, 64, 64);
-        let (a, b) = (random_inputs(&p, 1).unwrap(), random_inputs(&p, 2).unwrap());
-        assert_ne!(a.bits[0], b.bits[0]);
-        let x = &a.values[0];
-        let mean = x.iter().sum::<f64>() / x.len() as f64;
-        let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / x.len() as f64;
-        assert!(
-            mean.abs() < 0.05 && (var - 1.0).abs() < 0.1,
-            "mean {mean} var {var}"
-        );
+    fn e4m3_inputs_dequantize_to_their_values() {
+        for scaling in [Scaling::PerTensor, Scaling::PerHead] {
+            let p = Problem::new(2, 3, 17, 9, 64)
+                .with_kv_heads(1)
+                .with_dtype(DType::E4m3)
+                .with_fp8_scaling(scaling);
+            let i = random_inputs(&p, 3).unwrap();
+            let f = i.fp8.as_ref().expect("e4m3 inputs carry scales");
+            for t in 0..3 {
+                assert_eq!(f.scales[t].len(), fp8::scale_count(&f.shapes[t], scaling));
+                // The largest value lands in the top binade of the scale: (224, 448].
+                let codes: Vec<u8> = i.bits[t].iter().map(|&b| b as u8).collect();
+                let top = codes.iter().map(|&c| c & 0x7F).max().unwrap();
+                assert!((0x76..=0x7E).contains(&top), "{scaling:?} {t}: {top:#04x}");
+                // Quantization error within half an e4m3 step of each value.
+                let smax = f.scales[t].iter().fold(0f64, |m, &s| m.max(f64::from(s)));
+                for (x, (&d, &c)) in f.unquantized[t].iter().zip(i.values[t].iter().zip(&codes)) {
+                    // Half a step: 2^-4 of the value, or of the smallest normal (subnormals).
+                    let step = 2f64.powi(-4) * d.abs().max(2f64.powi(-6) * smax) * 1.0001;
+                    assert!((x - d).abs() <= step, "{x} -> {d} (code {c:#04x})");
+                }
+            }
+            // The reference on these inputs passes its own check at the output dtype.
+            let rep = check_backend(None, &p, Backend::Cpu, 5).unwrap();
+            assert!(rep.pass(), "{rep:?}");
+        }
     }
 }

@@ -2,9 +2,10 @@
 //! benches use to check and measure it, kept out of the library so that its crate root is the
 //! user API only.
 //!
-//! - [`check`]: accuracy checks against the float64 reference (fresh random inputs, output
-//!   poisoned with NaN, the tolerances every backend is held to, per dtype and FP8 mode).
-//! - [`families`]: the input distributions the fast FP8 mode's bars are stated for.
+//! - [`check`]: accuracy checks against the float64 reference (output poisoned with NaN, the
+//!   tolerances every backend is held to, per dtype and FP8 mode).
+//! - [`inputs`]: fresh random inputs from a seed, and the input distributions the fast FP8
+//!   mode's bars are stated for.
 //! - [`timing`]: GPU timing with CUDA events and graphs, warm-up first, medians.
 //! - [`info`]: what this build compiled (the ptxas report, the driver's kernel attributes).
 //! - [`problems`]: the named problems the CLI, benches and PyTorch anchors share.
@@ -15,10 +16,10 @@
 //!
 //! ```
 //! use sdpa::Backend;
-//! use sdpa_harness::{check, problems};
+//! use sdpa_harness::{check, inputs, problems};
 //!
 //! let p = problems::named_problem("mission")?;
-//! let report = check::check_backend(None, &p, Backend::Cpu, check::fresh_seed())?;
+//! let report = check::check_backend(None, &p, Backend::Cpu, inputs::fresh_seed())?;
 //! assert!(report.pass(), "{report:?}");
 //! # Ok::<(), sdpa::Error>(())
 //! ```
@@ -26,8 +27,8 @@
 #![warn(missing_docs)]
 
 pub mod check;
-pub mod families;
 pub mod info;
+pub mod inputs;
 pub mod problems;
 pub mod seqs;
 pub mod timing;

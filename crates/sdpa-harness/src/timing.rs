@@ -236,7 +236,7 @@ pub fn time_backend(
 ) -> Result<Timing> {
     let backend = backend.resolve(dev, p)?;
     backend.supports(dev, p)?;
-    let inputs = crate::check::random_inputs(p, crate::check::fresh_seed())?;
+    let inputs = crate::inputs::random_inputs(p, crate::inputs::fresh_seed())?;
     if backend == Backend::Cpu {
         let mut ts = Vec::new();
         let t0 = Instant::now();

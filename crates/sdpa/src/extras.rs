@@ -85,7 +85,7 @@ impl Extras<'_> {
                 let span = ptr..ptr + 4 * p.lse_len() as u64;
                 let [q, k, v, out] = operands;
                 let others = [("q", q), ("k", k), ("v", v), ("out", out)];
-                crate::view::out_apart(&span, &others)
+                crate::footprint::out_apart(&span, &others)
                     .map_err(|_| invalid!("lse overlaps another operand of the call"))?;
             }
             (true, None) => return Err(invalid!("the problem asks for the LSE; pass lse")),

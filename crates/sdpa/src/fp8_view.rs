@@ -5,9 +5,10 @@ use crate::backend::Backend;
 use crate::buffers::Buffers;
 use crate::device::Device;
 use crate::error::{Error, Result, invalid};
+use crate::footprint::{out_apart, rows_distinct, span};
 use crate::problem::{DType, Problem, Scaling, Strides};
 use crate::tensor::Element;
-use crate::view::{ViewMut, out_apart, rows_distinct, span};
+use crate::view::ViewMut;
 use cudarc::driver::{CudaView, DevicePtr, DeviceSlice};
 
 /// Q, K or V as e4m3 codes in the caller's device memory: a `[batch, heads, seq, head_dim]`

@@ -47,6 +47,7 @@ pub mod distributed;
 mod error;
 mod extras;
 mod ffi;
+mod footprint;
 pub mod fp8;
 mod fp8_view;
 mod kv_cache;
