@@ -1,5 +1,5 @@
 // Scalar backend: FlashAttention-style forward on CUDA cores only (no tensor cores).
-// Assumes validated arguments (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned
+// Assumes validated arguments (crates/sdpa/src/problem/mod.rs): head_dim == D, 16-byte aligned
 // rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1; and what can_implement
 // (below) checks. Rows, keys and offsets are 64-bit.
 //

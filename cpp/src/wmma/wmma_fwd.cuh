@@ -1,5 +1,5 @@
 // WMMA backend: FlashAttention-2 style forward on tensor cores through nvcuda::wmma (sm_80+).
-// Assumes validated arguments (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned
+// Assumes validated arguments (crates/sdpa/src/problem/mod.rs): head_dim == D, 16-byte aligned
 // rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1, scale > 0; and the
 // limits can_implement (below) checks: heads and batch <= 65535 (grid y and z), seq_k <= 2^30
 // (load_kv's tile offset).

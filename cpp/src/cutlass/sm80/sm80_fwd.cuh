@@ -1,6 +1,6 @@
 // CUTLASS/CuTe backend for sm_80 and later (A100, A10/A40/RTX 30xx = sm_86, L4/L40 = sm_89, and
 // Hopper as a fallback and comparison point): FlashAttention-2 style forward on mma.sync.
-// Assumes validated arguments (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned
+// Assumes validated arguments (crates/sdpa/src/problem/mod.rs): head_dim == D, 16-byte aligned
 // rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1, scale > 0.
 //
 // Shipping configuration (forward() below): one CTA = BM = 64 query rows of one (batch, head), 4

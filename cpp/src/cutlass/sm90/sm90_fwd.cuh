@@ -19,7 +19,7 @@
 // copy brings in (the next sequence's) are masked like any key the band hides, and the
 // non-finite V check ignores them. docs/design.md describes the tiles,
 // roles, register split, overlap and scheduling. Assumes validated arguments
-// (crates/sdpa/src/problem.rs): head_dim == D, 16-byte aligned rows, strides in elements,
+// (crates/sdpa/src/problem/mod.rs): head_dim == D, 16-byte aligned rows, strides in elements,
 // heads % kv_heads == 0, seq_q, seq_k >= 1; and what can_implement (below) checks: the device,
 // the 32-bit limits, TMA addressing.
 //
