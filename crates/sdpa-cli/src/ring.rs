@@ -172,8 +172,12 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
     for pname in &a.problem {
         let p = problem(pname)?;
         let z = sdpa::distributed::check_problem(&p, ring.world())?;
-        let times = time_ring(&mut ring, &p, &z, a.iters.max(1))?;
+        let (times, report) = time_ring(&mut ring, &p, &z, a.iters.max(1))?;
         let t = median(&times);
+        // Per GPU: the caller's shards of Q, K, V and the output, and what the ring adds.
+        let shard_bytes =
+            2 * (p.q_len().unwrap_or(0) + p.kv_len().unwrap_or(0)) * p.dtype.size() / ring.world();
+        let gib = |b: usize| b as f64 / f64::from(1u32 << 30);
         let tflops = p.flops() / t / 1e12;
         let one = if a.baseline && leads(&ring) {
             time_one_gpu(&p, a.iters.max(1))
@@ -198,11 +202,13 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
         } else if leads(&ring) {
             outln!(
                 "{pname}: {name} {:.2} ms/call ({tflops:.1} TFLOP/s, {:.1} a GPU); one GPU {}; \
-                 scaling efficiency {}",
+                 scaling efficiency {}; memory a GPU: shards {:.2} GiB + ring workspace {:.2} GiB",
                 t * 1e3,
                 tflops / ring.world() as f64,
                 one.map_or("n/a".into(), |t1| format!("{:.2} ms", t1 * 1e3)),
                 eff.map_or("n/a".into(), |e| format!("{:.1}%", 100.0 * e)),
+                gib(shard_bytes),
+                gib(report.workspace_bytes),
             )?;
         }
         records.push(serde_json::json!({
@@ -212,6 +218,7 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
             "us_event": t * 1e6, "tflops": tflops,
             "us_one_gpu": one.map(|t1| t1 * 1e6), "scaling_efficiency": eff,
             "loopback_overhead": overhead,
+            "shard_bytes_a_gpu": shard_bytes, "workspace_bytes_a_gpu": report.workspace_bytes,
         }));
     }
     if let (Some(path), true) = (&a.json, leads(&ring)) {
@@ -226,9 +233,15 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Seconds per ring call: shards of random values made on each local rank (no whole tensor is
-/// ever on one host or GPU), one warm-up call, then `iters` timed ones.
-fn time_ring(ring: &mut Ring, p: &Problem, z: &Zigzag, iters: usize) -> sdpa::Result<Vec<f64>> {
+/// Seconds per ring call, and the last call's report: shards of random values made on each
+/// local rank (no whole tensor is ever on one host or GPU), one warm-up call, then `iters` timed
+/// ones.
+fn time_ring(
+    ring: &mut Ring,
+    p: &Problem,
+    z: &Zigzag,
+    iters: usize,
+) -> sdpa::Result<(Vec<f64>, RingReport)> {
     // A rank's shard holds what a problem of `local_len` query and key positions would.
     let local = z.local_len();
     let shard = Problem::new(p.batch, p.heads, local, local, p.head_dim)
@@ -246,6 +259,7 @@ fn time_ring(ring: &mut Ring, p: &Problem, z: &Zigzag, iters: usize) -> sdpa::Re
         bufs.push((up(q)?, up(k)?, up(v)?, out));
     }
     let mut times = Vec::with_capacity(iters);
+    let mut report = None;
     for i in 0..=iters {
         let mut shards: Vec<Shard<'_, half::bf16>> = bufs
             .iter_mut()
@@ -258,12 +272,12 @@ fn time_ring(ring: &mut Ring, p: &Problem, z: &Zigzag, iters: usize) -> sdpa::Re
             })
             .collect();
         let t0 = Instant::now();
-        ring.forward(p, &mut shards)?;
+        report = Some(ring.forward(p, &mut shards)?);
         if i > 0 {
             times.push(t0.elapsed().as_secs_f64());
         }
     }
-    Ok(times)
+    Ok((times, report.expect("at least one call")))
 }
 
 /// Seconds per call of the single-GPU kernel (`Auto`) on the whole problem on GPU 0, or `None`

@@ -80,6 +80,10 @@ pub struct RingReport {
     pub bytes_sent: usize,
     /// Attention calls made by the ranks of this process, all steps.
     pub calls: usize,
+    /// Device memory the ring allocated on each rank for the call, beyond the caller's shards
+    /// (the two K/V buffers in flight, one call's partial result, the f32 running result), all
+    /// freed before it returns: O(sequence / ranks), like the shards.
+    pub workspace_bytes: usize,
 }
 
 /// One rank's operands: its zigzag shards (see [`Zigzag`]) of Q, K, V and the output, each a
@@ -377,6 +381,11 @@ impl Ring {
         let kv_elems = local.kv_len().expect("validated");
         let kv_bytes = kv_elems * std::mem::size_of::<T>();
         let rows = local.batch * local.heads * z.local_len();
+        let q_elems = local.q_len().expect("validated");
+        let workspace_bytes = if w > 1 { 4 * kv_bytes } else { 0 }
+            + q_elems * std::mem::size_of::<T>()
+            + 4 * rows
+            + 4 * rows * (local.head_dim + 1);
         // Two K/V buffers per rank for the shards in flight (none in a ring of one), the
         // partial output and log-sum-exp of one call, and the running result.
         let mut bufs = Vec::with_capacity(self.ranks.len());
@@ -394,12 +403,8 @@ impl Ring {
                 Vec::new()
             });
             // SAFETY: every call writes the rows it covers before the merge reads them.
-            let (part, part_lse) = unsafe {
-                (
-                    r.dev.alloc::<T>(local.q_len().expect("validated"))?,
-                    r.dev.alloc::<f32>(rows)?,
-                )
-            };
+            let (part, part_lse) =
+                unsafe { (r.dev.alloc::<T>(q_elems)?, r.dev.alloc::<f32>(rows)?) };
             let acc = Accumulator::new(
                 &r.dev,
                 local.batch,
@@ -497,6 +502,7 @@ impl Ring {
             exchanges: w - 1,
             bytes_sent: 2 * kv_bytes * (w - 1),
             calls,
+            workspace_bytes,
         })
     }
 
