@@ -11,6 +11,7 @@
 //! single-GPU kernel and the float64 reference on a smaller problem.
 
 use crate::{CliResult, Failure};
+use cudarc::driver::{CudaSlice, CudaStream};
 use sdpa::distributed::{
     HostShards, Ring, RingOptions, RingReport, Shard, Transport, Zigzag, forward_host, lse_dims,
     q_dims,
@@ -18,6 +19,7 @@ use sdpa::distributed::{
 use sdpa::{Backend, DType, Device, Extras, Operands, Problem, Tensor};
 use sdpa_harness::{check, inputs};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
@@ -250,13 +252,13 @@ fn time_ring(
     let mut bufs = Vec::new();
     for (rank, dev) in ring.local_ranks() {
         let s = dev.stream();
-        let up = |bits: &[u16]| -> sdpa::Result<_> {
-            let vals: Vec<half::bf16> = bits.iter().map(|&b| half::bf16::from_bits(b)).collect();
-            Ok(s.clone_htod(&vals)?)
-        };
-        let [q, k, v] = &inputs::random_inputs(&shard, rank as u64)?.bits;
+        let (ql, kl) = (shard.q_len().unwrap_or(0), shard.kv_len().unwrap_or(0));
+        let seed = 3 * rank as u64;
+        let q = random_bf16(s, ql, seed)?;
+        let k = random_bf16(s, kl, seed + 1)?;
+        let v = random_bf16(s, kl, seed + 2)?;
         let out = s.alloc_zeros::<half::bf16>(q.len())?;
-        bufs.push((up(q)?, up(k)?, up(v)?, out));
+        bufs.push((q, k, v, out));
     }
     let mut times = Vec::with_capacity(iters);
     let mut report = None;
@@ -286,10 +288,12 @@ fn time_one_gpu(p: &Problem, iters: usize) -> Option<f64> {
     let run = || -> sdpa::Result<f64> {
         let dev = Device::new(0)?;
         let (ql, kl) = (p.q_len().unwrap_or(0), p.kv_len().unwrap_or(0));
+        // Random values as the ring's (zeros would draw less power, and at these sizes the
+        // GPU's clock follows its power).
         let (q, k, v) = (
-            Tensor::zeros(&dev, p.dtype, ql)?,
-            Tensor::zeros(&dev, p.dtype, kl)?,
-            Tensor::zeros(&dev, p.dtype, kl)?,
+            Tensor::from_cuda_slice(&dev, random_bf16(dev.stream(), ql, 0)?)?,
+            Tensor::from_cuda_slice(&dev, random_bf16(dev.stream(), kl, 1)?)?,
+            Tensor::from_cuda_slice(&dev, random_bf16(dev.stream(), kl, 2)?)?,
         );
         let mut out = Tensor::zeros(&dev, p.dtype, ql)?;
         let mut times = Vec::new();
@@ -312,6 +316,27 @@ fn time_one_gpu(p: &Problem, iters: usize) -> Option<f64> {
     run()
         .map_err(|e| eprintln!("sdpa ring bench: one-GPU baseline not run: {e}"))
         .ok()
+}
+
+/// `n` bf16 values on `stream` for a timing run: a block of at most 2^24 N(0, 1) draws from
+/// `seed`, repeated to fill, so that a shard of billions of values costs one block's draws.
+fn random_bf16(
+    stream: &Arc<CudaStream>,
+    n: usize,
+    seed: u64,
+) -> sdpa::Result<CudaSlice<half::bf16>> {
+    let block: Vec<half::bf16> = inputs::normal_bits(DType::Bf16, n.min(1 << 24), seed)
+        .into_iter()
+        .map(half::bf16::from_bits)
+        .collect();
+    let mut out = stream.alloc_zeros::<half::bf16>(n)?;
+    let mut at = 0;
+    while at < n {
+        let len = block.len().min(n - at);
+        stream.memcpy_htod(&block[..len], &mut out.slice_mut(at..at + len))?;
+        at += len;
+    }
+    Ok(out)
 }
 
 fn validate(a: ValidateArgs) -> CliResult<ExitCode> {

@@ -232,6 +232,14 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
     })
 }
 
+/// The bits of `n` N(0, 1) draws from `seed`, rounded to `dtype` (f16 or bf16): one block of a
+/// timing run's inputs, which the caller repeats to fill buffers too large to draw value by
+/// value (the kernels' work and power do not depend on values repeating; accuracy checks use
+/// [`random_inputs`]).
+pub fn normal_bits(dtype: DType, n: usize, seed: u64) -> Vec<u16> {
+    encode(dtype, &normals(&mut StdRng::seed_from_u64(seed), n))
+}
+
 /// `n` draws of N(0, 1) from `rng` (Box–Muller, two normals per pair of uniforms), as f32.
 pub(crate) fn normals(rng: &mut StdRng, n: usize) -> Vec<f32> {
     let mut v = Vec::with_capacity(n + 1);
