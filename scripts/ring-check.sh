@@ -39,16 +39,22 @@ has() { [[ " $steps " == *" $1 "* ]]; }
 note() { summary+=("$1"); echo "$1"; }
 
 # Starts one rank of a world of `ranks` as torchrun would (RANK, WORLD_SIZE, LOCAL_RANK,
-# MASTER_ADDR, MASTER_PORT), in the background: launch RANK PORT LOG CMD...
+# MASTER_ADDR, MASTER_PORT), in the background: launch RANK PORT LOG CMD... A rank still running
+# after 150 s is killed (exit status 124): a hang shows as that, and the check goes on.
 launch() {
   local r=$1 port=$2 log=$3; shift 3
   RANK=$r WORLD_SIZE=$ranks LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-    "$@" > "$log" 2>&1 &
+    timeout 150 "$@" > "$log" 2>&1 &
 }
-# Waits for pid $1 and prints "rc seconds" measured from $2 (epoch seconds).
+# Waits for each pid (after $1, the epoch seconds to count from) and sets `res` to its "rc
+# seconds" pairs.
 finish() {
-  wait "$1"; local rc=$?
-  echo "$rc $(( $(date +%s) - $2 ))"
+  local t0=$1 pid rc; shift
+  res=()
+  for pid in "$@"; do
+    wait "$pid"; rc=$?
+    res+=("($rc, $(( $(date +%s) - t0 )) s)")
+  done
 }
 
 if has topo; then
@@ -81,16 +87,16 @@ if has faults && [ "$ranks" -ge 2 ]; then
     launch $r 29611 "$f/mismatch-$r.log" "$sdpa" ring validate --problem $p --timeout-s 60
     pids+=($!)
   done
-  res=(); for pid in "${pids[@]}"; do res+=("$(finish "$pid" "$t0")"); done
-  note "faults, another problem on rank $((ranks - 1)): (rc s) per rank: ${res[*]}; $(grep -l 'another problem' "$f"/mismatch-*.log | wc -l)/$ranks ranks name it"
+  finish "$t0" "${pids[@]}"
+  note "faults, another problem on rank $((ranks - 1)): (exit status, time) per rank: ${res[*]}; $(grep -l 'another problem' "$f"/mismatch-*.log | wc -l)/$ranks ranks name it"
   # The last rank never joins: the others fail the rendezvous within --timeout-s 20.
   t0=$(date +%s); pids=()
   for ((r = 0; r < ranks - 1; r++)); do
     launch $r 29612 "$f/absent-$r.log" "$sdpa" ring validate --timeout-s 20
     pids+=($!)
   done
-  res=(); for pid in "${pids[@]}"; do res+=("$(finish "$pid" "$t0")"); done
-  note "faults, rank $((ranks - 1)) never joins (timeout 20 s): (rc s) per rank: ${res[*]}; $(tail -qn1 "$f"/absent-0.log | cut -c1-160)"
+  finish "$t0" "${pids[@]}"
+  note "faults, rank $((ranks - 1)) never joins (timeout 20 s): (exit status, time) per rank: ${res[*]}; $(tail -qn1 "$f"/absent-0.log | cut -c1-160)"
   # The last rank killed in the middle of a run of calls: the others end within --timeout-s 30
   # of the kill.
   pids=()
@@ -100,10 +106,10 @@ if has faults && [ "$ranks" -ge 2 ]; then
     pids+=($!)
   done
   sleep 45
-  kill -9 "${pids[$((ranks - 1))]}"; t0=$(date +%s)
-  res=(); for pid in "${pids[@]:0:$((ranks - 1))}"; do res+=("$(finish "$pid" "$t0")"); done
-  wait 2> /dev/null
-  note "faults, rank $((ranks - 1)) killed mid-run (timeout 30 s): (rc s after the kill) per other rank: ${res[*]}; $(tail -qn1 "$f"/killed-0.log | cut -c1-160)"
+  pkill -9 -P "${pids[$((ranks - 1))]}"; t0=$(date +%s)  # the rank under its `timeout`
+  finish "$t0" "${pids[@]:0:$((ranks - 1))}"
+  wait "${pids[$((ranks - 1))]}" 2> /dev/null
+  note "faults, rank $((ranks - 1)) killed mid-run (timeout 30 s): (exit status, time after the kill) per other rank: ${res[*]}; $(tail -qn1 "$f"/killed-0.log | cut -c1-160)"
 fi
 
 if has bench; then
