@@ -15,6 +15,10 @@
 #   bash scripts/ring-check.sh $OUT
 #   STEPS="validate bench" PROBLEMS=s128k-d128-causal RANKS=2 bash scripts/ring-check.sh $OUT
 #
+# All steps take about ten minutes on two H100s, the device tool's limit for one command: run
+# them as two calls on the same machine, STEPS="topo tests validate faults", then
+# STEPS="topo bench anchor" (the figures to compare come from one call).
+#
 # $OUT gets summary.txt and ring-check.tgz (every log and JSON record: the device tool returns
 # at most eight files).
 set -uo pipefail
