@@ -75,6 +75,8 @@ const char* name(Dtype dtype) {
       return "bf16";
     case Dtype::E4M3:
       return "e4m3";
+    case Dtype::F32:
+      return "f32";
   }
   return "unknown dtype";
 }
@@ -92,6 +94,10 @@ const Instance* find(Kernel kernel, Dtype dtype, int64_t head_dim) {
 }  // namespace
 
 std::string can_implement(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) {
+  if (a.dtype != Dtype::E4M3 && a.out_dtype != a.dtype &&
+      !(a.out_dtype == Dtype::F32 && kernel == Kernel::Cutlass))
+    return std::string("output ") + name(a.out_dtype) + " from " + name(a.dtype) +
+           " inputs: only cutlass (sm90) writes another output type (f32)";
   if (simulated(kernel, a)) {
     if (a.out_dtype != Dtype::F16 && a.out_dtype != Dtype::BF16)
       return "e4m3 (simulated): out_dtype must be f16 or bf16";

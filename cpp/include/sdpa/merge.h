@@ -30,7 +30,7 @@ struct MergeArgs {
   int64_t part_stride[3];
   int64_t batch, heads, rows, head_dim;
   int64_t acc_seq, row0;
-  Dtype dtype;  // of part_o: F16 or BF16
+  Dtype dtype;  // of part_o: F16, BF16 or F32
 };
 void merge_partial(const MergeArgs& a, void* stream);
 

@@ -15,8 +15,9 @@ struct Error : std::runtime_error {
 };
 
 // E4M3 = FP8 (1 sign, 4 exponent, 3 mantissa bits, "fn": no infinities, max 448), only as an
-// input type of Q, K, V, always with dequantization scales.
-enum class Dtype : int32_t { F16 = 0, BF16 = 1, E4M3 = 2 };
+// input type of Q, K, V, always with dequantization scales. F32 only as an output type: a partial
+// result that is merged with others before it is rounded (ring attention's steps).
+enum class Dtype : int32_t { F16 = 0, BF16 = 1, E4M3 = 2, F32 = 3 };
 
 // Which keys each query row sees. CausalBottomRight: row i sees keys j <= i + seq_k - seq_q (the
 // causal diagonal aligned to the last key, as FlashAttention for seq_q != seq_k). CausalTopLeft:
@@ -50,7 +51,7 @@ struct FwdArgs {
   bool has_lse;
   float* lse;
   Dtype dtype;      // of q, k, v
-  Dtype out_dtype;  // of o: F16 or BF16; equal to dtype unless dtype is E4M3
+  Dtype out_dtype;  // of o: dtype; F16 or BF16 for E4M3; F32 from F16/BF16 on Kernel::Cutlass
   // E4M3 only (null otherwise): dequantization scales, real value = code * scale. Device f32
   // arrays of one entry (per tensor) or, with per_head_scales, one per (batch, head) pair:
   // q_scale[b * heads + h], k_scale[b * kv_heads + hk], v_scale[b * kv_heads + hk].

@@ -1,11 +1,13 @@
 // The log-sum-exp merge of partial attention results (sdpa/merge.h). Memory-bound: one warp a
-// row, each lane a pair of head_dim values at a time (32-bit loads of the 16-bit part, 64-bit of
-// the f32 accumulator); the row's weights are computed once per lane from two floats.
+// row, each lane a pair of head_dim values at a time (32-bit loads of a 16-bit part, 64-bit of an
+// f32 part and of the f32 accumulator); the row's weights are computed once per lane from two
+// floats.
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "common/check.cuh"
 #include "common/dtype.cuh"
@@ -30,9 +32,9 @@ struct Type {
 };
 
 // The host side both row kernels share: head_dim even (lanes take pairs), nothing launched for
-// no rows, `launch(Type<T>{}, blocks, stream)` with T the 16-bit type of `dtype` (`what` names
-// the tensor of that dtype), then the launch checked under `name`.
-template <typename Launch>
+// no rows, `launch(Type<T>{}, blocks, stream)` with T the 16-bit type of `dtype`, or float where
+// kF32 allows it (`what` names the tensor of that dtype), then the launch checked under `name`.
+template <bool kF32, typename Launch>
 void launch_rows(const char* name, const char* what, int64_t rows, int64_t head_dim, Dtype dtype,
                  void* stream, Launch launch) {
   if (head_dim % 2 != 0) throw Error("merge: head_dim must be even");
@@ -45,8 +47,15 @@ void launch_rows(const char* name, const char* what, int64_t rows, int64_t head_
     case Dtype::BF16:
       launch(Type<__nv_bfloat16>{}, blocks_for(rows), st);
       break;
+    case Dtype::F32:
+      if constexpr (kF32) {
+        launch(Type<float>{}, blocks_for(rows), st);
+        break;
+      }
+      [[fallthrough]];
     default:
-      throw Error(std::string("merge: ") + what + " are f16 or bf16");
+      throw Error(std::string("merge: ") + what +
+                  (kF32 ? " are f16, bf16 or f32" : " are f16 or bf16"));
   }
   SDPA_LAUNCH_CHECK(name);
 }
@@ -54,6 +63,15 @@ void launch_rows(const char* name, const char* what, int64_t rows, int64_t head_
 __global__ void fill_no_key(float* lse, int64_t rows) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < rows) lse[i] = -INFINITY;
+}
+
+// Elements 2i and 2i + 1 of a row of T as f32.
+template <typename T>
+__device__ __forceinline__ float2 load_pair(const T* row, int64_t i) {
+  if constexpr (std::is_same_v<T, float>)
+    return reinterpret_cast<const float2*>(row)[i];
+  else
+    return Pair<T>::to_float2(reinterpret_cast<const uint32_t*>(row)[i]);
 }
 
 template <typename T>
@@ -71,9 +89,8 @@ __global__ void merge_rows(const MergeArgs a) {
   float2* o = reinterpret_cast<float2*>(a.acc_o + acc_row * a.head_dim);
   const T* p_row = static_cast<const T*>(a.part_o) + b * a.part_stride[0] + h * a.part_stride[1] +
                    s * a.part_stride[2];
-  const uint32_t* p = reinterpret_cast<const uint32_t*>(p_row);
   for (int64_t i = lane; i < a.head_dim / 2; i += 32) {
-    const float2 x = o[i], y = Pair<T>::to_float2(p[i]);
+    const float2 x = o[i], y = load_pair(p_row, i);
     o[i] = make_float2(c1 * x.x + c2 * y.x, c1 * x.y + c2 * y.y);
   }
   __syncwarp();
@@ -109,17 +126,17 @@ void merge_init(float* acc_o, float* acc_lse, int64_t rows, int64_t head_dim, vo
 }
 
 void merge_partial(const MergeArgs& a, void* stream) {
-  launch_rows("merge_partial launch", "partial outputs", a.batch * a.heads * a.rows, a.head_dim,
-              a.dtype, stream, [&](auto t, unsigned blocks, cudaStream_t st) {
-                merge_rows<typename decltype(t)::type><<<blocks, kThreads, 0, st>>>(a);
-              });
+  launch_rows<true>("merge_partial launch", "partial outputs", a.batch * a.heads * a.rows,
+                    a.head_dim, a.dtype, stream, [&](auto t, unsigned blocks, cudaStream_t st) {
+                      merge_rows<typename decltype(t)::type><<<blocks, kThreads, 0, st>>>(a);
+                    });
 }
 
 void merge_finish(const MergeFinishArgs& a, void* stream) {
-  launch_rows("merge_finish launch", "outputs", a.batch * a.heads * a.seq, a.head_dim, a.dtype,
-              stream, [&](auto t, unsigned blocks, cudaStream_t st) {
-                finish_rows<typename decltype(t)::type><<<blocks, kThreads, 0, st>>>(a);
-              });
+  launch_rows<false>("merge_finish launch", "outputs", a.batch * a.heads * a.seq, a.head_dim,
+                     a.dtype, stream, [&](auto t, unsigned blocks, cudaStream_t st) {
+                       finish_rows<typename decltype(t)::type><<<blocks, kThreads, 0, st>>>(a);
+                     });
 }
 
 }  // namespace sdpa

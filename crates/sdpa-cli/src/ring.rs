@@ -366,9 +366,14 @@ fn validate(a: ValidateArgs) -> CliResult<ExitCode> {
             let l_ring = err(&wide(&shards.lse[i]), &want_l).max_err;
             let l_one = err(&one.1[i], &want_l).max_err;
             // A NaN in the ring's output fails (the error skips NaN positions and counts them).
-            let pass = ring_o.nan_count == 0
-                && e_ring <= (2.0 * e_one).max(2.0 * p.dtype.unit_roundoff())
-                && l_ring <= 1e-4 + 4.0 * l_one;
+            // f32 partial results round the output once, as one GPU: no worse than it; partial
+            // results in the dtype add a rounding each.
+            let bound = if shards.report.f32_partials {
+                1.05 * e_one
+            } else {
+                (2.0 * e_one).max(2.0 * p.dtype.unit_roundoff())
+            };
+            let pass = ring_o.nan_count == 0 && e_ring <= bound && l_ring <= 1e-4 + 4.0 * l_one;
             ok &= pass;
             outln!(
                 "{pname} rank {rank}/{}: {name} rel_err {e_ring:.3e} (one GPU {e_one:.3e}), LSE max \
@@ -388,13 +393,15 @@ fn validate(a: ValidateArgs) -> CliResult<ExitCode> {
 
 fn report_line(r: &RingReport) -> CliResult<()> {
     outln!(
-        "  ring: {:?} x{}, {} steps, {} K/V hand-overs of {} bytes each rank, {} attention calls",
+        "  ring: {:?} x{}, {} steps, {} K/V hand-overs of {} bytes each rank, {} attention calls, \
+         partial results in {}",
         r.transport,
         r.world,
         r.steps,
         r.exchanges,
         r.bytes_sent,
-        r.calls
+        r.calls,
+        if r.f32_partials { "f32" } else { "the dtype" }
     )
 }
 

@@ -23,6 +23,8 @@ pub mod ffi {
         F16 = 0,
         BF16 = 1,
         E4M3 = 2,
+        /// An output type only: partial results merged before they are rounded.
+        F32 = 3,
     }
 
     /// Which keys each query row sees: `sdpa::Mask`, bound like `Dtype`.

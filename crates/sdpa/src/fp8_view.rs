@@ -163,6 +163,7 @@ pub fn forward_fp8_views<T: Element>(
         k: kp,
         v: vp,
         o: op,
+        o_f32: false,
         scales: [qsp, ksp, vsp],
         strides: [q.strides, k.strides, v.strides, out.strides],
         alibi_slopes: 0,

@@ -9,7 +9,7 @@ use crate::extras::Extras;
 use crate::footprint::{out_apart, rows_distinct, span};
 use crate::problem::{Checked, Problem, Strides};
 use crate::tensor::Element;
-use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
 
 /// Q, K or V in the caller's device memory: a `[batch, heads, seq, head_dim]` tensor at element
 /// `strides` inside `data` (head_dim contiguous), borrowed for the call.
@@ -134,10 +134,9 @@ pub fn forward_views_with<T: Element>(
     p: &Problem,
     backend: Backend,
     views: Views<'_, '_, T>,
-    mut extras: Extras<'_>,
+    extras: Extras<'_>,
 ) -> Result<()> {
     let p = p.checked()?;
-    let Views { q, k, v, mut out } = views;
     if T::DTYPE != p.dtype || p.output_dtype() != p.dtype {
         return Err(invalid!(
             "the views are {}, the problem's inputs {} and output {}",
@@ -146,6 +145,45 @@ pub fn forward_views_with<T: Element>(
             p.output_dtype()
         ));
     }
+    let Views { q, k, v, out } = views;
+    launch_views(dev, &p, backend, [q, k, v], out, extras, false)
+}
+
+/// [`forward_views_with`] on cutlass (sm90) with the output in f32 rather than the problem's
+/// dtype: a partial result that is merged with others before it is rounded (ring attention's
+/// steps). Unsupported where cutlass cannot write it ([`crate::backend::fused::writes_f32`]).
+#[cfg(feature = "distributed")]
+pub(crate) fn forward_views_f32<T: Element>(
+    dev: &Device,
+    p: &Problem,
+    [q, k, v]: [View<'_, T>; 3],
+    out: ViewMut<'_, f32>,
+    extras: Extras<'_>,
+) -> Result<()> {
+    let p = p.checked()?;
+    use crate::problem::DType;
+    if T::DTYPE != p.dtype || !matches!(p.dtype, DType::F16 | DType::Bf16) {
+        return Err(invalid!(
+            "f32 output from {} views of a {} problem: f16 or bf16 inputs only",
+            T::DTYPE,
+            p.dtype
+        ));
+    }
+    crate::backend::fused::writes_f32(dev, &p)?;
+    launch_views(dev, &p, Backend::Cutlass, [q, k, v], out, extras, true)
+}
+
+/// The checks every call on views makes, and its launch: the output's elements are `O`, the
+/// problem's output dtype or (`o_f32`) f32.
+fn launch_views<T: Element, O: DeviceRepr>(
+    dev: &Device,
+    p: &Checked,
+    backend: Backend,
+    [q, k, v]: [View<'_, T>; 3],
+    mut out: ViewMut<'_, O>,
+    mut extras: Extras<'_>,
+    o_f32: bool,
+) -> Result<()> {
     let (qs, ks) = (p.q_shape(), p.kv_shape());
     let spans = [
         span("q", dev, &q.data, q.strides, qs)?,
@@ -158,10 +196,10 @@ pub fn forward_views_with<T: Element>(
         &spans[3],
         &[("q", &spans[0]), ("k", &spans[1]), ("v", &spans[2])],
     )?;
-    extras.check(dev, &p, &spans)?;
+    extras.check(dev, p, &spans)?;
     let (qd, kd) = (p.q_strides(), p.kv_strides());
     let in_layout = [q.strides, k.strides, v.strides, out.strides] == [qd, kd, kd, qd];
-    let backend = resolve(dev, &p, backend, in_layout)?;
+    let backend = resolve(dev, p, backend, in_layout)?;
     let extra_streams: Vec<_> = extras.streams().cloned().collect();
     let order = dev.order_after(
         [
@@ -186,6 +224,7 @@ pub fn forward_views_with<T: Element>(
         k: kp,
         v: vp,
         o: op,
+        o_f32,
         scales: [0; 3],
         strides: [q.strides, k.strides, v.strides, out.strides],
         alibi_slopes: 0,
@@ -194,8 +233,8 @@ pub fn forward_views_with<T: Element>(
     }
     .with_extras(&extra_ptrs);
     let ran = match backend.fused_kernel() {
-        Some(kernel) => crate::backend::fused::forward(kernel, dev, &p, &b),
-        None => crate::backend::cublas::forward(dev, &p, &b),
+        Some(kernel) => crate::backend::fused::forward(kernel, dev, p, &b),
+        None => crate::backend::cublas::forward(dev, p, &b),
     };
     order.finish(ran)
 }

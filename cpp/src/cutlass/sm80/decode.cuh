@@ -363,10 +363,12 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Pa
 template <int D>
 constexpr bool kHasDecode = D == 64 || D == 128;
 
-// Whether `a` is a decode step this path takes: 16-bit inputs, at most kMaxTokens query tokens
-// against at least 4 key tiles, no mask but causal bottom-right, no softcap or ALiBi.
+// Whether `a` is a decode step this path takes: 16-bit inputs and output, at most kMaxTokens
+// query tokens against at least 4 key tiles, no mask but causal bottom-right, no softcap or
+// ALiBi.
 inline bool applies(const FwdArgs& a) {
-  if (a.dtype == Dtype::E4M3 || !(a.head_dim == 64 || a.head_dim == 128)) return false;
+  if (a.dtype == Dtype::E4M3 || a.out_dtype != a.dtype) return false;
+  if (!(a.head_dim == 64 || a.head_dim == 128)) return false;
   if (a.mask != Mask::NoMask && a.mask != Mask::CausalBottomRight) return false;
   if (a.softcap > 0.f || a.alibi) return false;
   return a.seq_q <= kMaxTokens && a.seq_k >= 256 && a.heads / a.kv_heads <= 64 &&

@@ -1,5 +1,6 @@
 // The sm_90a kernel's epilogue: a consumer warpgroup's 64 rows of O, normalized, from the wgmma
-// accumulator to global memory through a shared staging area.
+// accumulator to global memory through a shared staging area (or, for an f32 output, straight
+// from the accumulator).
 #pragma once
 
 #include "common/launch.cuh"
@@ -23,6 +24,7 @@ struct Epilogue {
     float* lse;  // null: none; [batch][heads][seq_q], or [heads][total_q] for packed Q
     int heads;
     int64_t total_q;  // packed Q's rows (0: dense)
+    float* o32;       // non-null: O is written here in f32 instead (o unused), at strides os
   };
 
   // Each row's log-sum-exp (softmax: the tile's finished online softmax, which stepped with
@@ -58,6 +60,7 @@ struct Epilogue {
                                                int m0, int wg, int ctid, int qi, int bar) {
     int etid = ctid;
     asm volatile("" : "+r"(etid));
+    if (p.o32 != nullptr) return store_f32(p, tOrO, seq, b, h, m0, etid);
     const uint32_t so =
         uint32_t(__cvta_generic_to_shared(C::staging(sm))) + uint32_t(wg * 64 * D * sizeof(Out));
     if (qi > 0) named_sync(bar, 128);
@@ -83,6 +86,27 @@ struct Epilogue {
       if (row < seq.seq_q)
         *reinterpret_cast<uint4*>(ob + int64_t(row) * p.os.seq + j * 8) =
             ld_shared_128(so + (r * D + ((j ^ (r & 7)) << 3)) * sizeof(Out));
+    }
+  }
+
+  // O in f32 (a partial result that is merged before it is rounded), from the accumulator: each
+  // thread's column pairs as 8-byte stores, so a quad's four threads fill a 32-byte sector of a
+  // row (the 16-bit output's 4-byte stores fill half of one, hence its staging).
+  template <class TO>
+  __device__ __forceinline__ static void store_f32(const Params& p, const TO& tOrO,
+                                                   const Seq<int>& seq, int b, int h, int m0,
+                                                   int etid) {
+    typename C::MmaPV mma_pv;
+    Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
+        make_identity_tensor(Shape<Int<C::kBM>, Int<D>>{}));
+    float* ob =
+        p.o32 + int64_t(b) * p.os.batch + int64_t(h) * p.os.head + int64_t(seq.q0) * p.os.seq;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tOrO); i += 2) {
+      const int row = m0 + int(get<0>(cO(i))), c = get<1>(cO(i));  // element i + 1: (row, c + 1)
+      if (row < seq.seq_q)
+        *reinterpret_cast<float2*>(ob + int64_t(row) * p.os.seq + c) =
+            make_float2(tOrO(i), tOrO(i + 1));
     }
   }
 };

@@ -264,8 +264,15 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   const void* v = E::kPrepass ? a.workspace : a.v;
   const Strides vs = E::kPrepass && !E::kFp8PV ? packed_v_strides(a) : a.v_stride;
   p.mainloop = Mainloop<E, D, Mask>::make(a, v, vs, turns);
-  p.epilogue = {static_cast<typename E::Out*>(a.o), a.o_stride,   int(a.seq_q),
-                a.has_lse ? a.lse : nullptr,        int(a.heads), a.total_q};
+  // 16-bit inputs may ask for O in f32 (FwdArgs::out_dtype): the same kernel writes it.
+  const bool o32 = a.out_dtype == Dtype::F32;
+  p.epilogue = {o32 ? nullptr : static_cast<typename E::Out*>(a.o),
+                a.o_stride,
+                int(a.seq_q),
+                a.has_lse ? a.lse : nullptr,
+                int(a.heads),
+                a.total_q,
+                o32 ? static_cast<float*>(a.o) : nullptr};
   return p;
 }
 

@@ -100,6 +100,26 @@ pub(crate) fn can_implement(
     can_implement_on(kernel, &dev.map(Device::info).unwrap_or_default(), p)
 }
 
+/// Whether cutlass (sm90) runs `p` on `dev` with its output written in f32 (a partial result
+/// merged before it is rounded) instead of the problem's output dtype.
+#[cfg(feature = "distributed")]
+pub(crate) fn writes_f32(dev: &Device, p: &Checked) -> Result<()> {
+    Backend::Cutlass.supports_checked(Some(dev), p)?;
+    let args = sdpa_sys::ffi::FwdArgs {
+        out_dtype: sdpa_sys::ffi::Dtype::F32,
+        ..problem_args(p)
+    };
+    let why = sdpa_sys::ffi::can_implement(Kernel::Cutlass, &args, &dev.info())?;
+    if why.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Unsupported {
+            backend: Backend::Cutlass.name(),
+            reason: why,
+        })
+    }
+}
+
 /// `can_implement` on the device `info` describes (all zero: unknown).
 fn can_implement_on(
     kernel: Kernel,
@@ -259,6 +279,11 @@ fn fwd_args(p: &Problem, b: &Buffers) -> sdpa_sys::ffi::FwdArgs {
         v_scale: b.scales[2],
         alibi_slopes: b.alibi_slopes,
         lse: b.lse,
+        out_dtype: if b.o_f32 {
+            sdpa_sys::ffi::Dtype::F32
+        } else {
+            ffi::dtype(p.output_dtype())
+        },
         cu_seqlens_q,
         cu_seqlens_k,
         seqused_k,
@@ -443,6 +468,39 @@ mod tests {
         );
     }
 
+    /// An f32 output (partial results) is cutlass (sm90)'s alone, from 16-bit inputs, prefill
+    /// and decode shapes alike; every other kernel and e4m3 inputs refuse it by name.
+    #[test]
+    fn only_the_sm90_kernel_writes_f32_outputs() {
+        if !built(Backend::Cutlass) {
+            return;
+        }
+        let f32_out = |p: &Problem| sdpa_sys::ffi::FwdArgs {
+            out_dtype: sdpa_sys::ffi::Dtype::F32,
+            ..problem_args(p)
+        };
+        let ask =
+            |kernel, p: &Problem| sdpa_sys::ffi::can_implement(kernel, &f32_out(p), &H100).unwrap();
+        let prefill = Problem::new(1, 8, 512, 512, 128)
+            .with_kv_heads(2)
+            .with_causal(true)
+            .with_dtype(DType::Bf16)
+            .with_lse(true);
+        let decode = Problem::new(2, 8, 1, 4096, 64).with_dtype(DType::F16);
+        for p in [&prefill, &decode, &prefill.with_causal(false)] {
+            assert_eq!(ask(Kernel::Cutlass, p), "", "{p}");
+            for other in [Kernel::CutlassSm80, Kernel::Scalar, Kernel::Wmma] {
+                let why = ask(other, p);
+                assert!(
+                    why.contains("only cutlass (sm90) writes"),
+                    "{other:?}: {why}"
+                );
+            }
+        }
+        let fp8 = ask(Kernel::Cutlass, &prefill.with_dtype(DType::E4m3));
+        assert!(fp8.contains("out_dtype must be f16 or bf16"), "{fp8}");
+    }
+
     /// The pointers, where given, must suit TMA (16-byte aligned bases).
     #[test]
     fn the_sm90_kernel_checks_tma_alignment_of_given_pointers() {
@@ -472,6 +530,7 @@ mod tests {
             k: 0,
             v: 0,
             o: 0,
+            o_f32: false,
             scales: [0; 3],
             strides: [qs, ks, ks, qs],
             alibi_slopes: 0,

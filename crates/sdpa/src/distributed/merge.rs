@@ -1,14 +1,14 @@
 //! The running result of one rank's queries across ring steps: f32 output and log-sum-exp on
 //! the device, each step's partial result folded in through the LSE (cpp/src/merge/merge.cu,
-//! sdpa/merge.h has the formula), rounded into the caller's output once at the end. Keeping it in
-//! f32 means the partial results are rounded to 16 bits once each, not once per merge.
+//! sdpa/merge.h has the formula), rounded into the caller's output once at the end. Partial
+//! results in f32 (where the kernel writes them so) and an f32 running result round the output
+//! once, as one GPU does; 16-bit partial results add one rounding each.
 
 use crate::device::Device;
 use crate::error::Result;
-use crate::ffi::dtype;
 use crate::problem::{DType, Strides};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use sdpa_sys::ffi::{MergeArgs, MergeFinishArgs};
+use sdpa_sys::ffi::{Dtype, MergeArgs, MergeFinishArgs};
 
 /// A `[batch, heads, seq, head_dim]` f32 output and `[batch, heads, seq]` log-sum-exp, dense,
 /// on one device's stream.
@@ -22,14 +22,15 @@ pub(crate) struct Accumulator {
 }
 
 /// A partial result in device memory: `rows` query positions from `row0` of each (batch, head),
-/// its output (`dtype`) at `strides`, its log-sum-exp dense `[batch, heads, rows]`.
+/// its output (`dtype`: the problem's, or f32) at `strides`, its log-sum-exp dense `[batch,
+/// heads, rows]`.
 pub(crate) struct Partial {
     pub(crate) o: u64,
     pub(crate) strides: Strides,
     pub(crate) lse: u64,
     pub(crate) row0: usize,
     pub(crate) rows: usize,
-    pub(crate) dtype: DType,
+    pub(crate) dtype: Dtype,
 }
 
 impl Accumulator {
@@ -84,7 +85,7 @@ impl Accumulator {
             head_dim: self.head_dim as i64,
             acc_seq: self.seq as i64,
             row0: part.row0 as i64,
-            dtype: dtype(part.dtype),
+            dtype: part.dtype,
         };
         // SAFETY: the accumulator's buffers are live; the caller vouches for the part's.
         unsafe { sdpa_sys::ffi::merge_partial(&args, stream)? };

@@ -22,15 +22,19 @@ use super::rendezvous::{RankEnv, exchange_id};
 use super::schedule::{self, Block};
 use super::zigzag::Zigzag;
 use crate::backend::Backend;
+use crate::backend::fused::writes_f32;
 use crate::device::Device;
 use crate::error::{Error, Result, invalid};
 use crate::extras::Extras;
+use crate::ffi;
 use crate::problem::{DType, Mask, Problem, Strides};
 use crate::tensor::Element;
-use crate::view::{View, ViewMut, Views, forward_views_with};
+use crate::view::{View, ViewMut, Views, forward_views_f32, forward_views_with};
 use cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
 };
+use sdpa_sys::ffi::Dtype;
+use std::mem::size_of;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,8 +86,12 @@ pub struct RingReport {
     pub calls: usize,
     /// Device memory the ring allocated on each rank for the call, beyond the caller's shards
     /// (the two K/V buffers in flight, one call's partial result, the f32 running result), all
-    /// freed before it returns: O(sequence / ranks), like the shards.
+    /// freed before it returns: O(sequence / ranks), like the shards. The most of any local rank.
     pub workspace_bytes: usize,
+    /// Whether every local rank's attention calls wrote their partial results in f32 (cutlass on
+    /// sm90), so that the output is rounded once, as on one GPU; otherwise (another backend or
+    /// GPU) a rank's partial results are rounded to the problem's dtype, one rounding more each.
+    pub f32_partials: bool,
 }
 
 /// One rank's operands: its zigzag shards (see [`Zigzag`]) of Q, K, V and the output, each a
@@ -382,15 +390,35 @@ impl Ring {
         let kv_bytes = kv_elems * std::mem::size_of::<T>();
         let rows = local.batch * local.heads * z.local_len();
         let q_elems = local.q_len().expect("validated");
+        let plans: Vec<Vec<schedule::Step>> = self
+            .ranks
+            .iter()
+            .map(|r| schedule::steps(z, r.rank, p.is_causal()))
+            .collect();
+        // Partial results in f32 where the backend writes every one of the rank's calls so.
+        let f32_parts: Vec<bool> = self
+            .ranks
+            .iter()
+            .zip(&plans)
+            .map(|(r, plan)| {
+                let backend = self.opts.backend;
+                plan.iter().flat_map(|s| &s.blocks).all(|b| {
+                    let bp = block_problem(p, b);
+                    matches!(backend, Backend::Auto | Backend::Cutlass)
+                        && bp.checked().is_ok_and(|c| writes_f32(&r.dev, &c).is_ok())
+                })
+            })
+            .collect();
+        let part_bytes = |f32_part: bool| q_elems * if f32_part { 4 } else { size_of::<T>() };
         let workspace_bytes = if w > 1 { 4 * kv_bytes } else { 0 }
-            + q_elems * std::mem::size_of::<T>()
+            + f32_parts.iter().map(|&f| part_bytes(f)).max().unwrap_or(0)
             + 4 * rows
             + 4 * rows * (local.head_dim + 1);
         // Two K/V buffers per rank for the shards in flight (none in a ring of one), the
         // partial output and log-sum-exp of one call, and the running result.
         let mut bufs = Vec::with_capacity(self.ranks.len());
         let mut work = Vec::with_capacity(self.ranks.len());
-        for r in &self.ranks {
+        for (r, &f32_part) in self.ranks.iter().zip(&f32_parts) {
             bufs.push(if w > 1 {
                 // SAFETY: a buffer is received into before any step reads it.
                 unsafe {
@@ -403,8 +431,14 @@ impl Ring {
                 Vec::new()
             });
             // SAFETY: every call writes the rows it covers before the merge reads them.
-            let (part, part_lse) =
-                unsafe { (r.dev.alloc::<T>(q_elems)?, r.dev.alloc::<f32>(rows)?) };
+            let (part, part_lse) = unsafe {
+                let part = if f32_part {
+                    PartBuf::F32(r.dev.alloc::<f32>(q_elems)?)
+                } else {
+                    PartBuf::Same(r.dev.alloc::<T>(q_elems)?)
+                };
+                (part, r.dev.alloc::<f32>(rows)?)
+            };
             let acc = Accumulator::new(
                 &r.dev,
                 local.batch,
@@ -454,11 +488,6 @@ impl Ring {
             }
         };
         let next = |i: usize, t: usize| buf_kv[i][t % 2];
-        let plans: Vec<Vec<schedule::Step>> = self
-            .ranks
-            .iter()
-            .map(|r| schedule::steps(z, r.rank, p.is_causal()))
-            .collect();
         let mut calls = 0;
         for t in 0..w {
             for r in &self.ranks {
@@ -503,6 +532,7 @@ impl Ring {
             bytes_sent: 2 * kv_bytes * (w - 1),
             calls,
             workspace_bytes,
+            f32_partials: f32_parts.iter().all(|&f| f),
         })
     }
 
@@ -573,9 +603,15 @@ impl Ring {
 /// What one rank's attention calls write: one call's partial output and log-sum-exp, and the
 /// running result.
 struct Scratch<T> {
-    part: CudaSlice<T>,
+    part: PartBuf<T>,
     part_lse: CudaSlice<f32>,
     acc: Accumulator,
+}
+
+/// A call's partial output: in the problem's dtype, or in f32 where the backend writes it so.
+enum PartBuf<T> {
+    Same(CudaSlice<T>),
+    F32(CudaSlice<f32>),
 }
 
 /// One block of a step: attention of the block's query rows to its keys, into the partial
@@ -597,26 +633,38 @@ fn attend<T: Element>(
     let part_strides = bp.with_layout(crate::problem::Layout::Bhsd).q_strides();
     let n_out = bp.q_len().expect("validated");
     let n_lse = bp.lse_len();
-    {
-        let views = Views {
-            q: View::new(q.slice(block.q.start * qs.seq..), qs),
-            k: View::new(k.slice(block.k.start * ks.seq..), ks),
-            v: View::new(v.slice(block.k.start * ks.seq..), ks),
-            out: ViewMut::new(wk.part.slice_mut(..n_out), part_strides),
-        };
-        let extras = Extras {
-            lse: Some(wk.part_lse.slice_mut(..n_lse)),
-            ..Extras::default()
-        };
-        forward_views_with(&r.dev, &bp, backend, views, extras)?;
-    }
+    let ins = [
+        View::new(q.slice(block.q.start * qs.seq..), qs),
+        View::new(k.slice(block.k.start * ks.seq..), ks),
+        View::new(v.slice(block.k.start * ks.seq..), ks),
+    ];
+    let extras = Extras {
+        lse: Some(wk.part_lse.slice_mut(..n_lse)),
+        ..Extras::default()
+    };
+    let (o, dtype) = match &mut wk.part {
+        PartBuf::Same(part) => {
+            let [q, k, v] = ins;
+            let out = ViewMut::new(part.slice_mut(..n_out), part_strides);
+            forward_views_with(&r.dev, &bp, backend, Views { q, k, v, out }, extras)?;
+            (part.device_ptr(r.dev.stream()).0, ffi::dtype(p.dtype))
+        }
+        PartBuf::F32(part) => {
+            let out = ViewMut {
+                data: part.slice_mut(..n_out),
+                strides: part_strides,
+            };
+            forward_views_f32(&r.dev, &bp, ins, out, extras)?;
+            (part.device_ptr(r.dev.stream()).0, Dtype::F32)
+        }
+    };
     let part = Partial {
-        o: wk.part.device_ptr(r.dev.stream()).0,
+        o,
         strides: part_strides,
         lse: wk.part_lse.device_ptr(r.dev.stream()).0,
         row0: block.q.start,
         rows,
-        dtype: p.dtype,
+        dtype,
     };
     // SAFETY: the partial buffers hold the block's rows, just written on this stream.
     unsafe { wk.acc.fold(&r.dev, &part) }
