@@ -118,6 +118,46 @@ fn loopback_rings_match_one_gpu_and_the_reference() {
     }
 }
 
+/// Asked for, each call says where every rank's compute stream spent its time: attention calls
+/// (one a step here), merges, waits for K/V; the spans lie within the call on that GPU.
+#[test]
+fn loopback_ring_reports_where_the_time_goes() {
+    let Some(dev) = common::device("loopback_ring_reports_where_the_time_goes") else {
+        return;
+    };
+    let opts = RingOptions {
+        timings: true,
+        ..RingOptions::default()
+    };
+    let mut ring = Ring::loopback(&dev, 2, opts).unwrap();
+    let (what, p) = &problems()[0];
+    let report = compare(
+        &dev,
+        &mut ring,
+        p,
+        &format!("loopback x2 with timings, {what}"),
+    );
+    assert_eq!(report.timings.len(), 2);
+    for (rank, t) in report.timings.iter().enumerate() {
+        eprintln!("{what}: {t:?}");
+        assert_eq!(t.rank, rank);
+        assert!(
+            t.attention_ms > 0.0 && t.merge_ms > 0.0 && t.waiting_ms >= 0.0,
+            "{t:?}"
+        );
+        let parts = t.attention_ms + t.merge_ms + t.waiting_ms;
+        // Event resolution is about half a microsecond a span.
+        assert!(parts <= t.total_ms + 0.01, "{t:?}");
+    }
+    let untimed = compare(
+        &dev,
+        &mut Ring::loopback(&dev, 2, RingOptions::default()).unwrap(),
+        p,
+        what,
+    );
+    assert!(untimed.timings.is_empty());
+}
+
 /// A backend that writes partial results in the problem's dtype only (cutlass-sm80): the ring
 /// merges those, one rounding more each, within the looser bound `compare` allows them.
 #[test]

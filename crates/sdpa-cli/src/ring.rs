@@ -119,10 +119,12 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     }
 }
 
-/// The ring the arguments and the environment describe.
-fn open_ring(a: &RankArgs) -> sdpa::Result<Ring> {
+/// The ring the arguments and the environment describe; `timings`: each call measures where
+/// each local rank's time goes.
+fn open_ring(a: &RankArgs, timings: bool) -> sdpa::Result<Ring> {
     let opts = RingOptions {
         timeout: Duration::from_secs(a.timeout_s),
+        timings,
         ..RingOptions::default()
     };
     if std::env::var_os("WORLD_SIZE").is_some() && !a.loopback {
@@ -168,7 +170,7 @@ fn leads(ring: &Ring) -> bool {
 }
 
 fn bench(a: BenchArgs) -> CliResult<ExitCode> {
-    let mut ring = open_ring(&a.ranks)?;
+    let mut ring = open_ring(&a.ranks, true)?;
     let name = transport_name(&ring);
     let mut records = Vec::new();
     for pname in &a.problem {
@@ -213,6 +215,29 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
                 gib(report.workspace_bytes),
             )?;
         }
+        // Where the last call's time went on each GPU of this process: the attention is the
+        // work one GPU would do too; merges and waits for K/V are the ring's own.
+        for rt in &report.timings {
+            outln!(
+                "  rank {}: attention {:.2} ms, merges {:.2} ms, waiting for K/V {:.2} ms, of \
+                 {:.2} ms on its GPU",
+                rt.rank,
+                rt.attention_ms,
+                rt.merge_ms,
+                rt.waiting_ms,
+                rt.total_ms
+            )?;
+        }
+        let timings: Vec<_> = report
+            .timings
+            .iter()
+            .map(|rt| {
+                serde_json::json!({
+                    "rank": rt.rank, "attention_ms": rt.attention_ms, "merge_ms": rt.merge_ms,
+                    "waiting_ms": rt.waiting_ms, "total_ms": rt.total_ms,
+                })
+            })
+            .collect();
         records.push(serde_json::json!({
             "name": pname, "batch": p.batch, "heads": p.heads, "kv_heads": p.kv_heads,
             "seq_q": p.seq_q, "seq_k": p.seq_k, "head_dim": p.head_dim, "causal": p.is_causal(),
@@ -221,6 +246,7 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
             "us_one_gpu": one.map(|t1| t1 * 1e6), "scaling_efficiency": eff,
             "loopback_overhead": overhead,
             "shard_bytes_a_gpu": shard_bytes, "workspace_bytes_a_gpu": report.workspace_bytes,
+            "f32_partials": report.f32_partials, "rank_timings": timings,
         }));
     }
     if let (Some(path), true) = (&a.json, leads(&ring)) {
@@ -340,7 +366,7 @@ fn random_bf16(
 }
 
 fn validate(a: ValidateArgs) -> CliResult<ExitCode> {
-    let mut ring = open_ring(&a.ranks)?;
+    let mut ring = open_ring(&a.ranks, false)?;
     let name = transport_name(&ring);
     let mut ok = true;
     for pname in &a.problem {

@@ -23,6 +23,7 @@ mod nccl;
 mod rendezvous;
 mod ring;
 pub mod schedule;
+mod timeline;
 mod zigzag;
 
 pub use error::DistError;
@@ -30,4 +31,5 @@ pub use host::{HostShards, forward_host, kv_dims, lse_dims, q_dims};
 pub use nccl::nccl_version;
 pub use rendezvous::{RankEnv, exchange_id};
 pub use ring::{Ring, RingOptions, RingReport, Shard, Transport, check_problem};
+pub use timeline::RankTimings;
 pub use zigzag::{Dims, Zigzag};

@@ -20,6 +20,7 @@ use super::merge::{Accumulator, Partial};
 use super::nccl::{Comm, Deadline, Nccl, library};
 use super::rendezvous::{RankEnv, exchange_id};
 use super::schedule::{self, Block};
+use super::timeline::{Phase, RankTimings, Timeline};
 use super::zigzag::Zigzag;
 use crate::backend::Backend;
 use crate::backend::fused::writes_f32;
@@ -47,15 +48,19 @@ pub struct RingOptions {
     pub timeout: Duration,
     /// The backend of each local attention call.
     pub backend: Backend,
+    /// Whether each call measures where every local rank's compute stream spends its time
+    /// ([`RingReport::timings`]): a few timing events a step.
+    pub timings: bool,
 }
 
 impl Default for RingOptions {
     /// Five minutes (a first call at hundreds of thousands of positions includes NCCL's
-    /// connection setup); `Backend::Auto`.
+    /// connection setup); `Backend::Auto`; no timings.
     fn default() -> Self {
         RingOptions {
             timeout: Duration::from_secs(300),
             backend: Backend::Auto,
+            timings: false,
         }
     }
 }
@@ -70,7 +75,7 @@ pub enum Transport {
 }
 
 /// What one [`Ring::forward`] did, so callers (and tests) can see the ring ran.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RingReport {
     /// How the shards travelled.
     pub transport: Transport,
@@ -92,6 +97,9 @@ pub struct RingReport {
     /// sm90), so that the output is rounded once, as on one GPU; otherwise (another backend or
     /// GPU) a rank's partial results are rounded to the problem's dtype, one rounding more each.
     pub f32_partials: bool,
+    /// Where each local rank's compute stream spent the call, where `RingOptions::timings` asks
+    /// (else empty).
+    pub timings: Vec<RankTimings>,
 }
 
 /// One rank's operands: its zigzag shards (see [`Zigzag`]) of Q, K, V and the output, each a
@@ -450,6 +458,7 @@ impl Ring {
                 part,
                 part_lse,
                 acc,
+                timeline: self.opts.timings.then(Timeline::new),
             });
         }
         // Device addresses of what travels: the caller's K/V (step 0) and the buffers.
@@ -490,9 +499,12 @@ impl Ring {
         let next = |i: usize, t: usize| buf_kv[i][t % 2];
         let mut calls = 0;
         for t in 0..w {
-            for r in &self.ranks {
+            for (r, wk) in self.ranks.iter().zip(work.iter_mut()) {
                 if t > 0 {
-                    r.dev.stream().join(&r.comm_stream)?;
+                    let s = r.dev.stream();
+                    Timeline::span(&mut wk.timeline, Phase::Waiting, s, || {
+                        Ok(s.join(&r.comm_stream)?)
+                    })?;
                 }
                 r.comm_stream.join(r.dev.stream())?;
             }
@@ -518,11 +530,20 @@ impl Ring {
             let s = &mut shards[i];
             let out = s.out.device_ptr_mut(r.dev.stream()).0;
             let lse = s.lse.as_mut().map(|l| l.device_ptr_mut(r.dev.stream()).0);
-            // SAFETY: checked against the local problem in `check_shard`.
-            unsafe { work[i].acc.finish(&r.dev, out, qs, p.dtype, lse)? };
+            let wk = &mut work[i];
+            Timeline::span(&mut wk.timeline, Phase::Merge, r.dev.stream(), || {
+                // SAFETY: checked against the local problem in `check_shard`.
+                unsafe { wk.acc.finish(&r.dev, out, qs, p.dtype, lse) }
+            })?;
         }
         let streams: Vec<_> = self.ranks.iter().map(|r| r.dev.stream().clone()).collect();
         wait_streams(&mut self.ranks, &streams, "the ring's last step", deadline)?;
+        let timings = self
+            .ranks
+            .iter()
+            .zip(&work)
+            .filter_map(|(r, wk)| wk.timeline.as_ref().map(|tl| tl.sum(r.rank)))
+            .collect::<Result<Vec<_>>>()?;
         drop((bufs, work));
         Ok(RingReport {
             transport: self.transport,
@@ -533,6 +554,7 @@ impl Ring {
             calls,
             workspace_bytes,
             f32_partials: f32_parts.iter().all(|&f| f),
+            timings,
         })
     }
 
@@ -606,6 +628,7 @@ struct Scratch<T> {
     part: PartBuf<T>,
     part_lse: CudaSlice<f32>,
     acc: Accumulator,
+    timeline: Option<Timeline>,
 }
 
 /// A call's partial output: in the problem's dtype, or in f32 where the backend writes it so.
@@ -642,22 +665,25 @@ fn attend<T: Element>(
         lse: Some(wk.part_lse.slice_mut(..n_lse)),
         ..Extras::default()
     };
-    let (o, dtype) = match &mut wk.part {
-        PartBuf::Same(part) => {
-            let [q, k, v] = ins;
-            let out = ViewMut::new(part.slice_mut(..n_out), part_strides);
-            forward_views_with(&r.dev, &bp, backend, Views { q, k, v, out }, extras)?;
-            (part.device_ptr(r.dev.stream()).0, ffi::dtype(p.dtype))
-        }
-        PartBuf::F32(part) => {
-            let out = ViewMut {
-                data: part.slice_mut(..n_out),
-                strides: part_strides,
-            };
-            forward_views_f32(&r.dev, &bp, ins, out, extras)?;
-            (part.device_ptr(r.dev.stream()).0, Dtype::F32)
-        }
-    };
+    let stream = r.dev.stream();
+    let (o, dtype) = Timeline::span(&mut wk.timeline, Phase::Attention, stream, || {
+        Ok(match &mut wk.part {
+            PartBuf::Same(part) => {
+                let [q, k, v] = ins;
+                let out = ViewMut::new(part.slice_mut(..n_out), part_strides);
+                forward_views_with(&r.dev, &bp, backend, Views { q, k, v, out }, extras)?;
+                (part.device_ptr(stream).0, ffi::dtype(p.dtype))
+            }
+            PartBuf::F32(part) => {
+                let out = ViewMut {
+                    data: part.slice_mut(..n_out),
+                    strides: part_strides,
+                };
+                forward_views_f32(&r.dev, &bp, ins, out, extras)?;
+                (part.device_ptr(stream).0, Dtype::F32)
+            }
+        })
+    })?;
     let part = Partial {
         o,
         strides: part_strides,
@@ -666,8 +692,10 @@ fn attend<T: Element>(
         rows,
         dtype,
     };
-    // SAFETY: the partial buffers hold the block's rows, just written on this stream.
-    unsafe { wk.acc.fold(&r.dev, &part) }
+    Timeline::span(&mut wk.timeline, Phase::Merge, stream, || {
+        // SAFETY: the partial buffers hold the block's rows, just written on this stream.
+        unsafe { wk.acc.fold(&r.dev, &part) }
+    })
 }
 
 /// The single-GPU problem of one block: the block's rows and keys, the ring problem's heads,
