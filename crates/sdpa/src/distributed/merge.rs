@@ -7,14 +7,14 @@
 use crate::device::Device;
 use crate::error::Result;
 use crate::problem::{DType, Strides};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaViewMut, DevicePtr, DevicePtrMut};
 use sdpa_sys::ffi::{Dtype, MergeArgs, MergeFinishArgs};
 
 /// A `[batch, heads, seq, head_dim]` f32 output and `[batch, heads, seq]` log-sum-exp, dense,
-/// on one device's stream.
-pub(crate) struct Accumulator {
-    o: CudaSlice<f32>,
-    lse: CudaSlice<f32>,
+/// on one device's stream, in buffers it borrows.
+pub(crate) struct Accumulator<'a> {
+    o: CudaViewMut<'a, f32>,
+    lse: CudaViewMut<'a, f32>,
     batch: usize,
     heads: usize,
     seq: usize,
@@ -33,18 +33,19 @@ pub(crate) struct Partial {
     pub(crate) dtype: Dtype,
 }
 
-impl Accumulator {
-    /// A new accumulator holding "no key seen" (output 0, log-sum-exp -inf) on `dev`'s stream.
+impl<'a> Accumulator<'a> {
+    /// An accumulator in `o` and `lse` (of `batch·heads·seq` rows) set to "no key seen" (output
+    /// 0, log-sum-exp -inf) on `dev`'s stream.
     pub(crate) fn new(
         dev: &Device,
+        (o, lse): (CudaViewMut<'a, f32>, CudaViewMut<'a, f32>),
         batch: usize,
         heads: usize,
         seq: usize,
         head_dim: usize,
-    ) -> Result<Accumulator> {
+    ) -> Result<Accumulator<'a>> {
         let rows = batch * heads * seq;
-        // SAFETY: merge_init below writes every element before anything reads them.
-        let (o, lse) = unsafe { (dev.alloc::<f32>(rows * head_dim)?, dev.alloc::<f32>(rows)?) };
+        debug_assert!(o.len() >= rows * head_dim && lse.len() >= rows);
         let acc = Accumulator {
             o,
             lse,

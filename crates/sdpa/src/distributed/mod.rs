@@ -24,6 +24,7 @@ mod rendezvous;
 mod ring;
 pub mod schedule;
 mod timeline;
+mod workspace;
 mod zigzag;
 
 pub use error::DistError;

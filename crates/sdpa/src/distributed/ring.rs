@@ -8,7 +8,8 @@
 //! changes hands (the compute stream waits for the receive it is about to read; the
 //! communication stream waits for the step that last read the buffer it receives into).
 //! Each step's partial output and log-sum-exp fold into an f32 accumulator (`merge`), written
-//! to the caller's output once at the end.
+//! to the caller's output once at the end. The buffers for all of it stay with the ring from
+//! call to call (`workspace`).
 //!
 //! A `Ring` drives the ranks of this process: one (a process per GPU, torchrun style, from the
 //! environment), all of them (one process, several GPUs: `Ring::single_process`), or `world`
@@ -21,6 +22,7 @@ use super::nccl::{Comm, Deadline, Nccl, library};
 use super::rendezvous::{RankEnv, exchange_id};
 use super::schedule::{self, Block};
 use super::timeline::{Phase, RankTimings, Timeline};
+use super::workspace::{RankBuffers, Sizes};
 use super::zigzag::Zigzag;
 use crate::backend::Backend;
 use crate::backend::fused::writes_f32;
@@ -89,9 +91,10 @@ pub struct RingReport {
     pub bytes_sent: usize,
     /// Attention calls made by the ranks of this process, all steps.
     pub calls: usize,
-    /// Device memory the ring allocated on each rank for the call, beyond the caller's shards
-    /// (the two K/V buffers in flight, one call's partial result, the f32 running result), all
-    /// freed before it returns: O(sequence / ranks), like the shards. The most of any local rank.
+    /// Device memory the call used on each rank beyond the caller's shards (the two K/V shards
+    /// in flight, one call's partial result, the f32 running result): O(sequence / ranks), like
+    /// the shards. The most of any local rank. The ring keeps it for its next calls (grown when
+    /// one needs more), until it is dropped or [`Ring::release_buffers`] is called.
     pub workspace_bytes: usize,
     /// Whether every local rank's attention calls wrote their partial results in f32 (cutlass on
     /// sm90), so that the output is rounded once, as on one GPU; otherwise (another backend or
@@ -135,6 +138,8 @@ pub struct Ring {
     transport: Transport,
     nccl: Option<&'static Nccl>,
     opts: RingOptions,
+    /// The local ranks' device memory for calls, kept between them (`workspace`).
+    buffers: Vec<RankBuffers>,
 }
 
 impl std::fmt::Debug for Ring {
@@ -183,6 +188,7 @@ impl Ring {
             transport: Transport::Nccl,
             nccl: Some(nccl),
             opts,
+            buffers: Vec::new(),
         })
     }
 
@@ -226,6 +232,7 @@ impl Ring {
             transport: Transport::Nccl,
             nccl: Some(nccl),
             opts,
+            buffers: Vec::new(),
         })
     }
 
@@ -253,12 +260,18 @@ impl Ring {
             transport: Transport::Loopback,
             nccl: None,
             opts,
+            buffers: Vec::new(),
         })
     }
 
     /// Ranks in the ring.
     pub fn world(&self) -> usize {
         self.world
+    }
+    /// Frees the device memory the ring keeps between calls ([`RingReport::workspace_bytes`]);
+    /// the next call allocates it again.
+    pub fn release_buffers(&mut self) {
+        self.buffers.clear();
     }
     /// How the K/V shards travel.
     pub fn transport(&self) -> Transport {
@@ -384,6 +397,8 @@ impl Ring {
         Ok(())
     }
 
+    /// One call on the ring's own buffers (taken out of `self` for the call, so that the
+    /// hand-overs may borrow `self`).
     fn run<T: Element>(
         &mut self,
         p: &Problem,
@@ -392,10 +407,26 @@ impl Ring {
         shards: &mut [Shard<'_, T>],
         deadline: Deadline,
     ) -> Result<RingReport> {
+        let mut buffers = std::mem::take(&mut self.buffers);
+        buffers.resize_with(self.ranks.len(), RankBuffers::default);
+        let report = self.run_on(p, z, local, shards, deadline, &mut buffers);
+        self.buffers = buffers;
+        report
+    }
+
+    fn run_on<T: Element>(
+        &mut self,
+        p: &Problem,
+        z: &Zigzag,
+        local: &Problem,
+        shards: &mut [Shard<'_, T>],
+        deadline: Deadline,
+        buffers: &mut [RankBuffers],
+    ) -> Result<RingReport> {
         let w = self.world;
         let (qs, ks) = (local.q_strides(), local.kv_strides());
         let kv_elems = local.kv_len().expect("validated");
-        let kv_bytes = kv_elems * std::mem::size_of::<T>();
+        let kv_bytes = kv_elems * size_of::<T>();
         let rows = local.batch * local.heads * z.local_len();
         let q_elems = local.q_len().expect("validated");
         let plans: Vec<Vec<schedule::Step>> = self
@@ -417,51 +448,42 @@ impl Ring {
                 })
             })
             .collect();
-        let part_bytes = |f32_part: bool| q_elems * if f32_part { 4 } else { size_of::<T>() };
-        let workspace_bytes = if w > 1 { 4 * kv_bytes } else { 0 }
-            + f32_parts.iter().map(|&f| part_bytes(f)).max().unwrap_or(0)
-            + 4 * rows
-            + 4 * rows * (local.head_dim + 1);
-        // Two K/V buffers per rank for the shards in flight (none in a ring of one), the
-        // partial output and log-sum-exp of one call, and the running result.
-        let mut bufs = Vec::with_capacity(self.ranks.len());
+        // Two K/V shards in flight per rank (none in a ring of one), the partial output and
+        // log-sum-exp of one call, and the running result.
+        let sizes = |f32_part: bool| Sizes {
+            kv_bytes: if w > 1 { 4 * kv_bytes } else { 0 },
+            part_bytes: q_elems * if f32_part { 4 } else { size_of::<T>() },
+            rows,
+            head_dim: local.head_dim,
+        };
+        let workspace_bytes = f32_parts
+            .iter()
+            .map(|&f| sizes(f).bytes())
+            .max()
+            .unwrap_or(0);
+        let mut kv_bufs = Vec::with_capacity(self.ranks.len());
         let mut work = Vec::with_capacity(self.ranks.len());
-        for (r, &f32_part) in self.ranks.iter().zip(&f32_parts) {
-            bufs.push(if w > 1 {
-                // SAFETY: a buffer is received into before any step reads it.
-                unsafe {
-                    vec![
-                        [r.dev.alloc::<T>(kv_elems)?, r.dev.alloc::<T>(kv_elems)?],
-                        [r.dev.alloc::<T>(kv_elems)?, r.dev.alloc::<T>(kv_elems)?],
-                    ]
-                }
-            } else {
-                Vec::new()
-            });
-            // SAFETY: every call writes the rows it covers before the merge reads them.
-            let (part, part_lse) = unsafe {
-                let part = if f32_part {
-                    PartBuf::F32(r.dev.alloc::<f32>(q_elems)?)
-                } else {
-                    PartBuf::Same(r.dev.alloc::<T>(q_elems)?)
-                };
-                (part, r.dev.alloc::<f32>(rows)?)
-            };
+        for ((r, &f32_part), b) in self.ranks.iter().zip(&f32_parts).zip(buffers.iter_mut()) {
+            let call = b.for_call(&r.dev, &sizes(f32_part))?;
+            kv_bufs.push(call.kv);
             let acc = Accumulator::new(
                 &r.dev,
+                (call.acc_o, call.acc_lse),
                 local.batch,
                 local.heads,
                 z.local_len(),
                 local.head_dim,
             )?;
             work.push(Scratch {
-                part,
-                part_lse,
+                part: call.part,
+                part_f32: f32_part,
+                part_lse: call.part_lse,
                 acc,
                 timeline: self.opts.timings.then(Timeline::new),
             });
         }
-        // Device addresses of what travels: the caller's K/V (step 0) and the buffers.
+        // Device addresses of what travels: the caller's K/V (step 0), and the two shards in
+        // flight (K, V, K, V in the buffer).
         let user_kv: Vec<[u64; 2]> = self
             .ranks
             .iter()
@@ -473,19 +495,14 @@ impl Ring {
                 ]
             })
             .collect();
-        let buf_kv: Vec<Vec<[u64; 2]>> = self
+        let buf_kv: Vec<[[u64; 2]; 2]> = self
             .ranks
             .iter()
-            .zip(&bufs)
+            .zip(&kv_bufs)
             .map(|(r, b)| {
-                b.iter()
-                    .map(|[k, v]| {
-                        [
-                            k.device_ptr(r.dev.stream()).0,
-                            v.device_ptr(r.dev.stream()).0,
-                        ]
-                    })
-                    .collect()
+                let base = b.device_ptr(r.dev.stream()).0;
+                let at = |j: usize| base + (j * kv_bytes) as u64;
+                [[at(0), at(1)], [at(2), at(3)]]
             })
             .collect();
         // The K/V rank i holds at step t, and the buffer it receives into at step t.
@@ -511,15 +528,19 @@ impl Ring {
             if t + 1 < w {
                 self.exchange(t, kv_bytes, &held, &next, deadline)?;
             }
-            for (i, r) in self.ranks.iter().enumerate() {
-                let s = &shards[i];
-                let wk = &mut work[i];
-                for block in &plans[i][t].blocks {
+            let ranks = self.ranks.iter().zip(shards.iter()).zip(work.iter_mut());
+            for (((r, s), wk), (plan, kv_buf)) in ranks.zip(plans.iter().zip(&kv_bufs)) {
+                for block in &plan[t].blocks {
                     let (k, v) = if t == 0 {
                         (s.k.slice(..), s.v.slice(..))
                     } else {
-                        let [k, v] = &bufs[i][(t - 1) % 2];
-                        (k.slice(..), v.slice(..))
+                        // SAFETY: the buffer holds four shards of `kv_elems` elements of T,
+                        // received as T.
+                        let all = unsafe { kv_buf.transmute::<T>(4 * kv_elems) }
+                            .expect("sized for four shards");
+                        let at = |j: usize| all.slice(j * kv_elems..(j + 1) * kv_elems);
+                        let b = 2 * ((t - 1) % 2);
+                        (at(b), at(b + 1))
                     };
                     attend(r, p, block, &s.q, &k, &v, (qs, ks), wk, self.opts.backend)?;
                     calls += 1;
@@ -544,7 +565,6 @@ impl Ring {
             .zip(&work)
             .filter_map(|(r, wk)| wk.timeline.as_ref().map(|tl| tl.sum(r.rank)))
             .collect::<Result<Vec<_>>>()?;
-        drop((bufs, work));
         Ok(RingReport {
             transport: self.transport,
             world: w,
@@ -622,19 +642,15 @@ impl Ring {
     }
 }
 
-/// What one rank's attention calls write: one call's partial output and log-sum-exp, and the
-/// running result.
-struct Scratch<T> {
-    part: PartBuf<T>,
-    part_lse: CudaSlice<f32>,
-    acc: Accumulator,
+/// What one rank's attention calls write: one call's partial output (the problem's dtype, or
+/// f32 where `part_f32`) and log-sum-exp, and the running result; and, where asked, where its
+/// time goes.
+struct Scratch<'a> {
+    part: CudaViewMut<'a, u8>,
+    part_f32: bool,
+    part_lse: CudaViewMut<'a, f32>,
+    acc: Accumulator<'a>,
     timeline: Option<Timeline>,
-}
-
-/// A call's partial output: in the problem's dtype, or in f32 where the backend writes it so.
-enum PartBuf<T> {
-    Same(CudaSlice<T>),
-    F32(CudaSlice<f32>),
 }
 
 /// One block of a step: attention of the block's query rows to its keys, into the partial
@@ -648,7 +664,7 @@ fn attend<T: Element>(
     k: &CudaView<'_, T>,
     v: &CudaView<'_, T>,
     (qs, ks): (Strides, Strides),
-    wk: &mut Scratch<T>,
+    wk: &mut Scratch<'_>,
     backend: Backend,
 ) -> Result<()> {
     let bp = block_problem(p, block);
@@ -667,21 +683,22 @@ fn attend<T: Element>(
     };
     let stream = r.dev.stream();
     let (o, dtype) = Timeline::span(&mut wk.timeline, Phase::Attention, stream, || {
-        Ok(match &mut wk.part {
-            PartBuf::Same(part) => {
-                let [q, k, v] = ins;
-                let out = ViewMut::new(part.slice_mut(..n_out), part_strides);
-                forward_views_with(&r.dev, &bp, backend, Views { q, k, v, out }, extras)?;
-                (part.device_ptr(stream).0, ffi::dtype(p.dtype))
-            }
-            PartBuf::F32(part) => {
-                let out = ViewMut {
-                    data: part.slice_mut(..n_out),
-                    strides: part_strides,
-                };
-                forward_views_f32(&r.dev, &bp, ins, out, extras)?;
-                (part.device_ptr(stream).0, Dtype::F32)
-            }
+        // SAFETY: the partial buffer holds a whole local shard's output in its element type
+        // (Sizes::part_bytes); each call writes the rows it covers before the merge reads them.
+        Ok(if wk.part_f32 {
+            let mut part = unsafe { wk.part.transmute_mut::<f32>(n_out) }.expect("sized");
+            let out = ViewMut {
+                data: part.slice_mut(..),
+                strides: part_strides,
+            };
+            forward_views_f32(&r.dev, &bp, ins, out, extras)?;
+            (part.device_ptr(stream).0, Dtype::F32)
+        } else {
+            let mut part = unsafe { wk.part.transmute_mut::<T>(n_out) }.expect("sized");
+            let [q, k, v] = ins;
+            let out = ViewMut::new(part.slice_mut(..), part_strides);
+            forward_views_with(&r.dev, &bp, backend, Views { q, k, v, out }, extras)?;
+            (part.device_ptr(stream).0, ffi::dtype(p.dtype))
         })
     })?;
     let part = Partial {
