@@ -2,7 +2,8 @@
 //! full Q, K, V are rounded to the problem's dtype, split into the zigzag shards of the ranks
 //! this process drives, uploaded, run, and the shards' outputs brought back.
 
-use super::ring::{Ring, RingReport, Shard, check_problem};
+use super::problems::check_problem;
+use super::ring::{Ring, RingReport, Shard};
 use super::zigzag::{Dims, Zigzag};
 use crate::codec::{decode, encode};
 use crate::error::{Result, invalid};

@@ -16,10 +16,12 @@
 //! A rank that dies, hangs, or was called with another problem ends every rank's call with a
 //! [`DistError`] within `RingOptions::timeout`; the communicators are aborted then.
 
+mod block;
 mod error;
 mod host;
 mod merge;
 mod nccl;
+mod problems;
 mod rendezvous;
 mod ring;
 pub mod schedule;
@@ -30,7 +32,8 @@ mod zigzag;
 pub use error::DistError;
 pub use host::{HostShards, forward_host, kv_dims, lse_dims, q_dims};
 pub use nccl::nccl_version;
+pub use problems::check_problem;
 pub use rendezvous::{RankEnv, exchange_id};
-pub use ring::{Ring, RingOptions, RingReport, Shard, Transport, check_problem};
+pub use ring::{Ring, RingOptions, RingReport, Shard, Transport};
 pub use timeline::RankTimings;
 pub use zigzag::{Dims, Zigzag};

@@ -16,27 +16,27 @@
 //! virtual ranks on one GPU that hand K/V over by device copies (`Ring::loopback`: the same
 //! schedule, buffers and stream ordering without NCCL, for tests and single-GPU runs).
 
+use super::block::{Scratch, attend};
 use super::error::DistError;
-use super::merge::{Accumulator, Partial};
+use super::merge::Accumulator;
 use super::nccl::{Comm, Deadline, Nccl, library};
+use super::problems::{
+    block_problem, check_problem, check_shard, fingerprint, fnv1a, local_problem,
+};
 use super::rendezvous::{RankEnv, exchange_id};
-use super::schedule::{self, Block};
+use super::schedule;
 use super::timeline::{Phase, RankTimings, Timeline};
 use super::workspace::{RankBuffers, Sizes};
 use super::zigzag::Zigzag;
 use crate::backend::Backend;
 use crate::backend::fused::writes_f32;
 use crate::device::Device;
-use crate::error::{Error, Result, invalid};
-use crate::extras::Extras;
-use crate::ffi;
-use crate::problem::{DType, Mask, Problem, Strides};
+use crate::error::{Result, invalid};
+use crate::problem::Problem;
 use crate::tensor::Element;
-use crate::view::{View, ViewMut, Views, forward_views_f32, forward_views_with};
 use cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
 };
-use sdpa_sys::ffi::Dtype;
 use std::mem::size_of;
 use std::sync::Arc;
 use std::time::Duration;
@@ -319,7 +319,7 @@ impl Ring {
         }
         let local = local_problem(p, &z);
         for (r, s) in self.ranks.iter().zip(shards.iter()) {
-            check_shard(r, s, &local, p.lse)?;
+            check_shard(r.rank, &r.dev, s, &local, p.lse)?;
         }
         let deadline = Deadline::after(self.opts.timeout);
         if self.transport == Transport::Nccl {
@@ -542,7 +542,17 @@ impl Ring {
                         let b = 2 * ((t - 1) % 2);
                         (at(b), at(b + 1))
                     };
-                    attend(r, p, block, &s.q, &k, &v, (qs, ks), wk, self.opts.backend)?;
+                    attend(
+                        &r.dev,
+                        p,
+                        block,
+                        &s.q,
+                        &k,
+                        &v,
+                        (qs, ks),
+                        wk,
+                        self.opts.backend,
+                    )?;
                     calls += 1;
                 }
             }
@@ -642,228 +652,6 @@ impl Ring {
     }
 }
 
-/// What one rank's attention calls write: one call's partial output (the problem's dtype, or
-/// f32 where `part_f32`) and log-sum-exp, and the running result; and, where asked, where its
-/// time goes.
-struct Scratch<'a> {
-    part: CudaViewMut<'a, u8>,
-    part_f32: bool,
-    part_lse: CudaViewMut<'a, f32>,
-    acc: Accumulator<'a>,
-    timeline: Option<Timeline>,
-}
-
-/// One block of a step: attention of the block's query rows to its keys, into the partial
-/// buffers, then folded into the running result.
-#[allow(clippy::too_many_arguments)]
-fn attend<T: Element>(
-    r: &LocalRank,
-    p: &Problem,
-    block: &Block,
-    q: &CudaView<'_, T>,
-    k: &CudaView<'_, T>,
-    v: &CudaView<'_, T>,
-    (qs, ks): (Strides, Strides),
-    wk: &mut Scratch<'_>,
-    backend: Backend,
-) -> Result<()> {
-    let bp = block_problem(p, block);
-    let rows = block.q.len();
-    let part_strides = bp.with_layout(crate::problem::Layout::Bhsd).q_strides();
-    let n_out = bp.q_len().expect("validated");
-    let n_lse = bp.lse_len();
-    let ins = [
-        View::new(q.slice(block.q.start * qs.seq..), qs),
-        View::new(k.slice(block.k.start * ks.seq..), ks),
-        View::new(v.slice(block.k.start * ks.seq..), ks),
-    ];
-    let extras = Extras {
-        lse: Some(wk.part_lse.slice_mut(..n_lse)),
-        ..Extras::default()
-    };
-    let stream = r.dev.stream();
-    let (o, dtype) = Timeline::span(&mut wk.timeline, Phase::Attention, stream, || {
-        // SAFETY: the partial buffer holds a whole local shard's output in its element type
-        // (Sizes::part_bytes); each call writes the rows it covers before the merge reads them.
-        Ok(if wk.part_f32 {
-            let mut part = unsafe { wk.part.transmute_mut::<f32>(n_out) }.expect("sized");
-            let out = ViewMut {
-                data: part.slice_mut(..),
-                strides: part_strides,
-            };
-            forward_views_f32(&r.dev, &bp, ins, out, extras)?;
-            (part.device_ptr(stream).0, Dtype::F32)
-        } else {
-            let mut part = unsafe { wk.part.transmute_mut::<T>(n_out) }.expect("sized");
-            let [q, k, v] = ins;
-            let out = ViewMut::new(part.slice_mut(..), part_strides);
-            forward_views_with(&r.dev, &bp, backend, Views { q, k, v, out }, extras)?;
-            (part.device_ptr(stream).0, ffi::dtype(p.dtype))
-        })
-    })?;
-    let part = Partial {
-        o,
-        strides: part_strides,
-        lse: wk.part_lse.device_ptr(r.dev.stream()).0,
-        row0: block.q.start,
-        rows,
-        dtype,
-    };
-    Timeline::span(&mut wk.timeline, Phase::Merge, stream, || {
-        // SAFETY: the partial buffers hold the block's rows, just written on this stream.
-        unsafe { wk.acc.fold(&r.dev, &part) }
-    })
-}
-
-/// The single-GPU problem of one block: the block's rows and keys, the ring problem's heads,
-/// scale and softcap, causal where the block is.
-pub(crate) fn block_problem(p: &Problem, b: &Block) -> Problem {
-    let mut bp = Problem::new(p.batch, p.heads, b.q.len(), b.k.len(), p.head_dim)
-        .with_kv_heads(p.kv_heads)
-        .with_dtype(p.dtype)
-        .with_layout(p.layout)
-        .with_scale(p.scale())
-        .with_lse(true);
-    if let Some(c) = p.softcap {
-        bp = bp.with_softcap(c);
-    }
-    if b.causal {
-        bp = bp.with_mask(Mask::CausalBottomRight);
-    }
-    bp
-}
-
-/// One rank's shard as a problem of its own: the local sequence against itself.
-pub(crate) fn local_problem(p: &Problem, z: &Zigzag) -> Problem {
-    let n = z.local_len();
-    let mut lp = *p;
-    lp.seq_q = n;
-    lp.seq_k = n;
-    lp
-}
-
-/// Whether a ring of `world` ranks can run `p`, and how its sequence splits.
-pub fn check_problem(p: &Problem, world: usize) -> Result<Zigzag> {
-    p.validate()?;
-    let refuse = |reason: String| Error::Unsupported {
-        backend: "ring",
-        reason,
-    };
-    if !matches!(p.dtype, DType::F16 | DType::Bf16) || p.output_dtype() != p.dtype {
-        return Err(refuse(format!(
-            "ring attention runs f16 and bf16 (inputs and output alike), not {} -> {}",
-            p.dtype,
-            p.output_dtype()
-        )));
-    }
-    if p.seq_q != p.seq_k {
-        return Err(refuse(format!(
-            "ring attention shards one sequence: seq_q {} must equal seq_k {}",
-            p.seq_q, p.seq_k
-        )));
-    }
-    if !matches!(
-        p.mask.canonical(),
-        Mask::None | Mask::CausalBottomRight | Mask::CausalTopLeft
-    ) {
-        return Err(refuse(format!(
-            "ring attention takes no mask or the causal one, not {}",
-            p.mask.name()
-        )));
-    }
-    if p.alibi.is_some() {
-        return Err(refuse(
-            "ALiBi over a sharded sequence is not supported".into(),
-        ));
-    }
-    if !p.seqs.is_dense() {
-        return Err(refuse(
-            "packed or paged sequences are not sharded; ring attention takes dense ones".into(),
-        ));
-    }
-    Zigzag::new(p.seq_q, world)
-}
-
-fn check_shard<T>(r: &LocalRank, s: &Shard<'_, T>, local: &Problem, lse: bool) -> Result<()> {
-    let (ql, kl) = (
-        local.q_len().expect("validated"),
-        local.kv_len().expect("validated"),
-    );
-    let rank = r.rank;
-    for (name, len, need, stream) in [
-        ("q", s.q.len(), ql, s.q.stream()),
-        ("k", s.k.len(), kl, s.k.stream()),
-        ("v", s.v.len(), kl, s.v.stream()),
-        ("out", s.out.len(), ql, s.out.stream()),
-    ] {
-        if len < need {
-            return Err(invalid!(
-                "rank {rank}'s {name} shard holds {len} elements, its {} positions need {need}",
-                local.seq_q
-            ));
-        }
-        if stream.context() != r.dev.ctx() {
-            return Err(invalid!(
-                "rank {rank}'s {name} shard lives on another GPU than the rank"
-            ));
-        }
-    }
-    match (&s.lse, lse) {
-        (Some(l), true) => {
-            if l.len() < local.lse_len() {
-                return Err(invalid!(
-                    "rank {rank}'s lse holds {} values, batch x heads x local positions = {}",
-                    l.len(),
-                    local.lse_len()
-                ));
-            }
-            if l.stream().context() != r.dev.ctx() {
-                return Err(invalid!(
-                    "rank {rank}'s lse lives on another GPU than the rank"
-                ));
-            }
-        }
-        (None, false) => {}
-        (None, true) => {
-            return Err(invalid!(
-                "the problem asks for the LSE; give each shard one"
-            ));
-        }
-        (Some(_), false) => {
-            return Err(invalid!(
-                "lse given for a problem that does not ask for it (Problem::with_lse)"
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// What every rank must call with: a hash of the problem and the ring's size.
-fn fingerprint(p: &Problem, world: usize) -> u64 {
-    let key = format!(
-        "{} {} {} {} {} {} {:?} {:08x} {:?} {} {:?} {}",
-        p.batch,
-        p.heads,
-        p.kv_heads,
-        p.seq_q,
-        p.seq_k,
-        p.head_dim,
-        p.mask.canonical(),
-        p.scale().to_bits(),
-        p.softcap.map(f32::to_bits),
-        p.dtype,
-        p.layout,
-        world
-    );
-    fnv1a(key.as_bytes())
-}
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
 fn bind(dev: &Device) -> Result<(), DistError> {
     dev.ctx()
         .bind_to_thread()
@@ -932,88 +720,5 @@ fn abort_all(ranks: &mut [LocalRank], why: &str) {
         if let Some(c) = r.comm.as_mut() {
             c.abort(why);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn problems_a_ring_cannot_run_are_refused_with_the_reason() {
-        let p = Problem::new(1, 4, 64, 64, 64).with_dtype(DType::Bf16);
-        assert_eq!(check_problem(&p, 4).unwrap().chunk(), 8);
-        assert_eq!(
-            check_problem(&p.with_causal(true), 2).unwrap().local_len(),
-            32
-        );
-        let why = |p: Problem, w: usize| check_problem(&p, w).unwrap_err().to_string();
-        assert!(why(Problem::new(1, 4, 32, 64, 64), 2).contains("seq_q 32 must equal seq_k 64"));
-        assert!(why(p, 3).contains("multiple of 2 x ranks = 6"));
-        assert!(
-            why(
-                p.with_mask(Mask::Window {
-                    left: Some(8),
-                    right: Some(0)
-                }),
-                2
-            )
-            .contains("no mask or the causal one")
-        );
-        assert!(why(p.with_alibi(crate::Alibi::PerHead), 2).contains("ALiBi"));
-        assert!(why(p.with_dtype(DType::E4m3), 2).contains("f16 and bf16"));
-        assert!(check_problem(&p.with_out_dtype(DType::F16), 2).is_err());
-        assert!(why(p.with_packed_q(64), 2).contains("dense"));
-        // The problem's own checks come first.
-        assert!(why(Problem::new(1, 3, 64, 64, 64).with_kv_heads(2), 2).contains("kv_heads"));
-    }
-
-    #[test]
-    fn blocks_become_single_gpu_problems_with_the_ring_problems_parameters() {
-        let p = Problem::new(2, 8, 64, 64, 128)
-            .with_kv_heads(2)
-            .with_causal(true)
-            .with_softcap(30.0)
-            .with_dtype(DType::Bf16);
-        let b = Block {
-            q: 8..16,
-            k: 0..16,
-            causal: false,
-        };
-        let bp = block_problem(&p, &b);
-        assert_eq!(
-            (bp.seq_q, bp.seq_k, bp.kv_heads, bp.mask),
-            (8, 16, 2, Mask::None)
-        );
-        assert_eq!(
-            (bp.scale(), bp.softcap, bp.lse),
-            (p.scale(), Some(30.0), true)
-        );
-        let diag = block_problem(
-            &p,
-            &Block {
-                q: 0..16,
-                k: 0..16,
-                causal: true,
-            },
-        );
-        assert!(diag.is_causal());
-        let lp = local_problem(&p, &Zigzag::new(64, 2).unwrap());
-        assert_eq!(
-            (lp.seq_q, lp.seq_k, lp.q_len()),
-            (32, 32, Some(2 * 8 * 32 * 128))
-        );
-    }
-
-    #[test]
-    fn fingerprints_tell_problems_apart() {
-        let p = Problem::new(1, 4, 64, 64, 64);
-        let f = fingerprint(&p, 2);
-        assert_eq!(f, fingerprint(&p.with_mask(Mask::None), 2));
-        assert_ne!(f, fingerprint(&p, 4));
-        assert_ne!(f, fingerprint(&p.with_causal(true), 2));
-        assert_ne!(f, fingerprint(&p.with_scale(0.5), 2));
-        assert_ne!(f, fingerprint(&p.with_kv_heads(2), 2));
-        assert_ne!(f, fingerprint(&p.with_dtype(DType::Bf16), 2));
     }
 }
