@@ -337,7 +337,10 @@ impl Ring {
                 r.dev.order_after(streams)
             })
             .collect::<Result<Vec<_>>>()?;
-        let result = self.run(p, &z, &local, shards, deadline);
+        let mut buffers = std::mem::take(&mut self.buffers);
+        buffers.resize_with(self.ranks.len(), RankBuffers::default);
+        let result = self.run(p, &z, &local, shards, deadline, &mut buffers);
+        self.buffers = buffers;
         if let Err(e) = &result {
             abort_all(&mut self.ranks, &e.to_string());
         }
@@ -397,24 +400,9 @@ impl Ring {
         Ok(())
     }
 
-    /// One call on the ring's own buffers (taken out of `self` for the call, so that the
-    /// hand-overs may borrow `self`).
+    /// One call, on the ring's buffers (taken out of `self` by the caller for the call, so that
+    /// the hand-overs may borrow `self`).
     fn run<T: Element>(
-        &mut self,
-        p: &Problem,
-        z: &Zigzag,
-        local: &Problem,
-        shards: &mut [Shard<'_, T>],
-        deadline: Deadline,
-    ) -> Result<RingReport> {
-        let mut buffers = std::mem::take(&mut self.buffers);
-        buffers.resize_with(self.ranks.len(), RankBuffers::default);
-        let report = self.run_on(p, z, local, shards, deadline, &mut buffers);
-        self.buffers = buffers;
-        report
-    }
-
-    fn run_on<T: Element>(
         &mut self,
         p: &Problem,
         z: &Zigzag,
