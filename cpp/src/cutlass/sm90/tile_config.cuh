@@ -269,6 +269,8 @@ struct TileConfig {
     uint64_t nf_ready[2], nf_free[2];
     int feed_tile[2];
     uint32_t feed_next;  // the producer's next feed index
+    // Written, never read: the consumers' scheduling stores (Mainloop::mma), a word a thread.
+    float exp_sink[kThreads];
     uint32_t nf_any[kCheckSlots];
     NonFiniteCols<D> nf[kCheckSlots];
     NonFiniteCols<D> nf_last[kCheckSlots];
