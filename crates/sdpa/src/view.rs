@@ -151,7 +151,8 @@ pub fn forward_views_with<T: Element>(
 
 /// [`forward_views_with`] on cutlass (sm90) with the output in f32 rather than the problem's
 /// dtype: a partial result that is merged with others before it is rounded (ring attention's
-/// steps). Unsupported where cutlass cannot write it ([`crate::backend::fused::writes_f32`]).
+/// steps). Where cutlass cannot write it ([`crate::backend::fused::writes_f32`] says so ahead),
+/// the core's own check refuses the launch with the reason.
 #[cfg(feature = "distributed")]
 pub(crate) fn forward_views_f32<T: Element>(
     dev: &Device,
@@ -161,15 +162,13 @@ pub(crate) fn forward_views_f32<T: Element>(
     extras: Extras<'_>,
 ) -> Result<()> {
     let p = p.checked()?;
-    use crate::problem::DType;
-    if T::DTYPE != p.dtype || !matches!(p.dtype, DType::F16 | DType::Bf16) {
+    if T::DTYPE != p.dtype {
         return Err(invalid!(
-            "f32 output from {} views of a {} problem: f16 or bf16 inputs only",
+            "the views are {}, the problem's inputs {}",
             T::DTYPE,
             p.dtype
         ));
     }
-    crate::backend::fused::writes_f32(dev, &p)?;
     launch_views(dev, &p, Backend::Cutlass, [q, k, v], out, extras, true)
 }
 
