@@ -17,14 +17,16 @@ struct Epilogue {
   using C = TileConfig<E, D>;
   using Out = typename E::Out;
 
+  // The output as written to global memory: Out, or f32 (E::kF32Out).
+  using Stored = std::conditional_t<E::kF32Out, float, Out>;
+
   struct Params {
-    Out* o;
+    Stored* o;
     Strides os;
     int seq_q;   // the longest sequence's queries
     float* lse;  // null: none; [batch][heads][seq_q], or [heads][total_q] for packed Q
     int heads;
     int64_t total_q;  // packed Q's rows (0: dense)
-    float* o32;       // non-null: O is written here in f32 instead (o unused), at strides os
   };
 
   // Each row's log-sum-exp (softmax: the tile's finished online softmax, which stepped with
@@ -60,32 +62,35 @@ struct Epilogue {
                                                int m0, int wg, int ctid, int qi, int bar) {
     int etid = ctid;
     asm volatile("" : "+r"(etid));
-    if (p.o32 != nullptr) return store_f32(p, tOrO, seq, b, h, m0, etid);
-    const uint32_t so =
-        uint32_t(__cvta_generic_to_shared(C::staging(sm))) + uint32_t(wg * 64 * D * sizeof(Out));
-    if (qi > 0) named_sync(bar, 128);
-    {
-      typename C::MmaPV mma_pv;
-      Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
-          make_identity_tensor(Shape<Int<C::kBM>, Int<D>>{}));
-      CUTE_UNROLL
-      for (int i = 0; i < size(tOrO); i += 2) {
-        const int r = get<0>(cO(i)) - 64 * wg, c = get<1>(cO(i));  // element i + 1: (r, c + 1)
-        const int phys = r * D + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
-        st_shared(so + phys * sizeof(Out), pack2<Out>(tOrO(i), tOrO(i + 1)));
+    if constexpr (E::kF32Out) {
+      store_f32(p, tOrO, seq, b, h, m0, etid);
+    } else {
+      const uint32_t so =
+          uint32_t(__cvta_generic_to_shared(C::staging(sm))) + uint32_t(wg * 64 * D * sizeof(Out));
+      if (qi > 0) named_sync(bar, 128);
+      {
+        typename C::MmaPV mma_pv;
+        Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
+            make_identity_tensor(Shape<Int<C::kBM>, Int<D>>{}));
+        CUTE_UNROLL
+        for (int i = 0; i < size(tOrO); i += 2) {
+          const int r = get<0>(cO(i)) - 64 * wg, c = get<1>(cO(i));  // element i + 1: (r, c + 1)
+          const int phys = r * D + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
+          st_shared(so + phys * sizeof(Out), pack2<Out>(tOrO(i), tOrO(i + 1)));
+        }
       }
-    }
-    named_sync(bar, 128);
-    Out* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head + int64_t(seq.q0) * p.os.seq;
-    constexpr int CH = D / 8;  // 16-byte chunks per row
-    const int wtid = etid % 128;
-    CUTE_UNROLL
-    for (int i = 0; i < 64 * CH / 128; ++i) {
-      const int ci = wtid + i * 128, r = ci / CH, j = ci % CH;
-      const int row = m0 + 64 * wg + r;
-      if (row < seq.seq_q)
-        *reinterpret_cast<uint4*>(ob + int64_t(row) * p.os.seq + j * 8) =
-            ld_shared_128(so + (r * D + ((j ^ (r & 7)) << 3)) * sizeof(Out));
+      named_sync(bar, 128);
+      Out* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head + int64_t(seq.q0) * p.os.seq;
+      constexpr int CH = D / 8;  // 16-byte chunks per row
+      const int wtid = etid % 128;
+      CUTE_UNROLL
+      for (int i = 0; i < 64 * CH / 128; ++i) {
+        const int ci = wtid + i * 128, r = ci / CH, j = ci % CH;
+        const int row = m0 + 64 * wg + r;
+        if (row < seq.seq_q)
+          *reinterpret_cast<uint4*>(ob + int64_t(row) * p.os.seq + j * 8) =
+              ld_shared_128(so + (r * D + ((j ^ (r & 7)) << 3)) * sizeof(Out));
+      }
     }
   }
 
@@ -99,8 +104,7 @@ struct Epilogue {
     typename C::MmaPV mma_pv;
     Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
         make_identity_tensor(Shape<Int<C::kBM>, Int<D>>{}));
-    float* ob =
-        p.o32 + int64_t(b) * p.os.batch + int64_t(h) * p.os.head + int64_t(seq.q0) * p.os.seq;
+    float* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head + int64_t(seq.q0) * p.os.seq;
     CUTE_UNROLL
     for (int i = 0; i < size(tOrO); i += 2) {
       const int row = m0 + int(get<0>(cO(i))), c = get<1>(cO(i));  // element i + 1: (row, c + 1)

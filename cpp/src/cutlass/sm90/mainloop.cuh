@@ -674,19 +674,6 @@ struct Mainloop {
       Bar::arrive(&sm.empty_k[k.stage()]);
       if (!C::kAliasO && n == n_tiles - 1) Bar::arrive(&sm.empty_q);
       softmax_step(n);
-      // The row sums stored before the wait for P·V: ptxas schedules as if that wait were
-      // short and would otherwise move most of the exponentials after it, out from under the
-      // P·V they are meant to overlap; a shared-memory store does not cross the wait, and the
-      // sums need every exponential. (Each thread its own word: no write is shared. Not in the
-      // kernels that convert V in shared memory, where ptxas spills for it.)
-      if constexpr (!E::kConvertV) {
-        float sum = 0.f;
-        CUTE_UNROLL
-        for (int r = 0; r < decltype(size<0>(Srow))::value; ++r) sum += softmax.l[r];
-        uint32_t tid = threadIdx.x;  // re-read, not held across the loop (a register)
-        asm volatile("" : "+r"(tid));
-        st_shared(uint32_t(__cvta_generic_to_shared(&sm.exp_sink[tid])), __float_as_uint(sum));
-      }
       warpgroup_wait<0>();
       fence_all();
       Bar::arrive(&sm.empty_v[v.stage()]);

@@ -264,15 +264,12 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   const void* v = E::kPrepass ? a.workspace : a.v;
   const Strides vs = E::kPrepass && !E::kFp8PV ? packed_v_strides(a) : a.v_stride;
   p.mainloop = Mainloop<E, D, Mask>::make(a, v, vs, turns);
-  // 16-bit inputs may ask for O in f32 (FwdArgs::out_dtype): the same kernel writes it.
-  const bool o32 = a.out_dtype == Dtype::F32;
-  p.epilogue = {o32 ? nullptr : static_cast<typename E::Out*>(a.o),
+  p.epilogue = {static_cast<typename Epilogue<E, D>::Stored*>(a.o),
                 a.o_stride,
                 int(a.seq_q),
                 a.has_lse ? a.lse : nullptr,
                 int(a.heads),
-                a.total_q,
-                o32 ? static_cast<float*>(a.o) : nullptr};
+                a.total_q};
   return p;
 }
 
@@ -335,6 +332,9 @@ std::string band_limits(const FwdArgs& a) {
   if (E::kFp8)
     return "cutlass-sm90 e4m3 runs no mask but causal bottom-right, no softcap or ALiBi, and "
            "dense sequences only (its simulated path on scalar runs them)";
+  if (E::kF32Out)
+    return "cutlass-sm90 writes an f32 output for no mask or causal bottom-right over dense "
+           "sequences only (no window, softcap, ALiBi, packed or paged K/V)";
   constexpr int kBN = TileConfig<E, D>::kBN;
   if (a.page_size > 0 && a.page_size % kBN != 0)
     return "a paged cache's pages of " + std::to_string(a.page_size) +
@@ -396,19 +396,33 @@ void forward_elems(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream)
   if ((a.alibi && !a.alibi_slopes) || (a.has_lse && !a.lse))
     throw Error("cutlass-sm90: the ALiBi slopes or the log-sum-exp buffer is missing");
   const auto run = [&](auto m) { launch<E, D, decltype(m)>(a, dev, stream); };
-  if constexpr (E::kFp8)
+  if constexpr (E::kFp8 || E::kF32Out)
     mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), run);
   else
     mask::dispatch_band<int>(a, run);
 }
 
+// O in f32 from 16-bit inputs (F32Out): kernels of their own, so that the 16-bit output's
+// kernels compile as if it did not exist, at the head dims and masks ring attention asks for.
+template <int D>
+constexpr bool kHasF32Out = D == 64 || D == 128;
+
 template <typename T, int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
-  return can_implement_elems<Same<T>, D>(a, dev);
+  if (a.out_dtype != Dtype::F32) return can_implement_elems<Same<T>, D>(a, dev);
+  if constexpr (kHasF32Out<D>)
+    return can_implement_elems<F32Out<T>, D>(a, dev);
+  else
+    return "cutlass-sm90 writes an f32 output at head_dim 64 and 128 only, not " +
+           std::to_string(D);
 }
 
 template <typename T, int D>
 void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
+  if (a.out_dtype == Dtype::F32) {
+    if constexpr (kHasF32Out<D>) return forward_elems<F32Out<T>, D>(a, dev, stream);
+    throw Error("cutlass-sm90: no f32 output at this head_dim");
+  }
   if constexpr (D == 64)
     if (small_forward<T, D>(a, dev, stream)) return;
   forward_elems<Same<T>, D>(a, dev, stream);
@@ -442,7 +456,7 @@ void push_elems_attributes(std::vector<KernelAttr>& out, const char* name) {
   const auto fn = [](auto m) {
     return reinterpret_cast<const void*>(fwd_kernel<E, D, decltype(m)>);
   };
-  if constexpr (E::kFp8) {
+  if constexpr (E::kFp8 || E::kF32Out) {
     const void* const fns[2] = {fn(mask::NoMask<int>{}), fn(mask::CausalBottomRight<int>{})};
     push_attributes(out, "cutlass-sm90", name, D, fns, TileConfig<E, D>::kSmemBytes);
   } else {
@@ -455,6 +469,9 @@ void push_elems_attributes(std::vector<KernelAttr>& out, const char* name) {
 template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
   push_elems_attributes<Same<T>, D>(out, dtype_name<T>());
+  if constexpr (kHasF32Out<D>)
+    push_elems_attributes<F32Out<T>, D>(out,
+                                        std::is_same_v<T, cute::half_t> ? "f16_f32" : "bf16_f32");
   if constexpr (D == 64) small_attributes<T, D>(out);
 }
 

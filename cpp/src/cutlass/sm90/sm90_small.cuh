@@ -442,8 +442,7 @@ bool small_forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream)
   static_assert(D == 64, "the small path is built for head_dim 64 only");
   const int64_t tiles128 = (a.seq_q + 127) / 128 * a.batch * a.heads;
   if (a.seq_k <= kSmallKeys || 2 * tiles128 > dev.sms) return false;
-  // The main kernel's general path, log-sum-exp and f32 output.
-  if (mask::needs_band(a) || a.has_lse || a.out_dtype != a.dtype) return false;
+  if (mask::needs_band(a) || a.has_lse) return false;  // the main kernel's general path
   if (SmallCfg<T, D, kSmallKeys>::kSmemBytes > dev.smem_optin_per_block) return false;
   return mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), [&](auto m) {
     return small_launch<T, D, kSmallKeys, decltype(m)>(a, stream);

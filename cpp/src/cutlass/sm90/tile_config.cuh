@@ -89,13 +89,16 @@ struct Tuning<256, kFp8> {
 
 // Element types of one instantiation: QK for Q and K (the operands of S = Q·Kᵀ), PV for V and
 // P in shared memory and registers (the operands of O = P·V), Out for O. The 16-bit kernels
-// use one type throughout (Same<T>); e4m3 runs P·V in f16 (E4m3, accurate mode) or in e4m3
-// (E4m3Fast, fast mode).
-template <typename QK_, typename PV_, typename Out_, bool kConvertV_ = false>
+// use one type throughout (Same<T>), or write O in f32 straight from the accumulator (F32Out:
+// a partial result that is merged before it is rounded; Out then only sizes the unused
+// staging area, so the shared-memory layout is Same<T>'s); e4m3 runs P·V in f16 (E4m3,
+// accurate mode) or in e4m3 (E4m3Fast, fast mode).
+template <typename QK_, typename PV_, typename Out_, bool kConvertV_ = false, bool kF32Out_ = false>
 struct Elems {
   using QK = QK_;
   using PV = PV_;
   using Out = Out_;
+  static constexpr bool kF32Out = kF32Out_;
   // E4M3: dequantization scales, and V converted to PV either by a pre-pass the attention grid
   // overlaps (kPrepass: programmatic launch, the grid waits before its first V load instead of
   // at the start), or in shared memory by the producer warpgroup's spare warps (kConvertV).
@@ -107,9 +110,12 @@ struct Elems {
   static constexpr bool kFp8PV = std::is_same_v<PV, cute::float_e4m3_t>;
   static_assert(sizeof(Out) == 2, "O in a 16-bit type");
   static_assert(sizeof(PV) == 2 || (kFp8PV && kPrepass), "P·V in a 16-bit type, or e4m3 on V^T");
+  static_assert(!(kF32Out && kFp8), "f32 output from 16-bit inputs only");
 };
 template <typename T>
 using Same = Elems<T, T, T>;
+template <typename T>
+using F32Out = Elems<T, T, T, false, true>;
 
 // E4M3 Q, K, V, O in Out. P·V in f16 for either output type (P rounded to f16 keeps 3 more bits
 // than bf16; V's codes are exact in both).
@@ -269,8 +275,6 @@ struct TileConfig {
     uint64_t nf_ready[2], nf_free[2];
     int feed_tile[2];
     uint32_t feed_next;  // the producer's next feed index
-    // Written, never read: the consumers' scheduling stores (Mainloop::mma), a word a thread.
-    float exp_sink[kThreads];
     uint32_t nf_any[kCheckSlots];
     NonFiniteCols<D> nf[kCheckSlots];
     NonFiniteCols<D> nf_last[kCheckSlots];

@@ -469,7 +469,8 @@ mod tests {
     }
 
     /// An f32 output (partial results) is cutlass (sm90)'s alone, from 16-bit inputs, prefill
-    /// and decode shapes alike; every other kernel and e4m3 inputs refuse it by name.
+    /// and decode shapes alike; every other kernel, e4m3 inputs, other head dims and the
+    /// general path's variants refuse it by name.
     #[test]
     fn only_the_sm90_kernel_writes_f32_outputs() {
         if !built(Backend::Cutlass) {
@@ -499,6 +500,11 @@ mod tests {
         }
         let fp8 = ask(Kernel::Cutlass, &prefill.with_dtype(DType::E4m3));
         assert!(fp8.contains("out_dtype must be f16 or bf16"), "{fp8}");
+        // Kernels of their own, at head dims 64 and 128, no mask or bottom-right causal.
+        let d192 = ask(Kernel::Cutlass, &Problem::new(1, 8, 512, 512, 192));
+        assert!(d192.contains("head_dim 64 and 128 only"), "{d192}");
+        let capped = ask(Kernel::Cutlass, &prefill.with_softcap(30.0));
+        assert!(capped.contains("no window, softcap"), "{capped}");
     }
 
     /// The pointers, where given, must suit TMA (16-byte aligned bases).
