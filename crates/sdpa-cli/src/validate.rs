@@ -111,7 +111,8 @@ impl ProblemArgs {
             }
         };
         let mut bases = Vec::new();
-        let names: Vec<String> = if self.problem.is_empty() && self.shape.is_empty() {
+        let defaulted = self.problem.is_empty() && self.shape.is_empty();
+        let names: Vec<String> = if defaulted {
             default.iter().map(|s| s.to_string()).collect()
         } else {
             self.problem.clone()
@@ -191,7 +192,15 @@ impl ProblemArgs {
                     };
                     for &m in modes {
                         let p = p.with_fp8_mode(m);
-                        p.validate()?;
+                        // A default problem the options do not apply to (e4m3 on a packed
+                        // batch) is left out, and said so; one asked for is an error.
+                        match p.validate() {
+                            Err(e) if defaulted => {
+                                eprintln!("{name} {}: left out: {e}", dtype_label(&p));
+                                continue;
+                            }
+                            r => r?,
+                        }
                         if !out.iter().any(|(_, q)| *q == p) {
                             out.push((name.clone(), p));
                         }
@@ -388,4 +397,35 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        problems: ProblemArgs,
+    }
+
+    fn expand(args: &[&str], default: &[&str]) -> Result<Vec<(String, Problem)>> {
+        let cli = Cli::try_parse_from(std::iter::once("sdpa").chain(args.iter().copied()))
+            .expect("arguments parse");
+        cli.problems.problems(default, "named")
+    }
+
+    /// e4m3 over the default problems leaves out those it cannot take (packed sequences) and
+    /// keeps the rest; the same problem asked for by name is an error.
+    #[test]
+    fn e4m3_leaves_out_default_problems_it_cannot_take() {
+        let default = ["s1k-d64", "varlen-16"];
+        let kept = expand(&["--dtype", "e4m3", "--fp8-mode", "fast"], &default).unwrap();
+        let names: Vec<&str> = kept.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["s1k-d64"]);
+        assert!(kept.iter().all(|(_, p)| p.dtype == DType::E4m3));
+        let named = expand(&["--dtype", "e4m3", "--problem", "varlen-16"], &default);
+        assert!(named.is_err(), "{:?}", named.map(|v| v.len()));
+    }
 }
