@@ -119,7 +119,8 @@ fn loopback_rings_match_one_gpu_and_the_reference() {
 }
 
 /// Asked for, each call says where every rank's compute stream spent its time: attention calls
-/// (one a step here), merges, waits for K/V; the spans lie within the call on that GPU.
+/// (one a step here), merges, waits for K/V; the spans lie within the call on that GPU; and
+/// where the host thread did, its phases within the call's wall time.
 #[test]
 fn loopback_ring_reports_where_the_time_goes() {
     let Some(dev) = common::device("loopback_ring_reports_where_the_time_goes") else {
@@ -131,12 +132,21 @@ fn loopback_ring_reports_where_the_time_goes() {
     };
     let mut ring = Ring::loopback(&dev, 2, opts).unwrap();
     let (what, p) = &problems()[0];
+    let started = std::time::Instant::now();
     let report = compare(
         &dev,
         &mut ring,
         p,
         &format!("loopback x2 with timings, {what}"),
     );
+    let wall_ms = started.elapsed().as_secs_f64() * 1e3;
+    let host = report.host.expect("host timings asked for");
+    eprintln!("{what}: {host:?}");
+    assert!(
+        host.issue_ms > 0.0 && host.wait_ms > 0.0 && host.agree_ms >= 0.0,
+        "{host:?}"
+    );
+    assert!(host.total_ms() <= wall_ms, "{host:?} in {wall_ms} ms");
     assert_eq!(report.timings.len(), 2);
     for (rank, t) in report.timings.iter().enumerate() {
         eprintln!("{what}: {t:?}");
@@ -155,7 +165,7 @@ fn loopback_ring_reports_where_the_time_goes() {
         p,
         what,
     );
-    assert!(untimed.timings.is_empty());
+    assert!(untimed.timings.is_empty() && untimed.host.is_none());
 }
 
 /// A backend that writes partial results in the problem's dtype only (cutlass-sm80): the ring

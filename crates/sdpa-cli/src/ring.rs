@@ -228,6 +228,23 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
                 rt.total_ms
             )?;
         }
+        if let Some(h) = &report.host {
+            outln!(
+                "  host: checks {:.2} ms, agreement {:.2} ms, setup {:.2} ms, queueing {:.2} ms, \
+                 waiting for the GPUs {:.2} ms",
+                h.checks_ms,
+                h.agree_ms,
+                h.setup_ms,
+                h.issue_ms,
+                h.wait_ms
+            )?;
+        }
+        let host = report.host.map(|h| {
+            serde_json::json!({
+                "checks_ms": h.checks_ms, "agree_ms": h.agree_ms, "setup_ms": h.setup_ms,
+                "issue_ms": h.issue_ms, "wait_ms": h.wait_ms,
+            })
+        });
         let timings: Vec<_> = report
             .timings
             .iter()
@@ -246,7 +263,7 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
             "us_one_gpu": one.map(|t1| t1 * 1e6), "scaling_efficiency": eff,
             "loopback_overhead": overhead,
             "shard_bytes_a_gpu": shard_bytes, "workspace_bytes_a_gpu": report.workspace_bytes,
-            "f32_partials": report.f32_partials, "rank_timings": timings,
+            "f32_partials": report.f32_partials, "rank_timings": timings, "host_timings": host,
         }));
     }
     if let (Some(path), true) = (&a.json, leads(&ring)) {

@@ -35,5 +35,5 @@ pub use nccl::nccl_version;
 pub use problems::check_problem;
 pub use rendezvous::{RankEnv, exchange_id};
 pub use ring::{Ring, RingOptions, RingReport, Shard, Transport};
-pub use timeline::RankTimings;
+pub use timeline::{HostTimings, RankTimings};
 pub use zigzag::{Dims, Zigzag};

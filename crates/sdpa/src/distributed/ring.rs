@@ -25,7 +25,7 @@ use super::problems::{
 };
 use super::rendezvous::{RankEnv, exchange_id};
 use super::schedule;
-use super::timeline::{Phase, RankTimings, Timeline};
+use super::timeline::{HostClock, HostPhase, HostTimings, Phase, RankTimings, Timeline};
 use super::workspace::{RankBuffers, Sizes};
 use super::zigzag::Zigzag;
 use crate::backend::Backend;
@@ -51,7 +51,8 @@ pub struct RingOptions {
     /// The backend of each local attention call.
     pub backend: Backend,
     /// Whether each call measures where every local rank's compute stream spends its time
-    /// ([`RingReport::timings`]): a few timing events a step.
+    /// ([`RingReport::timings`]: a few timing events a step) and where the host thread does
+    /// ([`RingReport::host`]).
     pub timings: bool,
 }
 
@@ -103,6 +104,8 @@ pub struct RingReport {
     /// Where each local rank's compute stream spent the call, where `RingOptions::timings` asks
     /// (else empty).
     pub timings: Vec<RankTimings>,
+    /// Where this process's host thread spent the call, where `RingOptions::timings` asks.
+    pub host: Option<HostTimings>,
 }
 
 /// One rank's operands: its zigzag shards (see [`Zigzag`]) of Q, K, V and the output, each a
@@ -297,6 +300,7 @@ impl Ring {
         p: &Problem,
         shards: &mut [Shard<'_, T>],
     ) -> Result<RingReport> {
+        let mut clock = self.opts.timings.then(HostClock::start);
         let z = check_problem(p, self.world)?;
         if T::DTYPE != p.dtype {
             return Err(invalid!(
@@ -321,10 +325,12 @@ impl Ring {
         for (r, s) in self.ranks.iter().zip(shards.iter()) {
             check_shard(r.rank, &r.dev, s, &local, p.lse)?;
         }
+        HostClock::mark(&mut clock, HostPhase::Checks);
         let deadline = Deadline::after(self.opts.timeout);
         if self.transport == Transport::Nccl {
             self.agree(fingerprint(p, self.world), deadline)?;
         }
+        HostClock::mark(&mut clock, HostPhase::Agree);
         // Ordered after the work queued on the shards' own streams, and theirs after the call
         // (also after a failed one: part of it may be queued).
         let orders = self
@@ -339,7 +345,7 @@ impl Ring {
             .collect::<Result<Vec<_>>>()?;
         let mut buffers = std::mem::take(&mut self.buffers);
         buffers.resize_with(self.ranks.len(), RankBuffers::default);
-        let result = self.run(p, &z, &local, shards, deadline, &mut buffers);
+        let result = self.run(p, &z, &local, shards, (deadline, &mut clock), &mut buffers);
         self.buffers = buffers;
         if let Err(e) = &result {
             abort_all(&mut self.ranks, &e.to_string());
@@ -408,7 +414,7 @@ impl Ring {
         z: &Zigzag,
         local: &Problem,
         shards: &mut [Shard<'_, T>],
-        deadline: Deadline,
+        (deadline, clock): (Deadline, &mut Option<HostClock>),
         buffers: &mut [RankBuffers],
     ) -> Result<RingReport> {
         let w = self.world;
@@ -502,6 +508,7 @@ impl Ring {
             }
         };
         let next = |i: usize, t: usize| buf_kv[i][t % 2];
+        HostClock::mark(clock, HostPhase::Setup);
         let mut calls = 0;
         for t in 0..w {
             for (r, wk) in self.ranks.iter().zip(work.iter_mut()) {
@@ -555,6 +562,7 @@ impl Ring {
                 unsafe { wk.acc.finish(&r.dev, out, qs, p.dtype, lse) }
             })?;
         }
+        HostClock::mark(clock, HostPhase::Issue);
         let streams: Vec<_> = self.ranks.iter().map(|r| r.dev.stream().clone()).collect();
         wait_streams(&mut self.ranks, &streams, "the ring's last step", deadline)?;
         let timings = self
@@ -563,6 +571,7 @@ impl Ring {
             .zip(&work)
             .filter_map(|(r, wk)| wk.timeline.as_ref().map(|tl| tl.sum(r.rank)))
             .collect::<Result<Vec<_>>>()?;
+        HostClock::mark(clock, HostPhase::Wait);
         Ok(RingReport {
             transport: self.transport,
             world: w,
@@ -573,6 +582,7 @@ impl Ring {
             workspace_bytes,
             f32_partials: f32_parts.iter().all(|&f| f),
             timings,
+            host: clock.as_ref().map(HostClock::timings),
         })
     }
 
