@@ -3,7 +3,8 @@
 //! this process drives, uploaded, run, and the shards' outputs brought back.
 
 use super::problems::check_problem;
-use super::ring::{Ring, RingReport, Shard};
+use super::ring::{Ring, RingReport};
+use super::shard::Shard;
 use super::zigzag::{Dims, Zigzag};
 use crate::codec::{decode, encode};
 use crate::error::{Result, invalid};

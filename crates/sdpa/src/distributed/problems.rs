@@ -2,8 +2,8 @@
 //! each rank's local problem and shards, each block's problem, and the fingerprint every rank
 //! compares before a call.
 
-use super::ring::Shard;
 use super::schedule::Block;
+use super::shard::Shard;
 use super::zigzag::Zigzag;
 use crate::device::Device;
 use crate::error::{Error, Result, invalid};

@@ -25,6 +25,7 @@ use super::problems::{
 };
 use super::rendezvous::{RankEnv, exchange_id};
 use super::schedule;
+use super::shard::Shard;
 use super::timeline::{HostClock, HostPhase, HostTimings, Phase, RankTimings, Timeline};
 use super::workspace::{RankBuffers, Sizes};
 use super::zigzag::Zigzag;
@@ -34,9 +35,7 @@ use crate::device::Device;
 use crate::error::{Result, invalid};
 use crate::problem::Problem;
 use crate::tensor::Element;
-use cudarc::driver::{
-    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
-};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::mem::size_of;
 use std::sync::Arc;
 use std::time::Duration;
@@ -106,22 +105,6 @@ pub struct RingReport {
     pub timings: Vec<RankTimings>,
     /// Where this process's host thread spent the call, where `RingOptions::timings` asks.
     pub host: Option<HostTimings>,
-}
-
-/// One rank's operands: its zigzag shards (see [`Zigzag`]) of Q, K, V and the output, each a
-/// dense tensor of the local sequence in the problem's layout, on the rank's device.
-pub struct Shard<'a, T> {
-    /// Queries `[batch, heads, local, head_dim]` (in the problem's layout).
-    pub q: CudaView<'a, T>,
-    /// Keys `[batch, kv_heads, local, head_dim]`.
-    pub k: CudaView<'a, T>,
-    /// Values, as the keys.
-    pub v: CudaView<'a, T>,
-    /// Out: attention of the shard's queries over the whole sequence.
-    pub out: CudaViewMut<'a, T>,
-    /// Out, where given: each query row's log-sum-exp over the whole sequence, f32 `[batch,
-    /// heads, local]` (natural log, as [`Extras::lse`]).
-    pub lse: Option<CudaViewMut<'a, f32>>,
 }
 
 /// A rank this process drives.
