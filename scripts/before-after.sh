@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Same-machine, same-call comparison of two `sdpa` builds: runs `sdpa bench` with the same
-# arguments alternately on the old and the new binary (ROUNDS rounds, default 2, so that clock
-# and thermal drift hit both alike), then prints per (problem, dtype, causal, backend) the best
-# median of each and the ratio new/old.
+# arguments alternately on the old and the new binary (ROUNDS rounds, default 2, each round
+# in the other order, so that clock and thermal drift hit both alike), then prints per
+# (problem, dtype, causal, backend) the best median of each and the ratio new/old.
 #
 #   bash scripts/before-after.sh OLD_SDPA NEW_SDPA OUT_DIR [sdpa bench arguments...]
 #   e.g. bash scripts/before-after.sh /tmp/sdpa-old .gpu-bin/sdpa $OUT --backend cutlass \
@@ -18,7 +18,11 @@ mkdir -p "$out"
 rounds=${ROUNDS:-2}
 rc=0
 for r in $(seq 1 "$rounds"); do
-  for side in old new; do
+  # The side that runs first meets a cooler GPU: odd rounds run the old binary first, even
+  # rounds the new one.
+  order="old new"
+  [ $((r % 2)) -eq 0 ] && order="new old"
+  for side in $order; do
     bin=$old
     [ $side = new ] && bin=$new
     "$bin" bench "$@" --json "$out/$side-$r.json" 2> "$out/$side-$r.log" || rc=1
