@@ -521,11 +521,21 @@ impl Deadline {
             limit,
         }
     }
+    pub(crate) fn limit(&self) -> Duration {
+        self.limit
+    }
     pub(crate) fn passed(&self) -> bool {
         Instant::now() >= self.at
     }
     pub(crate) fn left(&self) -> Duration {
         self.at.saturating_duration_since(Instant::now())
+    }
+    /// The same deadline, `by` later (and its limit `by` longer).
+    pub(crate) fn extended(&self, by: Duration) -> Deadline {
+        Deadline {
+            at: self.at + by,
+            limit: self.limit + by,
+        }
     }
     pub(crate) fn timeout(&self, what: &str) -> DistError {
         DistError::Timeout {

@@ -100,6 +100,8 @@ const OK: u8 = 0;
 const REFUSED: u8 = 1;
 /// Longest refusal message read (a peer cannot make a rank allocate more).
 const MAX_MESSAGE: usize = 64 * 1024;
+/// How long past its own deadline a rank waits for rank 0's answer (at most its timeout again).
+const ANSWER_GRACE: Duration = Duration::from_secs(10);
 
 /// Rank 0's NCCL unique id, given to every rank of `env.world`. Rank 0 makes it with `make_id`
 /// once every other rank has arrived and agreed; the others receive it. `fingerprint` must be
@@ -287,6 +289,9 @@ fn join(env: &RankEnv, fingerprint: u64, deadline: Deadline) -> Result<[u8; 128]
         hello.extend_from_slice(&w.to_le_bytes());
     }
     write_all(&mut stream, &hello, deadline)?;
+    // Rank 0 answers by its own deadline, which may have started after this rank's: a while
+    // past ours, its answer (which ranks never came) is still worth waiting for.
+    let deadline = deadline.extended(ANSWER_GRACE.min(deadline.limit()));
     let mut status = [0u8; 1];
     read_exact(&mut stream, &mut status, deadline).map_err(|e| match e {
         DistError::Timeout { .. } => deadline.timeout(&format!(
