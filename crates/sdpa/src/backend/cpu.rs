@@ -24,7 +24,7 @@ pub fn reference(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Result<Vec<f64
     Ok(reference_with(p, q, k, v, None)?.out)
 }
 
-/// [`reference`] with the ALiBi slopes (`p.alibi`'s layout) and the log-sum-exp.
+/// [`reference`](fn@reference) with the ALiBi slopes (`p.alibi`'s layout) and the log-sum-exp.
 pub fn reference_with(
     p: &Problem,
     q: &[f64],

@@ -12,7 +12,8 @@ pub enum DType {
     /// bfloat16.
     Bf16,
     /// FP8 E4M3 codes with dequantization scales ([`crate::fp8`]): an input type only; the
-    /// output of an e4m3 problem is f16 or bf16 ([`Problem::output_dtype`]).
+    /// output of an e4m3 problem is f16 or bf16
+    /// ([`Problem::output_dtype`](crate::Problem::output_dtype)).
     E4m3,
 }
 
