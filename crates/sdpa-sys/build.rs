@@ -52,6 +52,7 @@ fn main() {
         fs::write(out_dir.join("ptxas.txt"), "").unwrap();
         write_instances(&cpp.join("kernels.txt"), &out_dir);
         println!("cargo:rustc-env=SDPA_CUDA_ARCHS=none (documentation build)");
+        println!("cargo:rustc-env=SDPA_DEFAULT_CUDA_ARCHS={DEFAULT_ARCHS}");
         return;
     }
     let tc = locate(&pins).unwrap_or_else(|msg| fail(&msg));
@@ -108,6 +109,7 @@ fn main() {
         println!("cargo:rustc-link-lib=dylib={lib}");
     }
     println!("cargo:rustc-env=SDPA_CUDA_ARCHS={archs}");
+    println!("cargo:rustc-env=SDPA_DEFAULT_CUDA_ARCHS={DEFAULT_ARCHS}");
 }
 
 fn fail(msg: &str) -> ! {

@@ -379,5 +379,47 @@ pub struct Instance {
 /// only when `ffi::built_with_cutlass()`).
 pub const INSTANCES: &[Instance] = include!(concat!(env!("OUT_DIR"), "/instances.rs"));
 
-/// CUDA architectures the core was compiled for (e.g. "80;90a").
+/// CUDA architectures the core was compiled for, as CMake names them (e.g. "80;90a-real").
 pub const CUDA_ARCHS: &str = env!("SDPA_CUDA_ARCHS");
+
+/// Whether this build holds sm_90a code (machine code or PTX): without it the sm_90a kernels'
+/// host side is built but their bodies are empty.
+pub fn built_with_sm90a() -> bool {
+    archs_include_sm90a(CUDA_ARCHS)
+}
+
+/// Whether a CMake CUDA architecture list ("80;90a-real") names sm_90a in any form: "90a",
+/// "90a-real" (machine code only) or "90a-virtual" (PTX only).
+fn archs_include_sm90a(archs: &str) -> bool {
+    archs.split(';').any(|a| {
+        let a = a.trim();
+        let base = a
+            .strip_suffix("-real")
+            .or_else(|| a.strip_suffix("-virtual"))
+            .unwrap_or(a);
+        base == "90a"
+    })
+}
+
+#[cfg(test)]
+mod arch_tests {
+    use super::archs_include_sm90a;
+
+    #[test]
+    fn sm90a_counts_in_every_form_cmake_writes() {
+        for archs in ["90a", "80;90a-real", "80;90a-virtual", "80; 90a"] {
+            assert!(archs_include_sm90a(archs), "{archs}");
+        }
+        for archs in ["80", "80;90", "90-real", "80;100a", "", "90ab"] {
+            assert!(!archs_include_sm90a(archs), "{archs}");
+        }
+    }
+
+    #[test]
+    fn the_default_build_holds_sm90a_code() {
+        // The default list (build.rs) must keep the Hopper kernel: a list without it builds a
+        // library whose cutlass backend refuses every problem.
+        let default = env!("SDPA_DEFAULT_CUDA_ARCHS");
+        assert!(archs_include_sm90a(default), "{default}");
+    }
+}

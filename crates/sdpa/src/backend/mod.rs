@@ -156,7 +156,7 @@ impl Backend {
         fused::can_implement(kernel, dev, p)?;
         // Without sm_90a code the kernel's host side is built and answers, but the kernel is
         // empty.
-        if self == Backend::Cutlass && !sdpa_sys::CUDA_ARCHS.split(';').any(|a| a == "90a") {
+        if self == Backend::Cutlass && !sdpa_sys::built_with_sm90a() {
             return Err(format!(
                 "built for CUDA archs {}, without 90a",
                 sdpa_sys::CUDA_ARCHS
