@@ -52,10 +52,7 @@ pub fn expected_backends(dev: &Device) -> Vec<Backend> {
     let (major, minor) = dev
         .compute_capability()
         .expect("the GPU's compute capability");
-    let hopper = (major, minor) == (9, 0)
-        && sdpa_harness::info::cuda_archs()
-            .split(';')
-            .any(|a| a == "90a");
+    let hopper = (major, minor) == (9, 0) && sdpa_harness::info::built_with_sm90a();
     Backend::GPU
         .into_iter()
         .filter(|&b| match b {

@@ -84,6 +84,12 @@ pub fn cuda_archs() -> &'static str {
     sdpa_sys::CUDA_ARCHS
 }
 
+/// Whether this build holds sm_90a code (the cutlass backend's Hopper kernel), in any of the
+/// forms the architecture list names it.
+pub fn built_with_sm90a() -> bool {
+    sdpa_sys::built_with_sm90a()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -582,10 +582,17 @@ struct Mainloop {
     Tensor Srow = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
 
     const auto issue_s = [&](int sk) {
+      // Q's descriptors re-derived from an opaque base each round: held across the loop, the
+      // compiler keeps all of them in ordinary registers and moves each to a uniform register
+      // (R2UR) before its wgmma; from the base, each is one uniform add.
+      GMMA::DescriptorIterator q_base = tSrQ.data();
+      asm volatile("" : "+r"(q_base.desc_.reg32_[0]));
+      q_base.desc_.reg32_[0] = __shfl_sync(0xffffffffu, q_base.desc_.reg32_[0], 0);
+      Tensor tSrQ_round = make_tensor(q_base, tSrQ.layout());
       mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-        cute::gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, sk), tSrS);
+        cute::gemm(mma_qk, tSrQ_round(_, _, kb), tSrK(_, _, kb, sk), tSrS);
         mma_qk.accumulate_ = GMMA::ScaleOut::One;
       }
     };

@@ -111,10 +111,12 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       // Four partial maxima (and sums below): chains a quarter as long on the path to the
-      // exponentials.
-      float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+      // exponentials. Each chain starts from its first element: max(-inf, x) and 0 + x cannot be
+      // folded (x may be NaN, or -0), and would cost an instruction a chain.
+      static_assert(decltype(size<1>(S))::value >= 4);
+      float part[4] = {S(r, 0), S(r, 1), S(r, 2), S(r, 3)};
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(S); ++c) part[c % 4] = fmaxf(part[c % 4], S(r, c));
+      for (int c = 4; c < size<1>(S); ++c) part[c % 4] = fmaxf(part[c % 4], S(r, c));
       float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a row lives in a quad
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -128,12 +130,12 @@ struct OnlineSoftmax {
     const auto exps = [&](auto exponent) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        float sum[4] = {0.f, 0.f, 0.f, 0.f};
+        float sum[4];
         CUTE_UNROLL
         for (int c = 0; c < size<1>(S); ++c) {
           const float e = ex2(exponent(S(r, c), base[r]));
           S(r, c) = e;
-          sum[c % 4] += e;
+          sum[c % 4] = c < 4 ? e : sum[c % 4] + e;
         }
         l[r] = l[r] * alpha[r] + ((sum[0] + sum[1]) + (sum[2] + sum[3]));
       }
