@@ -184,7 +184,8 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
     const KeyTiles kt = Main::key_tiles(p.mainloop, Main::seq_of_tile(p.mainloop, w), m0, bm);
     float sl2, o_scale;
     Main::scales(p.mainloop, w, sl2, o_scale);
-    OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop, E::kFp8PV ? 8 : 0> softmax;
+    OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop, E::kFp8PV ? 8 : 0, true>
+        softmax;
     clear(tOrO);
     Main::mma(p.mainloop, sm, ops, m0, kt, it, qi, tOrO, softmax, w, sl2, wg, v_phase);
     // The sequence and its mask again, not held across the main loop.

@@ -85,8 +85,16 @@ __device__ __forceinline__ void apply_band(TS& S, TC const& cSrc, const Mask& ma
 // 2^kLog2P (the row max's is 2^kLog2P): e4m3 P takes kLog2P = 8, P in (0, 256], where its 3
 // mantissa bits hold the most of it below the 448 it saturates at. The row sum is of the same
 // unrounded values, so normalize() cancels the scale; lse() takes it out.
-template <int kRows, bool kOneExpLoop, int kLog2P = 0>
+//
+// With kKeepMax, m need not be the exact row max: a step keeps it while no score of the warp's
+// rows exceeds it by more than kMaxGrowth (in exponent units, log2), so the exponentials stay
+// within 2^kMaxGrowth, and that step needs neither the quad's shuffles for the new max nor O's
+// rescale. 16-bit P has the range for it; e4m3 P (kLog2P = 8) has none left and always takes
+// the exact max, as does a kernel of one step a row (its first step always moves m).
+template <int kRows, bool kOneExpLoop, int kLog2P = 0, bool kKeepMax = false>
 struct OnlineSoftmax {
+  static constexpr bool kKeeps = kKeepMax && kLog2P == 0;
+  static constexpr float kMaxGrowth = 8.f;
   float m[kRows], l[kRows], alpha[kRows];
 
   __device__ __forceinline__ OnlineSoftmax() {
@@ -106,8 +114,8 @@ struct OnlineSoftmax {
   template <class TS>
   __device__ __forceinline__ void step(TS& S, float sl2) {
     static_assert(decltype(size<0>(S))::value == kRows);
-    float base[kRows];
-    bool large = false;
+    float mx[kRows];
+    bool keep = true;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       // Four partial maxima (and sums below): chains a quarter as long on the path to the
@@ -117,14 +125,30 @@ struct OnlineSoftmax {
       float part[4] = {S(r, 0), S(r, 1), S(r, 2), S(r, 3)};
       CUTE_UNROLL
       for (int c = 4; c < size<1>(S); ++c) part[c % 4] = fmaxf(part[c % 4], S(r, c));
-      float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // a row lives in a quad
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[r], mx);
-      base[r] = scaled_base(m_new, sl2);
+      mx[r] = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+      // False for m = -inf (the difference is +inf or NaN) and for non-finite maxima: those
+      // take the exact path.
+      if constexpr (kKeeps) keep &= (mx[r] - m[r]) * sl2 <= kMaxGrowth;
+    }
+    if (kKeeps && __all_sync(0xffffffffu, keep)) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) alpha[r] = 1.f;
+    } else {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        float row_max = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));  // a quad's row
+        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+        const float m_new = fmaxf(m[r], row_max);
+        alpha[r] = ex2(__fmul_rn(m[r], sl2) - scaled_base(m_new, sl2));  // 0 from -inf
+        m[r] = m_new;
+      }
+    }
+    float base[kRows];
+    bool large = false;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      base[r] = scaled_base(m[r], sl2);
       large |= !(fabsf(base[r]) < kFoldLimit);
-      alpha[r] = ex2(__fmul_rn(m[r], sl2) - base[r]);  // ratio of the bases; 0 from -inf
-      m[r] = m_new;
       if constexpr (kLog2P != 0) base[r] -= float(kLog2P);
     }
     const auto exps = [&](auto exponent) {
