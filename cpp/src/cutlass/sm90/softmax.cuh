@@ -126,8 +126,8 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int c = 4; c < size<1>(S); ++c) part[c % 4] = fmaxf(part[c % 4], S(r, c));
       mx[r] = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-      // False for m = -inf (the difference is +inf or NaN) and for non-finite maxima: those
-      // take the exact path.
+      // False where m = -inf (the difference is +inf or NaN) and for a NaN or +inf maximum:
+      // those take the exact path. A thread whose scores are all masked (-inf) keeps m.
       if constexpr (kKeeps) keep &= (mx[r] - m[r]) * sl2 <= kMaxGrowth;
     }
     if (kKeeps && __all_sync(0xffffffffu, keep)) {
