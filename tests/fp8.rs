@@ -615,8 +615,9 @@ fn e4m3_fast_nan_in_v_reaches_only_rows_that_see_it() {
 }
 
 /// The default, accurate mode is what it was: held to the e4m3 bar it always had, and at
-/// head_dim 128 (f16 output) within the 5e-4 it is stated to keep, a small fraction of the
-/// fast mode's e4m3 floor on the same inputs (P·V still in 16 bit).
+/// head_dim 128 (f16 output) within the 5e-4 it is stated to keep (head_dim 256, whose S = Q·Kᵀ
+/// adds twice as many FP8 products: 8e-4), a small fraction of the fast mode's e4m3 floor on the
+/// same inputs (P·V still in 16 bit).
 #[test]
 fn e4m3_accurate_mode_is_unchanged() {
     let test = "fp8 accurate mode";
@@ -624,7 +625,7 @@ fn e4m3_accurate_mode_is_unchanged() {
         return;
     };
     let (mut ran, mut skipped) = (Vec::new(), 0);
-    for d in [64, 128] {
+    for d in [64, 128, 256] {
         for causal in [false, true] {
             let p = Problem::new(2, 4, 300, 1000, d)
                 .with_kv_heads(2)
@@ -650,8 +651,10 @@ fn e4m3_accurate_mode_is_unchanged() {
                 r.rel_err < 0.1 * fast_floor,
                 "{p}: {r:?} vs the fast floor {fast_floor:.3e}"
             );
-            if d == 128 {
-                assert!(r.rel_err <= 5e-4, "{p}: {r:?}");
+            match d {
+                128 => assert!(r.rel_err <= 5e-4, "{p}: {r:?}"),
+                256 => assert!(r.rel_err <= 8e-4, "{p}: {r:?}"),
+                _ => {}
             }
             ran.push(p);
         }
@@ -661,9 +664,10 @@ fn e4m3_accurate_mode_is_unchanged() {
     }
 }
 
-/// Fast mode is a permission: a backend without an e4m3 P·V (the simulated path of wmma), and
-/// cutlass on a head_dim 64 call too small for its fast kernel to pay, give exactly what the
-/// accurate mode gives on the same inputs.
+/// Fast mode is a permission: a backend without an e4m3 P·V (the simulated path of wmma), cutlass
+/// on a head_dim 64 call too small for its fast kernel to pay, and cutlass at head_dim 256 (no
+/// fast kernel: accurate mode is the faster there) give exactly what the accurate mode gives on
+/// the same inputs.
 #[test]
 fn e4m3_fast_mode_elsewhere_is_the_accurate_mode() {
     let test = "fp8 fast elsewhere";
@@ -671,13 +675,15 @@ fn e4m3_fast_mode_elsewhere_is_the_accurate_mode() {
         return;
     };
     let mut ran = Vec::new();
-    for (backend, causal) in [
-        (Backend::Wmma, false),
-        (Backend::Cutlass, false),
-        (Backend::Cutlass, true),
+    for (backend, causal, d) in [
+        (Backend::Wmma, false, 64),
+        (Backend::Cutlass, false, 64),
+        (Backend::Cutlass, true, 64),
+        (Backend::Cutlass, false, 256),
+        (Backend::Cutlass, true, 256),
     ] {
-        let p = fast(1, 2, 2, 200, 300, 64, causal);
-        assert!(p.batch * p.heads * p.seq_q * p.seq_k < FAST_D64_SCORES);
+        let p = fast(1, 2, 2, 200, 300, d, causal);
+        assert!(d != 64 || p.batch * p.heads * p.seq_q * p.seq_k < FAST_D64_SCORES);
         if let Err(e) = common::backend_runs_here(test, &dev, backend, &p) {
             common::skip(test, &format!("{backend} does not run {p} here: {e}"));
             continue;

@@ -621,7 +621,7 @@ struct Mainloop {
         const int bit = i < checked_uses(kt) ? S + s : s;
         Bar::wait(i < checked_uses(kt) ? &sm.checked_v[s] : &sm.full_v[s], (v_phase >> bit) & 1);
         v_phase ^= 1u << bit;
-      } else if constexpr (C::kBN < C::kBM) {
+      } else if constexpr (kChecksV && C::kBN < C::kBM) {
         // Possibly more checked uses than stages: each stage's barriers count its own.
         if (i < checked_uses(kt))
           Bar::wait(&sm.checked_v[use.stage()], use.full_phase());
@@ -730,7 +730,9 @@ struct Mainloop {
                                                               const KeyTiles& kt, TO& tOrO,
                                                               int ctid, int slot0) {
     if constexpr (E::kFp8PV) {
-      if (p.nan_first != nullptr) add_nan_columns(p, w, mask, m0, tOrO, ctid);
+      // The unmasked kernel keeps V's NaN codes (every row sees every key): no table.
+      if constexpr (Mask::kMasksKeys)
+        if (p.nan_first != nullptr) add_nan_columns(p, w, mask, m0, tOrO, ctid);
     } else if constexpr (kBand) {
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
       for (int u = 0; u < kt.n_cross; ++u) {  // check slot slot0 + u: the tile's ring use u

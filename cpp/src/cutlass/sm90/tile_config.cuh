@@ -42,12 +42,14 @@ using namespace cute;
 //                FMA exponent loop (D = 128), or compiles a loop per form (D = 64): each is the
 //                faster one where it is used.
 //   kConvertV    e4m3: V converted to f16 in shared memory by the producer's spare warps (D =
-//                64), or by a pre-pass the attention grid overlaps (D = 128). The converting
-//                warps take issue slots and shared-memory bandwidth that D = 128 needs more.
+//                64), or by a pre-pass the attention grid overlaps (D >= 128). The converting
+//                warps take issue slots and shared-memory bandwidth that D >= 128 needs more.
 //   kBN          keys per tile: 128, or 64 where two stages of 128-key K and V tiles and Q do
 //                not fit (D = 192: Q 48 + O 48 + 2 x (K 24 + V 24) = 192 KB).
 //   kAliasO      the output staging reuses Q's buffer (D = 256: Q 64 + 2 x (K 32 + V 32) =
 //                192 KB leaves no room for O's 64 KB); Q is then released after the epilogue.
+//                E4m3 Q is too small for O's staging, and leaves room for a buffer of its own:
+//                Q 32 + O 64 + 2 x (K 16 + V 32 in f16) = 192 KB.
 template <int D, bool kFp8>
 struct Tuning;
 template <bool kFp8>
@@ -84,7 +86,7 @@ struct Tuning<256, kFp8> {
   static constexpr bool kOneExpLoop = true;
   static constexpr bool kConvertV = false;
   static constexpr int kBN = 64;
-  static constexpr bool kAliasO = true;
+  static constexpr bool kAliasO = !kFp8;
 };
 
 // Element types of one instantiation: QK for Q and K (the operands of S = Q·Kᵀ), PV for V and

@@ -1,6 +1,6 @@
 // The e4m3 kernels' pre-passes over V, which the attention grid overlaps (programmatic launch:
 // it waits before its first V load), and the workspace they write:
-//   accurate mode (D = 128)  convert_v: V's codes as f16, exactly, [batch][kv_head][seq_k][D];
+//   accurate mode (D >= 128) convert_v: V's codes as f16, exactly, [batch][kv_head][seq_k][D];
 //   fast mode                transpose_v: V^T's codes, [batch][kv_head][D][keys], for the K-major
 //                            B operand of the e4m3 P·V, keys reordered within each group of 32
 //                            as the P fragment holds them (p_key_of), and for masked kernels
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(256)
 // Fast mode: V^T's keys a row.
 inline int64_t transposed_keys(const FwdArgs& a) { return (a.seq_k + 31) / 32 * 32; }
 
-// The workspace: accurate mode at D = 128, convert_v's f16 V; fast mode, V^T and after it (at a
+// The workspace: accurate mode at D >= 128, convert_v's f16 V; fast mode, V^T and after it (at a
 // 16-byte boundary) the NanColumns table of masked calls.
 inline Strides packed_v_strides(const FwdArgs& a) {
   return {a.kv_heads * a.seq_k * a.head_dim, a.seq_k * a.head_dim, a.head_dim};
@@ -128,18 +128,26 @@ inline int64_t transposed_v_bytes(const FwdArgs& a) {
 inline int64_t nan_table_bytes(const FwdArgs& a) {
   return a.mask == Mask::NoMask ? 0 : a.batch * a.kv_heads * nan_table_words(a.head_dim) * 4;
 }
-// Whether an e4m3 call asking for fast mode gets it. At D = 64 accurate mode converts V inside
-// the kernel, and on small problems fast mode's pre-pass launch costs more than its e4m3 P·V
-// saves: below 2^23 scores (batch x heads x seq_q x seq_k) such calls run accurate mode, which
-// fast mode permits (docs/perf.md has the measurement).
+// The head dims with a fast-mode kernel: up to 128. At D = 256 the two-level accumulation's
+// fresh accumulator of a whole tile does not fit the registers beside O; in chunks of O's
+// columns it serializes P·V, and measured slower than accurate mode (docs/perf.md).
+template <int D>
+constexpr bool kHasFastKernel = D <= 128;
+
+// Whether an e4m3 call asking for fast mode gets it, which it may not where accurate mode is
+// the faster (fast mode permits it; docs/perf.md has the measurements): at D = 256 (no fast
+// kernel), and at D = 64 below 2^23 scores (batch x heads x seq_q x seq_k), where accurate mode
+// converts V inside the kernel and fast mode's pre-pass launch costs more than its e4m3 P·V saves.
 inline bool fast_mode_runs(const FwdArgs& a) {
-  return a.fp8_fast && (a.head_dim != 64 || a.batch * a.heads * a.seq_q * a.seq_k >= (1 << 23));
+  if (!a.fp8_fast || a.head_dim > 128) return false;
+  return a.head_dim != 64 || a.batch * a.heads * a.seq_q * a.seq_k >= (1 << 23);
 }
 
 inline int64_t workspace_e4m3_bytes(const FwdArgs& a) {
   if (fast_mode_runs(a)) return transposed_v_bytes(a) + nan_table_bytes(a);
-  const bool prepass =
-      a.head_dim == 64 ? E4m3<cute::half_t, 64>::kPrepass : E4m3<cute::half_t, 128>::kPrepass;
+  const bool prepass = a.head_dim == 64    ? E4m3<cute::half_t, 64>::kPrepass
+                       : a.head_dim == 128 ? E4m3<cute::half_t, 128>::kPrepass
+                                           : E4m3<cute::half_t, 256>::kPrepass;
   return prepass ? a.batch * a.kv_heads * a.seq_k * a.head_dim * int64_t(sizeof(cute::half_t)) : 0;
 }
 
