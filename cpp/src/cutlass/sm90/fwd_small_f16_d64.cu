@@ -4,7 +4,8 @@
 #include "cutlass/sm90/sm90_small.cuh"
 
 namespace sdpa::cutlass_sm90 {
-template bool small_forward<cute::half_t, 64>(const FwdArgs&, const DeviceInfo&, cudaStream_t);
-template void small_attributes<cute::half_t, 64>(std::vector<KernelAttr>&);
+template bool small_forward<Same<cute::half_t>, 64>(const FwdArgs&, const DeviceInfo&,
+                                                    cudaStream_t);
+template void small_attributes<Same<cute::half_t>, 64>(std::vector<KernelAttr>&, const char*);
 }  // namespace sdpa::cutlass_sm90
 #endif

@@ -385,12 +385,12 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
-// The small-problem path at D = 64 (sm90_small.cuh, instantiated in fwd_small_<dtype>_d64.cu):
-// launches and returns true where it applies.
-template <typename T, int D>
+// The small-problem path at D = 64 (sm90_small.cuh, instantiated in fwd_small_<dtype>_d64.cu)
+// for element types E: launches and returns true where it applies.
+template <class E, int D>
 bool small_forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream);
-template <typename T, int D>
-void small_attributes(std::vector<KernelAttr>& out);
+template <class E, int D>
+void small_attributes(std::vector<KernelAttr>& out, const char* name);
 
 template <class E, int D>
 void forward_elems(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
@@ -425,7 +425,7 @@ void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
     throw Error("cutlass-sm90: no f32 output at this head_dim");
   }
   if constexpr (D == 64)
-    if (small_forward<T, D>(a, dev, stream)) return;
+    if (small_forward<Same<T>, D>(a, dev, stream)) return;
   forward_elems<Same<T>, D>(a, dev, stream);
 }
 
@@ -443,12 +443,17 @@ std::string can_implement_e4m3(const FwdArgs& a, const DeviceInfo& dev) {
   return "e4m3: out_dtype must be f16 or bf16";
 }
 
+// Accurate mode at D = 64 takes the small-problem path where it applies, as 16-bit inputs do.
 template <int D, bool kFast>
 void forward_e4m3(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
-  if (a.out_dtype == Dtype::F16)
-    return forward_elems<E4m3Of<cute::half_t, D, kFast>, D>(a, dev, stream);
-  if (a.out_dtype == Dtype::BF16)
-    return forward_elems<E4m3Of<cute::bfloat16_t, D, kFast>, D>(a, dev, stream);
+  const auto run = [&](auto elems) {
+    using E = decltype(elems);
+    if constexpr (D == 64 && !kFast)
+      if (small_forward<E, D>(a, dev, stream)) return;
+    forward_elems<E, D>(a, dev, stream);
+  };
+  if (a.out_dtype == Dtype::F16) return run(E4m3Of<cute::half_t, D, kFast>{});
+  if (a.out_dtype == Dtype::BF16) return run(E4m3Of<cute::bfloat16_t, D, kFast>{});
   throw Error("cutlass-sm90 e4m3: out_dtype must be f16 or bf16");
 }
 
@@ -473,7 +478,7 @@ void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
   if constexpr (kHasF32Out<D>)
     push_elems_attributes<F32Out<T>, D>(out,
                                         std::is_same_v<T, cute::half_t> ? "f16_f32" : "bf16_f32");
-  if constexpr (D == 64) small_attributes<T, D>(out);
+  if constexpr (D == 64) small_attributes<Same<T>, D>(out, dtype_name<T>());
 }
 
 template <int D, bool kFast>
@@ -482,6 +487,10 @@ void attributes_e4m3(std::vector<KernelAttr>& out, const DeviceInfo&) {
                                                            kFast ? "e4m3_fast_f16" : "e4m3_f16");
   push_elems_attributes<E4m3Of<cute::bfloat16_t, D, kFast>, D>(
       out, kFast ? "e4m3_fast_bf16" : "e4m3_bf16");
+  if constexpr (D == 64 && !kFast) {
+    small_attributes<E4m3Of<cute::half_t, D, false>, D>(out, "e4m3_f16");
+    small_attributes<E4m3Of<cute::bfloat16_t, D, false>, D>(out, "e4m3_bf16");
+  }
 }
 
 }  // namespace sdpa::cutlass_sm90

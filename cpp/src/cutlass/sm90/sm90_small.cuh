@@ -20,7 +20,9 @@
 //   merge     each CTA combines the C partials of its own rows, O = Σ 2^(m_j - M) O_j /
 //             Σ 2^(m_j - M) l_j, and writes them with 16-byte stores.
 // Causal slices that no row of the tile sees load nothing and send empty partials (m = -inf,
-// l = 0, O = 0). No second launch and no global workspace.
+// l = 0, O = 0). No second launch and no global workspace. E4m3 inputs (accurate mode): S on the
+// e4m3 wgmma, V's codes landed apart and converted to f16 in shared memory while S runs, P·V in
+// f16; q·k's scales folded into the softmax scale, v's into the merge's normalization.
 //
 // Of the exchanges tried (docs/log/), one bulk copy per peer is the fastest; 8-byte
 // st.shared::cluster stores and a cluster barrier, or remote loads of the peers' stages, are
@@ -62,36 +64,49 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-template <typename T, int D, int KN>
+// E: the element types (tile_config.cuh's Elems): 16-bit Same<T>, or e4m3 accurate mode (QK
+// e4m3, PV f16, Out f16 or bf16).
+template <class E, int D, int KN>
 struct SmallCfg {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static_assert(KN == 64 || KN == 128, "key slice of 64 or 128");
+  static_assert(!E::kFp8PV && !E::kF32Out, "P·V in 16 bit, O in a 16-bit type");
+  using QK = typename E::QK;
+  using PV = typename E::PV;
+  using Out = typename E::Out;
   static constexpr int kThreads = 128;   // one warpgroup: one wgmma M = 64 query rows
   static constexpr int kMaxCluster = 8;  // the portable cluster size limit
   using HD = Int<D>;
   using KNt = Int<KN>;
 
   using MmaQK =
-      decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, KNt, HD>,
+      decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<QK, QK, float, Shape<_64, KNt, HD>,
                                                          GMMA::Major::K, GMMA::Major::K>()));
   using MmaPV =
-      decltype(make_tiled_mma(SM90::GMMA::rs_op_selector<T, T, float, Shape<_64, HD, KNt>,
+      decltype(make_tiled_mma(SM90::GMMA::rs_op_selector<PV, PV, float, Shape<_64, HD, KNt>,
                                                          GMMA::Major::K, GMMA::Major::MN>()));
-  using LayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<_64, HD>{}));
-  using LayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<KNt, HD>{}));
+  using LayoutQ = decltype(tile_to_shape(KAtom<QK, D>{}, Shape<_64, HD>{}));
+  using LayoutK = decltype(tile_to_shape(KAtom<QK, D>{}, Shape<KNt, HD>{}));
   using LayoutVt =
-      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{}, Shape<HD, KNt>{}, Step<_2, _1>{}));
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<PV>{}, Shape<HD, KNt>{}, Step<_2, _1>{}));
   using LayoutV =
       decltype(composition(LayoutVt{}, make_layout(Shape<KNt, HD>{}, Stride<HD, _1>{})));
+  // E4m3 V's codes as TMA lands them, unswizzled rows of D bytes, for the conversion to read.
+  using LayoutV8 = Layout<Shape<KNt, HD>, Stride<HD, _1>>;
   // P over the S registers as the A operand of P·V (see TileConfig::LayoutP).
   using LayoutP =
       Layout<Shape<Shape<_2, _2, _2>, _1, Int<KN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
 
-  using GTensor = GTensorOf<T, D>;
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensor>(), LayoutQ{},
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(), LayoutQ{},
                                       Shape<_64, HD>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensor>(), LayoutK{},
-                                       Shape<KNt, HD>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(), LayoutK{},
+                                      Shape<KNt, HD>{}, _1{}));
+  using TmaV =
+      std::conditional_t<E::kFp8,
+                         decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(),
+                                                LayoutV8{}, Shape<KNt, HD>{}, _1{})),
+                         decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<PV, D>>(),
+                                                LayoutV{}, Shape<KNt, HD>{}, _1{}))>;
 
   // A partial row: D floats of O, then m and l, padded to D + 8 floats. The padding keeps the
   // rows 16-byte multiples (bulk copies) and shifts consecutive rows by 8 banks, so a warp's
@@ -100,9 +115,10 @@ struct SmallCfg {
   struct Smem {
     union {
       struct {
-        alignas(1024) T q[64 * D];
-        alignas(1024) T k[KN * D];
-        alignas(1024) T v[KN * D];
+        alignas(1024) QK q[64 * D];
+        alignas(1024) QK k[KN * D];
+        alignas(1024) PV v[KN * D];
+        alignas(128) QK v8[E::kFp8 ? KN * D : 16];  // e4m3 V's codes (LayoutV8)
       } in;
       alignas(16) float stage[64 * kRow];  // this CTA's partials, once Q, K, V are dead
     };
@@ -115,24 +131,55 @@ struct SmallCfg {
   static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;  // + the 1024-byte alignment
 };
 
-template <typename T, int D, int KN>
+template <class E, int D, int KN>
 struct SmallParams {
-  using C = SmallCfg<T, D, KN>;
+  using C = SmallCfg<E, D, KN>;
   typename C::TmaQ tma_q;
-  typename C::TmaKV tma_k, tma_v;
-  T* o;
+  typename C::TmaK tma_k;
+  typename C::TmaV tma_v;
+  typename C::Out* o;
   Strides os;
   int seq_q, seq_k, heads, kv_heads, batch;
   float scale_log2;
   int rows;  // R = ceil(64 / C): query rows of the tile each cluster rank merges and writes
   FastDiv div_heads, div_group;
+  // E4M3 only: dequantization scales, one per tensor or one per (batch, head) (per_head).
+  const float *q_scale, *k_scale, *v_scale;
+  int per_head;
 };
 
-template <typename T, int D, int KN, class Mask>
+// E4m3: V's codes as they landed (LayoutV8, on bar_v) into the f16 V tile P·V reads (LayoutV),
+// exactly; 8 codes a thread and step (8-byte reads along the rows, 16-byte writes into the
+// swizzled tile: both free of bank conflicts). Then visible to every warp and to the wgmmas.
+template <class C>
+__device__ __forceinline__ void convert_v_slice(typename C::Smem& sm, int tid) {
+  constexpr int D = C::HD::value, KN = C::KNt::value;
+  constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
+  constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
+  constexpr int kPerRow = D / 8, kStep = C::kThreads / kPerRow;
+  const uint32_t v8 = uint32_t(__cvta_generic_to_shared(sm.in.v8));
+  const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.in.v));
+  cutlass::arch::ClusterTransactionBarrier::wait(&sm.bar_v, 0);
+  const int d = tid % kPerRow * 8;
+  CUTE_UNROLL
+  for (int key = tid / kPerRow; key < KN; key += kStep) {
+    const uint2 x = ld_shared_64(v8 + uint32_t(key * D + d));
+    st_shared_128(kSwizzle(v16 + uint32_t(kFlatV(key, d) * sizeof(typename C::PV))),
+                  make_uint4(f16x2_of_e4m3x2(x.x), f16x2_of_e4m3x2(x.x >> 16), f16x2_of_e4m3x2(x.y),
+                             f16x2_of_e4m3x2(x.y >> 16)));
+  }
+  cutlass::arch::fence_view_async_shared();
+  __syncthreads();
+}
+
+template <class E, int D, int KN, class Mask>
 __global__ void __launch_bounds__(128, 1)
-    small_kernel(const __grid_constant__ SmallParams<T, D, KN> p) {
+    small_kernel(const __grid_constant__ SmallParams<E, D, KN> p) {
 #ifdef SDPA_SM90_DEVICE
-  using C = SmallCfg<T, D, KN>;
+  using C = SmallCfg<E, D, KN>;
+  using QK = typename C::QK;
+  using PV = typename C::PV;
+  using Out = typename C::Out;
   using Bar = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kRow = C::kRow;
   auto& sm = smem_storage<typename C::Smem>();
@@ -163,6 +210,15 @@ __global__ void __launch_bounds__(128, 1)
   const int b = p.div_heads.div(bh), h = bh - b * p.heads;
   const Mask mask{p.seq_q, p.seq_k};
   const int k0 = rank * KN;
+  // The softmax scale (e4m3: with q·k's dequantization folded in) and O's factor (v's).
+  float sl2 = p.scale_log2, o_scale = 1.f;
+  if constexpr (E::kFp8) {
+    const int hk = p.div_group.div(h);
+    const int qsi = p.per_head ? b * p.heads + h : 0;
+    const int kvi = p.per_head ? b * p.kv_heads + hk : 0;
+    sl2 *= __ldg(p.q_scale + qsi) * __ldg(p.k_scale + kvi);
+    o_scale = __ldg(p.v_scale + kvi);
+  }
   // Whether some row of the tile sees a key of this slice [k0, k0 + KN).
   const bool active = k0 < mask.key_end(m0, 64);
 
@@ -183,13 +239,21 @@ __global__ void __launch_bounds__(128, 1)
                             group_modes<0, 2>(gQ));
     auto tK = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
                             group_modes<0, 2>(gK));
-    auto tV = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                            group_modes<0, 2>(gV));
+    auto tV = [&]() {
+      if constexpr (E::kFp8) {
+        Tensor sV8 = make_tensor(make_smem_ptr(sm.in.v8), typename C::LayoutV8{});
+        return tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV8),
+                             group_modes<0, 2>(gV));
+      } else {
+        return tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                             group_modes<0, 2>(gV));
+      }
+    }();
     // The copy engine counts the zero-filled bytes of partial boxes too.
-    Bar::arrive_and_expect_tx(&sm.bar_qk, uint32_t((64 + KN) * D * sizeof(T)));
+    Bar::arrive_and_expect_tx(&sm.bar_qk, uint32_t((64 + KN) * D * sizeof(QK)));
     copy(p.tma_q.with(sm.bar_qk), get<0>(tQ), get<1>(tQ));
     copy(p.tma_k.with(sm.bar_qk), get<0>(tK), get<1>(tK));
-    Bar::arrive_and_expect_tx(&sm.bar_v, uint32_t(KN * D * sizeof(T)));
+    Bar::arrive_and_expect_tx(&sm.bar_v, uint32_t(KN * D * (E::kFp8 ? sizeof(QK) : sizeof(PV))));
     copy(p.tma_v.with(sm.bar_v), get<0>(tV), get<1>(tV));
   }
 
@@ -211,7 +275,7 @@ __global__ void __launch_bounds__(128, 1)
     Tensor tSrK = thr_qk.partition_fragment_B(sK);
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, Int<KN>>{});
-    Tensor rP = make_tensor<T>(typename C::LayoutP{});
+    Tensor rP = make_tensor<PV>(typename C::LayoutP{});
     Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
     Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<_64, Int<KN>>{}));
     Tensor cSrc = make_tensor(cS.data(), rowcol(cS.layout()));
@@ -226,14 +290,15 @@ __global__ void __launch_bounds__(128, 1)
       mma_qk.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
+    if constexpr (E::kFp8) convert_v_slice<C>(sm, tid);  // while S runs
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
 
     apply_mask(S, cSrc, mask, m0, k0, KN);
-    softmax.step(S, p.scale_log2);
+    softmax.step(S, sl2);
     convert_p(rP, tSrS);
 
-    Bar::wait(&sm.bar_v, 0);
+    if constexpr (!E::kFp8) Bar::wait(&sm.bar_v, 0);
     const auto pv = [&] {
       warpgroup_fence_operand(tOrO);
       warpgroup_fence_operand(rP);
@@ -260,16 +325,16 @@ __global__ void __launch_bounds__(128, 1)
     bool nonfinite = false;
     if (Mask::kMasksKeys && mask.first_partial_tile(m0, KN, nrank) <= rank) {
       nonfinite =
-          __syncthreads_or(scan_nonfinite<T, KN, D, KN * D * 2 / (16 * 128)>(v, tid, 128)) != 0;
+          __syncthreads_or(scan_nonfinite<PV, KN, D, KN * D * 2 / (16 * 128)>(v, tid, 128)) != 0;
     }
     pv_wait();
     if (nonfinite) {
       constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
       constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
       __syncthreads();  // every warp's part of P·V is done reading V
-      record_nonfinite_cols<T, KN, D>(
+      record_nonfinite_cols<PV, KN, D>(
           uint32_t(__cvta_generic_to_shared(&sm.nf)), 0u,
-          [&](int key, int col) { return kSwizzle(v + uint32_t(kFlatV(key, col) * sizeof(T))); },
+          [&](int key, int col) { return kSwizzle(v + uint32_t(kFlatV(key, col) * sizeof(PV))); },
           tid, 128);
       cutlass::arch::fence_view_async_shared();  // the zeros, before P·V's wgmmas read V
       __syncthreads();
@@ -314,8 +379,7 @@ __global__ void __launch_bounds__(128, 1)
   // Merge this rank's rows: 8 columns (one 16-byte store) per item, all C partials' loads
   // issued before any is used.
   constexpr int CH = D / 8;
-  T* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head;
-  const float sl2 = p.scale_log2;
+  Out* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head;
   for (int i = tid; i < mine * CH; i += 128) {
     const int lr = i / CH, c = (i % CH) * 8;
     const int row = m0 + rank * R + lr;
@@ -361,12 +425,12 @@ __global__ void __launch_bounds__(128, 1)
     }
     // l >= 1 when any key is visible (the max element contributes 2^0); a row that sees no key
     // writes zeros.
-    const float inv = l > 0.f ? __fdividef(1.f, l) : 0.f;
+    const float inv = l > 0.f ? __fdividef(o_scale, l) : 0.f;
     uint4 out;
-    out.x = pack2<T>(acc[0] * inv, acc[1] * inv);
-    out.y = pack2<T>(acc[2] * inv, acc[3] * inv);
-    out.z = pack2<T>(acc[4] * inv, acc[5] * inv);
-    out.w = pack2<T>(acc[6] * inv, acc[7] * inv);
+    out.x = pack2<Out>(acc[0] * inv, acc[1] * inv);
+    out.y = pack2<Out>(acc[2] * inv, acc[3] * inv);
+    out.z = pack2<Out>(acc[4] * inv, acc[5] * inv);
+    out.w = pack2<Out>(acc[6] * inv, acc[7] * inv);
     *reinterpret_cast<uint4*>(ob + int64_t(row) * p.os.seq + c) = out;
   }
   cluster_wait();  // phase 2
@@ -375,41 +439,50 @@ __global__ void __launch_bounds__(128, 1)
 
 // Host side ----------------------------------------------------------------------------------
 
-template <typename T, int D, int KN>
-SmallParams<T, D, KN> make_small_params(const FwdArgs& a, int cluster) {
-  using C = SmallCfg<T, D, KN>;
-  const auto gmem = [&](const void* ptr, int64_t seq, int64_t heads, const Strides& st) {
-    return make_tensor(make_gmem_ptr(static_cast<const T*>(ptr)),
-                       make_shape(int(seq), Int<D>{}, int(heads), int(a.batch)),
+template <class E, int D, int KN>
+SmallParams<E, D, KN> make_small_params(const FwdArgs& a, int cluster) {
+  using C = SmallCfg<E, D, KN>;
+  const auto gmem = [&](auto const* ptr, int64_t seq, int64_t heads, const Strides& st) {
+    return make_tensor(make_gmem_ptr(ptr), make_shape(int(seq), Int<D>{}, int(heads), int(a.batch)),
                        make_stride(st.seq, _1{}, st.head, st.batch));
   };
-  SmallParams<T, D, KN> p{};
-  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.q, a.seq_q, a.heads, a.q_stride),
+  using QK = typename C::QK;
+  using VIn = std::conditional_t<E::kFp8, QK, typename C::PV>;  // V as the call holds it
+  using VLayout = std::conditional_t<E::kFp8, typename C::LayoutV8, typename C::LayoutV>;
+  SmallParams<E, D, KN> p{};
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{},
+                          gmem(static_cast<const QK*>(a.q), a.seq_q, a.heads, a.q_stride),
                           typename C::LayoutQ{}, Shape<_64, Int<D>>{}, _1{});
-  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.k, a.seq_k, a.kv_heads, a.k_stride),
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{},
+                          gmem(static_cast<const QK*>(a.k), a.seq_k, a.kv_heads, a.k_stride),
                           typename C::LayoutK{}, Shape<Int<KN>, Int<D>>{}, _1{});
-  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.seq_k, a.kv_heads, a.v_stride),
-                          typename C::LayoutV{}, Shape<Int<KN>, Int<D>>{}, _1{});
-  p.o = static_cast<T*>(a.o);
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{},
+                          gmem(static_cast<const VIn*>(a.v), a.seq_k, a.kv_heads, a.v_stride),
+                          VLayout{}, Shape<Int<KN>, Int<D>>{}, _1{});
+  p.o = static_cast<typename C::Out*>(a.o);
   p.os = a.o_stride;
   fill_sizes(p, a);
   p.rows = (64 + cluster - 1) / cluster;
   p.div_heads = FastDiv(p.heads);
+  p.q_scale = a.q_scale;
+  p.k_scale = a.k_scale;
+  p.v_scale = a.v_scale;
+  p.per_head = a.per_head_scales ? 1 : 0;
   return p;
 }
 
 // Launches the small kernel with KN-key slices; false (nothing launched) where it does not
 // apply: more than kMaxCluster slices, or a grid over the hardware's y/z limits.
-template <typename T, int D, int KN, class Mask>
+template <class E, int D, int KN, class Mask>
 bool small_launch(const FwdArgs& a, cudaStream_t stream) {
-  using C = SmallCfg<T, D, KN>;
+  using C = SmallCfg<E, D, KN>;
   const int64_t cluster = (a.seq_k + KN - 1) / KN;
   const int64_t m_blocks = (a.seq_q + 63) / 64, bh = a.batch * a.heads;
   if (cluster > C::kMaxCluster || m_blocks > 65535 || bh > 65535) return false;
-  const auto kernel = small_kernel<T, D, KN, Mask>;
+  const auto kernel = small_kernel<E, D, KN, Mask>;
   static std::atomic<uint64_t> configured{0};
   opt_in_smem(reinterpret_cast<const void*>(kernel), C::kSmemBytes, configured);
-  const SmallParams<T, D, KN> p = make_small_params<T, D, KN>(a, int(cluster));
+  const SmallParams<E, D, KN> p = make_small_params<E, D, KN>(a, int(cluster));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(cluster), unsigned(m_blocks), unsigned(bh));
   cfg.blockDim = dim3(C::kThreads, 1, 1);
@@ -437,25 +510,24 @@ constexpr int kSmallKeys = 128;
 // key slices. With a single slice (S <= 128) it was slower; D = 128 at S256 was even, so it stays
 // on the main kernel. can_implement states the main kernel's needs; the small kernel is taken
 // only where its shared memory fits as well.
-template <typename T, int D>
+template <class E, int D>
 bool small_forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   static_assert(D == 64, "the small path is built for head_dim 64 only");
   const int64_t tiles128 = (a.seq_q + 127) / 128 * a.batch * a.heads;
   if (a.seq_k <= kSmallKeys || 2 * tiles128 > dev.sms) return false;
   if (mask::needs_band(a) || a.has_lse) return false;  // the main kernel's general path
-  if (SmallCfg<T, D, kSmallKeys>::kSmemBytes > dev.smem_optin_per_block) return false;
+  if (SmallCfg<E, D, kSmallKeys>::kSmemBytes > dev.smem_optin_per_block) return false;
   return mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), [&](auto m) {
-    return small_launch<T, D, kSmallKeys, decltype(m)>(a, stream);
+    return small_launch<E, D, kSmallKeys, decltype(m)>(a, stream);
   });
 }
 
-template <typename T, int D>
-void small_attributes(std::vector<KernelAttr>& out) {
+template <class E, int D>
+void small_attributes(std::vector<KernelAttr>& out, const char* name) {
   const void* const fns[2] = {
-      reinterpret_cast<const void*>(small_kernel<T, D, kSmallKeys, mask::NoMask<int>>),
-      reinterpret_cast<const void*>(small_kernel<T, D, kSmallKeys, mask::CausalBottomRight<int>>)};
-  push_attributes(out, "cutlass-sm90-small", dtype_name<T>(), D, fns,
-                  SmallCfg<T, D, kSmallKeys>::kSmemBytes);
+      reinterpret_cast<const void*>(small_kernel<E, D, kSmallKeys, mask::NoMask<int>>),
+      reinterpret_cast<const void*>(small_kernel<E, D, kSmallKeys, mask::CausalBottomRight<int>>)};
+  push_attributes(out, "cutlass-sm90-small", name, D, fns, SmallCfg<E, D, kSmallKeys>::kSmemBytes);
 }
 
 }  // namespace sdpa::cutlass_sm90
