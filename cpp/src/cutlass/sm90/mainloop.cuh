@@ -385,8 +385,7 @@ struct Mainloop {
           const uint2 x = ld_shared_64(v8 + uint32_t(s8 * BN * D + key * D + d));
           nan8 |= e4m3_nan8(x);
           st_shared_128(kSwizzle(v16 + uint32_t(kFlatV(key, d, s) * sizeof(PV))),
-                        make_uint4(f16x2_of_e4m3x2(x.x), f16x2_of_e4m3x2(x.x >> 16),
-                                   f16x2_of_e4m3x2(x.y), f16x2_of_e4m3x2(x.y >> 16)));
+                        f16x8_of_e4m3x8(x));
         }
         // The check, on the converted tile (its barrier is also the one after which every
         // converted value is visible to all).
@@ -459,13 +458,7 @@ struct Mainloop {
                                                 float& o_scale) {
     sl2 = p.scale_log2;
     o_scale = 1.f;
-    if constexpr (E::kFp8) {
-      const int hk = p.div_group.div(w.h);
-      const int qsi = p.per_head ? w.b * p.heads + w.h : 0;
-      const int kvi = p.per_head ? w.b * p.kv_heads + hk : 0;
-      sl2 *= __ldg(p.q_scale + qsi) * __ldg(p.k_scale + kvi);
-      o_scale = __ldg(p.v_scale + kvi);
-    }
+    if constexpr (E::kFp8) dequant_scales(p, w.b, w.h, sl2, o_scale);
   }
 
   // Band: the score mods of work tile w (slope of its (batch, head)). Made where they are used,

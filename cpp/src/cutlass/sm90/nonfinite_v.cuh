@@ -137,4 +137,10 @@ __device__ __forceinline__ uint32_t f16x2_of_e4m3x2(uint32_t codes) {
   return uint32_t(h.x) | (uint32_t(h.y) << 16);
 }
 
+// Eight e4m3 codes (8 bytes, the first in the low byte) -> eight f16 (16 bytes), exactly.
+__device__ __forceinline__ uint4 f16x8_of_e4m3x8(uint2 codes) {
+  return make_uint4(f16x2_of_e4m3x2(codes.x), f16x2_of_e4m3x2(codes.x >> 16),
+                    f16x2_of_e4m3x2(codes.y), f16x2_of_e4m3x2(codes.y >> 16));
+}
+
 }  // namespace sdpa::cutlass_sm90

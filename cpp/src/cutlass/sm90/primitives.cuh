@@ -139,6 +139,19 @@ void fill_sizes(P& p, const FwdArgs& a) {
   p.div_group = FastDiv(int(a.heads / a.kv_heads));
 }
 
+// E4M3: the dequantization scales of (batch b, head h) from a parameter block's q_scale, k_scale,
+// v_scale (one per tensor, or per (batch, head) where per_head): q·k's multiply the softmax
+// scale sl2, v's is the output factor o_scale.
+template <class P>
+__device__ __forceinline__ void dequant_scales(const P& p, int b, int h, float& sl2,
+                                               float& o_scale) {
+  const int hk = p.div_group.div(h);
+  const int qsi = p.per_head ? b * p.heads + h : 0;
+  const int kvi = p.per_head ? b * p.kv_heads + hk : 0;
+  sl2 *= __ldg(p.q_scale + qsi) * __ldg(p.k_scale + kvi);
+  o_scale = __ldg(p.v_scale + kvi);
+}
+
 // Softmax exponents at any logit size. Each row's base is RN(m·scale) and every exponent is taken
 // against it. The fast form folds the scale into one FMA, fma(x, scale, -base): its exact product
 // leaves the max the base's rounding residual as exponent, at most 2^-9 while |base| < 2^15, but

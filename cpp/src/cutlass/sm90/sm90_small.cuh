@@ -165,8 +165,7 @@ __device__ __forceinline__ void convert_v_slice(typename C::Smem& sm, int tid) {
   for (int key = tid / kPerRow; key < KN; key += kStep) {
     const uint2 x = ld_shared_64(v8 + uint32_t(key * D + d));
     st_shared_128(kSwizzle(v16 + uint32_t(kFlatV(key, d) * sizeof(typename C::PV))),
-                  make_uint4(f16x2_of_e4m3x2(x.x), f16x2_of_e4m3x2(x.x >> 16), f16x2_of_e4m3x2(x.y),
-                             f16x2_of_e4m3x2(x.y >> 16)));
+                  f16x8_of_e4m3x8(x));
   }
   cutlass::arch::fence_view_async_shared();
   __syncthreads();
@@ -212,13 +211,7 @@ __global__ void __launch_bounds__(128, 1)
   const int k0 = rank * KN;
   // The softmax scale (e4m3: with q·k's dequantization folded in) and O's factor (v's).
   float sl2 = p.scale_log2, o_scale = 1.f;
-  if constexpr (E::kFp8) {
-    const int hk = p.div_group.div(h);
-    const int qsi = p.per_head ? b * p.heads + h : 0;
-    const int kvi = p.per_head ? b * p.kv_heads + hk : 0;
-    sl2 *= __ldg(p.q_scale + qsi) * __ldg(p.k_scale + kvi);
-    o_scale = __ldg(p.v_scale + kvi);
-  }
+  if constexpr (E::kFp8) dequant_scales(p, b, h, sl2, o_scale);
   // Whether some row of the tile sees a key of this slice [k0, k0 + KN).
   const bool active = k0 < mask.key_end(m0, 64);
 

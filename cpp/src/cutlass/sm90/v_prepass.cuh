@@ -34,10 +34,8 @@ __global__ void __launch_bounds__(256)
     const int64_t key = row - bk * seq_k, b = bk / kv_heads, hk = bk - b * kv_heads;
     const uint4 x = *reinterpret_cast<const uint4*>(v + b * vs.batch + hk * vs.head + key * vs.seq +
                                                     16 * (i % kChunks));
-    out[2 * i] = make_uint4(f16x2_of_e4m3x2(x.x), f16x2_of_e4m3x2(x.x >> 16), f16x2_of_e4m3x2(x.y),
-                            f16x2_of_e4m3x2(x.y >> 16));
-    out[2 * i + 1] = make_uint4(f16x2_of_e4m3x2(x.z), f16x2_of_e4m3x2(x.z >> 16),
-                                f16x2_of_e4m3x2(x.w), f16x2_of_e4m3x2(x.w >> 16));
+    out[2 * i] = f16x8_of_e4m3x8(make_uint2(x.x, x.y));
+    out[2 * i + 1] = f16x8_of_e4m3x8(make_uint2(x.z, x.w));
   }
 #endif
 }
