@@ -3,7 +3,7 @@
 
 mod fp8;
 
-use crate::codec::{decode, encode, nan_bits};
+use crate::codec::{decode, nan_bits, try_encode};
 use crate::device::{Device, StreamOrder};
 use crate::error::{Error, Result, invalid};
 use crate::problem::{DType, Scaling, TensorShape};
@@ -128,12 +128,13 @@ impl Tensor {
         }
     }
     /// Uploads `data`, rounded to `dtype` (f16 or bf16; e4m3 needs scales: see
-    /// [`Tensor::quantize_f32`]).
+    /// [`Tensor::quantize_f32`]). The rounded copy is made on the host first: where the host
+    /// cannot hold it, `Error::OutOfMemory`.
     pub fn from_f32(dev: &Device, dtype: DType, data: &[f32]) -> Result<Tensor> {
         if dtype == DType::E4m3 {
             return Err(needs_scales("Tensor::from_f32"));
         }
-        Self::from_bits(dev, dtype, &encode(dtype, data))
+        Self::from_bits(dev, dtype, &try_encode(dtype, data)?)
     }
     /// Uploads raw bit patterns of `dtype` (f16 or bf16).
     pub fn from_bits(dev: &Device, dtype: DType, bits: &[u16]) -> Result<Tensor> {
