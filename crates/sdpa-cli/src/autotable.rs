@@ -6,6 +6,7 @@
 //! file is built in memory and printed only when every record passed, so a bad record never
 //! leaves half a table behind. Errors name the record as `records[i]` (0-based).
 
+use crate::{CliResult, Failure};
 use sdpa::backend::auto::{FALLBACK, SizeClass};
 use sdpa::{Backend, DType, Error, Fp8Mode, Problem, Result};
 use serde_json::Value;
@@ -19,33 +20,29 @@ pub struct Args {
     /// Records written by `sdpa bench --json`.
     json: std::path::PathBuf,
     /// Compute capability (major*10+minor) for records that lack an "sm" field.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     sm: Option<u32>,
     /// Device name for records that lack a "device" field.
     #[arg(long, default_value = "an unnamed device")]
     device: String,
 }
 
-pub fn main(a: Args) -> Result<ExitCode> {
+pub fn main(a: Args) -> CliResult<ExitCode> {
     let path = a.json.display().to_string();
     let io = |msg: String| Error::Io {
         path: path.clone(),
         msg,
     };
-    let text = std::fs::read_to_string(&a.json).map_err(|e| io(e.to_string()))?;
-    let records: Vec<Value> =
-        serde_json::from_str(&text).map_err(|e| io(format!("not a JSON list: {e}")))?;
+    let records = crate::input::read_records(&a.json)?;
     let source = generate(&records, a.sm, &a.device).map_err(|e| match e {
         Error::InvalidArgument(msg) => io(msg),
         other => other,
     })?;
+    // A reader that went away (`| head`) ends the command as it ends every other one.
     std::io::stdout()
         .lock()
         .write_all(source.as_bytes())
-        .map_err(|e| Error::Io {
-            path: "stdout".into(),
-            msg: e.to_string(),
-        })?;
+        .map_err(Failure::Stdout)?;
     Ok(ExitCode::SUCCESS)
 }
 

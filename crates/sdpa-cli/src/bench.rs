@@ -4,13 +4,12 @@
 use crate::energy::{Energy, Meter};
 use crate::progress::Progress;
 use crate::validate::{ProblemArgs, auto_note, backends, dtype_label, require_runnable};
-use crate::{CliResult, chosen_backend, device_for, npy, open_device};
+use crate::{CliResult, chosen_backend, device_for, open_device, output};
 use sdpa::{Backend, DType, Device, Problem, Result, Tensor};
 use sdpa_harness::check::{ExtraBuffers, check_output, kv_bytes};
 use sdpa_harness::inputs::{fresh_seed, named_inputs};
 use sdpa_harness::timing::{launch_floor, time_backend, time_gpu};
 use serde_json::json;
-use std::io::Write;
 use std::process::ExitCode;
 
 /// Problems whose f64 reference costs more than this many flops get no rel_err in the bench
@@ -32,16 +31,37 @@ pub struct Args {
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
     /// Time budget per measurement, milliseconds.
-    #[arg(long, default_value_t = 1000.0)]
+    #[arg(long, default_value_t = 1000.0, allow_negative_numbers = true)]
     budget_ms: f64,
     /// Also run each problem back to back for this many seconds (the first quarter warm-up)
     /// and report its time per call under sustained load, energy per call (the GPU's energy
     /// counter, NVML), mean power and SM clock.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     energy_s: Option<f64>,
 }
 
+/// Refuses a duration that is not a finite number above zero (an infinite `--energy-s` would
+/// run forever), naming the flag.
+fn positive(flag: &str, x: f64) -> Result<()> {
+    if x.is_finite() && x > 0.0 {
+        Ok(())
+    } else {
+        Err(sdpa::Error::InvalidArgument(format!(
+            "{flag} {x}: expected a finite number above 0"
+        )))
+    }
+}
+
 pub fn main(a: Args) -> CliResult<ExitCode> {
+    positive("--budget-ms", a.budget_ms)?;
+    if let Some(s) = a.energy_s {
+        positive("--energy-s", s)?;
+    }
+    // Before anything runs: a bad output path found after the run would cost the run.
+    let mut outputs: Vec<output::Named> = Vec::new();
+    outputs.extend(a.json.as_deref().map(|p| ("--json", p)));
+    outputs.extend(a.plot.as_deref().map(|p| ("--plot", p)));
+    output::check(&outputs, &[])?;
     let named = !a.backend.is_empty();
     let (dev, backends) = if named {
         let backends = backends(&a.backend)?;
@@ -113,11 +133,11 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
             // On a terminal the bar names the run; in a log the line starts before it.
             progress.step(what.clone());
             if !progress.shown() {
-                eprint!("{what}");
+                note_start!("{what}");
             }
             let said = |result: String| match progress.shown() {
                 true => progress.done(format!("{what}{result}")),
-                false => eprintln!("{result}"),
+                false => note!("{result}"),
             };
             match chosen.and_then(|c| bench_one(dev.as_ref(), name, p, c, a.budget_ms, energy)) {
                 Ok(Measured {
@@ -231,14 +251,18 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     }
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&records).expect("records serialize");
-        npy::write_atomically(path, |w| w.write_all(text.as_bytes()))?;
+        output::write_text(path, &text)?;
         outln!("wrote {} records to {}", records.len(), path.display())?;
     }
     if let Some(path) = &a.plot {
-        let bars: Vec<_> = records
-            .iter()
-            .filter_map(|r| crate::plot::bar(r, &crate::plot::label(r), false))
-            .collect();
+        let mut bars = Vec::new();
+        for (i, r) in records.iter().enumerate() {
+            match crate::plot::bar(r, &crate::plot::label(r), false) {
+                Ok(b) => bars.extend(b),
+                Err(why) => note!("sdpa bench: records[{i}] left out of the chart: {why}"),
+            }
+        }
+        let device = crate::plot::clean(&device);
         let title = format!("sdpa bench on {device}: TFLOP/s from us_graph (higher is better)");
         crate::plot::write_svg(path, &title, &bars)?;
         outln!("wrote {}", path.display())?;

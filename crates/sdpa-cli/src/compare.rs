@@ -2,11 +2,12 @@
 //! on the same problem (speedup = anchor's us_graph / ours; above 1, ours is faster), and with
 //! `--plot` a chart of both.
 
-use crate::plot::{self, Bar, Key, key, label};
-use crate::{CliResult, Failure};
+use crate::input::read_records;
+use crate::plot::{self, Bar, Key, clean, key, label};
+use crate::{CliResult, Failure, output};
 use serde_json::Value;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(clap::Args)]
@@ -18,16 +19,6 @@ pub struct Args {
     /// Also draw every backend and anchor per problem into this SVG file.
     #[arg(long)]
     plot: Option<PathBuf>,
-}
-
-/// The records of a JSON list file; an unreadable file or another shape is `Error::Io`.
-pub fn read_records(path: &Path) -> sdpa::Result<Vec<Value>> {
-    let io = |msg: String| sdpa::Error::Io {
-        path: path.display().to_string(),
-        msg,
-    };
-    let text = std::fs::read_to_string(path).map_err(|e| io(e.to_string()))?;
-    serde_json::from_str(&text).map_err(|e| io(format!("not a JSON list of records: {e}")))
 }
 
 /// One line of the table: our record, the fastest anchor on its problem (if any) and the
@@ -81,12 +72,12 @@ pub fn rows(ours: &[Value], anchors: &[Value]) -> Vec<Row> {
             let k = key(r)?;
             let us = r["us_graph"].as_f64()?;
             let anchor = anchor_for(&best, &k).map(|a| {
-                let name = a["backend"].as_str().unwrap_or("?").to_string();
+                let name = clean(a["backend"].as_str().unwrap_or("?"));
                 (name, a["us_graph"].as_f64().unwrap_or(f64::NAN))
             });
             Some(Row {
                 problem: label(r),
-                ours: r["backend"].as_str().unwrap_or("?").to_string(),
+                ours: clean(r["backend"].as_str().unwrap_or("?")),
                 us,
                 anchor,
             })
@@ -94,27 +85,44 @@ pub fn rows(ours: &[Value], anchors: &[Value]) -> Vec<Row> {
         .collect()
 }
 
-/// The bars of our records and of every anchor record on the same problems, labelled by ours.
-pub fn bars(ours: &[Value], anchors: &[Value]) -> Vec<Bar> {
+/// The bars of our records and of every anchor record on the same problems, labelled by ours,
+/// and a note for each record left out of the chart for figures it cannot draw (see
+/// `plot::bar`).
+pub fn bars(ours: &[Value], anchors: &[Value]) -> (Vec<Bar>, Vec<String>) {
     let mut labels: Vec<(Key, String)> = Vec::new();
-    let mut out = Vec::new();
-    for r in ours {
+    let (mut out, mut notes) = (Vec::new(), Vec::new());
+    let mut add = |which: &str, i: usize, r: &Value, name: &str, anchor: bool| match plot::bar(
+        r, name, anchor,
+    ) {
+        Ok(b) => out.extend(b),
+        Err(why) => notes.push(format!(
+            "{which}[{i}] ({name} {}): left out of the chart: {why}",
+            clean(r["backend"].as_str().unwrap_or("?"))
+        )),
+    };
+    for (i, r) in ours.iter().enumerate() {
         let Some(k) = key(r) else { continue };
         let name = label(r);
         if !labels.iter().any(|(l, _)| *l == k) {
             labels.push((k, name.clone()));
         }
-        out.extend(plot::bar(r, &name, false));
+        add("ours", i, r, &name, false);
     }
     for (k, name) in &labels {
-        for a in anchors.iter().filter(|a| key(a).as_ref() == Some(k)) {
-            out.extend(plot::bar(a, name, true));
+        for (i, a) in anchors.iter().enumerate() {
+            if key(a).as_ref() == Some(k) {
+                add("anchors", i, a, name, true);
+            }
         }
     }
-    out
+    (out, notes)
 }
 
 pub fn main(a: Args) -> CliResult<ExitCode> {
+    if let Some(plot) = &a.plot {
+        let inputs = [("OURS", a.ours.as_path()), ("ANCHORS", a.anchors.as_path())];
+        output::check(&[("--plot", plot)], &inputs)?;
+    }
     let ours = read_records(&a.ours)?;
     let anchors = read_records(&a.anchors)?;
     let table = rows(&ours, &anchors);
@@ -147,13 +155,18 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         }
     }
     if let Some(path) = &a.plot {
-        let device = ours
-            .iter()
-            .find_map(|r| r["device"].as_str())
-            .unwrap_or("unknown device");
+        let device = clean(
+            ours.iter()
+                .find_map(|r| r["device"].as_str())
+                .unwrap_or("unknown device"),
+        );
         let title =
             format!("sdpa and anchors on {device}: TFLOP/s from us_graph (higher is better)");
-        plot::write_svg(path, &title, &bars(&ours, &anchors)).map_err(Failure::from)?;
+        let (bars, notes) = bars(&ours, &anchors);
+        for n in notes {
+            note!("sdpa compare: {n}");
+        }
+        plot::write_svg(path, &title, &bars).map_err(Failure::from)?;
         outln!("wrote {}", path.display())?;
     }
     Ok(ExitCode::SUCCESS)
@@ -163,6 +176,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
 mod tests {
     use super::*;
     use serde_json::json;
+    use std::path::Path;
 
     fn rec(name: &str, backend: &str, us: f64, tflops: f64) -> Value {
         json!({"name": name, "batch": 1, "heads": 16, "seq_q": 8192, "seq_k": 8192,
@@ -207,7 +221,8 @@ mod tests {
             rec("s8k-d128", "cutlass-sm80", 1500.0, 366.0),
         ];
         let anchors = [rec("s8k-d128", "fa4", 800.0, 687.0)];
-        let b = bars(&ours, &anchors);
+        let (b, notes) = bars(&ours, &anchors);
+        assert!(notes.is_empty(), "{notes:?}");
         assert_eq!(b.len(), 3);
         assert!(b[2].anchor && !b[0].anchor);
         let (lo, hi) = b[0].ci.unwrap();
@@ -233,5 +248,30 @@ mod tests {
         assert!(e.to_string().contains("not a JSON list"), "{e}");
         let e = plot::write_svg(Path::new("/tmp/x.svg"), "t", &[]).unwrap_err();
         assert!(e.to_string().contains("no record"), "{e}");
+    }
+
+    /// Records whose figures cannot be drawn are left out of the chart with a note naming them;
+    /// the rest are drawn.
+    #[test]
+    fn records_the_chart_cannot_hold_are_left_out_with_a_note() {
+        let ours = [
+            rec("s8k-d128", "cutlass", 872.0, 630.0),
+            rec("s8k-d128", "wmma", 1e-300, 1.7e308),
+        ];
+        let mut anchor = rec("s8k-d128", "fa4", 800.0, 687.0);
+        anchor["us_graph_ci95"] = json!([1e-307, 801.0]);
+        let (b, notes) = bars(&ours, &[anchor]);
+        assert_eq!(b.len(), 1);
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(
+            notes[0].starts_with("ours[1] (s8k-d128 bf16 wmma)"),
+            "{}",
+            notes[0]
+        );
+        assert!(
+            notes[1].starts_with("anchors[0] (s8k-d128 bf16 fa4)"),
+            "{}",
+            notes[1]
+        );
     }
 }

@@ -9,12 +9,29 @@ macro_rules! outln {
     };
 }
 
+/// `eprintln!` for diagnostics: the same formatting, but a standard error that is closed or
+/// full loses the line instead of panicking, so a note can never decide how a command ends.
+macro_rules! note {
+    ($($arg:tt)*) => {
+        $crate::write_stderr(format_args!($($arg)*), true)
+    };
+}
+
+/// `eprint!` (no newline) with `note!`'s handling of write errors.
+macro_rules! note_start {
+    ($($arg:tt)*) => {
+        $crate::write_stderr(format_args!($($arg)*), false)
+    };
+}
+
 mod autotable;
 mod bench;
 mod compare;
 mod energy;
+mod input;
 mod machine;
 mod npy;
+mod output;
 mod plot;
 mod progress;
 #[cfg(feature = "distributed")]
@@ -80,6 +97,19 @@ pub(crate) fn write_stdout(args: std::fmt::Arguments) -> CliResult<()> {
         .map_err(Failure::Stdout)
 }
 
+/// `args` on standard error, with a newline where `newline`; a failed write is ignored (see
+/// `note!`).
+pub(crate) fn write_stderr(args: std::fmt::Arguments, newline: bool) {
+    let mut err = io::stderr().lock();
+    let _ = err.write_fmt(args).and_then(|()| {
+        if newline {
+            err.write_all(b"\n")
+        } else {
+            Ok(())
+        }
+    });
+}
+
 /// Exit status for a reader that closed standard output early (`sdpa info | head -1`): what a
 /// shell reports for a command ended by SIGPIPE, as `ls` and `cat` end there, without a message.
 const CLOSED_PIPE: u8 = 141;
@@ -90,7 +120,7 @@ fn main() -> ExitCode {
         Cmd::Validate(a) => validate::main(a),
         Cmd::Bench(a) => bench::main(a),
         Cmd::Run(a) => run::main(a),
-        Cmd::Autotable(a) => autotable::main(a).map_err(Failure::from),
+        Cmd::Autotable(a) => autotable::main(a),
         Cmd::Compare(a) => compare::main(a),
         #[cfg(feature = "distributed")]
         Cmd::Ring(a) => ring::main(a),
@@ -104,11 +134,11 @@ fn main() -> ExitCode {
             ExitCode::from(CLOSED_PIPE)
         }
         Err(Failure::Stdout(e)) => {
-            eprintln!("sdpa: writing standard output: {e}");
+            note!("sdpa: writing standard output: {e}");
             ExitCode::FAILURE
         }
         Err(Failure::Sdpa(e)) => {
-            eprintln!("sdpa: {e}");
+            note!("sdpa: {e}");
             ExitCode::FAILURE
         }
     }
@@ -119,7 +149,7 @@ pub(crate) fn open_device() -> Option<Device> {
     match Device::new(0) {
         Ok(d) => Some(d),
         Err(e) => {
-            eprintln!("sdpa: {e}; running the CPU reference only");
+            note!("sdpa: {e}; running the CPU reference only");
             None
         }
     }

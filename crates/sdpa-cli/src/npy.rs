@@ -6,10 +6,10 @@
 //! time and memory; and the data is allocated only after the file's length has been checked to
 //! hold exactly what the shape says.
 
+use crate::output::{self, Staged};
 use sdpa::{Error, Result};
-use std::fs::File;
-use std::io::{self, BufReader, BufWriter, Read, Write};
-use std::path::{Path, PathBuf};
+use std::io::{BufReader, Read, Write};
+use std::path::Path;
 
 /// The first six bytes of every .npy file.
 const MAGIC: &[u8; 6] = b"\x93NUMPY";
@@ -66,14 +66,10 @@ struct Header {
     shape: Vec<usize>,
 }
 
-/// Reads an array as f32, with its shape.
+/// Reads an array as f32, with its shape. Only a regular file is opened (see `input`).
 pub fn read(path: &Path) -> Result<(Vec<f32>, Vec<usize>)> {
-    let file = File::open(path).map_err(|e| io_err(path, e))?;
-    let meta = file.metadata().map_err(|e| io_err(path, e))?;
-    if !meta.is_file() {
-        return Err(io_err(path, "not a regular file"));
-    }
-    read_from(BufReader::new(file), meta.len()).map_err(|msg| io_err(path, msg))
+    let (file, len) = crate::input::open_regular(path)?;
+    read_from(BufReader::new(file), len).map_err(|msg| io_err(path, msg))
 }
 
 /// Reads an array from `r`, a file of `file_len` bytes. Nothing larger than the header cap is
@@ -309,7 +305,8 @@ impl<'a> Parser<'a> {
     }
 }
 
-/// Reads `count` elements, converting to f32 chunk by chunk.
+/// Reads `count` elements, converting to f32 chunk by chunk. A finite float64 beyond float32's
+/// range is refused (naming the element) rather than read as an infinity.
 fn read_data(mut r: impl Read, elem: Elem, count: usize) -> std::result::Result<Vec<f32>, String> {
     let mut out: Vec<f32> = Vec::new();
     out.try_reserve_exact(count)
@@ -322,9 +319,20 @@ fn read_data(mut r: impl Read, elem: Elem, count: usize) -> std::result::Result<
             .map_err(|e| format!("reading the data: {e}"))?;
         match elem {
             // numpy's default dtype; rounded to f32 here, then to the problem's dtype.
-            Elem::F64 => out.extend(chunk.chunks_exact(8).map(|b| {
-                f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32
-            })),
+            Elem::F64 => {
+                for b in chunk.chunks_exact(8) {
+                    let x = f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+                    let y = x as f32;
+                    if y.is_infinite() && x.is_finite() {
+                        return Err(format!(
+                            "element {} is {x:e}, beyond float32's range (largest finite {:e})",
+                            out.len(),
+                            f32::MAX
+                        ));
+                    }
+                    out.push(y);
+                }
+            }
             Elem::F32 => out.extend(
                 chunk
                     .chunks_exact(4)
@@ -363,75 +371,17 @@ fn header_bytes(shape: &[usize]) -> Vec<u8> {
     bytes
 }
 
-/// Writes f32 data with the given shape; all or nothing (see `write_atomically`).
-pub fn write(path: &Path, data: &[f32], shape: &[usize]) -> Result<()> {
+/// f32 data with the given shape, written in full beside `path` and not yet in its place (see
+/// `output::stage`): `commit` puts it there.
+pub fn stage(path: &Path, data: &[f32], shape: &[usize]) -> Result<Staged> {
     debug_assert_eq!(shape.iter().product::<usize>(), data.len());
-    write_atomically(path, |w| {
+    output::stage(path, |w| {
         w.write_all(&header_bytes(shape))?;
         for x in data {
             w.write_all(&x.to_le_bytes())?;
         }
         Ok(())
     })
-}
-
-/// Writes a file whole or not at all: `fill` writes into a fresh temporary file beside `path`,
-/// which is flushed, synced and then renamed over `path`. On any failure the temporary file is
-/// removed and `path` keeps what it had. Where `path` is a symlink, its target is replaced; an
-/// existing `path` that is not a regular file (a device, a folder) is refused, since renaming
-/// over it would replace the device node rather than write to it.
-pub fn write_atomically(
-    path: &Path,
-    fill: impl FnOnce(&mut BufWriter<&File>) -> io::Result<()>,
-) -> Result<()> {
-    let target = match std::fs::metadata(path) {
-        Ok(m) if !m.is_file() => {
-            return Err(io_err(path, "exists and is not a regular file"));
-        }
-        Ok(_) => std::fs::canonicalize(path).map_err(|e| io_err(path, e))?,
-        Err(_) => path.to_path_buf(),
-    };
-    let (tmp, file) = create_temp_beside(&target).map_err(|e| io_err(path, e))?;
-    let written = fill_and_sync(&file, fill).and_then(|()| std::fs::rename(&tmp, &target));
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io_err(path, e));
-    }
-    Ok(())
-}
-
-fn fill_and_sync(
-    file: &File,
-    fill: impl FnOnce(&mut BufWriter<&File>) -> io::Result<()>,
-) -> io::Result<()> {
-    let mut w = BufWriter::new(file);
-    fill(&mut w)?;
-    // into_inner flushes and reports a failed flush (dropping a BufWriter would not).
-    w.into_inner().map_err(|e| e.into_error())?;
-    file.sync_all()
-}
-
-/// Creates `.NAME.PID.N.tmp` in `path`'s folder, a name no other writer uses.
-fn create_temp_beside(path: &Path) -> io::Result<(PathBuf, File)> {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let name = path
-        .file_name()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "names a folder, not a file"))?;
-    let dir = path.parent().unwrap_or(Path::new(""));
-    loop {
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let tmp = dir.join(format!(
-            ".{}.{}.{n}.tmp",
-            name.to_string_lossy(),
-            std::process::id()
-        ));
-        match File::options().write(true).create_new(true).open(&tmp) {
-            Ok(f) => return Ok((tmp, f)),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && n < 1000 => continue,
-            Err(e) => return Err(e),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -727,11 +677,22 @@ mod tests {
             .split(',')
             .filter_map(|d| d.trim().parse::<usize>().ok())
             .product();
-        let descr = ["<f4", "<f2"][rng.below(2)];
-        let size = if descr == "<f4" { 4 } else { 2 };
+        let descr = ["<f4", "<f2", "<f8"][rng.below(3)];
+        let size = match descr {
+            "<f8" => 8,
+            "<f4" => 4,
+            _ => 2,
+        };
         let dict = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
         let mut bytes = npy_with(&dict, &vec![0x3c; elems * size]);
-        match rng.below(8) {
+        match rng.below(9) {
+            // Random data behind a valid header: NaN, infinities, float64 beyond float32.
+            8 => {
+                let start = bytes.len() - elems * size;
+                for b in &mut bytes[start..] {
+                    *b = rng.next() as u8;
+                }
+            }
             // Bit flips anywhere.
             0 => {
                 for _ in 0..1 + rng.below(4) {
@@ -840,45 +801,30 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_write_leaves_the_old_file_and_no_temporary() {
+    fn a_staged_array_reads_back_once_committed() {
         let dir = std::env::temp_dir().join(format!("sdpa-npy-unit-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("out.npy");
-        std::fs::write(&path, b"old").unwrap();
-        let err = write_atomically(&path, |w| {
-            w.write_all(&[7; 100_000])?;
-            Err(io::Error::other("disk full"))
-        })
-        .unwrap_err();
-        assert!(err.to_string().contains("disk full"), "{err}");
-        assert_eq!(std::fs::read(&path).unwrap(), b"old");
-        let names: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(names, ["out.npy"]);
-
-        // A symlinked output has its target replaced, the link kept.
-        let link = dir.join("link.npy");
-        std::os::unix::fs::symlink(&path, &link).unwrap();
-        write(&link, &[1.0, 2.0], &[2]).unwrap();
-        assert!(
-            std::fs::symlink_metadata(&link)
-                .unwrap()
-                .file_type()
-                .is_symlink()
-        );
+        let staged = stage(&path, &[1.0, 2.0], &[2]).unwrap();
+        assert!(!path.exists());
+        staged.commit().unwrap();
         assert_eq!(read(&path).unwrap(), (vec![1.0, 2.0], vec![2]));
-
-        // Not a regular file: refused, nothing created.
-        assert!(write(&dir, &[1.0], &[1]).is_err());
-        let mut names: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        names.sort();
-        assert_eq!(names, ["link.npy", "out.npy"]);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// float64 values that float32 cannot hold are refused, naming the first; infinities and
+    /// NaN in the file are read as they are.
+    #[test]
+    fn float64_beyond_float32_is_refused() {
+        let dict = "{'descr': '<f8', 'fortran_order': False, 'shape': (4,), }";
+        let doubles =
+            |xs: [f64; 4]| -> Vec<u8> { xs.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let err = read_bytes(&npy_with(dict, &doubles([1.0, -2.0, -1e39, 1e300]))).unwrap_err();
+        assert!(err.contains("element 2 is -1e39, beyond float32"), "{err}");
+        let (got, _) =
+            read_bytes(&npy_with(dict, &doubles([f64::INFINITY, 0.0, 3.5, 1e-50]))).unwrap();
+        assert_eq!(got[..3], [f32::INFINITY, 0.0, 3.5]);
+        assert_eq!(got[3], 0.0);
     }
 }

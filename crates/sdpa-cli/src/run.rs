@@ -1,7 +1,9 @@
 //! `sdpa run`: attention on .npy files, so PyTorch/NumPy users can check us.
 
-use crate::{CliResult, chosen_backend, device_for, npy};
-use sdpa::{Alibi, Backend, DType, Error, Fp8Mode, Layout, Problem, Result, Scaling, Tensor};
+use crate::{CliResult, chosen_backend, device_for, npy, output};
+use sdpa::{
+    Alibi, Backend, DType, Error, Fp8Mode, Layout, MemoryKind, Problem, Result, Scaling, Tensor,
+};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -31,7 +33,7 @@ pub struct Args {
     #[arg(long, allow_hyphen_values = true)]
     window: Option<String>,
     /// Logit cap: scores become softcap · tanh(scores / softcap).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     softcap: Option<f32>,
     /// ALiBi slopes as .npy: [H] or [B, H].
     #[arg(long)]
@@ -58,7 +60,7 @@ pub struct Args {
     #[arg(long, default_value = "accurate")]
     fp8_mode: String,
     /// Softmax scale; default 1/sqrt(D).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     scale: Option<f32>,
     /// bhsd or bshd.
     #[arg(long, default_value = "bhsd")]
@@ -75,63 +77,95 @@ fn dims4(shape: &[usize], what: &str) -> Result<[usize; 4]> {
     }
 }
 
-/// Whether `a` and `b` name the same file: the same device and inode where both exist (hard
-/// links, symlinks and any spelling of the path), else the same canonical path.
-fn same_file(a: &Path, b: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    match (std::fs::metadata(a), std::fs::metadata(b)) {
-        (Ok(x), Ok(y)) => (x.dev(), x.ino()) == (y.dev(), y.ino()),
-        _ => canonical(a) == canonical(b),
-    }
+/// Checks `--out` and `--lse` before anything is read or run: each can be written, and neither
+/// is an input or the other.
+fn check_outputs(a: &Args) -> Result<()> {
+    let mut inputs: Vec<output::Named> = vec![("--q", &a.q), ("--k", &a.k), ("--v", &a.v)];
+    inputs.extend(a.alibi.as_deref().map(|p| ("--alibi", p)));
+    let mut outputs: Vec<output::Named> = vec![("--out", &a.out)];
+    outputs.extend(a.lse.as_deref().map(|p| ("--lse", p)));
+    output::check(&outputs, &inputs)
 }
 
-/// `path` made absolute and resolved as far as it exists (its folder, for a file not yet
-/// written).
-fn canonical(path: &Path) -> PathBuf {
-    if let Ok(p) = std::fs::canonicalize(path) {
-        return p;
-    }
-    match (path.parent(), path.file_name()) {
-        (Some(dir), Some(name)) => canonical_dir(dir).join(name),
-        _ => path.to_path_buf(),
-    }
-}
-
-fn canonical_dir(dir: &Path) -> PathBuf {
-    let dir = if dir.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        dir
+/// Refuses values that the rounding to `dtype` would turn into infinities, which attention
+/// turns into NaN rows: an infinity in the file, or a finite value beyond the dtype's range
+/// (f16: 65504). e4m3 scales its inputs into range, so only infinities are refused there (its
+/// quantization refuses them too). NaN passes through, as it does in every dtype. The error
+/// names the input, the first offending element and its value.
+fn check_fits(flag: &str, path: &Path, x: &[f32], dtype: DType) -> Result<()> {
+    let overflows = |v: f32| match dtype {
+        DType::F16 => half::f16::from_f32(v).is_infinite(),
+        DType::Bf16 => half::bf16::from_f32(v).is_infinite(),
+        DType::E4m3 => v.is_infinite(),
     };
-    std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf())
-}
-
-/// Refuses an `--out` that names one of the inputs: the result would replace it.
-fn refuse_overwriting_inputs(a: &Args) -> Result<()> {
-    let mut inputs = vec![("--q", &a.q), ("--k", &a.k), ("--v", &a.v)];
-    inputs.extend(a.alibi.as_ref().map(|p| ("--alibi", p)));
-    let mut outputs = vec![("--out", &a.out)];
-    outputs.extend(a.lse.as_ref().map(|p| ("--lse", p)));
-    for (out_flag, out) in &outputs {
-        for (flag, input) in &inputs {
-            if same_file(out, input) {
-                return Err(Error::InvalidArgument(format!(
-                    "{out_flag} {} is the same file as {flag} {}; refusing to overwrite an input",
-                    out.display(),
-                    input.display()
-                )));
-            }
-        }
-    }
-    if let Some(lse) = &a.lse
-        && same_file(lse, &a.out)
-    {
+    let Some(i) = x.iter().position(|&v| overflows(v)) else {
+        return Ok(());
+    };
+    let (v, at) = (x[i], path.display());
+    if v.is_infinite() {
         return Err(Error::InvalidArgument(format!(
-            "--lse and --out are the same file ({})",
-            lse.display()
+            "{flag} {at}: element {i} is {v}; infinite inputs are refused (NaN passes through)"
         )));
     }
-    Ok(())
+    let (max, other) = match dtype {
+        DType::Bf16 => (f64::from(half::bf16::MAX), "e4m3"),
+        _ => (f64::from(half::f16::MAX), "bf16 or e4m3"),
+    };
+    Err(Error::InvalidArgument(format!(
+        "{flag} {at}: element {i} is {v}, which overflows {dtype} (largest finite {max}); \
+         scale the inputs, or pass --dtype {other}"
+    )))
+}
+
+/// ALiBi slopes must be finite: a NaN or infinite slope makes its head's output NaN.
+fn check_slopes(path: &Path, slopes: &[f32]) -> Result<()> {
+    match slopes.iter().position(|s| !s.is_finite()) {
+        Some(i) => Err(Error::InvalidArgument(format!(
+            "--alibi {}: slope {i} is {}; slopes must be finite",
+            path.display(),
+            slopes[i]
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// An empty vector with room for `n` elements of `T`, or `Error::OutOfMemory` where the host
+/// cannot give it (checked first, then reserved fallibly): never an abort.
+fn host_vec<T>(n: usize) -> Result<Vec<T>> {
+    let bytes = n.checked_mul(std::mem::size_of::<T>());
+    sdpa::memory::check_host(bytes)?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::OutOfMemory {
+        kind: MemoryKind::Host,
+        needed: bytes.unwrap_or(usize::MAX),
+        available: sdpa::memory::host_available(),
+    })?;
+    Ok(v)
+}
+
+/// `f` of each element of `x`, into a vector from `host_vec`.
+fn try_map<T: Copy, U>(x: &[T], f: impl Fn(T) -> U) -> Result<Vec<U>> {
+    let mut out = host_vec(x.len())?;
+    out.extend(x.iter().map(|&v| f(v)));
+    Ok(out)
+}
+
+/// Elements rounded per step by `round_to`: the codec's temporaries stay at a few hundred KiB
+/// however large the input.
+const ROUND_CHUNK: usize = 1 << 16;
+
+/// `x` rounded to `dtype` (f16 or bf16) as f64, what the CPU reference computes on.
+fn round_to(dtype: DType, x: &[f32]) -> Result<Vec<f64>> {
+    let mut out = host_vec(x.len())?;
+    for chunk in x.chunks(ROUND_CHUNK) {
+        out.extend(sdpa::decode(dtype, &sdpa::encode(dtype, chunk)));
+    }
+    Ok(out)
+}
+
+/// `check_host` for `n` elements of `per_element` bytes: for what the library allocates itself.
+fn check_host_elements(n: usize, per_element: usize) -> Result<()> {
+    sdpa::memory::check_host(n.checked_mul(per_element))
 }
 
 /// How the arrays were read, and the flag that reads them the other way.
@@ -150,7 +184,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     let scaling: Scaling = a.scaling.parse()?;
     let out_dtype: DType = a.out_dtype.parse()?;
     let fp8_mode: Fp8Mode = a.fp8_mode.parse()?;
-    refuse_overwriting_inputs(&a)?;
+    check_outputs(&a)?;
     let (q, qshape) = npy::read(&a.q)?;
     let (k, kshape) = npy::read(&a.k)?;
     let (v, vshape) = npy::read(&a.v)?;
@@ -160,6 +194,9 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
             "v has shape {vshape:?} but k has {kshape:?}; they must match"
         ))
         .into());
+    }
+    for (flag, path, x) in [("--q", &a.q, &q), ("--k", &a.k, &k), ("--v", &a.v, &v)] {
+        check_fits(flag, path, x, dtype)?;
     }
     // Per layout: (batch, heads, seq, head_dim).
     let split = |d: [usize; 4]| match layout {
@@ -209,6 +246,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                     .into());
                 }
             };
+            check_slopes(path, &s)?;
             p = p.with_alibi(layout);
             Some(s)
         }
@@ -227,6 +265,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     })?;
     let od = p.output_dtype();
     let shapes = [p.q_shape(), p.kv_shape(), p.kv_shape()];
+    let (q_len, lse_len) = (q.len(), p.lse_len());
 
     let dev = device_for(&[requested], a.backend.is_some())?;
     let backend = chosen_backend(dev.as_ref(), &p, requested)?;
@@ -238,7 +277,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                 _ => Tensor::from_f32(dev, dtype, x),
             };
             let (qt, kt, vt) = (up(&q, 0)?, up(&k, 1)?, up(&v, 2)?);
-            let mut ot = Tensor::poisoned(dev, od, p.q_len().unwrap())?;
+            let mut ot = Tensor::poisoned(dev, od, q_len)?;
             let mut bufs = sdpa_harness::check::ExtraBuffers::new(dev, &p, slopes.as_deref())?;
             let t = sdpa::Operands {
                 q: &qt,
@@ -247,20 +286,25 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                 out: &mut ot,
             };
             sdpa::forward_with(dev, &p, backend, t, bufs.extras())?;
+            // Downloads: the LSE as f32 and f64; the output as bits, f64 and f32.
+            check_host_elements(lse_len, 4 + 8)?;
             let lse = bufs.lse(dev)?.unwrap_or_default();
-            let lse: Vec<f32> = lse.into_iter().map(|x| x as f32).collect();
+            let lse = try_map(&lse, |x| x as f32)?;
+            check_host_elements(q_len, 2 + 8 + 4)?;
             (ot.to_f32(dev)?, lse)
         }
         None => {
             let round = |x: &[f32], i: usize| -> Result<Vec<f64>> {
-                Ok(match dtype {
+                match dtype {
                     DType::E4m3 => {
+                        // The codes and their dequantized f32 values, before the f64 copy.
+                        check_host_elements(x.len(), 1 + 4)?;
                         let (codes, s) = sdpa::fp8::quantize_host(x, &shapes[i], scaling)?;
                         let d = sdpa::fp8::dequantize_host(&codes, &s, &shapes[i], scaling)?;
-                        d.into_iter().map(f64::from).collect()
+                        try_map(&d, f64::from)
                     }
-                    _ => sdpa::decode(dtype, &sdpa::encode(dtype, x)),
-                })
+                    _ => round_to(dtype, x),
+                }
             };
             let r = sdpa::reference_with(
                 &p,
@@ -269,13 +313,22 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                 &round(&v, 2)?,
                 slopes.as_deref(),
             )?;
-            let f32s = |x: Vec<f64>| x.into_iter().map(|x| x as f32).collect();
-            (f32s(r.out), f32s(r.lse))
+            (
+                try_map(&r.out, |x| x as f32)?,
+                try_map(&r.lse, |x| x as f32)?,
+            )
         }
     };
-    npy::write(&a.out, &out, &qshape)?;
-    if let Some(path) = &a.lse {
-        npy::write(path, &lse, &[b, h, sq])?;
+    // Both files are written in full before either replaces anything: a failure to write one
+    // leaves neither (only the two renames come after).
+    let staged_out = npy::stage(&a.out, &out, &qshape)?;
+    let staged_lse = match &a.lse {
+        Some(path) => Some(npy::stage(path, &lse, &[b, h, sq])?),
+        None => None,
+    };
+    staged_out.commit()?;
+    if let Some(s) = staged_lse {
+        s.commit()?;
     }
     outln!("{p}: wrote {} ({backend} backend)", a.out.display())?;
     Ok(ExitCode::SUCCESS)

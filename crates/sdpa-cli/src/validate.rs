@@ -51,7 +51,7 @@ pub struct ProblemArgs {
     #[arg(long, allow_hyphen_values = true)]
     pub window: Option<String>,
     /// Logit cap: scores become softcap · tanh(scores / softcap).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub softcap: Option<f32>,
     /// ALiBi with generated slopes (2^(-8 (h + 1) / heads)): per head (`head`) or per batch and
     /// head (`batch-head`).
@@ -196,7 +196,7 @@ impl ProblemArgs {
                         // batch) is left out, and said so; one asked for is an error.
                         match p.validate() {
                             Err(e) if defaulted => {
-                                eprintln!("{name} {}: left out: {e}", dtype_label(&p));
+                                note!("{name} {}: left out: {e}", dtype_label(&p));
                                 continue;
                             }
                             r => r?,

@@ -1097,3 +1097,599 @@ fn compare_tabulates_and_plots_recorded_runs() {
     let msg = String::from_utf8_lossy(&e.stderr);
     assert!(msg.contains("/nonexistent.json"), "{msg}");
 }
+
+/// The text of a JSON list of `records`, written to `name` in the test folder.
+fn records_file(name: &str, records: &serde_json::Value) -> PathBuf {
+    let path = tmp(name);
+    std::fs::write(&path, records.to_string()).unwrap();
+    path
+}
+
+/// One bench record as `sdpa compare` reads it.
+fn bench_record(name: &str, backend: &str, us: f64, tflops: f64) -> serde_json::Value {
+    serde_json::json!({"name": name, "batch": 1, "heads": 16, "seq_q": 8192, "seq_k": 8192,
+        "head_dim": 128, "causal": false, "dtype": "bf16", "backend": backend,
+        "us_graph": us, "tflops": tflops, "us_graph_ci95": [us * 0.99, us * 1.01]})
+}
+
+/// `run` on a large input under a memory limit: the rounded copies of a 512 MiB (sparse) q do
+/// not fit a 1.4 GiB address space, which is a one-line out-of-memory error, not an abort.
+#[test]
+fn run_larger_than_memory_is_a_one_line_error() {
+    let header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, 1048576, 64), }";
+    let mut text = header.to_vec();
+    while !(10 + text.len() + 1).is_multiple_of(64) {
+        text.push(b' ');
+    }
+    text.push(b'\n');
+    let bytes = raw_npy(1, text.len() as u32, &text);
+    let (q, out) = (tmp("sparse-q.npy"), tmp("sparse-out.npy"));
+    let f = std::fs::File::create(&q).unwrap();
+    use std::io::Write;
+    (&f).write_all(&bytes).unwrap();
+    f.set_len(bytes.len() as u64 + 2 * 1048576 * 64 * 4)
+        .unwrap();
+    drop(f);
+    let _ = std::fs::remove_file(&out);
+    let o = output_within(
+        &mut under_limit("ulimit -v 1500000", &run_with_q(&q, &out)),
+        std::time::Duration::from_secs(30),
+    );
+    std::fs::remove_file(&q).unwrap();
+    assert_one_line_error(&o, "out of host memory");
+    assert!(!out.exists());
+}
+
+/// `compare --plot` on records whose figures no axis can hold (TFLOP/s near f64::MAX, an
+/// interval down to 1e-307 us): those records are left out of the chart, each with a note, and
+/// the chart of the rest is written at once; with nothing left to draw, a one-line error.
+#[test]
+fn compare_leaves_out_figures_no_chart_can_hold() {
+    let mut tiny_ci = bench_record("tiny-ci", "cutlass", 800.0, 687.0);
+    tiny_ci["us_graph_ci95"] = serde_json::json!([1e-307, 801.0]);
+    let ours = records_file(
+        "absurd-ours.json",
+        &serde_json::json!([
+            bench_record("good", "cutlass", 872.0, 630.0),
+            bench_record("huge", "cutlass", 1e-300, 1.7e308),
+            tiny_ci,
+        ]),
+    );
+    let anchors = records_file("absurd-anchors.json", &serde_json::json!([]));
+    let svg = tmp("absurd.svg");
+    let _ = std::fs::remove_file(&svg);
+    let mut cmd = sdpa();
+    cmd.arg("compare")
+        .args([&ours, &anchors])
+        .arg("--plot")
+        .arg(&svg);
+    let o = output_within(&mut cmd, std::time::Duration::from_secs(20));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert_eq!(
+        err.lines()
+            .filter(|l| l.contains("left out of the chart"))
+            .count(),
+        2,
+        "{err}"
+    );
+    assert!(err.contains("ours[1] (huge bf16 cutlass)"), "{err}");
+    assert!(err.contains("ours[2] (tiny-ci bf16 cutlass)"), "{err}");
+    let chart = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        chart.contains("good bf16") && !chart.contains("huge"),
+        "{chart:.300}"
+    );
+
+    let only_bad = records_file(
+        "absurd-only.json",
+        &serde_json::json!([bench_record("huge", "cutlass", 1e-300, 1.7e308)]),
+    );
+    let mut cmd = sdpa();
+    cmd.arg("compare")
+        .args([&only_bad, &anchors])
+        .arg("--plot")
+        .arg(&svg);
+    let o = output_within(&mut cmd, std::time::Duration::from_secs(20));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("no record with a TFLOP/s figure"), "{err}");
+}
+
+/// Text from records reaches the terminal and the chart without control characters: an escape
+/// sequence, a bell and a newline in a name or backend come out as `\u{..}` escapes.
+#[test]
+fn compare_escapes_record_text_for_the_terminal_and_the_chart() {
+    let evil = bench_record("evil\u{1b}[31m\u{7}", "cut\nlass\u{202e}", 872.0, 630.0);
+    let mut anchor = bench_record("evil\u{1b}[31m\u{7}", "fa4\r\u{0}", 800.0, 687.0);
+    anchor["device"] = serde_json::json!("H100\u{1b}]0;title\u{7}");
+    let ours = records_file("evil-ours.json", &serde_json::json!([evil]));
+    let anchors = records_file("evil-anchors.json", &serde_json::json!([anchor]));
+    let svg = tmp("evil.svg");
+    let o = sdpa()
+        .arg("compare")
+        .args([&ours, &anchors])
+        .arg("--plot")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    assert_success(&o);
+    let text = String::from_utf8_lossy(&o.stdout);
+    let controls = |s: &str| s.chars().filter(|&c| c.is_control() && c != '\n').count();
+    assert_eq!(controls(&text), 0, "{text:?}");
+    assert!(text.contains("evil\\u{1b}[31m\\u{7} bf16"), "{text}");
+    assert!(text.contains("cut\\u{a}lass\\u{202e}"), "{text}");
+    assert_eq!(text.lines().count(), 3, "{text}");
+    let chart = std::fs::read_to_string(&svg).unwrap();
+    assert_eq!(controls(&chart), 0, "control characters in the chart");
+    assert!(!chart.contains('\u{202e}'));
+}
+
+/// A new output never replaces an input or another output, and a bad output path is refused
+/// before any work: `compare --plot` onto an input (or a symlink to it), `bench --json` and
+/// `--plot` on one file, `bench --json` onto a folder, `run --lse` into a missing folder (no
+/// `--out` written either), a dangling symlink.
+#[test]
+fn outputs_that_would_destroy_inputs_or_fail_late_are_refused_first() {
+    let dir = tmp("outputs-first");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    let ours = dir.join("ours.json");
+    std::fs::copy(data.join("bench-h100.json"), &ours).unwrap();
+    let before = std::fs::read(&ours).unwrap();
+    let link = dir.join("link.svg");
+    std::os::unix::fs::symlink(&ours, &link).unwrap();
+    for plot in [&ours, &link] {
+        let o = sdpa()
+            .arg("compare")
+            .args([&ours, &data.join("anchors-h100.json")])
+            .arg("--plot")
+            .arg(plot)
+            .output()
+            .unwrap();
+        assert_one_line_error(&o, "same file as OURS");
+        assert_eq!(std::fs::read(&ours).unwrap(), before);
+    }
+
+    let bench = |extra: &[&std::ffi::OsStr]| {
+        let mut c = sdpa();
+        c.args(["bench", "--backend", "cpu", "--shape", "1,1,64,64,64"])
+            .args(["--dtype", "f16", "--budget-ms", "20"])
+            .args(extra);
+        c.output().unwrap()
+    };
+    let r = dir.join("r.json");
+    std::fs::write(&r, b"[\"earlier records\"]").unwrap();
+    let o = bench(&["--json".as_ref(), r.as_ref(), "--plot".as_ref(), r.as_ref()]);
+    assert_one_line_error(&o, "are the same file");
+    assert!(o.stdout.is_empty(), "ran before refusing");
+    assert_eq!(std::fs::read(&r).unwrap(), b"[\"earlier records\"]");
+    let o = bench(&["--json".as_ref(), dir.as_ref()]);
+    assert_one_line_error(&o, "is a folder");
+    assert!(o.stdout.is_empty(), "ran before refusing");
+    let dangling = dir.join("dangling.json");
+    std::os::unix::fs::symlink(dir.join("nowhere.json"), &dangling).unwrap();
+    let o = bench(&["--json".as_ref(), dangling.as_ref()]);
+    assert_one_line_error(&o, "does not exist");
+    assert!(!dir.join("nowhere.json").exists());
+
+    let q = dir.join("q.npy");
+    write_npy(&q, &values(2 * 8 * 64, 1), &[1, 2, 8, 64]);
+    let (out, lse) = (dir.join("o.npy"), dir.join("missing").join("lse.npy"));
+    let o = sdpa()
+        .args(["run", "--backend", "cpu"])
+        .args([
+            &"--q".as_ref(),
+            &q.as_os_str(),
+            &"--k".as_ref(),
+            &q.as_os_str(),
+        ])
+        .args([
+            &"--v".as_ref(),
+            &q.as_os_str(),
+            &"--out".as_ref(),
+            &out.as_os_str(),
+        ])
+        .arg("--lse")
+        .arg(&lse)
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, "--lse");
+    assert!(!out.exists(), "--out written before --lse failed");
+    // A symlink to an input is that input.
+    let q_link = dir.join("q-link.npy");
+    std::os::unix::fs::symlink(&q, &q_link).unwrap();
+    let q_before = std::fs::read(&q).unwrap();
+    let o = sdpa()
+        .args(["run", "--backend", "cpu"])
+        .args([
+            &"--q".as_ref(),
+            &q.as_os_str(),
+            &"--k".as_ref(),
+            &q.as_os_str(),
+        ])
+        .args([
+            &"--v".as_ref(),
+            &q.as_os_str(),
+            &"--out".as_ref(),
+            &q_link.as_os_str(),
+        ])
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, "same file");
+    assert_eq!(std::fs::read(&q).unwrap(), q_before);
+}
+
+/// Every file the CLI writes replaces the old one whole or not at all, keeping its mode: an
+/// SVG that cannot be written in full (a file-size limit) leaves the old chart, and a replaced
+/// .npy, JSON or SVG keeps its permissions.
+#[test]
+fn outputs_are_replaced_atomically_and_keep_their_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tmp("outputs-atomic");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    let svg = dir.join("chart.svg");
+    std::fs::write(&svg, b"previous chart").unwrap();
+    let mut compare = sdpa();
+    compare
+        .arg("compare")
+        .args([data.join("bench-h100.json"), data.join("anchors-h100.json")])
+        .arg("--plot")
+        .arg(&svg);
+    let o = under_limit("ulimit -f 8", &compare).output().unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let kept = std::fs::read(&svg).unwrap();
+    assert!(
+        kept == b"previous chart",
+        "the old chart was replaced by {:.80}",
+        String::from_utf8_lossy(&kept)
+    );
+    let names: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["chart.svg"], "a temporary file was left behind");
+
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    std::fs::set_permissions(&svg, std::fs::Permissions::from_mode(0o640)).unwrap();
+    assert_success(&compare.output().unwrap());
+    assert_eq!(mode(&svg), 0o640);
+    assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+
+    let json = dir.join("r.json");
+    std::fs::write(&json, b"[]").unwrap();
+    std::fs::set_permissions(&json, std::fs::Permissions::from_mode(0o604)).unwrap();
+    let o = sdpa()
+        .args(["bench", "--backend", "cpu", "--shape", "1,1,64,64,64"])
+        .args(["--dtype", "f16", "--budget-ms", "20", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert_success(&o);
+    assert_eq!(mode(&json), 0o604);
+
+    let q = dir.join("q.npy");
+    write_npy(&q, &values(2 * 8 * 64, 1), &[1, 2, 8, 64]);
+    let out = dir.join("o.npy");
+    std::fs::write(&out, b"old").unwrap();
+    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let q = q.to_str().unwrap();
+    let o = sdpa()
+        .args([
+            "run",
+            "--backend",
+            "cpu",
+            "--q",
+            q,
+            "--k",
+            q,
+            "--v",
+            q,
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_success(&o);
+    assert_eq!(mode(&out), 0o600);
+}
+
+/// A standard error that is full (or closed) loses the notes and nothing else: `run` still
+/// writes its output and exits 0, `bench` still prints its table.
+#[test]
+fn a_full_stderr_changes_nothing() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "stderr on /dev/full: skipped, no /dev/full"
+        );
+        return;
+    };
+    let dir = tmp("full-stderr");
+    std::fs::create_dir_all(&dir).unwrap();
+    let q = dir.join("q.npy");
+    write_npy(&q, &values(2 * 8 * 64, 1), &[1, 2, 8, 64]);
+    let out = dir.join("o.npy");
+    let _ = std::fs::remove_file(&out);
+    let q = q.to_str().unwrap();
+    // No --backend: without a GPU, a note says the CPU reference runs.
+    let o = sdpa()
+        .args(["run", "--q", q, "--k", q, "--v", q, "--out"])
+        .arg(&out)
+        .stderr(full.try_clone().unwrap())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0));
+    assert!(out.exists());
+    let o = sdpa()
+        .args(["bench", "--backend", "cpu", "--shape", "1,1,64,64,64"])
+        .args(["--dtype", "f16", "--budget-ms", "20"])
+        .stderr(full)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("TFLOP/s"));
+}
+
+/// A reader that goes away (`sdpa bench 2>&1 | head -1`, `sdpa autotable | head -1`): every
+/// command ends the same quiet way, exit 141, whether its notes or its output hit the pipe.
+#[test]
+fn a_closed_pipe_ends_every_command_the_same_quiet_way() {
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    let bench = data.join("bench-h100.json");
+    let anchors = data.join("anchors-h100.json");
+    let cases: [(Vec<&std::ffi::OsStr>, bool); 4] = [
+        (
+            [
+                "bench",
+                "--backend",
+                "cpu",
+                "--shape",
+                "1,1,64,64,64",
+                "--dtype",
+                "f16",
+            ]
+            .map(std::ffi::OsStr::new)
+            .to_vec(),
+            true,
+        ),
+        (
+            vec![
+                "autotable".as_ref(),
+                bench.as_os_str(),
+                "--sm".as_ref(),
+                "90".as_ref(),
+            ],
+            false,
+        ),
+        (
+            vec!["compare".as_ref(), bench.as_os_str(), anchors.as_os_str()],
+            false,
+        ),
+        (["info"].map(std::ffi::OsStr::new).to_vec(), true),
+    ];
+    for (args, stderr_too) in cases {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let mut cmd = sdpa();
+        cmd.args(&args).stdout(writer.try_clone().unwrap());
+        match stderr_too {
+            true => cmd.stderr(writer),
+            false => cmd.stderr(std::process::Stdio::piped()),
+        };
+        let o = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(141), "{args:?}: {err}");
+        assert!(err.is_empty(), "{args:?}: {err}");
+    }
+}
+
+/// Finite inputs that overflow the dtype (70000 in f16, 1e39 as float64) or infinities are a
+/// one-line error naming the input, the element and its value, in every dtype as e4m3 already
+/// refused them; the same values fit bf16. NaN or infinite ALiBi slopes are refused too.
+#[test]
+fn inputs_the_dtype_cannot_hold_are_refused() {
+    let dir = tmp("overflow");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (good, big, inf) = (
+        dir.join("good.npy"),
+        dir.join("big.npy"),
+        dir.join("inf.npy"),
+    );
+    let mut x = values(2 * 8 * 64, 1);
+    write_npy(&good, &x, &[1, 2, 8, 64]);
+    x[5] = 70000.0;
+    write_npy(&big, &x, &[1, 2, 8, 64]);
+    x[5] = 1.0;
+    x[9] = f32::NEG_INFINITY;
+    write_npy(&inf, &x, &[1, 2, 8, 64]);
+    let out = dir.join("o.npy");
+    let run = |q: &Path, dtype: &str, extra: &[&str]| {
+        let g = good.to_str().unwrap();
+        let _ = std::fs::remove_file(&out);
+        sdpa()
+            .args(["run", "--backend", "cpu", "--dtype", dtype, "--q"])
+            .arg(q)
+            .args(["--k", g, "--v", g, "--out"])
+            .arg(&out)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let o = run(&big, "f16", &[]);
+    assert_one_line_error(&o, "element 5 is 70000, which overflows f16");
+    assert_one_line_error(&o, "--q");
+    assert!(!out.exists());
+    assert_success(&run(&big, "bf16", &[]));
+    for dtype in ["f16", "bf16", "e4m3"] {
+        assert_one_line_error(&run(&inf, dtype, &[]), "element 9 is -inf");
+    }
+    // float64 beyond float32: refused where it is read, naming the file.
+    let f64_q = dir.join("big64.npy");
+    let f = std::fs::File::create(&f64_q).unwrap();
+    let mut w = npyz::WriteOptions::new()
+        .default_dtype()
+        .shape(&[1, 2, 8, 64])
+        .writer(std::io::BufWriter::new(f))
+        .begin_nd()
+        .unwrap();
+    let mut doubles: Vec<f64> = values(2 * 8 * 64, 1)
+        .iter()
+        .map(|&v| f64::from(v))
+        .collect();
+    doubles[3] = 1e39;
+    w.extend(doubles).unwrap();
+    w.finish().unwrap();
+    let o = run(&f64_q, "bf16", &[]);
+    assert_one_line_error(&o, "element 3 is 1e39, beyond float32");
+    assert_one_line_error(&o, f64_q.to_str().unwrap());
+
+    let slopes = dir.join("slopes.npy");
+    write_npy(&slopes, &[0.5, f32::NAN], &[2]);
+    let o = run(&good, "f16", &["--alibi", slopes.to_str().unwrap()]);
+    assert_one_line_error(&o, "slope 1 is NaN");
+    write_npy(&slopes, &[f32::INFINITY, 0.5], &[2]);
+    let o = run(&good, "f16", &["--alibi", slopes.to_str().unwrap()]);
+    assert_one_line_error(&o, "slope 0 is inf");
+    assert!(!out.exists());
+}
+
+/// A FIFO (or another special file) named as an input is refused at once, before it is opened:
+/// opening a FIFO for reading waits for a writer.
+#[test]
+fn a_fifo_as_an_input_is_refused_without_waiting() {
+    let dir = tmp("fifo");
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("q.fifo");
+    let _ = std::fs::remove_file(&fifo);
+    let made = Command::new("mkfifo").arg(&fifo).status();
+    if !made.is_ok_and(|s| s.success()) {
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "FIFO input: skipped, no mkfifo");
+        return;
+    }
+    let out = dir.join("o.npy");
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    let anchors = data.join("anchors-h100.json");
+    let mut run = run_with_q(&fifo, &out);
+    let mut compare = sdpa();
+    compare.arg("compare").arg(&fifo).arg(&anchors);
+    let mut autotable = sdpa();
+    autotable.arg("autotable").arg(&fifo).args(["--sm", "90"]);
+    for cmd in [&mut run, &mut compare, &mut autotable] {
+        let o = output_within(cmd, std::time::Duration::from_secs(10));
+        assert_one_line_error(&o, "FIFO");
+        assert_one_line_error(&o, fifo.to_str().unwrap());
+    }
+    let o = output_within(
+        sdpa()
+            .arg("run")
+            .args(["--q", "/dev/zero", "--k", "/dev/zero", "--v", "/dev/zero"])
+            .arg("--out")
+            .arg(&out),
+        std::time::Duration::from_secs(10),
+    );
+    assert_one_line_error(&o, "not a regular file");
+    assert!(!out.exists());
+}
+
+/// Negative numbers reach the library's own checks instead of clap's "unexpected argument":
+/// `--softcap -1` is refused as a softcap, in `run`, `validate` and `bench`, and bench's
+/// durations must be finite and above zero.
+#[test]
+fn negative_numbers_reach_the_checks_that_name_them() {
+    let q = tmp("neg-q.npy");
+    write_npy(&q, &values(2 * 8 * 64, 1), &[1, 2, 8, 64]);
+    let q = q.to_str().unwrap();
+    let out = tmp("neg-o.npy");
+    let o = sdpa()
+        .args([
+            "run",
+            "--backend",
+            "cpu",
+            "--softcap",
+            "-1",
+            "--q",
+            q,
+            "--k",
+            q,
+            "--v",
+            q,
+        ])
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, "softcap must be finite and positive, got -1");
+    let o = sdpa()
+        .args([
+            "run",
+            "--backend",
+            "cpu",
+            "--scale",
+            "-0.5",
+            "--q",
+            q,
+            "--k",
+            q,
+            "--v",
+            q,
+        ])
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, "scale must be finite and positive, got -0.5");
+    for cmd in ["validate", "bench"] {
+        let o = sdpa()
+            .args([
+                cmd,
+                "--backend",
+                "cpu",
+                "--shape",
+                "1,1,8,8,64",
+                "--softcap",
+                "-1",
+            ])
+            .args(["--budget-ms", "20"].iter().filter(|_| cmd == "bench"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains("softcap must be finite and positive"),
+            "{cmd}: {err}"
+        );
+        assert!(!err.contains("unexpected argument"), "{cmd}: {err}");
+    }
+    for (flag, value, shown) in [
+        ("--budget-ms", "-5", "-5"),
+        ("--budget-ms", "nan", "NaN"),
+        ("--energy-s", "inf", "inf"),
+    ] {
+        let o = sdpa()
+            .args([
+                "bench",
+                "--backend",
+                "cpu",
+                "--shape",
+                "1,1,8,8,64",
+                flag,
+                value,
+            ])
+            .output()
+            .unwrap();
+        assert_one_line_error(
+            &o,
+            &format!("{flag} {shown}: expected a finite number above 0"),
+        );
+    }
+}
