@@ -8,7 +8,8 @@
 mod common;
 
 use sdpa::distributed::{
-    DistError, RankEnv, Ring, RingOptions, RingReport, Transport, forward_host, nccl_version,
+    DistError, RankEnv, Ring, RingAuth, RingOptions, RingReport, Shard, Transport, forward_host,
+    nccl_version,
 };
 use sdpa::{Backend, DType, Device, Layout, Problem};
 use sdpa_harness::{check, inputs};
@@ -192,20 +193,28 @@ fn loopback_ring_with_partials_in_the_dtype() {
     }
 }
 
-/// NCCL, or why the test cannot use it: skipped without a GPU machine's NCCL, a failure under
-/// `SDPA_REQUIRE_GPU=1` (where NCCL is part of what the run must have).
+/// NCCL, or why the test cannot use it: skipped without a GPU machine's NCCL, or without the
+/// NVLink multicast choice the NCCL rings require (`NCCL_NVLS_ENABLE`: the test threads cannot
+/// set it safely), a failure under `SDPA_REQUIRE_GPU=1` (where both are part of what the run
+/// must have).
 fn nccl_or_skip(test: &str) -> bool {
-    match nccl_version() {
+    let why = match nccl_version() {
+        Ok(_) if std::env::var_os("NCCL_NVLS_ENABLE").is_none() => {
+            "NCCL_NVLS_ENABLE is not set (the NCCL rings refuse to start without the choice; \
+             set NCCL_NVLS_ENABLE=0)"
+                .to_string()
+        }
         Ok((v, path)) => {
             eprintln!("{test}: NCCL {v} from {path}");
-            true
+            return true;
         }
-        Err(e) if common::require_gpu() => panic!("{test}: SDPA_REQUIRE_GPU=1 but {e}"),
-        Err(e) => {
-            common::skip(test, &e.to_string());
-            false
-        }
+        Err(e) => e.to_string(),
+    };
+    if common::require_gpu() {
+        panic!("{test}: SDPA_REQUIRE_GPU=1 but {why}");
     }
+    common::skip(test, &why);
+    false
 }
 
 fn gpu_count() -> usize {
@@ -286,6 +295,8 @@ fn rendezvous_ring_of_one_process() {
         local_rank: 0,
         master_addr: "127.0.0.1".into(),
         port,
+        // A ring of one listens nowhere: nothing to authenticate.
+        auth: RingAuth::Insecure,
     };
     let opts = RingOptions {
         timeout: Duration::from_secs(60),
@@ -322,4 +333,66 @@ fn bad_shards_are_typed_errors() {
         e,
         sdpa::Error::Distributed(DistError::Timeout { .. })
     ));
+}
+
+/// An output view one element past an aligned buffer (the merge stores two 16-bit elements at
+/// a time: a misaligned store faulted the context before) and a Q view one element in are
+/// refused before anything runs, naming the operand; the ring still works after. A timeout of
+/// `Duration::MAX` is no limit, not an `Instant` overflow.
+#[test]
+fn misaligned_shards_are_refused_by_name() {
+    let Some(dev) = common::device("misaligned_shards_are_refused_by_name") else {
+        return;
+    };
+    let opts = RingOptions {
+        timeout: Duration::MAX,
+        ..RingOptions::default()
+    };
+    let mut ring = Ring::loopback(&dev, 2, opts).unwrap();
+    let p = Problem::new(1, 2, 64, 64, 64).with_dtype(DType::F16);
+    let local = p.q_len().unwrap() / 2;
+    let s = dev.stream();
+    let mut bufs: Vec<_> = (0..2)
+        .map(|_| {
+            (
+                s.alloc_zeros::<half::f16>(local + 8).unwrap(),
+                s.alloc_zeros::<half::f16>(local + 8).unwrap(),
+                s.alloc_zeros::<half::f16>(local + 8).unwrap(),
+                s.alloc_zeros::<half::f16>(local + 8).unwrap(),
+            )
+        })
+        .collect();
+    // (q offset, out offset, the operand the refusal names); offsets in elements.
+    for (q_at, out_at, names) in [
+        (0, 1, "rank 0's out starts at"),
+        (1, 0, "rank 0's q starts at"),
+    ] {
+        let mut shards: Vec<Shard<'_, half::f16>> = bufs
+            .iter_mut()
+            .map(|(q, k, v, o)| Shard {
+                q: q.slice(q_at..q_at + local),
+                k: k.slice(0..local),
+                v: v.slice(0..local),
+                out: o.slice_mut(out_at..out_at + local),
+                lse: None,
+            })
+            .collect();
+        let e = ring.forward(&p, &mut shards).unwrap_err();
+        assert!(matches!(e, sdpa::Error::InvalidArgument(_)), "{e}");
+        assert!(e.to_string().contains(names), "{e}");
+        assert!(e.to_string().contains("aligned"), "{e}");
+    }
+    let mut shards: Vec<Shard<'_, half::f16>> = bufs
+        .iter_mut()
+        .map(|(q, k, v, o)| Shard {
+            q: q.slice(0..local),
+            k: k.slice(0..local),
+            v: v.slice(0..local),
+            out: o.slice_mut(0..local),
+            lse: None,
+        })
+        .collect();
+    let report = ring.forward(&p, &mut shards).unwrap();
+    assert_eq!((report.world, report.exchanges), (2, 1));
+    dev.synchronize().unwrap();
 }

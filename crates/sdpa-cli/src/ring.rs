@@ -3,7 +3,12 @@
 //! Where the ranks come from: launched by torchrun (or with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 //! `MASTER_ADDR`, `MASTER_PORT` set), each process is one rank on GPU `LOCAL_RANK`; otherwise
 //! this one process drives `--ranks` GPUs (default: every visible one), or `--ranks` virtual
-//! ranks on GPU 0 with `--loopback`.
+//! ranks on GPU 0 with `--loopback`. Processes of one ring share a secret, `SDPA_RING_TOKEN`
+//! (`export SDPA_RING_TOKEN=$(openssl rand -hex 32)` before torchrun; or, all on one machine
+//! with a loopback `MASTER_ADDR`, `SDPA_RING_INSECURE=1`).
+//!
+//! NVLink multicast stays off (`NCCL_NVLS_ENABLE=0`) unless the environment says otherwise: the
+//! ring does not use it (`sdpa::distributed::init_env`).
 //!
 //! `bench` times the ring (wall clock around each synchronous call, median) and, on rank 0,
 //! the single-GPU kernel on the whole problem where it fits, for the scaling efficiency
@@ -46,7 +51,8 @@ struct RankArgs {
     /// `--ranks` virtual ranks on GPU 0 (device copies instead of NCCL).
     #[arg(long)]
     loopback: bool,
-    /// Seconds any wait for another rank may take before every rank fails.
+    /// Seconds any wait for another rank may take before every rank fails (a value past what
+    /// the clock holds, such as 18446744073709551615, is no limit).
     #[arg(long, default_value_t = 300)]
     timeout_s: u64,
 }
@@ -113,6 +119,10 @@ fn problem(name: &str) -> sdpa::Result<Problem> {
 }
 
 pub fn main(a: Args) -> CliResult<ExitCode> {
+    // SAFETY: `sdpa`'s main has parsed its arguments and started no thread (nor has anything
+    // it called) before it hands over to a subcommand, so nothing reads the environment
+    // concurrently with this write.
+    unsafe { sdpa::distributed::init_env() };
     match a.cmd {
         Sub::Bench(a) => bench(a),
         Sub::Validate(a) => validate(a),

@@ -30,12 +30,17 @@ pub enum DistError {
         message: String,
     },
     /// The rank's environment is missing or malformed (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-    /// `MASTER_ADDR`, `MASTER_PORT`, as torchrun sets them).
+    /// `MASTER_ADDR`, `MASTER_PORT`, as torchrun sets them; `SDPA_RING_TOKEN`), or the process's
+    /// environment leaves a choice to the ring that it does not make (`NCCL_NVLS_ENABLE`).
     #[error("rank environment: {0}")]
     Env(String),
     /// The TCP exchange that hands rank 0's NCCL id to the other ranks failed.
     #[error("rendezvous: {0}")]
     Rendezvous(String),
+    /// A peer could not prove that it holds the ring's token (`SDPA_RING_TOKEN`): rank 0 refused
+    /// this rank's greeting, or what answered as rank 0 is not authenticated.
+    #[error("not authenticated: {0}")]
+    Unauthenticated(String),
     /// The ranks disagree: a different world size, a rank given twice, or a different problem.
     #[error("ranks disagree: {0}")]
     Mismatch(String),

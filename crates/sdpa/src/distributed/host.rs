@@ -28,7 +28,7 @@ impl HostShards {
     /// The whole output and log-sum-exp, when this process drove every rank.
     pub fn gather(&self, p: &Problem) -> Result<(Vec<f32>, Vec<f32>)> {
         let z = Zigzag::new(p.seq_q, self.report.world)?;
-        if self.ranks != (0..z.world()).collect::<Vec<_>>() {
+        if !self.ranks.iter().copied().eq(0..z.world()) {
             return Err(invalid!(
                 "this process drove ranks {:?} of {}; the others' shards are elsewhere",
                 self.ranks,

@@ -72,16 +72,12 @@ pub(crate) struct Nccl {
     _lib: Library,
 }
 
-/// The process's NCCL, opened on first use (and `NCCL_NVLS_ENABLE` set first, see
-/// [`keep_nvls_off`]).
+/// The process's NCCL, opened on first use.
 pub(crate) fn library() -> Result<&'static Nccl, DistError> {
     static NCCL: OnceLock<Result<Nccl, DistError>> = OnceLock::new();
-    NCCL.get_or_init(|| {
-        keep_nvls_off();
-        open(&candidates(&|k| std::env::var_os(k)))
-    })
-    .as_ref()
-    .map_err(Clone::clone)
+    NCCL.get_or_init(|| open(&candidates(&|k| std::env::var_os(k))))
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 /// The NCCL version the library reports, as `NCCL_VERSION_CODE` (2.28.9 is 22809); and where
@@ -91,13 +87,34 @@ pub fn nccl_version() -> Result<(i32, String), DistError> {
     Ok((n.version, n.path.clone()))
 }
 
-/// NVLink multicast (NVLS) stays off: the machines this crate is run on forbid it, and the
-/// ring's point-to-point sends do not use it. Set only where the user has not chosen.
-fn keep_nvls_off() {
-    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-        // SAFETY: runs once, before NCCL is opened (so before any thread of NCCL's reads the
-        // environment); the crate itself reads no variable concurrently with this write.
-        unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
+/// Sets `NCCL_NVLS_ENABLE=0` (NVLink multicast off) where the environment does not choose, for
+/// the NCCL rings, which refuse to start until it is set (see the module: the ring does not use
+/// multicast, and NCCL reads the choice from the environment only).
+///
+/// # Safety
+/// As [`std::env::set_var`]: no other thread may read or write the environment meanwhile. Call
+/// it first in `main`, before the program (or a library it calls) starts threads.
+pub unsafe fn init_env() {
+    if std::env::var_os(NVLS_VAR).is_none() {
+        // SAFETY: forwarded to the caller.
+        unsafe { std::env::set_var(NVLS_VAR, "0") };
+    }
+}
+
+const NVLS_VAR: &str = "NCCL_NVLS_ENABLE";
+
+/// That the environment (read through `var`) says whether NCCL may use NVLink multicast,
+/// before a communicator is started: NCCL's default would set it up wherever the GPUs support
+/// it.
+pub(crate) fn nvls_chosen(var: &dyn Fn(&str) -> Option<OsString>) -> Result<(), DistError> {
+    match var(NVLS_VAR) {
+        Some(_) => Ok(()),
+        None => Err(DistError::Env(format!(
+            "{NVLS_VAR} is not set: the ring does not use NVLink multicast, and NCCL sets it up \
+             wherever the GPUs support it unless told not to (on shared hosts it can put the GPUs \
+             out of service); set {NVLS_VAR}=0 where the program is launched (or 1 to let NCCL \
+             use it), or call sdpa::distributed::init_env() first in main"
+        ))),
     }
 }
 
@@ -507,17 +524,19 @@ fn to_int(x: usize) -> Result<c_int, DistError> {
     c_int::try_from(x).map_err(|_| DistError::Mismatch(format!("{x} does not fit NCCL's int")))
 }
 
-/// When waiting for other ranks stops.
+/// When waiting for other ranks stops: `limit` after it was made, or never where that lies
+/// beyond what `Instant` can hold (`Duration::MAX` as a timeout means "no limit", not a panic).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Deadline {
-    at: Instant,
+    /// `None`: never.
+    at: Option<Instant>,
     limit: Duration,
 }
 
 impl Deadline {
     pub(crate) fn after(limit: Duration) -> Deadline {
         Deadline {
-            at: Instant::now() + limit,
+            at: Instant::now().checked_add(limit),
             limit,
         }
     }
@@ -525,16 +544,19 @@ impl Deadline {
         self.limit
     }
     pub(crate) fn passed(&self) -> bool {
-        Instant::now() >= self.at
+        self.at.is_some_and(|at| Instant::now() >= at)
     }
+    /// The time left; `Duration::MAX` for a deadline that never comes.
     pub(crate) fn left(&self) -> Duration {
-        self.at.saturating_duration_since(Instant::now())
+        self.at.map_or(Duration::MAX, |at| {
+            at.saturating_duration_since(Instant::now())
+        })
     }
     /// The same deadline, `by` later (and its limit `by` longer).
     pub(crate) fn extended(&self, by: Duration) -> Deadline {
         Deadline {
-            at: self.at + by,
-            limit: self.limit + by,
+            at: self.at.and_then(|at| at.checked_add(by)),
+            limit: self.limit.saturating_add(by),
         }
     }
     pub(crate) fn timeout(&self, what: &str) -> DistError {
@@ -628,16 +650,17 @@ mod tests {
         assert!(c.netName.is_null() && c.commName.is_null());
     }
 
-    /// Where NCCL is installed (the GPU machines; `SDPA_NCCL_LIB` elsewhere), it opens, reports
-    /// its version, and NVLink multicast is off unless the user chose; else the search's error.
+    /// Where NCCL is installed (the GPU machines; `SDPA_NCCL_LIB` elsewhere), it opens and
+    /// reports its version, and opening it wrote nothing to the environment; else the search's
+    /// error.
     #[test]
     fn nccl_opens_where_installed() {
+        let nvls = std::env::var_os(NVLS_VAR);
         match library() {
             Ok(n) => {
                 assert!(n.version >= 21800, "{}", n.version);
                 let (v, path) = nccl_version().unwrap();
                 assert_eq!((v, path.as_str()), (n.version, n.path.as_str()));
-                assert!(std::env::var_os("NCCL_NVLS_ENABLE").is_some());
                 eprintln!("NCCL {v} from {path}");
             }
             Err(e) => {
@@ -645,6 +668,20 @@ mod tests {
                 eprintln!("nccl_opens_where_installed: NCCL not here ({e})");
             }
         }
+        assert_eq!(std::env::var_os(NVLS_VAR), nvls);
+    }
+
+    #[test]
+    fn nccl_rings_need_the_multicast_choice_made() {
+        let e = nvls_chosen(&env(&[])).unwrap_err();
+        assert!(matches!(e, DistError::Env(_)), "{e}");
+        let e = e.to_string();
+        assert!(
+            e.contains("NCCL_NVLS_ENABLE=0") && e.contains("init_env"),
+            "{e}"
+        );
+        nvls_chosen(&env(&[("NCCL_NVLS_ENABLE", "0")])).unwrap();
+        nvls_chosen(&env(&[("NCCL_NVLS_ENABLE", "2")])).unwrap();
     }
 
     #[test]
@@ -654,5 +691,19 @@ mod tests {
         assert_eq!(d.left(), Duration::ZERO);
         let e = d.timeout("rank 3's K/V").to_string();
         assert!(e.starts_with("rank 3's K/V: no answer within 0ns"), "{e}");
+    }
+
+    /// A limit past what `Instant` holds is a deadline that never comes (it panicked before:
+    /// `Instant + Duration::MAX`), however it is extended.
+    #[test]
+    fn a_deadline_beyond_instant_never_comes() {
+        for limit in [Duration::MAX, Duration::from_secs(u64::MAX)] {
+            let d = Deadline::after(limit);
+            assert!(!d.passed());
+            assert_eq!(d.left(), Duration::MAX);
+            let e = d.extended(Duration::MAX);
+            assert!(!e.passed());
+            assert_eq!(e.limit(), Duration::MAX);
+        }
     }
 }

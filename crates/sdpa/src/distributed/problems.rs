@@ -7,8 +7,8 @@ use super::shard::Shard;
 use super::zigzag::Zigzag;
 use crate::device::Device;
 use crate::error::{Error, Result, invalid};
-use crate::problem::{DType, Mask, Problem};
-use cudarc::driver::DeviceSlice;
+use crate::problem::{DType, Mask, Problem, Strides, TensorShape};
+use cudarc::driver::{DevicePtr, DeviceSlice};
 
 /// The single-GPU problem of one block: the block's rows and keys, the ring problem's heads,
 /// scale and softcap, causal where the block is.
@@ -110,6 +110,46 @@ pub(crate) fn check_shard<T>(
             ));
         }
     }
+    let es = std::mem::size_of::<T>();
+    let (q_rows, kv_rows) = (
+        row_strides(local.q_shape(), local.q_strides()),
+        row_strides(local.kv_shape(), local.kv_strides()),
+    );
+    for (name, ptr, rows, need) in [
+        (
+            "q",
+            s.q.device_ptr(s.q.stream()).0,
+            &q_rows,
+            ATTENTION_ALIGN,
+        ),
+        (
+            "k",
+            s.k.device_ptr(s.k.stream()).0,
+            &kv_rows,
+            ATTENTION_ALIGN,
+        ),
+        (
+            "v",
+            s.v.device_ptr(s.v.stream()).0,
+            &kv_rows,
+            ATTENTION_ALIGN,
+        ),
+        (
+            "out",
+            s.out.device_ptr(s.out.stream()).0,
+            &q_rows,
+            MERGE_ALIGN,
+        ),
+    ] {
+        if let Some(why) = misaligned(ptr, es, rows, need.bytes) {
+            return Err(invalid!("rank {rank}'s {name} {why}: {}", need.reason));
+        }
+    }
+    if let Some(l) = &s.lse
+        && let Some(why) = misaligned(l.device_ptr(l.stream()).0, 4, &[], LSE_ALIGN.bytes)
+    {
+        return Err(invalid!("rank {rank}'s lse {why}: {}", LSE_ALIGN.reason));
+    }
     match (&s.lse, lse) {
         (Some(l), true) => {
             if l.len() < local.lse_len() {
@@ -138,6 +178,59 @@ pub(crate) fn check_shard<T>(
         }
     }
     Ok(())
+}
+
+/// An alignment the kernels of a ring call need of an operand, in bytes, and why.
+pub(crate) struct Align {
+    pub(crate) bytes: usize,
+    pub(crate) reason: &'static str,
+}
+
+/// Q, K and V: what every single-GPU call checks of its operands (`footprint::span`).
+pub(crate) const ATTENTION_ALIGN: Align = Align {
+    bytes: 16,
+    reason: "the attention kernels read rows 16 bytes at a time",
+};
+/// The output: `merge_finish` (cpp/src/merge/merge.cu) stores it a pair of 16-bit elements
+/// (32 bits) at a time.
+pub(crate) const MERGE_ALIGN: Align = Align {
+    bytes: 4,
+    reason: "the merge writes the output two elements (4 bytes) at a time",
+};
+/// The log-sum-exp: f32, copied from the running result.
+pub(crate) const LSE_ALIGN: Align = Align {
+    bytes: 4,
+    reason: "it holds f32 values",
+};
+
+/// The strides, in elements, between the rows of a tensor of `shape` at `strides` that the
+/// kernels step over: those of dimensions with more than one row.
+fn row_strides(shape: TensorShape, strides: Strides) -> Vec<usize> {
+    [
+        (shape.batch, strides.batch),
+        (shape.heads, strides.head),
+        (shape.seq, strides.seq),
+    ]
+    .into_iter()
+    .filter(|&(n, _)| n > 1)
+    .map(|(_, st)| st)
+    .collect()
+}
+
+/// Why an operand at device address `ptr`, of `elem`-byte elements whose rows lie `rows`
+/// elements apart, does not keep every row `align`-byte aligned, if it does not.
+pub(crate) fn misaligned(ptr: u64, elem: usize, rows: &[usize], align: usize) -> Option<String> {
+    if !ptr.is_multiple_of(align as u64) {
+        return Some(format!("starts at {ptr:#x}, not {align}-byte aligned"));
+    }
+    rows.iter()
+        .find(|&&st| {
+            !st.checked_mul(elem)
+                .is_some_and(|b| b.is_multiple_of(align))
+        })
+        .map(|st| {
+            format!("has rows {st} elements of {elem} bytes apart, not a multiple of {align} bytes")
+        })
 }
 
 /// What every rank must call with: a hash of the problem and the ring's size.
@@ -235,6 +328,35 @@ mod tests {
             (lp.seq_q, lp.seq_k, lp.q_len()),
             (32, 32, Some(2 * 8 * 32 * 128))
         );
+    }
+
+    /// A view one element past an aligned buffer (what faulted in the merge, a misaligned
+    /// store, from the safe API) is refused by operand, and so are rows that fall out of step.
+    #[test]
+    fn misaligned_operands_are_named() {
+        let base = 0x7f00_0000_0000u64;
+        assert_eq!(misaligned(base, 2, &[128, 64 * 128], 16), None);
+        let e = misaligned(base + 2, 2, &[128], MERGE_ALIGN.bytes).unwrap();
+        assert!(
+            e.contains("starts at 0x7f0000000002, not 4-byte aligned"),
+            "{e}"
+        );
+        assert!(misaligned(base + 4, 2, &[128], MERGE_ALIGN.bytes).is_none());
+        assert!(misaligned(base + 4, 2, &[128], ATTENTION_ALIGN.bytes).is_some());
+        let e = misaligned(base, 2, &[36], 16).unwrap();
+        assert!(e.contains("rows 36 elements of 2 bytes apart"), "{e}");
+        assert!(misaligned(base, 2, &[usize::MAX], 16).is_some());
+        assert!(misaligned(base + 1, 4, &[], LSE_ALIGN.bytes).is_some());
+        // The dense local shapes of a ring: the rows the kernels step over.
+        let p = Problem::new(2, 4, 64, 64, 64).with_kv_heads(2);
+        let lp = local_problem(&p, &Zigzag::new(64, 2).unwrap());
+        assert_eq!(
+            row_strides(lp.q_shape(), lp.q_strides()),
+            [4 * 32 * 64, 32 * 64, 64]
+        );
+        let one = Problem::new(1, 1, 4, 4, 64);
+        let lo = local_problem(&one, &Zigzag::new(4, 2).unwrap());
+        assert_eq!(row_strides(lo.kv_shape(), lo.kv_strides()), [64]);
     }
 
     #[test]

@@ -2,41 +2,108 @@
 //! wrappers, and `mpirun` scripts that mimic it) sets, and a TCP exchange in which rank 0 hands
 //! its NCCL unique id to every other rank.
 //!
-//! Rank 0 listens on `MASTER_ADDR`:`port`; every other rank connects (retrying until the
-//! deadline: rank 0 may start last) and says who it is: its rank, the world size, and a
-//! fingerprint of what it was started to do. Once all have arrived rank 0 checks them (each
-//! rank once, one world size, one fingerprint) and answers every rank with the id or with why
-//! not, so that every rank fails with the same typed error rather than some waiting forever.
-//! Each read, write and the whole exchange have the deadline.
+//! Rank 0 listens on `MASTER_ADDR` (the address it names, not every interface) at `port`;
+//! every other rank connects (retrying until the deadline: rank 0 may start last), proves that
+//! it holds the ring's token and says who it is: its rank, the world size, and a fingerprint of
+//! what it was started to do (the messages and their authentication: `handshake`). Once all
+//! have arrived rank 0 checks them (each rank once, one world size, one fingerprint) and
+//! answers every rank with the id or with why not, so that every rank fails with the same typed
+//! error rather than some waiting forever.
+//!
+//! What rank 0 does not let end the ring: a connection that cannot prove it holds the token (a
+//! port scanner, a process of another ring, a forged or replayed greeting), one that sends its
+//! greeting slowly or not at all, one that goes away before its answer. Rank 0 drops each and
+//! keeps waiting for the real rank, serving every connection at once (non-blocking), so no
+//! connection holds up another; its one deadline covers the whole wait. A joining rank's reads
+//! and writes are bounded by its deadline as a whole too, not read by read.
+//!
+//! The token: every rank is given the same secret in `SDPA_RING_TOKEN` (at least
+//! [`MIN_TOKEN`] bytes; generate one per job, e.g. `export SDPA_RING_TOKEN=$(openssl rand -hex
+//! 32)` before `torchrun`). Without one the rendezvous is refused, unless `SDPA_RING_INSECURE=1`
+//! and `MASTER_ADDR` is a loopback address (only processes of this machine can connect then),
+//! or the ring has one process (nothing listens).
 //!
 //! The port: torchrun's own store already listens on `MASTER_PORT`, so the ring takes
 //! `MASTER_PORT + 1` unless `SDPA_RING_PORT` names one.
 
 use super::error::DistError;
+use super::handshake::{
+    self, CHALLENGE_LEN, Greeting, HELLO_LEN, Hello, ID_LEN, Key, MAC_LEN, MAX_MESSAGE, Nonce,
+    REJECTED,
+};
 use super::nccl::Deadline;
-use std::io::{Read, Write};
+use std::collections::VecDeque;
+use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
-/// What a process of the ring is: its rank among `world`, the GPU it uses, and where rank 0
-/// listens.
+/// The most ranks a ring may have (`WORLD_SIZE`): more than any machine count NCCL runs, few
+/// enough that rank 0's bookkeeping of who has arrived stays small.
+pub const MAX_WORLD: usize = 1 << 16;
+
+/// The shortest `SDPA_RING_TOKEN`, in bytes: 128 bits, should every byte be random.
+pub const MIN_TOKEN: usize = 16;
+
+/// The ring's shared secret. Its `Debug` does not show it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RingToken(String);
+
+impl RingToken {
+    /// A token of at least [`MIN_TOKEN`] bytes.
+    pub fn new(token: &str) -> Result<RingToken, DistError> {
+        if token.len() < MIN_TOKEN {
+            return Err(DistError::Env(format!(
+                "SDPA_RING_TOKEN has {} bytes, fewer than {MIN_TOKEN}: give every rank the same \
+                 random secret, e.g. `export SDPA_RING_TOKEN=$(openssl rand -hex 32)`",
+                token.len()
+            )));
+        }
+        Ok(RingToken(token.to_string()))
+    }
+    pub(crate) fn bytes(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+}
+
+impl std::fmt::Debug for RingToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RingToken(..)")
+    }
+}
+
+/// How the ranks of a ring prove to each other that they belong to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RingAuth {
+    /// Every rank holds this secret (`SDPA_RING_TOKEN`).
+    Token(RingToken),
+    /// No secret: anyone who can connect to rank 0 can join. Taken only where `MASTER_ADDR` is a
+    /// loopback address (checked before listening) or the ring has one process.
+    Insecure,
+}
+
+/// What a process of the ring is: its rank among `world`, the GPU it uses, where rank 0
+/// listens, and the ring's secret.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankEnv {
     /// This process's rank, `0..world`.
     pub rank: usize,
-    /// How many processes (GPUs) the ring has.
+    /// How many processes (GPUs) the ring has, at most [`MAX_WORLD`].
     pub world: usize,
     /// This process's GPU ordinal on its node.
     pub local_rank: usize,
-    /// Rank 0's host.
+    /// Rank 0's host: the address rank 0 listens on, and the others connect to.
     pub master_addr: String,
     /// The port rank 0 listens on for the rendezvous.
     pub port: u16,
+    /// How the ranks authenticate each other.
+    pub auth: RingAuth,
 }
 
 impl RankEnv {
     /// From the process environment: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (default: `RANK`),
-    /// `MASTER_ADDR`, `MASTER_PORT` (the rendezvous uses `MASTER_PORT + 1`, or `SDPA_RING_PORT`).
+    /// `MASTER_ADDR`, `MASTER_PORT` (the rendezvous uses `MASTER_PORT + 1`, or `SDPA_RING_PORT`),
+    /// and `SDPA_RING_TOKEN` (or `SDPA_RING_INSECURE=1` with a loopback `MASTER_ADDR`; see the
+    /// module).
     pub fn from_env() -> Result<RankEnv, DistError> {
         Self::from_vars(&|k| std::env::var(k).ok())
     }
@@ -62,13 +129,9 @@ impl RankEnv {
             Some(v) => num("LOCAL_RANK", &v)?,
             None => rank,
         };
-        if world == 0 || rank >= world {
-            return Err(DistError::Env(format!(
-                "RANK={rank} is not below WORLD_SIZE={world}"
-            )));
-        }
-        let master_addr = get("MASTER_ADDR")?;
-        if master_addr.trim().is_empty() {
+        check_world(rank, world)?;
+        let master_addr = get("MASTER_ADDR")?.trim().to_string();
+        if master_addr.is_empty() {
             return Err(DistError::Env("MASTER_ADDR is empty".into()));
         }
         let port = match var("SDPA_RING_PORT") {
@@ -82,199 +145,487 @@ impl RankEnv {
                 })?
             }
         };
+        let auth = match var("SDPA_RING_TOKEN") {
+            Some(t) => RingAuth::Token(RingToken::new(&t)?),
+            None if world == 1 => RingAuth::Insecure,
+            None if var("SDPA_RING_INSECURE").is_some_and(|v| v.trim() == "1") => {
+                only_loopback(&master_addr, port)?;
+                RingAuth::Insecure
+            }
+            None => {
+                return Err(DistError::Env(format!(
+                    "SDPA_RING_TOKEN is not set: give every rank the same secret (at least \
+                     {MIN_TOKEN} bytes, e.g. `export SDPA_RING_TOKEN=$(openssl rand -hex 32)` \
+                     before torchrun), so that no other process can join the ring or take its \
+                     NCCL id; on one machine, SDPA_RING_INSECURE=1 with a loopback MASTER_ADDR \
+                     runs without one"
+                )));
+            }
+        };
         Ok(RankEnv {
             rank,
             world,
             local_rank,
-            master_addr: master_addr.trim().to_string(),
+            master_addr,
             port,
+            auth,
         })
     }
 }
 
-/// Greeting of a rank to rank 0: magic, protocol version.
-const MAGIC: &[u8; 8] = b"sdpaRNG1";
-/// What a greeting and an answer hold beyond the magic.
-const HELLO_LEN: usize = 8 + 8 + 8 + 8;
-const OK: u8 = 0;
-const REFUSED: u8 = 1;
-/// Longest refusal message read (a peer cannot make a rank allocate more).
-const MAX_MESSAGE: usize = 64 * 1024;
+fn check_world(rank: usize, world: usize) -> Result<(), DistError> {
+    if world == 0 || world > MAX_WORLD {
+        return Err(DistError::Env(format!(
+            "WORLD_SIZE={world} is not a ring size: 1 to {MAX_WORLD} ranks"
+        )));
+    }
+    if rank >= world {
+        return Err(DistError::Env(format!(
+            "RANK={rank} is not below WORLD_SIZE={world}"
+        )));
+    }
+    Ok(())
+}
+
+/// That every address `addr` names is a loopback one, for a ring without a token.
+fn only_loopback(addr: &str, port: u16) -> Result<(), DistError> {
+    let addrs = resolve(addr, port)
+        .map_err(|e| DistError::Env(format!("MASTER_ADDR {addr} does not resolve: {e}")))?;
+    match addrs.iter().find(|a| !a.ip().is_loopback()) {
+        None if !addrs.is_empty() => Ok(()),
+        other => Err(DistError::Env(format!(
+            "SDPA_RING_INSECURE=1 runs a ring without a token only on one machine, with a \
+             loopback MASTER_ADDR; {addr} is {}: set SDPA_RING_TOKEN instead",
+            other.map_or("no address".to_string(), |a| a.ip().to_string())
+        ))),
+    }
+}
+
+/// The socket addresses of `addr` (a name, or an IP address, IPv6 bracketed or not) at `port`.
+fn resolve(addr: &str, port: u16) -> std::io::Result<Vec<SocketAddr>> {
+    let host = addr
+        .strip_prefix('[')
+        .and_then(|a| a.strip_suffix(']'))
+        .unwrap_or(addr);
+    Ok((host, port).to_socket_addrs()?.collect())
+}
+
 /// How long past its own deadline a rank waits for rank 0's answer (at most its timeout again).
 const ANSWER_GRACE: Duration = Duration::from_secs(10);
+/// How long a connection may take to send its greeting after rank 0's challenge: a rank sends
+/// it at once; this lets a loaded machine be slow without letting a silent connection stay.
+const GREETING_WINDOW: Duration = Duration::from_secs(10);
+/// Connections greeting at once, at most (and accepted per round); past it the oldest is
+/// dropped, so a flood of connections cannot exhaust rank 0's file descriptors.
+const MAX_PENDING: usize = 64;
+/// How long rank 0's answers may take to be written, all together: a few hundred bytes each,
+/// which a socket's buffer takes at once unless its peer has gone.
+const ANSWER_WRITE: Duration = Duration::from_secs(2);
+/// Rank 0's polling period: how stale a wait is at most.
+const POLL: Duration = Duration::from_millis(2);
+/// Missing ranks named in a timeout, at most (then a count).
+const NAMED_MISSING: usize = 16;
 
 /// Rank 0's NCCL unique id, given to every rank of `env.world`. Rank 0 makes it with `make_id`
 /// once every other rank has arrived and agreed; the others receive it. `fingerprint` must be
 /// equal on every rank (what each was started to do); a rank that is missing, or that differs,
-/// ends the exchange on every rank that took part with an error, within `timeout`.
+/// ends the exchange on every rank that took part with an error, within `timeout`
+/// (`Duration::MAX`: no limit). A connection that is not a rank of this ring (see the module)
+/// ends nothing: rank 0 drops it and keeps waiting.
 pub fn exchange_id(
     env: &RankEnv,
     fingerprint: u64,
     timeout: Duration,
-    make_id: impl FnOnce() -> Result<[u8; 128], DistError>,
-) -> Result<[u8; 128], DistError> {
+    make_id: impl FnOnce() -> Result<[u8; ID_LEN], DistError>,
+) -> Result<[u8; ID_LEN], DistError> {
+    check_world(env.rank, env.world)?;
+    if env.master_addr.trim().is_empty() {
+        return Err(DistError::Env("MASTER_ADDR is empty".into()));
+    }
+    if env.world == 1 {
+        // Nobody to hand the id to: nothing listens.
+        return make_id();
+    }
+    if env.auth == RingAuth::Insecure {
+        only_loopback(&env.master_addr, env.port)?;
+    }
+    let key = Key::of(&env.auth);
     let deadline = Deadline::after(timeout);
     if env.rank == 0 {
-        host(env, fingerprint, deadline, make_id)
+        host(env, &key, fingerprint, deadline, make_id)
     } else {
-        join(env, fingerprint, deadline)
+        join(env, &key, fingerprint, deadline)
     }
 }
 
+/// A connection rank 0 has challenged and whose greeting it is reading.
+struct Pending {
+    stream: TcpStream,
+    n0: Nonce,
+    buf: [u8; HELLO_LEN],
+    got: usize,
+    greet_by: Deadline,
+}
+
+/// A connection that proved it holds the key and said who it is.
 struct Peer {
     stream: TcpStream,
-    rank: usize,
+    from: SocketAddr,
+    n0: Nonce,
+    hello: Hello,
+}
+
+/// The connections rank 0 dropped while waiting, by why: said in a timeout, so that an attack
+/// or a misconfigured rank (another token) shows.
+#[derive(Default)]
+struct Dropped {
+    garbage: usize,
+    unauthenticated: usize,
+    slow: usize,
+    gone: usize,
+    flood: usize,
+}
+
+impl Dropped {
+    /// "; meanwhile ..." or nothing; `greeting`: connections still sending their greeting.
+    fn describe(&self, greeting: usize) -> String {
+        let parts: Vec<String> = [
+            (
+                self.unauthenticated,
+                "not authenticated (no SDPA_RING_TOKEN, another one, or a replayed greeting)",
+            ),
+            (self.garbage, "not an sdpa ring rank"),
+            (self.slow, "sent no complete greeting in time"),
+            (self.gone, "went away"),
+            (self.flood, "dropped for newer ones (too many at once)"),
+            (greeting, "still sending their greeting at the deadline"),
+        ]
+        .into_iter()
+        .filter(|(n, _)| *n > 0)
+        .map(|(n, why)| format!("{n} {why}"))
+        .collect();
+        if parts.is_empty() {
+            String::new()
+        } else {
+            format!("; connections not counted: {}", parts.join(", "))
+        }
+    }
 }
 
 /// Rank 0: accept the other ranks, check them, answer all.
 fn host(
     env: &RankEnv,
+    key: &Key,
     fingerprint: u64,
     deadline: Deadline,
-    make_id: impl FnOnce() -> Result<[u8; 128], DistError>,
-) -> Result<[u8; 128], DistError> {
-    let listener = TcpListener::bind(("0.0.0.0", env.port)).map_err(|e| {
-        DistError::Rendezvous(format!("rank 0 cannot listen on port {}: {e}", env.port))
-    })?;
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| DistError::Rendezvous(format!("listener: {e}")))?;
+    make_id: impl FnOnce() -> Result<[u8; ID_LEN], DistError>,
+) -> Result<[u8; ID_LEN], DistError> {
+    let listener = listen(&env.master_addr, env.port)?;
+    let mut pending: VecDeque<Pending> = VecDeque::new();
     let mut peers: Vec<Peer> = Vec::new();
-    let mut problem: Option<String> = None;
-    while peers.len() + 1 < env.world {
-        match listener.accept() {
-            Ok((stream, from)) => match greeting(stream, deadline) {
-                Ok((stream, hello)) => {
-                    if let Some(p) = check_hello(&hello, env.world, fingerprint, &peers) {
-                        problem.get_or_insert(format!("{p} (from {from})"));
-                    }
-                    peers.push(Peer {
-                        stream,
-                        rank: hello.rank,
-                    });
-                }
-                // Not a rank of ours (a port scanner, a stale process): ignore it.
-                Err(_) => continue,
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if deadline.passed() {
-                    let mut missing: Vec<usize> = (1..env.world)
-                        .filter(|r| !peers.iter().any(|p| p.rank == *r))
-                        .collect();
-                    missing.truncate(16);
-                    let e = deadline.timeout(&format!(
-                        "rank 0 waiting for rank(s) {missing:?} of {} to connect",
-                        env.world
-                    ));
-                    refuse_all(&mut peers, &e.to_string(), deadline);
-                    return Err(e);
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => {
-                return Err(DistError::Rendezvous(format!("accept: {e}")));
-            }
+    let mut dropped = Dropped::default();
+    loop {
+        accept(&listener, &mut pending, &mut dropped)?;
+        greetings(key, &mut pending, &mut peers, &mut dropped);
+        // A rank that left before its answer is not counted: it will not take the id.
+        peers.retain(|p| {
+            let alive = quiet(&p.stream);
+            dropped.gone += usize::from(!alive);
+            alive
+        });
+        if peers.len() + 1 >= env.world {
+            break;
         }
+        if deadline.passed() {
+            let e = deadline.timeout(&format!(
+                "rank 0 waiting for {} to connect{}",
+                missing(&peers, env.world),
+                dropped.describe(pending.len())
+            ));
+            refuse_all(key, &mut peers, &e.to_string());
+            return Err(e);
+        }
+        std::thread::sleep(POLL);
     }
-    if let Some(p) = problem {
+    if let Some(p) = disagreement(&peers, env.world, fingerprint) {
         let e = DistError::Mismatch(p);
-        refuse_all(&mut peers, &e.to_string(), deadline);
+        refuse_all(key, &mut peers, &e.to_string());
         return Err(e);
     }
     let id = match make_id() {
         Ok(id) => id,
         Err(e) => {
-            refuse_all(
-                &mut peers,
-                &format!("rank 0 could not make the NCCL id: {e}"),
-                deadline,
-            );
+            let why = format!("rank 0 could not make the NCCL id: {e}");
+            refuse_all(key, &mut peers, &why);
             return Err(e);
         }
     };
+    let by = Deadline::after(ANSWER_WRITE);
+    let mut lost = Vec::new();
     for p in &mut peers {
-        let mut answer = vec![OK];
-        answer.extend_from_slice(&id);
-        // A rank that left now fails NCCL's own setup, under its deadline; not here.
-        let _ = write_all(&mut p.stream, &answer, deadline);
+        let answer = handshake::answer_ok(key, &p.n0, &p.hello.nonce, &id);
+        if write_by(&mut p.stream, &answer, by).is_err() {
+            lost.push(p.hello.rank);
+        }
+    }
+    if !lost.is_empty() {
+        // The others now set NCCL up and fail under their own deadline, as they would with a
+        // rank that died just after the rendezvous.
+        return Err(DistError::Rendezvous(format!(
+            "rank(s) {lost:?} went away before they got the NCCL id"
+        )));
     }
     Ok(id)
 }
 
-/// What a rank says when it arrives.
-struct Hello {
-    rank: usize,
-    world: usize,
-    fingerprint: u64,
+/// Rank 0's listener on `MASTER_ADDR` (the first of its addresses that binds), non-blocking.
+fn listen(addr: &str, port: u16) -> Result<TcpListener, DistError> {
+    let addrs = resolve(addr, port)
+        .map_err(|e| DistError::Rendezvous(format!("MASTER_ADDR {addr} does not resolve: {e}")))?;
+    let mut tried = Vec::new();
+    for a in &addrs {
+        match TcpListener::bind(a) {
+            Ok(l) => {
+                l.set_nonblocking(true)
+                    .map_err(|e| DistError::Rendezvous(format!("listener on {a}: {e}")))?;
+                return Ok(l);
+            }
+            Err(e) => tried.push(format!("{a}: {e}")),
+        }
+    }
+    Err(DistError::Rendezvous(format!(
+        "rank 0 cannot listen on MASTER_ADDR {addr} port {port} ({}); MASTER_ADDR must name an \
+         address of rank 0's machine",
+        if tried.is_empty() {
+            "it names no address".to_string()
+        } else {
+            tried.join("; ")
+        }
+    )))
 }
 
-fn greeting(mut stream: TcpStream, deadline: Deadline) -> Result<(TcpStream, Hello), DistError> {
-    stream
-        .set_nonblocking(false)
-        .map_err(|e| DistError::Rendezvous(e.to_string()))?;
-    let mut buf = [0u8; HELLO_LEN];
-    read_exact(&mut stream, &mut buf, deadline)?;
-    if &buf[..8] != MAGIC {
-        return Err(DistError::Rendezvous("not a ring rank".into()));
+/// Accepts the connections waiting (at most [`MAX_PENDING`] a round) and challenges each.
+fn accept(
+    listener: &TcpListener,
+    pending: &mut VecDeque<Pending>,
+    dropped: &mut Dropped,
+) -> Result<(), DistError> {
+    for _ in 0..MAX_PENDING {
+        let stream = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::Interrupted
+                        | ErrorKind::ConnectionAborted
+                        | ErrorKind::ConnectionReset
+                ) =>
+            {
+                continue;
+            }
+            Err(e) => return Err(DistError::Rendezvous(format!("accept: {e}"))),
+        };
+        let n0 = handshake::nonce()?;
+        // Forty bytes into a fresh socket's buffer go at once, or the peer is gone.
+        let sent = stream.set_nonblocking(true).is_ok()
+            && (&stream).write(&handshake::challenge(&n0)).ok() == Some(CHALLENGE_LEN);
+        if !sent {
+            dropped.gone += 1;
+            continue;
+        }
+        if pending.len() == MAX_PENDING {
+            pending.pop_front();
+            dropped.flood += 1;
+        }
+        pending.push_back(Pending {
+            stream,
+            n0,
+            buf: [0; HELLO_LEN],
+            got: 0,
+            greet_by: Deadline::after(GREETING_WINDOW),
+        });
     }
-    let word = |i: usize| u64::from_le_bytes(buf[8 * i..8 * i + 8].try_into().unwrap());
-    Ok((
-        stream,
-        Hello {
-            rank: word(1) as usize,
-            world: word(2) as usize,
-            fingerprint: word(3),
-        },
-    ))
+    Ok(())
 }
 
-/// Why `hello` does not fit the ring rank 0 runs, if it does not.
-fn check_hello(h: &Hello, world: usize, fingerprint: u64, peers: &[Peer]) -> Option<String> {
-    if h.world != world {
-        return Some(format!(
-            "rank {} was started with WORLD_SIZE={}, rank 0 with {world}",
-            h.rank, h.world
-        ));
+/// Reads what the pending connections have sent; moves each complete, authenticated greeting
+/// to `peers` and drops every connection that failed or ran out of time.
+fn greetings(
+    key: &Key,
+    pending: &mut VecDeque<Pending>,
+    peers: &mut Vec<Peer>,
+    dropped: &mut Dropped,
+) {
+    let mut i = 0;
+    while i < pending.len() {
+        let p = &mut pending[i];
+        let state = read_some(&p.stream, &mut p.buf[p.got..]);
+        let done = match state {
+            Ok(n) => {
+                p.got += n;
+                if p.got >= handshake::MAGIC.len()
+                    && &p.buf[..handshake::MAGIC.len()] != handshake::MAGIC
+                {
+                    dropped.garbage += 1;
+                    true
+                } else if p.got == HELLO_LEN {
+                    let p = pending.remove(i).expect("index in range");
+                    match handshake::open_hello(key, &p.n0, &p.buf) {
+                        Greeting::Garbage => dropped.garbage += 1,
+                        Greeting::Unauthenticated => {
+                            // Says why to a rank given another token; tells a stranger nothing.
+                            let _ = (&p.stream).write(&[REJECTED]);
+                            dropped.unauthenticated += 1;
+                        }
+                        Greeting::Hello(hello) => match p.stream.peer_addr() {
+                            Ok(from) => peers.push(Peer {
+                                stream: p.stream,
+                                from,
+                                n0: p.n0,
+                                hello,
+                            }),
+                            Err(_) => dropped.gone += 1,
+                        },
+                    }
+                    continue;
+                } else if p.greet_by.passed() {
+                    dropped.slow += 1;
+                    true
+                } else {
+                    false
+                }
+            }
+            Err(()) => {
+                dropped.gone += 1;
+                true
+            }
+        };
+        if done {
+            pending.remove(i);
+        } else {
+            i += 1;
+        }
     }
-    if h.rank == 0 || h.rank >= world {
-        return Some(format!("a second process says it is rank {}", h.rank));
+}
+
+/// Reads what a non-blocking stream has into `buf` (none: `Ok(0)`); `Err` where the stream
+/// closed or failed.
+fn read_some(mut s: &TcpStream, buf: &mut [u8]) -> Result<usize, ()> {
+    let mut got = 0;
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Err(()),
+        }
     }
-    if peers.iter().any(|p| p.rank == h.rank) {
-        return Some(format!("two processes say they are rank {}", h.rank));
+    Ok(got)
+}
+
+/// Whether a peer that has greeted is still there and silent, as a rank waiting for its answer
+/// is (closed, failed, or speaking out of turn: not a rank to answer).
+fn quiet(s: &TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    match s.peek(&mut b) {
+        Err(e) => matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted),
+        Ok(_) => false,
     }
-    if h.fingerprint != fingerprint {
-        return Some(format!(
-            "rank {} was started for another problem (fingerprint {:016x}, rank 0's {fingerprint:016x})",
-            h.rank, h.fingerprint
-        ));
+}
+
+/// "rank(s) [1, 4] of 8", naming at most [`NAMED_MISSING`] and counting the rest.
+fn missing(peers: &[Peer], world: usize) -> String {
+    let mut present: Vec<usize> = peers
+        .iter()
+        .filter_map(|p| usize::try_from(p.hello.rank).ok())
+        .filter(|r| (1..world).contains(r))
+        .collect();
+    present.sort_unstable();
+    present.dedup();
+    let absent = (world - 1) - present.len();
+    let named: Vec<usize> = (1..world)
+        .filter(|r| present.binary_search(r).is_err())
+        .take(NAMED_MISSING)
+        .collect();
+    let more = absent - named.len();
+    if more > 0 {
+        format!("rank(s) {named:?} and {more} more of {world}")
+    } else {
+        format!("rank(s) {named:?} of {world}")
+    }
+}
+
+/// Why the ranks that arrived do not make the ring rank 0 runs, if they do not: each rank
+/// `1..world` once, rank 0's world size and fingerprint.
+fn disagreement(peers: &[Peer], world: usize, fingerprint: u64) -> Option<String> {
+    let mut seen = vec![false; world];
+    for p in peers {
+        let (h, from) = (&p.hello, p.from);
+        if h.world != world as u64 {
+            return Some(format!(
+                "rank {} was started with WORLD_SIZE={}, rank 0 with {world} (from {from})",
+                h.rank, h.world
+            ));
+        }
+        let Some(r) = usize::try_from(h.rank)
+            .ok()
+            .filter(|r| (1..world).contains(r))
+        else {
+            return Some(format!(
+                "a process says it is rank {} of {world} (from {from})",
+                h.rank
+            ));
+        };
+        if std::mem::replace(&mut seen[r], true) {
+            return Some(format!("two processes say they are rank {r} (from {from})"));
+        }
+        if h.fingerprint != fingerprint {
+            return Some(format!(
+                "rank {r} was started for another problem (fingerprint {:016x}, rank 0's \
+                 {fingerprint:016x}; from {from})",
+                h.fingerprint
+            ));
+        }
     }
     None
 }
 
-fn refuse_all(peers: &mut [Peer], why: &str, deadline: Deadline) {
-    let why = &why.as_bytes()[..why.len().min(MAX_MESSAGE)];
+/// Answers every peer with `why`, each within one shared short deadline.
+fn refuse_all(key: &Key, peers: &mut [Peer], why: &str) {
+    let by = Deadline::after(ANSWER_WRITE);
     for p in peers {
-        let mut answer = vec![REFUSED];
-        answer.extend_from_slice(&(why.len() as u64).to_le_bytes());
-        answer.extend_from_slice(why);
-        let _ = write_all(&mut p.stream, &answer, deadline);
+        let answer = handshake::answer_refused(key, &p.n0, &p.hello.nonce, why);
+        let _ = write_by(&mut p.stream, &answer, by);
     }
 }
 
+/// What one connection attempt of a joining rank came to.
+enum Attempt {
+    /// Rank 0 closed the connection before it answered: try again.
+    Again,
+    Done(Result<[u8; ID_LEN], DistError>),
+}
+
 /// Every other rank: connect (until the deadline), greet, read the answer.
-fn join(env: &RankEnv, fingerprint: u64, deadline: Deadline) -> Result<[u8; 128], DistError> {
+fn join(
+    env: &RankEnv,
+    key: &Key,
+    fingerprint: u64,
+    deadline: Deadline,
+) -> Result<[u8; ID_LEN], DistError> {
     let target = format!("{}:{}", env.master_addr, env.port);
-    let mut stream = loop {
-        let addrs: Vec<SocketAddr> = target
-            .to_socket_addrs()
-            .map_err(|e| DistError::Rendezvous(format!("MASTER_ADDR {target}: {e}")))?
-            .collect();
-        let attempt = Duration::from_secs(1).min(deadline.left().max(Duration::from_millis(1)));
+    loop {
+        let addrs = resolve(&env.master_addr, env.port)
+            .map_err(|e| DistError::Rendezvous(format!("MASTER_ADDR {target}: {e}")))?;
+        let attempt = slice(deadline);
         if let Some(s) = addrs
             .iter()
             .find_map(|a| TcpStream::connect_timeout(a, attempt).ok())
+            && let Attempt::Done(r) = greet(env, key, fingerprint, s, deadline, &target)
         {
-            break s;
+            return r;
         }
         if deadline.passed() {
             return Err(deadline.timeout(&format!(
@@ -283,224 +634,185 @@ fn join(env: &RankEnv, fingerprint: u64, deadline: Deadline) -> Result<[u8; 128]
             )));
         }
         std::thread::sleep(Duration::from_millis(50));
-    };
-    let mut hello = MAGIC.to_vec();
-    for w in [env.rank as u64, env.world as u64, fingerprint] {
-        hello.extend_from_slice(&w.to_le_bytes());
     }
-    write_all(&mut stream, &hello, deadline)?;
+}
+
+/// One connection of a joining rank: rank 0's challenge, the greeting, rank 0's answer.
+fn greet(
+    env: &RankEnv,
+    key: &Key,
+    fingerprint: u64,
+    mut s: TcpStream,
+    deadline: Deadline,
+    target: &str,
+) -> Attempt {
+    let r = env.rank;
+    let _ = s.set_nodelay(true);
+    let mut challenge = [0u8; CHALLENGE_LEN];
+    match read_by(&mut s, &mut challenge, deadline) {
+        Ok(()) => {}
+        Err(e) if e.kind() == ErrorKind::TimedOut => {
+            return Attempt::Done(Err(deadline.timeout(&format!(
+                "rank {r} waiting for rank 0's challenge at {target} (what listens there does \
+                 not speak the ring's protocol)"
+            ))));
+        }
+        Err(_) => return Attempt::Again,
+    }
+    let Some(n0) = handshake::read_challenge(&challenge) else {
+        return Attempt::Done(Err(DistError::Rendezvous(format!(
+            "what listens at {target} is not rank 0 of an sdpa ring of this version"
+        ))));
+    };
+    match answer(env, key, fingerprint, s, deadline, target, n0) {
+        Ok(Some(id)) => Attempt::Done(Ok(id)),
+        Ok(None) => Attempt::Again,
+        Err(e) => Attempt::Done(Err(e)),
+    }
+}
+
+fn answer(
+    env: &RankEnv,
+    key: &Key,
+    fingerprint: u64,
+    mut s: TcpStream,
+    deadline: Deadline,
+    target: &str,
+    n0: Nonce,
+) -> Result<Option<[u8; ID_LEN]>, DistError> {
+    let r = env.rank;
+    let n1 = handshake::nonce()?;
+    let hello = Hello {
+        rank: r as u64,
+        world: env.world as u64,
+        fingerprint,
+        nonce: n1,
+    };
+    // Closed before an answer (a failed write, or the end of the stream where the status
+    // should be): rank 0 shed this connection, among too many at once or too slow for it, or
+    // is starting over; the caller connects again while the deadline lasts.
+    match write_by(&mut s, &handshake::hello(key, &n0, &hello), deadline) {
+        Ok(()) => {}
+        Err(e) if e.kind() == ErrorKind::TimedOut => {
+            return Err(deadline.timeout(&format!("rank {r} greeting rank 0 at {target}")));
+        }
+        Err(_) => return Ok(None),
+    }
     // Rank 0 answers by its own deadline, which may have started after this rank's: a while
     // past ours, its answer (which ranks never came) is still worth waiting for.
     let deadline = deadline.extended(ANSWER_GRACE.min(deadline.limit()));
+    let what = format!("rank {r} waiting for rank 0's answer (other ranks missing?)");
     let mut status = [0u8; 1];
-    read_exact(&mut stream, &mut status, deadline).map_err(|e| match e {
-        DistError::Timeout { .. } => deadline.timeout(&format!(
-            "rank {} waiting for rank 0's answer (other ranks missing?)",
-            env.rank
-        )),
-        e => e,
-    })?;
+    match read_by(&mut s, &mut status, deadline) {
+        Ok(()) => {}
+        Err(e) if e.kind() == ErrorKind::TimedOut => return Err(deadline.timeout(&what)),
+        Err(_) => return Ok(None),
+    }
+    let mut read =
+        |buf: &mut [u8]| read_by(&mut s, buf, deadline).map_err(|e| io_error(e, deadline, &what));
+    let forged = || {
+        DistError::Unauthenticated(format!(
+            "the answer of rank 0 at {target} does not carry this ring's MAC: what answered \
+             does not hold this rank's SDPA_RING_TOKEN"
+        ))
+    };
     match status[0] {
-        OK => {
-            let mut id = [0u8; 128];
-            read_exact(&mut stream, &mut id, deadline)?;
-            Ok(id)
+        handshake::OK => {
+            let mut sealed = [0u8; ID_LEN];
+            let mut tag = [0u8; MAC_LEN];
+            read(&mut sealed)?;
+            read(&mut tag)?;
+            handshake::open_ok(key, &n0, &n1, &sealed, &tag)
+                .map(Some)
+                .ok_or_else(forged)
         }
-        REFUSED => {
-            let mut len = [0u8; 8];
-            read_exact(&mut stream, &mut len, deadline)?;
-            let len = (u64::from_le_bytes(len) as usize).min(MAX_MESSAGE);
+        handshake::REFUSED => {
+            let mut len = [0u8; 2];
+            read(&mut len)?;
+            let len = usize::from(u16::from_le_bytes(len));
+            if len > MAX_MESSAGE {
+                return Err(DistError::Rendezvous(format!(
+                    "rank 0 at {target} sent a refusal of {len} bytes, more than a ring rank's"
+                )));
+            }
             let mut why = vec![0u8; len];
-            read_exact(&mut stream, &mut why, deadline)?;
-            let why = String::from_utf8_lossy(&why);
+            let mut tag = [0u8; MAC_LEN];
+            read(&mut why)?;
+            read(&mut tag)?;
+            let why = handshake::open_refused(key, &n0, &n1, &why, &tag).ok_or_else(forged)?;
             Err(DistError::Rendezvous(format!(
                 "rank 0 ended the rendezvous: {why}"
             )))
         }
-        s => Err(DistError::Rendezvous(format!(
-            "rank 0 answered {s}, not a ring rank's answer"
+        REJECTED => Err(DistError::Unauthenticated(format!(
+            "rank 0 at {target} refused rank {r}'s greeting: its MAC is not rank 0's; every \
+             rank must be given the same SDPA_RING_TOKEN"
+        ))),
+        other => Err(DistError::Rendezvous(format!(
+            "rank 0 at {target} answered {other}, not a ring rank's answer"
         ))),
     }
 }
 
+/// One wait of a blocking socket: what is left of `deadline`, between 1 ms (a zero timeout
+/// means none to the socket) and 1 s (the deadline is checked again after).
+fn slice(deadline: Deadline) -> Duration {
+    deadline
+        .left()
+        .clamp(Duration::from_millis(1), Duration::from_secs(1))
+}
+
+/// Fills `buf` from `s` by `deadline`, however the bytes come (one a second included):
+/// `TimedOut` past it, `UnexpectedEof` where the other side closed first.
+fn read_by(s: &mut TcpStream, buf: &mut [u8], deadline: Deadline) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        if deadline.passed() {
+            return Err(ErrorKind::TimedOut.into());
+        }
+        s.set_read_timeout(Some(slice(deadline)))?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `buf` to `s` (blocking or not) by `deadline`: `TimedOut` past it.
+fn write_by(s: &mut TcpStream, buf: &[u8], deadline: Deadline) -> std::io::Result<()> {
+    let mut sent = 0;
+    while sent < buf.len() {
+        if deadline.passed() {
+            return Err(ErrorKind::TimedOut.into());
+        }
+        s.set_write_timeout(Some(slice(deadline)))?;
+        match s.write(&buf[sent..]) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(POLL),
+            Err(e) if matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 fn io_error(e: std::io::Error, deadline: Deadline, what: &str) -> DistError {
     match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => deadline.timeout(what),
-        std::io::ErrorKind::UnexpectedEof => {
-            DistError::Rendezvous(format!("{what}: the other side closed the connection"))
+        ErrorKind::TimedOut => deadline.timeout(what),
+        ErrorKind::UnexpectedEof => {
+            DistError::Rendezvous(format!("{what}: rank 0 closed the connection"))
         }
         _ => DistError::Rendezvous(format!("{what}: {e}")),
     }
 }
 
-fn read_exact(s: &mut TcpStream, buf: &mut [u8], deadline: Deadline) -> Result<(), DistError> {
-    let left = deadline.left().max(Duration::from_millis(1));
-    s.set_read_timeout(Some(left))
-        .map_err(|e| io_error(e, deadline, "reading"))?;
-    s.read_exact(buf)
-        .map_err(|e| io_error(e, deadline, "reading from a rank"))
-}
-
-fn write_all(s: &mut TcpStream, buf: &[u8], deadline: Deadline) -> Result<(), DistError> {
-    let left = deadline.left().max(Duration::from_millis(1));
-    s.set_write_timeout(Some(left))
-        .map_err(|e| io_error(e, deadline, "writing"))?;
-    s.write_all(buf)
-        .map_err(|e| io_error(e, deadline, "writing to a rank"))
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::collections::HashMap;
-
-    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let m: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |k| m.get(k).cloned()
-    }
-
-    const TORCHRUN: &[(&str, &str)] = &[
-        ("RANK", "3"),
-        ("WORLD_SIZE", "8"),
-        ("LOCAL_RANK", "1"),
-        ("MASTER_ADDR", "node0"),
-        ("MASTER_PORT", "29500"),
-    ];
-
-    #[test]
-    fn torchrun_environment_is_read() {
-        let e = RankEnv::from_vars(&vars(TORCHRUN)).unwrap();
-        assert_eq!(
-            e,
-            RankEnv {
-                rank: 3,
-                world: 8,
-                local_rank: 1,
-                master_addr: "node0".into(),
-                port: 29501
-            }
-        );
-        let mut v = TORCHRUN.to_vec();
-        v.push(("SDPA_RING_PORT", "4000"));
-        assert_eq!(RankEnv::from_vars(&vars(&v)).unwrap().port, 4000);
-    }
-
-    #[test]
-    fn bad_environments_are_typed_errors() {
-        let without = |k: &str| -> Vec<(&str, &str)> {
-            TORCHRUN.iter().copied().filter(|(n, _)| *n != k).collect()
-        };
-        let err = |v: &[(&str, &str)]| RankEnv::from_vars(&vars(v)).unwrap_err().to_string();
-        assert!(err(&without("RANK")).contains("RANK is not set"));
-        assert!(err(&without("MASTER_ADDR")).contains("MASTER_ADDR is not set"));
-        let mut v = without("WORLD_SIZE");
-        v.push(("WORLD_SIZE", "3"));
-        assert!(
-            err(&v).contains("RANK=3 is not below WORLD_SIZE=3"),
-            "{}",
-            err(&v)
-        );
-        let mut v = without("RANK");
-        v.push(("RANK", "-1"));
-        assert!(
-            err(&v).contains("RANK=\"-1\" is not a non-negative integer"),
-            "{}",
-            err(&v)
-        );
-        let mut v = without("MASTER_PORT");
-        v.push(("MASTER_PORT", "65535"));
-        assert!(err(&v).contains("SDPA_RING_PORT"), "{}", err(&v));
-        // LOCAL_RANK defaults to RANK (one GPU a node, or a launcher that does not set it).
-        let e = RankEnv::from_vars(&vars(&without("LOCAL_RANK"))).unwrap();
-        assert_eq!(e.local_rank, 3);
-    }
-
-    /// A free port on the loopback interface.
-    fn port() -> u16 {
-        TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    }
-
-    fn rank(r: usize, world: usize, port: u16) -> RankEnv {
-        RankEnv {
-            rank: r,
-            world,
-            local_rank: r,
-            master_addr: "127.0.0.1".into(),
-            port,
-        }
-    }
-
-    /// Runs `world` ranks on threads, rank r with `fingerprints[r]`; returns each one's result.
-    fn run(
-        world: usize,
-        fingerprints: &[u64],
-        skip: &[usize],
-        timeout: Duration,
-    ) -> Vec<Option<Result<[u8; 128], DistError>>> {
-        let p = port();
-        let handles: Vec<_> = (0..world)
-            .map(|r| {
-                let fp = fingerprints[r];
-                let run = !skip.contains(&r);
-                std::thread::spawn(move || {
-                    run.then(|| exchange_id(&rank(r, world, p), fp, timeout, || Ok([7u8; 128])))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    }
-
-    #[test]
-    fn every_rank_gets_rank_zeros_id() {
-        let out = run(4, &[9; 4], &[], Duration::from_secs(20));
-        for (r, o) in out.into_iter().enumerate() {
-            assert_eq!(o.unwrap().unwrap(), [7u8; 128], "rank {r}");
-        }
-        // A ring of one needs no other process.
-        let one = exchange_id(&rank(0, 1, port()), 1, Duration::from_secs(1), || {
-            Ok([1; 128])
-        });
-        assert_eq!(one.unwrap(), [1; 128]);
-    }
-
-    #[test]
-    fn a_rank_started_for_another_problem_fails_every_rank() {
-        let out = run(3, &[5, 5, 6], &[], Duration::from_secs(20));
-        for (r, o) in out.into_iter().enumerate() {
-            let e = o.unwrap().unwrap_err().to_string();
-            assert!(
-                e.contains("rank 2 was started for another problem"),
-                "rank {r}: {e}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_missing_rank_fails_the_others_within_the_timeout() {
-        let t0 = std::time::Instant::now();
-        let out = run(3, &[1; 3], &[2], Duration::from_millis(1500));
-        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
-        let e0 = out[0].as_ref().unwrap().as_ref().unwrap_err();
-        assert!(matches!(e0, DistError::Timeout { .. }), "{e0}");
-        assert!(e0.to_string().contains("rank(s) [2] of 3"), "{e0}");
-        let e1 = out[1].as_ref().unwrap().as_ref().unwrap_err().to_string();
-        assert!(e1.contains("rank(s) [2] of 3"), "rank 1 hears why: {e1}");
-    }
-
-    #[test]
-    fn without_rank_zero_the_others_time_out() {
-        let t0 = std::time::Instant::now();
-        let out = run(2, &[1; 2], &[0], Duration::from_millis(800));
-        assert!(t0.elapsed() < Duration::from_secs(10));
-        let e = out[1].as_ref().unwrap().as_ref().unwrap_err();
-        assert!(matches!(e, DistError::Timeout { .. }), "{e}");
-        assert!(e.to_string().contains("rank 1 connecting to rank 0"), "{e}");
-    }
-}
+mod tests;

@@ -19,11 +19,11 @@
 use super::block::{Scratch, attend};
 use super::error::DistError;
 use super::merge::Accumulator;
-use super::nccl::{Comm, Deadline, Nccl, library};
+use super::nccl::{Comm, Deadline, Nccl, library, nvls_chosen};
 use super::problems::{
     block_problem, check_problem, check_shard, fingerprint, fnv1a, local_problem,
 };
-use super::rendezvous::{RankEnv, exchange_id};
+use super::rendezvous::{MAX_WORLD, RankEnv, exchange_id};
 use super::schedule;
 use super::shard::Shard;
 use super::timeline::{HostClock, HostPhase, HostTimings, Phase, RankTimings, Timeline};
@@ -45,7 +45,8 @@ use std::time::Duration;
 pub struct RingOptions {
     /// How long any wait for another rank may take (the rendezvous, NCCL setup, one call)
     /// before every communicator of this process is aborted and the call fails with
-    /// `DistError::Timeout`.
+    /// `DistError::Timeout`. `Duration::MAX` (or any limit past what `Instant` holds): no
+    /// limit.
     pub timeout: Duration,
     /// The backend of each local attention call.
     pub backend: Backend,
@@ -143,8 +144,10 @@ impl std::fmt::Debug for Ring {
 
 impl Ring {
     /// This process as one rank of a ring of processes, from the torchrun environment
-    /// ([`RankEnv::from_env`]): opens GPU `LOCAL_RANK`, meets the other ranks (rank 0 hands out
-    /// the NCCL id over TCP) and starts the communicator. Every rank must call this.
+    /// ([`RankEnv::from_env`], `SDPA_RING_TOKEN` included): opens GPU `LOCAL_RANK`, meets the
+    /// other ranks (rank 0 hands out the NCCL id over an authenticated TCP exchange) and starts
+    /// the communicator. Every rank must call this. `NCCL_NVLS_ENABLE` must be set (see the
+    /// module).
     pub fn from_env(opts: RingOptions) -> Result<Ring> {
         let env = RankEnv::from_env()?;
         let dev = Device::new(env.local_rank)?;
@@ -153,6 +156,7 @@ impl Ring {
 
     /// As [`Ring::from_env`] with the rank's environment and device given.
     pub fn from_rank_env(env: &RankEnv, dev: Device, opts: RingOptions) -> Result<Ring> {
+        nvls_chosen(&|k| std::env::var_os(k))?;
         let nccl = library()?;
         // What every rank must agree on before NCCL is started: the ring's size and this
         // crate's version (the wire protocol of the calls that follow).
@@ -185,6 +189,7 @@ impl Ring {
             return Err(invalid!("a ring needs at least one device"));
         }
         let world = devices.len();
+        nvls_chosen(&|k| std::env::var_os(k))?;
         let nccl = library()?;
         let id = nccl.unique_id()?;
         let deadline = Deadline::after(opts.timeout);
@@ -226,8 +231,8 @@ impl Ring {
     /// by device copies on one shared stream. No NCCL: the schedule, the buffers, the stream
     /// ordering and the merge of a ring on one GPU.
     pub fn loopback(dev: &Device, world: usize, opts: RingOptions) -> Result<Ring> {
-        if world == 0 {
-            return Err(invalid!("a ring needs at least one rank"));
+        if world == 0 || world > MAX_WORLD {
+            return Err(invalid!("a ring has 1 to {MAX_WORLD} ranks, not {world}"));
         }
         let comm_stream = dev.ctx().new_stream()?;
         let ranks = (0..world)
@@ -410,7 +415,7 @@ impl Ring {
             .ranks
             .iter()
             .map(|r| schedule::steps(z, r.rank, p.is_causal()))
-            .collect();
+            .collect::<Result<_>>()?;
         // Partial results in f32 where the backend writes every one of the rank's calls so.
         let f32_parts: Vec<bool> = self
             .ranks

@@ -13,6 +13,7 @@
 //! or the second local chunk against all held keys (holder later): the same work on every rank.
 
 use super::zigzag::Zigzag;
+use crate::error::Result;
 use std::ops::Range;
 
 /// One attention call of a step: local query rows `q` against held keys `k`.
@@ -36,39 +37,42 @@ pub struct Step {
     pub blocks: Vec<Block>,
 }
 
-/// The `world` steps of rank `rank`, in ring order.
-pub fn steps(z: &Zigzag, rank: usize, causal: bool) -> Vec<Step> {
+/// The `world` steps of rank `rank`, in ring order; an error for a rank outside the ring.
+pub fn steps(z: &Zigzag, rank: usize, causal: bool) -> Result<Vec<Step>> {
+    z.chunks(rank)?;
     let w = z.world();
     (0..w)
         .map(|t| {
+            // rank < w, so no overflow.
             let holder = (rank + w - t) % w;
-            Step {
+            Ok(Step {
                 holder,
-                blocks: blocks(z, rank, holder, causal),
-            }
+                blocks: blocks(z, rank, holder, causal)?,
+            })
         })
         .collect()
 }
 
-/// The calls rank `rank` makes against the K/V shard of rank `holder`.
-pub fn blocks(z: &Zigzag, rank: usize, holder: usize, causal: bool) -> Vec<Block> {
+/// The calls rank `rank` makes against the K/V shard of rank `holder`; an error for a rank
+/// outside the ring.
+pub fn blocks(z: &Zigzag, rank: usize, holder: usize, causal: bool) -> Result<Vec<Block>> {
+    let (qc, kc) = (z.chunks(rank)?, z.chunks(holder)?);
     let all = 0..z.local_len();
     if !causal {
-        return vec![Block {
+        return Ok(vec![Block {
             q: all.clone(),
             k: all,
             causal: false,
-        }];
+        }]);
     }
     if holder == rank {
-        return vec![Block {
+        return Ok(vec![Block {
             q: all.clone(),
             k: all,
             causal: true,
-        }];
+        }]);
     }
     let c = z.chunk();
-    let (qc, kc) = (z.chunks(rank), z.chunks(holder));
     // Visible (query half, key half) pairs; no pair is diagonal since the chunks differ.
     let sees = |i: usize, j: usize| kc[j] < qc[i];
     let half = |i: usize| i * c..(i + 1) * c;
@@ -84,7 +88,7 @@ pub fn blocks(z: &Zigzag, rank: usize, holder: usize, causal: bool) -> Vec<Block
             }
         }
     }
-    join_rectangles(out)
+    Ok(join_rectangles(out))
 }
 
 /// Joins unmasked blocks that share their rows and touch in keys, or share their keys and
@@ -135,7 +139,7 @@ mod tests {
             for k in b.k.clone() {
                 let (qi, ki) = (q - b.q.start, k - b.k.start);
                 if !b.causal || ki <= qi {
-                    out.push((z.global(rank, q), z.global(holder, k)));
+                    out.push((z.global(rank, q).unwrap(), z.global(holder, k).unwrap()));
                 }
             }
         }
@@ -153,7 +157,7 @@ mod tests {
                     let s = z.seq();
                     let mut count = vec![0u32; s * s];
                     for rank in 0..world {
-                        let st = steps(&z, rank, causal);
+                        let st = steps(&z, rank, causal).unwrap();
                         assert_eq!(st.len(), world);
                         for (t, step) in st.iter().enumerate() {
                             assert_eq!(step.holder, (rank + world - t) % world);
@@ -190,7 +194,7 @@ mod tests {
         for world in 1..=8 {
             let z = Zigzag::new(2 * world * 4, world).unwrap();
             let work = |rank: usize, t: usize| -> usize {
-                let step = &steps(&z, rank, true)[t];
+                let step = &steps(&z, rank, true).unwrap()[t];
                 step.blocks
                     .iter()
                     .map(|b| pairs(&z, rank, step.holder, b).len())
@@ -210,11 +214,25 @@ mod tests {
     }
 
     #[test]
+    fn ranks_outside_the_ring_are_errors() {
+        let z = Zigzag::new(16, 4).unwrap();
+        for rank in [4, usize::MAX] {
+            let e = steps(&z, rank, true).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("rank {rank} is not in a ring of 4")),
+                "{e}"
+            );
+            assert!(blocks(&z, rank, 0, false).is_err());
+            assert!(blocks(&z, 0, rank, true).is_err());
+        }
+    }
+
+    #[test]
     fn off_diagonal_steps_are_one_unmasked_rectangle() {
         let z = Zigzag::new(16, 4).unwrap();
         // Rank 2 holds chunks 2 and 5. Holder 1 (chunks 1, 6): both local chunks see chunk 1.
         assert_eq!(
-            blocks(&z, 2, 1, true),
+            blocks(&z, 2, 1, true).unwrap(),
             [Block {
                 q: 0..4,
                 k: 0..2,
@@ -223,7 +241,7 @@ mod tests {
         );
         // Holder 3 (chunks 3, 4): only local chunk 5 sees them, all of them.
         assert_eq!(
-            blocks(&z, 2, 3, true),
+            blocks(&z, 2, 3, true).unwrap(),
             [Block {
                 q: 2..4,
                 k: 0..4,
@@ -231,7 +249,7 @@ mod tests {
             }]
         );
         assert_eq!(
-            blocks(&z, 2, 2, true),
+            blocks(&z, 2, 2, true).unwrap(),
             [Block {
                 q: 0..4,
                 k: 0..4,

@@ -54,42 +54,73 @@ impl Zigzag {
     pub fn seq(&self) -> usize {
         2 * self.world * self.chunk
     }
-    /// The chunks rank `rank` holds, in local order.
-    pub fn chunks(&self, rank: usize) -> [usize; 2] {
-        assert!(rank < self.world, "rank {rank} of {}", self.world);
-        [rank, 2 * self.world - 1 - rank]
+    /// The chunks rank `rank` holds, in local order; an error for a rank outside the ring.
+    pub fn chunks(&self, rank: usize) -> Result<[usize; 2]> {
+        self.check_rank(rank)?;
+        Ok(self.chunks_of(rank))
     }
     /// The global positions of rank `rank`'s two chunks, in local order.
-    pub fn ranges(&self, rank: usize) -> [Range<usize>; 2] {
-        self.chunks(rank)
-            .map(|c| c * self.chunk..(c + 1) * self.chunk)
+    pub fn ranges(&self, rank: usize) -> Result<[Range<usize>; 2]> {
+        Ok(self
+            .chunks(rank)?
+            .map(|c| c * self.chunk..(c + 1) * self.chunk))
     }
     /// The global position of rank `rank`'s local position `local`.
-    pub fn global(&self, rank: usize, local: usize) -> usize {
-        assert!(local < self.local_len(), "local position {local}");
-        let [a, b] = self.chunks(rank);
-        let chunk = if local < self.chunk { a } else { b };
-        chunk * self.chunk + local % self.chunk
+    pub fn global(&self, rank: usize, local: usize) -> Result<usize> {
+        self.check_rank(rank)?;
+        if local >= self.local_len() {
+            return Err(invalid!(
+                "local position {local} is past the {} a rank holds",
+                self.local_len()
+            ));
+        }
+        Ok(self.global_of(rank, local))
     }
     /// The rank holding global position `pos`, and where it sits in that rank's shard.
-    pub fn owner(&self, pos: usize) -> (usize, usize) {
-        assert!(pos < self.seq(), "position {pos} of {}", self.seq());
+    pub fn owner(&self, pos: usize) -> Result<(usize, usize)> {
+        if pos >= self.seq() {
+            return Err(invalid!(
+                "position {pos} is past the sequence of {}",
+                self.seq()
+            ));
+        }
         let c = pos / self.chunk;
         let (rank, half) = if c < self.world {
             (c, 0)
         } else {
             (2 * self.world - 1 - c, 1)
         };
-        (rank, half * self.chunk + pos % self.chunk)
+        Ok((rank, half * self.chunk + pos % self.chunk))
+    }
+
+    fn check_rank(&self, rank: usize) -> Result<()> {
+        if rank >= self.world {
+            return Err(invalid!(
+                "rank {rank} is not in a ring of {} rank(s)",
+                self.world
+            ));
+        }
+        Ok(())
+    }
+    /// [`Zigzag::chunks`] of a rank below `world`.
+    fn chunks_of(&self, rank: usize) -> [usize; 2] {
+        [rank, 2 * self.world - 1 - rank]
+    }
+    /// [`Zigzag::global`] of a rank below `world` and a position below `local_len`.
+    fn global_of(&self, rank: usize, local: usize) -> usize {
+        let [a, b] = self.chunks_of(rank);
+        let chunk = if local < self.chunk { a } else { b };
+        chunk * self.chunk + local % self.chunk
     }
 
     /// Rank `rank`'s shard of `full`, a `[batch, heads, seq, inner]` tensor in `layout` (the
     /// log-sum-exp `[batch, heads, seq]` is `inner` 1 with `Layout::Bhsd`).
     pub fn shard<T: Copy>(&self, full: &[T], dims: Dims, rank: usize) -> Result<Vec<T>> {
+        self.check_rank(rank)?;
         self.check(full.len(), dims, self.seq(), "the full tensor")?;
         let mut out = Vec::with_capacity(full.len() / self.world);
         for_each_row(dims, self.local_len(), |b, h, s| {
-            let g = self.global(rank, s);
+            let g = self.global_of(rank, s);
             let at = dims.offset(b, h, g, self.seq());
             out.extend_from_slice(&full[at..at + dims.inner]);
         });
@@ -107,26 +138,44 @@ impl Zigzag {
             ));
         }
         let local = self.local_len();
-        let mut full = vec![T::default(); shards.first().map_or(0, Vec::len) * self.world];
-        for (rank, shard) in shards.iter().enumerate() {
+        // Every shard checked before the whole is allocated, from their common length.
+        for shard in shards {
             self.check(shard.len(), dims, local, "a shard")?;
+        }
+        let len = shards[0]
+            .len()
+            .checked_mul(self.world)
+            .ok_or_else(|| invalid!("{} shards overflow usize", self.world))?;
+        self.check(len, dims, self.seq(), "the full tensor")?;
+        let mut full = vec![T::default(); len];
+        for (rank, shard) in shards.iter().enumerate() {
             for_each_row(dims, local, |b, h, s| {
                 let from = dims.offset(b, h, s, local);
-                let to = dims.offset(b, h, self.global(rank, s), self.seq());
+                let to = dims.offset(b, h, self.global_of(rank, s), self.seq());
                 full[to..to + dims.inner].copy_from_slice(&shard[from..from + dims.inner]);
             });
         }
         Ok(full)
     }
 
+    /// That a tensor of `len` elements is `[batch, heads, seq, inner]` (its size computed
+    /// without overflow; `inner` at least 1, so that visiting its rows is bounded by `len`).
     fn check(&self, len: usize, dims: Dims, seq: usize, what: &str) -> Result<()> {
-        let want = dims.batch * dims.heads * seq * dims.inner;
+        let shape = || format!("[{}, {}, {seq}, {}]", dims.batch, dims.heads, dims.inner);
+        if dims.inner == 0 {
+            return Err(invalid!(
+                "{what} of shape {}: inner must be at least 1",
+                shape()
+            ));
+        }
+        let want = [dims.heads, seq, dims.inner]
+            .into_iter()
+            .try_fold(dims.batch, usize::checked_mul)
+            .ok_or_else(|| invalid!("{what} of shape {} overflows usize", shape()))?;
         if len != want {
             return Err(invalid!(
-                "{what} holds {len} elements; [{}, {}, {seq}, {}] is {want}",
-                dims.batch,
-                dims.heads,
-                dims.inner
+                "{what} holds {len} elements; {} is {want}",
+                shape()
             ));
         }
         Ok(())
@@ -174,11 +223,11 @@ mod tests {
     fn ranks_hold_mirrored_chunks() {
         let z = Zigzag::new(16, 4).unwrap();
         assert_eq!((z.chunk(), z.local_len(), z.seq()), (2, 4, 16));
-        assert_eq!(z.chunks(0), [0, 7]);
-        assert_eq!(z.chunks(3), [3, 4]);
-        assert_eq!(z.ranges(1), [2..4, 12..14]);
+        assert_eq!(z.chunks(0).unwrap(), [0, 7]);
+        assert_eq!(z.chunks(3).unwrap(), [3, 4]);
+        assert_eq!(z.ranges(1).unwrap(), [2..4, 12..14]);
         assert_eq!(
-            (0..4).map(|l| z.global(1, l)).collect::<Vec<_>>(),
+            (0..4).map(|l| z.global(1, l).unwrap()).collect::<Vec<_>>(),
             [2, 3, 12, 13]
         );
     }
@@ -190,9 +239,9 @@ mod tests {
             let mut seen = vec![0; z.seq()];
             for rank in 0..world {
                 for local in 0..z.local_len() {
-                    let g = z.global(rank, local);
+                    let g = z.global(rank, local).unwrap();
                     seen[g] += 1;
-                    assert_eq!(z.owner(g), (rank, local));
+                    assert_eq!(z.owner(g).unwrap(), (rank, local));
                 }
             }
             assert!(seen.iter().all(|&n| n == 1), "world {world}: {seen:?}");
@@ -238,6 +287,49 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Ranks, positions and shapes outside the split are errors naming the value (they were
+    /// asserts and out-of-bounds panics before).
+    #[test]
+    fn ranks_and_positions_outside_the_ring_are_errors() {
+        let z = Zigzag::new(16, 4).unwrap();
+        let e = z.chunks(4).unwrap_err().to_string();
+        assert!(e.contains("rank 4 is not in a ring of 4"), "{e}");
+        assert!(z.ranges(usize::MAX).is_err());
+        assert!(z.global(usize::MAX, 0).is_err());
+        let e = z.global(0, 4).unwrap_err().to_string();
+        assert!(e.contains("local position 4 is past the 4"), "{e}");
+        let e = z.owner(16).unwrap_err().to_string();
+        assert!(e.contains("position 16 is past the sequence of 16"), "{e}");
+        assert!(z.owner(usize::MAX).is_err());
+        let dims = Dims {
+            batch: 1,
+            heads: 1,
+            inner: 1,
+            layout: Layout::Bhsd,
+        };
+        let full = [0u8; 16];
+        let e = z.shard(&full, dims, 4).unwrap_err().to_string();
+        assert!(e.contains("rank 4 is not in a ring of 4"), "{e}");
+        // Sizes that overflow, and an inner size of 0 (rows without elements: a loop over
+        // batch x heads x seq bounded by nothing), are refused, not wrapped or looped over.
+        let huge = Dims {
+            batch: usize::MAX / 2,
+            heads: 3,
+            ..dims
+        };
+        let e = z.shard(&full, huge, 0).unwrap_err().to_string();
+        assert!(e.contains("overflows usize"), "{e}");
+        let empty = Dims {
+            batch: usize::MAX,
+            inner: 0,
+            ..dims
+        };
+        let e = z.shard(&[0u8; 0], empty, 0).unwrap_err().to_string();
+        assert!(e.contains("inner must be at least 1"), "{e}");
+        let e = z.unshard(&vec![vec![(); usize::MAX]; 4], dims).unwrap_err();
+        assert!(e.to_string().contains("holds"), "{e}");
     }
 
     #[test]
