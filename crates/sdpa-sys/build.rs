@@ -72,15 +72,21 @@ fn main() {
     if let Some(inc) = &tc.cutlass_include {
         cfg.define("SDPA_CUTLASS_INCLUDE", inc);
     }
-    // CMake's build tree lives beside cargo's profile folder, not in OUT_DIR: `cargo test` and
-    // `cargo clippy` run this script with different OUT_DIRs, and with a tree of their own each
-    // the whole CUDA core compiled twice (minutes on CI's 2 cores). One tree per
-    // (toolchain, CUTLASS, archs) lets the second run find every object up to date. Cargo's
-    // lock on the target folder keeps two builds from sharing it at once.
+    // CMake's build tree lives in cargo's target folder, not in OUT_DIR: `cargo test`, `cargo
+    // clippy` and release builds run this script with different OUT_DIRs, and with a tree of
+    // their own each the whole CUDA core compiled again (minutes on 2 cores; CMake builds it in
+    // its Release configuration whatever cargo's profile). One tree per (toolchain, CUTLASS,
+    // archs) lets every later run find the objects up to date. Cargo's lock on the target
+    // folder keeps two builds from sharing it at once.
+    // Cargo locks each profile's folder, not the target folder: a debug and a release build may
+    // run at once, so the tree has a lock of its own.
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
-    if let Some(profile_dir) = out.ancestors().nth(3) {
+    let mut _tree_lock = None;
+    if let Some(target_dir) = out.ancestors().nth(4) {
         let key = format!("{}\n{:?}\n{archs}", nvcc.display(), tc.cutlass_include);
-        cfg.out_dir(profile_dir.join(format!("sdpa-core-{:016x}", fnv1a(key.as_bytes()))));
+        let tree = target_dir.join(format!("sdpa-core-{:016x}", fnv1a(key.as_bytes())));
+        _tree_lock = Some(lock_tree(&tree));
+        cfg.out_dir(tree);
     }
     let dst = cfg.build();
     let build = dst.join("build");
@@ -110,6 +116,24 @@ fn main() {
     }
     println!("cargo:rustc-env=SDPA_CUDA_ARCHS={archs}");
     println!("cargo:rustc-env=SDPA_DEFAULT_CUDA_ARCHS={DEFAULT_ARCHS}");
+}
+
+/// Holds `tree`'s lock file until dropped, waiting for another build that holds it.
+fn lock_tree(tree: &Path) -> fs::File {
+    use fs4::fs_std::FileExt;
+    fs::create_dir_all(tree).unwrap_or_else(|e| fail(&format!("{}: {e}", tree.display())));
+    let path = tree.join(".sdpa-build-lock");
+    let file =
+        fs::File::create(&path).unwrap_or_else(|e| fail(&format!("{}: {e}", path.display())));
+    if !file.try_lock_exclusive().unwrap_or(false) {
+        println!(
+            "cargo:warning=waiting for another build of the CUDA core in {}",
+            tree.display()
+        );
+        file.lock_exclusive()
+            .unwrap_or_else(|e| fail(&format!("locking {}: {e}", path.display())));
+    }
+    file
 }
 
 fn fail(msg: &str) -> ! {
