@@ -7,10 +7,11 @@
 #
 #   bash scripts/gpu-check.sh $OUT            # all steps
 #   STEPS="tests bench" bash scripts/gpu-check.sh $OUT
+# The candle step runs what scripts/stage-candle.sh put in .gpu/candle/ (after the stage).
 set -uo pipefail
 out=${1:-${OUT:-/tmp/gpu-check}}
 mkdir -p "$out"
-steps=${STEPS:-"tests info sass validate sanitize bench criterion"}
+steps=${STEPS:-"tests candle info sass validate sanitize bench criterion"}
 export SDPA_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 run=".gpu/run"
 summary=()
@@ -20,6 +21,19 @@ note() { summary+=("$1"); }
 if has tests; then
   timeout 300 bash $run all > "$out/tests.log" 2>&1; rc=$?
   note "tests: rc=$rc, $(grep -c '^test .* ok$' "$out/tests.log") ok, $(grep -cE '^test .* FAILED$' "$out/tests.log") failed"
+fi
+if has candle; then
+  # sdpa-candle's GPU tests (the `cuda` feature), staged by scripts/stage-candle.sh: a missing
+  # stage fails the step rather than skipping it.
+  rc=0; n=0
+  for t in .gpu/candle/*; do
+    [ -x "$t" ] || continue
+    n=$((n + 1))
+    LD_LIBRARY_PATH=/usr/local/cuda-13.0/lib64:${LD_LIBRARY_PATH:-} timeout 300 "$t" \
+      >> "$out/candle.log" 2>&1 || rc=1
+  done
+  [ $n -gt 0 ] || { echo "no candle tests staged (bash scripts/stage-candle.sh)" > "$out/candle.log"; rc=1; }
+  note "candle: rc=$rc, $n test executables, $(grep -c '^test .* ok$' "$out/candle.log") ok, $(grep -cE '^test .* FAILED$' "$out/candle.log") failed"
 fi
 bin=/tmp/gpu-bundle/bin/sdpa  # unpacked by the first .gpu/run call
 has info && { bash $run bin sdpa info > "$out/info.txt" 2>&1; note "info: rc=$?"; }
@@ -45,7 +59,7 @@ fi
 if has sanitize; then
   [ -x $bin ] || bash $run bin sdpa --version > /dev/null
   timeout 500 bash scripts/sanitize.sh $bin "$(ls /tmp/gpu-bundle/tests/concurrency-* | head -1)" \
-    > "$out/sanitize.txt" 2>&1; rc=$?
+    "$(ls /tmp/gpu-bundle/tests/seqs-* | head -1)" > "$out/sanitize.txt" 2>&1; rc=$?
   note "sanitize: rc=$rc ($(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitize.txt") clean tool runs)"
 fi
 if has bench; then

@@ -4,16 +4,20 @@
 # D = 64 takes cutlass's small-problem kernel, three key slices a cluster) and fails on any
 # report. Needs a GPU and compute-sanitizer (the GPU machine has both).
 #
-#   scripts/sanitize.sh [path/to/sdpa [path/to/concurrency-test]]   # default: target/release/sdpa
+#   scripts/sanitize.sh [path/to/sdpa [path/to/concurrency-test [path/to/seqs-test]]]
+#                                                     # default: target/release/sdpa
 # SANITIZE_TOOLS and SANITIZE_BACKENDS (space-separated) narrow the run, e.g. to the backends a
 # change touched: SANITIZE_TOOLS="memcheck racecheck" SANITIZE_BACKENDS="cutlass-sm80".
 # On the GPU machine with .gpu/ carried:  bash .gpu/run bin sdpa info >/dev/null;
 #   bash scripts/sanitize.sh /tmp/gpu-bundle/bin/sdpa /tmp/gpu-bundle/tests/concurrency-*
 # With the concurrency test executable given, its cross-stream test (tensors made and freed on
-# one stream, used on another) runs under memcheck too.
+# one stream, used on another) runs under memcheck too; with the seqs test executable, its
+# lying-metadata tests (unchecked block tables, lengths and offsets that lie, in attention and
+# in append_kv), which must touch nothing outside the call's buffers.
 set -uo pipefail
 sdpa=${1:-target/release/sdpa}
 concurrency=${2:-}
+seqs=${3:-}
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 [ -x "$cs" ] || { echo "sanitize: compute-sanitizer not found" >&2; exit 2; }
 args=(validate --dtype f16,bf16 --causal both --seed 7
@@ -97,5 +101,12 @@ if [ -n "$concurrency" ]; then
     tensors_used_across_streams_stay_ordered > /tmp/sanitize-streams.log 2>&1 \
     && grep -E "ERROR SUMMARY|test result" /tmp/sanitize-streams.log | tail -2 \
     || { echo "sanitize: memcheck on the cross-stream test failed"; tail -30 /tmp/sanitize-streams.log; rc=1; }
+fi
+if [ -n "$seqs" ]; then
+  echo "== memcheck (metadata that lies)"
+  SDPA_REQUIRE_GPU=1 "$cs" --tool memcheck --error-exitcode 99 "$seqs" lying \
+    > /tmp/sanitize-lying.log 2>&1 \
+    && grep -E "ERROR SUMMARY|test result" /tmp/sanitize-lying.log | tail -2 \
+    || { echo "sanitize: memcheck on the lying-metadata tests failed"; tail -30 /tmp/sanitize-lying.log; rc=1; }
 fi
 exit $rc

@@ -190,6 +190,52 @@ proptest! {
         }
     }
 
+    /// Packed and paged sequence layouts of any sizes, with metadata of any values and lengths
+    /// (the buffers' lengths kept small): `check_metadata`, `lse_len`, `block_table_len` and
+    /// the checks never panic, and metadata that `check_metadata` accepts describes spans
+    /// inside the problem.
+    #[test]
+    fn sequence_metadata_checks_never_panic(
+        b in dim(), sq in dim(), sk in dim(), d in prop_oneof![Just(64usize), dim()],
+        packed_q in prop::option::of(dim()), packed_k in prop::option::of(dim()),
+        paged in prop::option::of((dim(), dim(), dim())), used in any::<bool>(),
+        cu_q in prop::collection::vec(any::<i32>(), 0..6),
+        cu_k in prop::collection::vec(any::<i32>(), 0..6),
+        seqused in prop::collection::vec(prop_oneof![any::<i32>(), 0i32..40], 0..6),
+        table in prop::collection::vec(prop_oneof![any::<i32>(), 0i32..4], 0..12),
+    ) {
+        let mut p = Problem::new(b, 2, sq, sk, d);
+        p.seqs.packed_q = packed_q;
+        p.seqs.seqused_k = used;
+        if let Some(t) = packed_k {
+            p.seqs.kv = sdpa::KvRows::Packed { total: t };
+        }
+        if let Some((pages, page_size, pages_per_seq)) = paged {
+            p.seqs.kv = sdpa::KvRows::Paged { pages, page_size, pages_per_seq };
+            p.seqs.seqused_k = true;
+        }
+        let _ = (p.lse_len(), p.block_table_len(), p.q_len(), p.kv_len(), p.to_string());
+        for backend in Backend::ALL {
+            let _ = backend.supports(None, &p);
+        }
+        let m = sdpa::SeqMeta {
+            cu_seqlens_q: packed_q.map(|_| cu_q),
+            cu_seqlens_k: packed_k.map(|_| cu_k),
+            seqused_k: p.seqs.seqused_k.then_some(seqused),
+            block_table: paged.map(|_| table),
+        };
+        if let Ok(spans) = sdpa::check_metadata(&p, &m) {
+            prop_assert!(p.validate().is_ok());
+            prop_assert_eq!(spans.len(), p.batch);
+            for s in spans {
+                prop_assert!(s.seq_q <= p.seq_q && s.seq_k <= p.seq_k, "{:?} of {}", s, p);
+                if let Some(total) = p.seqs.packed_q {
+                    prop_assert!(s.q_start + s.seq_q <= total);
+                }
+            }
+        }
+    }
+
     /// The host FP8 functions on small shapes (every dimension at most 6, so nothing large is
     /// allocated) with right and wrong lengths: none panics, a wrong length is an error, and
     /// what succeeds is consistent with the shape.

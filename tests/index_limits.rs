@@ -260,3 +260,19 @@ fn on_a_gpu_limits_come_first_and_sm90_runs_past_65535() {
         assert!(r.pass(), "cutlass {p}: {r:?}");
     }
 }
+
+/// A window whose sides are near `usize::MAX` (as wide as unbounded) is no narrow window: the
+/// band kernels' check of left + right + 1 against their key tile must not overflow into a
+/// refusal (which sent `Auto` to scalar).
+#[test]
+fn windows_near_the_limits_are_not_narrow() {
+    for side in [usize::MAX, i64::MAX as usize, (i64::MAX / 2 + 1) as usize] {
+        let p = Problem::new(1, 2, 300, 300, 64).with_mask(sdpa::Mask::Window {
+            left: Some(side),
+            right: Some(side),
+        });
+        for b in [Backend::Cutlass, Backend::CutlassSm80] {
+            passes(b, &p);
+        }
+    }
+}

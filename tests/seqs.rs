@@ -555,3 +555,220 @@ fn appends_land_where_the_block_table_says() {
     let e = append(n_new, &checked, &mut kc, &mut vc, &mut used).unwrap_err();
     assert!(e.to_string().contains("would hold"), "{e}");
 }
+
+/// Unchecked metadata that lies cannot fault the device: the kernels clamp what they read of it.
+/// Sequence 0 of a paged decode step and of a paged prefill gets block-table entries far outside
+/// the cache (2^20, `i32::MAX`) and negative ones, then `seqused_k` far past its pages, then a
+/// negative one; a packed batch gets offsets that run past the packed rows, decrease, or are
+/// negative. Every backend that runs such batches returns `Ok`; where sequence 1's metadata is
+/// true its output is the reference's; and afterwards an honest call on the same context still
+/// matches the reference (a device fault would have lost the context). Run under
+/// compute-sanitizer's memcheck (scripts/sanitize.sh) this also shows no access outside the
+/// call's buffers.
+#[test]
+fn lying_metadata_cannot_fault_the_device() {
+    let Some(dev) = common::device("lying metadata") else {
+        return;
+    };
+    let backends = seq_backends(&dev);
+    let mut ran = Vec::new();
+    // (query rows, page size): a decode step (the split-KV decode kernel) and a prefill against
+    // the cache (the band kernels; 128-key pages hold cutlass's whole key tiles).
+    for (seq_q, page_size) in [(1, 16), (64, 128)] {
+        let base = Problem::new(1, 4, seq_q, 1, 128)
+            .with_kv_heads(2)
+            .with_causal(true);
+        let seed = fresh_seed();
+        let (p, meta) = paged(base, &[300, 280], page_size, seed);
+        let sdpa::KvRows::Paged { pages_per_seq, .. } = p.seqs.kv else {
+            unreachable!("a paged problem")
+        };
+        let lies: [(&str, Lie); 3] = [
+            ("pages outside the cache", |m, pages_per_seq| {
+                let row = &mut m.block_table.as_mut().unwrap()[..pages_per_seq];
+                for (i, e) in row.iter_mut().enumerate() {
+                    *e = [1 << 20, -1, i32::MAX, i32::MIN][i % 4];
+                }
+            }),
+            ("seqused_k past the pages", |m, _| {
+                m.seqused_k.as_mut().unwrap()[0] = i32::MAX
+            }),
+            ("negative seqused_k", |m, _| {
+                m.seqused_k.as_mut().unwrap()[0] = -5
+            }),
+        ];
+        let want = inputs_seeded(&p, meta.clone(), seed).reference(&p).unwrap();
+        let half = p.q_len().unwrap() / 2; // sequence 1: the second batch entry of dense Q
+        for (lie, corrupt) in &lies {
+            let mut bad = meta.clone();
+            corrupt(&mut bad, pages_per_seq);
+            let x = inputs_seeded(&p, bad, seed);
+            for &b in &backends {
+                if refuses_as_documented(&dev, &p, b) {
+                    continue;
+                }
+                let (got, _) =
+                    sdpa_harness::check::run_backend_with_lse(Some(&dev), &p, b, &x, None)
+                        .unwrap_or_else(|e| panic!("{b} {p}, {lie}: {e}"));
+                dev.synchronize()
+                    .unwrap_or_else(|e| panic!("{b} {p}, {lie}: the device faulted: {e}"));
+                let r = compare(&got[half..], &want.out[half..], p.dtype, 0);
+                assert!(r.pass(), "{b} {p}, {lie}: sequence 1 {r:?}");
+                ran.push((b, p));
+            }
+        }
+    }
+    let (p, meta) = varlen(Problem::new(1, 4, 1, 1, 64), &[30, 70, 5], &[50, 20, 90]);
+    let seed = fresh_seed();
+    let (total_q, total_k) = (105, 160);
+    for (lie, cu_q, cu_k) in [
+        (
+            "offsets past the rows",
+            vec![0, 1 << 30, i32::MAX, 105],
+            vec![0, 50, 70, 160],
+        ),
+        (
+            "decreasing offsets",
+            vec![0, 30, 100, 105],
+            vec![0, 150, 20, 160],
+        ),
+        (
+            "negative offsets",
+            vec![-1 << 30, 30, 100, 105],
+            vec![0, -50, 70, i32::MIN],
+        ),
+    ] {
+        assert_eq!((cu_q[3], total_q, total_k), (105, 105, 160));
+        let bad = SeqMeta {
+            cu_seqlens_q: Some(cu_q),
+            cu_seqlens_k: Some(cu_k),
+            ..meta.clone()
+        };
+        let x = inputs_seeded(&p, bad, seed);
+        for &b in &backends {
+            sdpa_harness::check::run_backend_with_lse(Some(&dev), &p, b, &x, None)
+                .unwrap_or_else(|e| panic!("{b} {p}, {lie}: {e}"));
+            dev.synchronize()
+                .unwrap_or_else(|e| panic!("{b} {p}, {lie}: the device faulted: {e}"));
+            ran.push((b, p));
+        }
+    }
+    // The context is intact: an honest call still matches the reference.
+    let x = inputs(&p, meta);
+    for &b in &backends {
+        assert_eq!(check(&dev, &p, b, &x).unwrap(), None, "{b} after the lies");
+    }
+    common::assert_ran("lying metadata", &ran);
+    for b in &backends {
+        assert!(ran.iter().any(|(r, _)| r == b), "{b} ran no lie");
+    }
+}
+
+/// A lie told about sequence 0's metadata (given the block table's columns).
+type Lie = fn(&mut SeqMeta, usize);
+
+fn inputs_seeded(p: &Problem, meta: SeqMeta, seed: u64) -> Inputs {
+    random_inputs(p, seed).unwrap().with_meta(meta)
+}
+
+/// `append_kv` with lengths or a block table that lie, unchecked: a position past the pages is
+/// dropped and the length stops at the pages' capacity (or at 0 from below), a block-table entry
+/// outside the cache lands in the cache, and nothing faults. And a count of new rows whose
+/// tensor length overflows (`batch x n_new x kv_heads x head_dim` past `usize::MAX`, which
+/// wrapped to 0 before) is a typed error, not a launch reading past a one-element tensor.
+#[test]
+fn appends_with_lying_metadata_stay_in_the_cache() {
+    let Some(dev) = common::device("lying appends") else {
+        return;
+    };
+    let base = Problem::new(1, 2, 1, 1, 64).with_kv_heads(2);
+    let (p, meta) = paged(base, &[40, 10], 16, fresh_seed());
+    let sdpa::KvRows::Paged {
+        page_size,
+        pages_per_seq,
+        ..
+    } = p.seqs.kv
+    else {
+        unreachable!("a paged problem")
+    };
+    let capacity = (pages_per_seq * page_size) as i32;
+    let x = inputs(&p, meta.clone());
+    let [_, mut kc, mut vc] = x.upload(&dev, p.dtype).unwrap();
+    let new = random_inputs(&Problem::new(2, 2, 3, 3, 64), fresh_seed()).unwrap();
+    let kn = sdpa::Tensor::from_bits(&dev, p.dtype, &new.bits[1]).unwrap();
+    let vn = sdpa::Tensor::from_bits(&dev, p.dtype, &new.bits[2]).unwrap();
+    let stream = dev.stream();
+    let mut table = meta.block_table.clone().unwrap();
+    let mut append = |table: &[i32], used: &[i32], n_new: usize| -> Vec<i32> {
+        let table = stream.clone_htod(table).unwrap();
+        let mut used = stream.clone_htod(used).unwrap();
+        sdpa::append_kv(
+            &dev,
+            &p,
+            sdpa::KvAppend {
+                k_new: &kn,
+                v_new: &vn,
+                n_new,
+                k_cache: &mut kc,
+                v_cache: &mut vc,
+                block_table: table.as_view(),
+                seqused_k: used.as_view_mut(),
+            },
+        )
+        .unwrap();
+        dev.synchronize().unwrap();
+        stream.clone_dtoh(&used).unwrap()
+    };
+    // Lengths: one a row short of the capacity, one far below zero.
+    let after = append(&table, &[capacity - 1, -100], 3);
+    assert_eq!(after, [capacity, 0], "lengths past the pages or below 0");
+    let after = append(&table, &[i32::MAX - 1, i32::MIN + 1], 3);
+    assert_eq!(after, [capacity, 0], "lengths near the i32 limits");
+    // Pages outside the cache.
+    for (i, e) in table.iter_mut().enumerate() {
+        *e = [1 << 20, -1, i32::MAX, i32::MIN][i % 4];
+    }
+    let after = append(&table, &[0, 5], 3);
+    assert_eq!(after, [3, 8]);
+    // The cache still serves an honest call.
+    let x = inputs(&p, meta);
+    let mut ran = Vec::new();
+    for b in seq_backends(&dev) {
+        if refuses_as_documented(&dev, &p, b) {
+            continue;
+        }
+        assert_eq!(
+            check(&dev, &p, b, &x).unwrap(),
+            None,
+            "{b} after the appends"
+        );
+        ran.push((b, p));
+    }
+    common::assert_ran("lying appends", &ran);
+
+    // batch x n_new x kv_heads x head_dim = 2^15 x 2^26 x 2^15 x 2^8 = 2^64: 0 when it wraps.
+    let big = Problem::new(1 << 15, 1 << 15, 1, 16, 256).with_paged_kv(1, 16, 1);
+    let one = sdpa::Tensor::from_f32(&dev, big.dtype, &[0.0]).unwrap();
+    let mut kc = sdpa::Tensor::zeros(&dev, big.dtype, big.kv_len().unwrap()).unwrap();
+    let mut vc = sdpa::Tensor::zeros(&dev, big.dtype, big.kv_len().unwrap()).unwrap();
+    let table = stream.alloc_zeros::<i32>(1 << 15).unwrap();
+    let mut used = stream.alloc_zeros::<i32>(1 << 15).unwrap();
+    let e = sdpa::append_kv(
+        &dev,
+        &big,
+        sdpa::KvAppend {
+            k_new: &one,
+            v_new: &one,
+            n_new: 1 << 26,
+            k_cache: &mut kc,
+            v_cache: &mut vc,
+            block_table: table.as_view(),
+            seqused_k: used.as_view_mut(),
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, sdpa::Error::InvalidArgument(_)) && e.to_string().contains("more than"),
+        "{e}"
+    );
+}

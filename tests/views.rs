@@ -135,6 +135,59 @@ fn strided_views_match_the_reference() {
     );
 }
 
+/// A dimension of size one is never stepped, so any stride the caller gives it is valid, even
+/// one whose byte size overflows 64 bits or that is no multiple of 16 bytes: every fused backend
+/// and `Auto` run such views (cutlass's TMA descriptors get the layout's own stride there) and
+/// match the reference.
+#[test]
+fn strides_of_size_one_dimensions_are_never_used() {
+    let Some((stream, dev)) = callers_stream("size-one strides") else {
+        return;
+    };
+    let seed = fresh_seed();
+    let p = Problem::new(1, 1, 130, 77, 64).with_causal(true);
+    let inputs = random_inputs(&p, seed).unwrap();
+    let reference =
+        sdpa::reference(&p, &inputs.values[0], &inputs.values[1], &inputs.values[2]).unwrap();
+    let (qshape, kshape) = (p.q_shape(), p.kv_shape());
+    let absurd = Strides {
+        batch: usize::MAX / 3,
+        head: (1 << 62) + 1,
+        seq: 64,
+    };
+    let q = stream
+        .clone_htod(&scatter(&inputs.bits[0], qshape, absurd))
+        .unwrap();
+    let k = stream
+        .clone_htod(&scatter(&inputs.bits[1], kshape, absurd))
+        .unwrap();
+    let v = stream
+        .clone_htod(&scatter(&inputs.bits[2], kshape, absurd))
+        .unwrap();
+    let mut ran = Vec::new();
+    for b in common::expected_backends(&dev)
+        .into_iter()
+        .chain([Backend::Auto])
+    {
+        let mut out: CudaSlice<f16> = stream
+            .clone_htod(&vec![f16::NAN; extent(qshape, absurd)])
+            .unwrap();
+        let views = Views {
+            q: View::new(q.as_view(), absurd),
+            k: View::new(k.as_view(), absurd),
+            v: View::new(v.as_view(), absurd),
+            out: ViewMut::new(out.as_view_mut(), absurd),
+        };
+        sdpa::forward_views(&dev, &p, b, views)
+            .unwrap_or_else(|e| panic!("{b} refuses size-one strides: {e}"));
+        let host = stream.clone_dtoh(&out).unwrap();
+        let r = compare(&gather(&host, qshape, absurd), &reference, DType::F16, seed);
+        assert!(r.pass(), "{b} on {p} with size-one strides: {r:?}");
+        ran.push((b, p));
+    }
+    common::assert_all_ran("size-one strides", &dev, &ran);
+}
+
 /// Views with the layout's own strides run on cublas too; strided ones are refused there, with
 /// the reason, and `Auto` never picks it for them.
 #[test]

@@ -167,15 +167,17 @@ void masked_softmax(const SoftmaxArgs& args, void* stream);
 // Appends n_new new key and value rows of each sequence into a paged cache (FlashAttention's
 // flash_attn_with_kvcache append): row i of sequence b goes to position seqused_k[b] + i, key j
 // living at row j % page_size of page block_table[b * pages_per_seq + j / page_size]; then
-// seqused_k[b] grows by n_new. Positions past the table's pages_per_seq · page_size are dropped.
-// Two launches on `stream`, nothing on the host: capturable in a CUDA graph.
+// seqused_k[b] grows by n_new, up to pages_per_seq · page_size. Positions outside the table's
+// pages_per_seq · page_size are dropped, and entries outside [0, pages) clamped into it. Two
+// launches on `stream`, nothing on the host: capturable in a CUDA graph.
 struct KvAppendArgs {
   const void *k_new, *v_new;   // [batch][n_new][kv_heads][head_dim], contiguous
   void *k_cache, *v_cache;     // [pages][page_size][kv_heads][head_dim], contiguous
   const int32_t* block_table;  // [batch][pages_per_seq]
   int32_t* seqused_k;          // [batch], in and out
   int64_t batch, n_new, kv_heads, head_dim, page_size, pages_per_seq;
-  Dtype dtype;  // F16 or BF16
+  int64_t pages;  // of the cache
+  Dtype dtype;    // F16 or BF16
 };
 void kv_append(const KvAppendArgs& args, void* stream);
 

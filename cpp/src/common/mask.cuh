@@ -263,8 +263,10 @@ decltype(auto) dispatch_band(const FwdArgs& a, F&& f) {
 // non-finite V check's records of a partly masked tile answer only for rows whose visible keys
 // there reach one of its ends, which a window at least a tile wide guarantees.
 inline std::string narrow_window(const FwdArgs& a, int64_t bn, const char* kernel) {
-  if (a.mask != Mask::Window || a.window_left < 0 || a.window_right < 0 ||
-      a.window_left + a.window_right + 1 >= bn)
+  // Either side alone at least a tile wide answers before the sum is formed, so the sum of two
+  // sides near INT64_MAX is never computed.
+  if (a.mask != Mask::Window || a.window_left < 0 || a.window_right < 0 || a.window_left >= bn ||
+      a.window_right >= bn || a.window_left + a.window_right + 1 >= bn)
     return "";
   return "a window of " + std::to_string(a.window_left + a.window_right + 1) +
          " keys (left + right + 1) is narrower than the " + kernel + " kernel's " +

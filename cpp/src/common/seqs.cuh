@@ -3,6 +3,12 @@
 // for a paged cache the pages of its keys. A kernel reads them once per CTA (seq_of) and a paged
 // cache's K/V rows per copy (paged_row); for dense sequences every offset is 0 and the lengths
 // the call's, so one code path serves both.
+//
+// The metadata's values are the caller's and unchecked unless the caller asked (the Rust side's
+// checked mode): everything read from them is clamped here, so that no value makes a kernel
+// address memory outside the call's tensors. Offsets lie in [0, rows of the packed tensor],
+// lengths in [0, the call's longest and what the tensor holds past the offset], seqused_k in
+// [0, the sequence's keys], pages in [0, pages of the cache).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,6 +26,7 @@ struct SeqParams {
   int64_t pages_per_seq;
   int page_shift;   // log2 page_size (a paged cache)
   int64_t total_q;  // rows of packed Q (0: dense): the LSE's head stride
+  int64_t kv_rows;  // rows of packed K/V, or of a paged cache (pages << page_shift)
 
   static SeqParams of(const FwdArgs& a) {
     SeqParams s{a.cu_seqlens_q,
@@ -28,17 +35,25 @@ struct SeqParams {
                 a.page_size > 0 ? a.block_table : nullptr,
                 a.pages_per_seq,
                 0,
-                a.total_q};
+                a.total_q,
+                a.kv_rows};
     while ((int64_t(1) << s.page_shift) < a.page_size) ++s.page_shift;
     return s;
   }
 
   __host__ __device__ __forceinline__ bool paged() const { return block_table != nullptr; }
 
-  // The row of a paged cache holding key j of sequence b, in K's (and V's) sequence dimension.
+  // Block-table entry `i` (of sequence b's row, i < pages_per_seq), clamped into the cache's
+  // pages.
+  __device__ __forceinline__ int64_t page(int64_t b, int64_t i) const {
+    const int64_t last = (kv_rows >> page_shift) - 1;
+    return min(max(int64_t(__ldg(block_table + b * pages_per_seq + i)), int64_t(0)), last);
+  }
+
+  // The row of a paged cache holding key j of sequence b (j below the sequence's keys, which
+  // seq_of keeps within its pages_per_seq pages), in K's (and V's) sequence dimension.
   __device__ __forceinline__ int64_t paged_row(int64_t b, int64_t j) const {
-    const int64_t page = __ldg(block_table + b * pages_per_seq + (j >> page_shift));
-    return (page << page_shift) | (j & ((int64_t(1) << page_shift) - 1));
+    return (page(b, j >> page_shift) << page_shift) | (j & ((int64_t(1) << page_shift) - 1));
   }
 };
 
@@ -49,20 +64,34 @@ struct Seq {
   Index q0, k0, seq_q, seq_k;
 };
 
-// Sequence b's place, for a call whose longest sequences are seq_q and seq_k.
+// Rows [begin, end) of a packed tensor of `rows` rows from offsets cu[b], cu[b + 1]: clamped
+// into the tensor, the end not before the begin, at most `longest` rows.
+__device__ __forceinline__ void packed_span(const int32_t* cu, int64_t b, int64_t rows,
+                                            int64_t longest, int64_t& begin, int64_t& len) {
+  begin = min(max(int64_t(__ldg(cu + b)), int64_t(0)), rows);
+  const int64_t end = min(max(int64_t(__ldg(cu + b + 1)), begin), rows);
+  len = min(end - begin, longest);
+}
+
+// Sequence b's place, for a call whose longest sequences are seq_q and seq_k (for a paged cache,
+// seq_k fits the sequence's pages: the host checks it).
 template <typename Index>
 __device__ __forceinline__ Seq<Index> seq_of(const SeqParams& s, int64_t b, Index seq_q,
                                              Index seq_k) {
   Seq<Index> r{0, 0, seq_q, seq_k};
+  int64_t begin, len;
   if (s.cu_q != nullptr) {
-    r.q0 = __ldg(s.cu_q + b);
-    r.seq_q = __ldg(s.cu_q + b + 1) - r.q0;
+    packed_span(s.cu_q, b, s.total_q, seq_q, begin, len);
+    r.q0 = Index(begin);
+    r.seq_q = Index(len);
   }
   if (s.cu_k != nullptr) {
-    r.k0 = __ldg(s.cu_k + b);
-    r.seq_k = __ldg(s.cu_k + b + 1) - r.k0;
+    packed_span(s.cu_k, b, s.kv_rows, seq_k, begin, len);
+    r.k0 = Index(begin);
+    r.seq_k = Index(len);
   }
-  if (s.used_k != nullptr) r.seq_k = __ldg(s.used_k + b);
+  if (s.used_k != nullptr)
+    r.seq_k = Index(min(max(int64_t(__ldg(s.used_k + b)), int64_t(0)), int64_t(r.seq_k)));
   return r;
 }
 

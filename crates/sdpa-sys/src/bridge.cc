@@ -145,6 +145,7 @@ void kv_append(const KvAppendArgs& a, std::size_t stream) {
   r.head_dim = a.head_dim;
   r.page_size = a.page_size;
   r.pages_per_seq = a.pages_per_seq;
+  r.pages = a.pages;
   r.dtype = a.dtype;
   sdpa::kv_append(r, reinterpret_cast<void*>(stream));
 }

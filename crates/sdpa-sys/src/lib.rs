@@ -168,6 +168,8 @@ pub mod ffi {
         pub head_dim: i64,
         pub page_size: i64,
         pub pages_per_seq: i64,
+        /// Pages of the cache.
+        pub pages: i64,
         /// F16 or BF16
         pub dtype: Dtype,
     }

@@ -78,7 +78,9 @@ fn device_info(ctx: &CudaContext) -> Result<DeviceInfo> {
 }
 
 impl Device {
-    /// Opens GPU `ordinal` (its primary context) and creates a stream on it.
+    /// Opens GPU `ordinal` (its primary context) and creates a stream on it. The handle's
+    /// context has cudarc's event tracking off: see [`Device::stream`] for what that asks of
+    /// slices you make through it.
     ///
     /// Returns `Error::NoDevice` when there is no driver, no GPU, or no such ordinal.
     pub fn new(ordinal: usize) -> Result<Device> {
@@ -99,9 +101,18 @@ impl Device {
         }
         let ctx = CudaContext::new(ordinal)?;
         // We hand raw pointers to our own kernels and capture CUDA graphs of forward calls;
-        // cudarc's per-slice event tracking would record events into those captures. Ordering
-        // across streams is kept by `StreamOrder` instead, only where a tensor crosses streams.
-        // SAFETY: no other stream of this context exists yet.
+        // cudarc's per-slice event tracking would record events into those captures, and cost
+        // host time on every call. Ordering across streams is kept by `StreamOrder` instead,
+        // only where a buffer crosses streams.
+        // SAFETY: cudarc's three obligations for untracked slices, for every slice this crate
+        // makes on this context: (1) none is freed before a use on another stream ends, and
+        // (2) none is used on another stream before its allocation there ends: every call
+        // through a handle makes its stream wait for the streams of the buffers it takes and
+        // theirs wait for it (`StreamOrder`), and a `Tensor` is freed on the stream that made
+        // it; (3) no two streams write one buffer at once: a call writes only its output, which
+        // it orders after that buffer's stream as in (2). Slices the caller makes through
+        // `Device::stream()` carry the same obligations, stated there. No other stream of this
+        // context exists yet.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let info = device_info(&ctx)?;
@@ -173,6 +184,17 @@ impl Device {
         Ok(self.stream.synchronize()?)
     }
     /// The cudarc stream, for callers who mix in their own cudarc work.
+    ///
+    /// On a handle made by [`Device::new`] (and its forks) the context has cudarc's event
+    /// tracking off (`CudaContext::disable_event_tracking`): slices you allocate through this
+    /// stream record no events, so cudarc does not order them across streams for you. Passing
+    /// them to this crate's calls is safe on any handle of the same GPU (each call orders
+    /// itself after the streams of the buffers it takes, and those streams after it). Using
+    /// them in your own work on another stream is your ordering to keep, as cudarc's
+    /// `disable_event_tracking` states: no free before another stream's use ends, no use on
+    /// another stream before the allocation ends, no two streams writing at once (record a
+    /// `CudaEvent` and `wait` for it, or `join` the streams). To keep cudarc's tracking for your
+    /// own slices, make the context and stream yourself and use [`Device::from_stream`].
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }

@@ -96,10 +96,6 @@ impl Extras<'_> {
             }
         }
         let s = &p.seqs;
-        let pages_per_seq = match s.kv {
-            crate::seqs::KvRows::Paged { pages_per_seq, .. } => pages_per_seq,
-            _ => 0,
-        };
         for (name, buf, want, len) in [
             (
                 "cu_seqlens_q",
@@ -118,7 +114,7 @@ impl Extras<'_> {
                 "block_table",
                 &self.block_table,
                 s.takes_block_table(),
-                p.batch * pages_per_seq,
+                p.block_table_len(),
             ),
         ] {
             match (buf, want) {

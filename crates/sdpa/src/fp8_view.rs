@@ -117,8 +117,14 @@ pub fn forward_fp8_views<T: Element>(
     let mut inputs = vec![("q", &spans[0]), ("k", &spans[1]), ("v", &spans[2])];
     inputs.extend(scale_spans.iter().map(|(name, r)| (*name, r)));
     out_apart(&spans[3], &inputs)?;
+    let strides = [
+        qs.effective(q.strides),
+        ks.effective(k.strides),
+        ks.effective(v.strides),
+        qs.effective(out.strides),
+    ];
     let (qd, kd) = (p.q_strides(), p.kv_strides());
-    let in_layout = [q.strides, k.strides, v.strides] == [qd, kd, kd];
+    let in_layout = strides[..3] == [qd, kd, kd];
     let takes = |b: Backend| match b {
         Backend::Cpu | Backend::Cublas => Err("takes e4m3 as owned tensors only".to_string()),
         b if b.native_fp8() => Ok(()),
@@ -165,7 +171,7 @@ pub fn forward_fp8_views<T: Element>(
         o: op,
         o_f32: false,
         scales: [qsp, ksp, vsp],
-        strides: [q.strides, k.strides, v.strides, out.strides],
+        strides,
         alibi_slopes: 0,
         lse: 0,
         seqs: [0; 4],

@@ -34,9 +34,12 @@ pub struct KvAppend<'a> {
 /// be captured in a CUDA graph and replayed, each replay appending at the advanced positions.
 ///
 /// Shapes, dtypes and buffer lengths are checked against `p` (a paged problem, f16 or bf16).
-/// Positions live on the device: a position past a sequence's `pages_per_seq · page_size` is
-/// dropped there; with `p.seqs.checked` the call first copies `seqused_k` and the block table to
-/// the host and refuses such an append (and pages outside the cache) with a typed error.
+/// Positions live on the device, where the metadata is not trusted: a row whose position lies
+/// outside `0..pages_per_seq · page_size` is dropped, a block-table entry outside the cache's
+/// pages is clamped into them (the row lands in a wrong page of this cache, never outside it),
+/// and `seqused_k[b]` never advances past `pages_per_seq · page_size` (nor below 0). With
+/// `p.seqs.checked` the call first copies `seqused_k` and the block table to the host and
+/// refuses such an append with a typed error instead.
 pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
     let p = p.checked()?;
     let KvRows::Paged {
@@ -52,7 +55,21 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
     if p.dtype == DType::E4m3 {
         return Err(invalid!("append_kv takes f16 or bf16 caches, not e4m3"));
     }
-    let new_len = p.batch * a.n_new * p.kv_heads * p.head_dim;
+    // Past i32::MAX new rows a sequence the kernel's lengths (i32) could not advance.
+    let new_len = (a.n_new <= i32::MAX as usize)
+        .then(|| {
+            p.batch
+                .checked_mul(a.n_new)?
+                .checked_mul(p.kv_heads)?
+                .checked_mul(p.head_dim)
+        })
+        .flatten()
+        .ok_or_else(|| {
+            invalid!(
+                "append_kv: {} new rows a sequence of {p} are more than a tensor can hold",
+                a.n_new
+            )
+        })?;
     for (name, t, need) in [
         ("k_new", a.k_new, new_len),
         ("v_new", a.v_new, new_len),
@@ -83,7 +100,7 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
             "block_table",
             a.block_table.stream().context(),
             a.block_table.len(),
-            p.batch * pages_per_seq,
+            p.block_table_len(),
         ),
         (
             "seqused_k",
@@ -107,13 +124,13 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
     if p.seqs.checked {
         let used = a.seqused_k.stream().clone_dtoh(&a.seqused_k)?;
         let table = a.block_table.stream().clone_dtoh(&a.block_table)?;
+        let capacity = pages_per_seq * page_size; // no overflow: Seqs::validate
         for (b, &u) in used.iter().take(p.batch).enumerate() {
-            let end = u as i64 + a.n_new as i64;
-            if u < 0 || end > (pages_per_seq * page_size) as i64 {
+            let end = i64::from(u) + a.n_new as i64; // n_new <= i32::MAX: above
+            if u < 0 || end > capacity as i64 {
                 return Err(invalid!(
                     "append_kv: sequence {b} would hold {end} keys, its {pages_per_seq} pages \
-                     of {page_size} hold {}",
-                    pages_per_seq * page_size
+                     of {page_size} hold {capacity}"
                 ));
             }
             let row = &table[b * pages_per_seq..][..pages_per_seq];
@@ -152,6 +169,7 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
         head_dim: p.head_dim as i64,
         page_size: page_size as i64,
         pages_per_seq: pages_per_seq as i64,
+        pages: pages as i64,
         dtype: crate::ffi::dtype(p.dtype),
     };
     let raw = dev.raw_stream()?;

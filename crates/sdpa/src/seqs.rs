@@ -9,6 +9,12 @@
 //! values say (offsets increasing and inside the tensors, pages in range, `seqused_k` within its
 //! sequence) is checked where the caller asks for it (`Seqs::checked`), at the cost of a copy
 //! to the host and a synchronization; [`check_metadata`] does it on host copies.
+//!
+//! Unchecked values cannot fault the device: the kernels clamp each offset into the packed
+//! rows, each length to the problem's maximum and its tensor, `seqused_k` to the sequence's
+//! keys and each block-table entry to the cache's pages. Bad metadata thus gives wrong output
+//! for the sequences it describes (and reads or writes only the call's own buffers), which
+//! checked mode turns into a typed error.
 
 use crate::error::{Result, invalid};
 use std::fmt;
@@ -177,7 +183,10 @@ pub struct SeqSpan {
 /// end inside the packed tensors, no sequence is longer than `seq_q` / `seq_k`, `seqused_k`
 /// within each sequence's keys, block-table entries of used pages within the cache. Returns each
 /// sequence's span.
+/// The problem is validated first ([`Problem::validate`](crate::Problem::validate)), so its
+/// sizes are known not to overflow.
 pub fn check_metadata(p: &crate::Problem, m: &SeqMeta) -> Result<Vec<SeqSpan>> {
+    p.validate()?;
     let s = &p.seqs;
     let batch = p.batch;
     let given = |name: &str, v: &Option<Vec<i32>>, want: bool, len: usize| -> Result<()> {
@@ -210,7 +219,7 @@ pub fn check_metadata(p: &crate::Problem, m: &SeqMeta) -> Result<Vec<SeqSpan>> {
         "block_table",
         &m.block_table,
         s.takes_block_table(),
-        batch * pages_per_seq,
+        p.block_table_len(),
     )?;
     let lengths = |name: &str, cu: &[i32], total: usize, max: usize| -> Result<Vec<usize>> {
         if cu[0] != 0 {
@@ -385,6 +394,64 @@ mod tests {
         };
         let e = check_metadata(&p, &out).unwrap_err().to_string();
         assert!(e.contains("block_table[0][1] = 4 is not a page"), "{e}");
+    }
+
+    /// Problems that never passed `validate` are refused with its error, not a panic: a page
+    /// size of 0 (a division), a batch near `usize::MAX` (`batch + 1` offsets), a block table
+    /// whose `batch x pages_per_seq` overflows, and `seqused_k` past a cache too small for the
+    /// problem's `seq_k` (a slice of the table's row past its end).
+    #[test]
+    fn unvalidated_problems_are_refused_not_panicked_on() {
+        let paged = |batch: usize, page_size: usize, pages_per_seq: usize, seq_k: usize| {
+            let mut p = Problem::new(1, 2, 1, seq_k, 64).with_paged_kv(4, 16, 1);
+            p.batch = batch;
+            p.seqs.kv = KvRows::Paged {
+                pages: 4,
+                page_size,
+                pages_per_seq,
+            };
+            p
+        };
+        let meta = |batch: usize, used: i32| SeqMeta {
+            seqused_k: Some(vec![used; batch.min(4)]),
+            block_table: Some(vec![0; 8]),
+            ..SeqMeta::default()
+        };
+        for (p, m, want) in [
+            (
+                paged(2, 0, 1, 16),
+                meta(2, 16),
+                "page_size must be a power of two",
+            ),
+            (paged(usize::MAX, 16, 1, 16), meta(4, 1), "more than 2^40"),
+            (
+                paged(1 << 20, 16, 1 << 50, 16),
+                meta(4, 1),
+                "more than 2^40 entries",
+            ),
+            (
+                paged(2, 16, 1, 64),
+                meta(2, 64),
+                "does not fit 1 pages of 16",
+            ),
+        ] {
+            let e = check_metadata(&p, &m).unwrap_err();
+            assert!(
+                matches!(e, crate::Error::InvalidArgument(_)) && e.to_string().contains(want),
+                "{p:?}: {e} (wanted {want})"
+            );
+        }
+        let mut p = Problem::new(1, 2, 8, 8, 64)
+            .with_packed_q(8)
+            .with_packed_kv(8);
+        p.batch = usize::MAX;
+        let m = SeqMeta {
+            cu_seqlens_q: Some(vec![0, 8]),
+            cu_seqlens_k: Some(vec![0, 8]),
+            ..SeqMeta::default()
+        };
+        let e = check_metadata(&p, &m).unwrap_err().to_string();
+        assert!(e.contains("more than 2^40 sequences"), "{e}");
     }
 
     #[test]

@@ -196,8 +196,14 @@ fn launch_views<T: Element, O: DeviceRepr>(
         &[("q", &spans[0]), ("k", &spans[1]), ("v", &spans[2])],
     )?;
     extras.check(dev, p, &spans)?;
+    let strides = [
+        qs.effective(q.strides),
+        ks.effective(k.strides),
+        ks.effective(v.strides),
+        qs.effective(out.strides),
+    ];
     let (qd, kd) = (p.q_strides(), p.kv_strides());
-    let in_layout = [q.strides, k.strides, v.strides, out.strides] == [qd, kd, kd, qd];
+    let in_layout = strides == [qd, kd, kd, qd];
     let backend = resolve(dev, p, backend, in_layout)?;
     let extra_streams: Vec<_> = extras.streams().cloned().collect();
     let order = dev.order_after(
@@ -225,7 +231,7 @@ fn launch_views<T: Element, O: DeviceRepr>(
         o: op,
         o_f32,
         scales: [0; 3],
-        strides: [q.strides, k.strides, v.strides, out.strides],
+        strides,
         alibi_slopes: 0,
         lse: 0,
         seqs: [0; 4],

@@ -152,14 +152,18 @@ struct Mainloop {
   // Where key tile j of sequence b lies among the BN-row tiles of K's and V's TMA tensor from
   // the sequence's first row: tile j itself, or for a paged cache the tile its page holds it
   // as (pages hold whole tiles; the cache's rows and the table's entries fit an int:
-  // can_implement). Recomputed per copy from an opaque b: the producer thread holds nothing of
-  // the block table across its loop.
+  // can_implement; the entry clamped into the cache like every metadata value, seqs.cuh).
+  // Recomputed per copy from an opaque b: the producer thread holds nothing of the block table
+  // across its loop.
   __device__ __forceinline__ static int key_tile_at(const Params& p, int b, int j) {
     if constexpr (kBand) {
       if (p.seqs.paged()) {
         asm volatile("" : "+r"(b));
         const int shift = p.seqs.page_shift - kLog2BN;  // tiles a page: 1 << shift
-        const int page = __ldg(p.seqs.block_table + (b * int(p.seqs.pages_per_seq) + (j >> shift)));
+        const int last = int(p.seqs.kv_rows >> p.seqs.page_shift) - 1;
+        const int entry =
+            __ldg(p.seqs.block_table + (b * int(p.seqs.pages_per_seq) + (j >> shift)));
+        const int page = min(max(entry, 0), last);
         return (page << shift) | (j & ((1 << shift) - 1));
       }
     }

@@ -105,7 +105,8 @@ impl FromStr for Mask {
                 "-1" => Ok(None),
                 n => n.parse::<usize>().map(Some).map_err(|_| {
                     invalid!(
-                        "window side {n:?} in {s:?} is not a key count (a non-negative integer,                          or -1 for unbounded)"
+                        "window side {n:?} in {s:?} is not a key count (a non-negative integer, \
+                         or -1 for unbounded)"
                     )
                 }),
             }

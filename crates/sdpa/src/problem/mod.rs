@@ -163,10 +163,22 @@ impl Problem {
     }
     /// Entries of the log-sum-exp output: batch · heads · seq_q, `[batch, heads, seq_q]`; with
     /// packed Q heads · total_q, `[heads, total_q]` (FlashAttention's varlen layout).
+    /// Saturates at `usize::MAX` where the product overflows (no buffer is that long).
     pub fn lse_len(&self) -> usize {
         match self.seqs.packed_q {
-            Some(total) => self.heads * total,
-            None => self.batch * self.heads * self.seq_q,
+            Some(total) => self.heads.saturating_mul(total),
+            None => self
+                .batch
+                .saturating_mul(self.heads)
+                .saturating_mul(self.seq_q),
+        }
+    }
+    /// Entries of the block table of a paged cache, `batch · pages_per_seq` (0 for other
+    /// problems); saturates at `usize::MAX` where the product overflows.
+    pub fn block_table_len(&self) -> usize {
+        match self.seqs.kv {
+            KvRows::Paged { pages_per_seq, .. } => self.batch.saturating_mul(pages_per_seq),
+            _ => 0,
         }
     }
     /// Whether the problem is plain attention with no mask beyond causal bottom-right, no
@@ -282,6 +294,11 @@ impl Problem {
                 return Err(invalid!("{name} must be at least 1, got 0"));
             }
         }
+        // Packed sequences leave batch out of the tensors' sizes; their metadata has batch + 1
+        // entries, which no buffer holds past this.
+        if self.batch > MAX_ELEMENTS {
+            return Err(invalid!("batch {} is more than 2^40 sequences", self.batch));
+        }
         if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(invalid!(
                 "heads ({}) must be a multiple of kv_heads ({})",
@@ -322,6 +339,15 @@ impl Problem {
             return Err(invalid!("softcap must be finite and positive, got {c}"));
         }
         self.seqs.validate(self.seq_k)?;
+        if let KvRows::Paged { pages_per_seq, .. } = self.seqs.kv
+            && self.block_table_len() > MAX_ELEMENTS
+        {
+            return Err(invalid!(
+                "the block table would hold more than 2^40 entries ({} sequences x \
+                 {pages_per_seq} pages)",
+                self.batch
+            ));
+        }
         if !self.seqs.is_dense() && self.dtype == DType::E4m3 {
             return Err(invalid!(
                 "e4m3 inputs take dense sequences only (no packed Q/K/V, paged cache or seqused_k)"
@@ -367,28 +393,13 @@ impl Problem {
         self.kv_shape().len()
     }
 
-    fn strides(shape: TensorShape) -> Strides {
-        let (heads, seq, d) = (shape.heads, shape.seq, shape.head_dim);
-        match shape.layout {
-            Layout::Bhsd => Strides {
-                batch: heads * seq * d,
-                head: seq * d,
-                seq: d,
-            },
-            Layout::Bshd => Strides {
-                batch: seq * heads * d,
-                head: d,
-                seq: heads * d,
-            },
-        }
-    }
     /// Strides of Q and of the output.
     pub fn q_strides(&self) -> Strides {
-        Self::strides(self.q_shape())
+        self.q_shape().strides()
     }
     /// Strides of K and of V.
     pub fn kv_strides(&self) -> Strides {
-        Self::strides(self.kv_shape())
+        self.kv_shape().strides()
     }
 
     /// The keys `[first, end)` query row `i` attends to (empty for rows that see none).

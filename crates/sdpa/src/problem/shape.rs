@@ -48,6 +48,34 @@ impl TensorShape {
     pub fn head_of(&self, i: usize) -> Option<usize> {
         (i < self.len()?).then(|| self.head_index(i))
     }
+    /// The element strides of the shape stored contiguously in its layout.
+    pub fn strides(&self) -> Strides {
+        let (heads, seq, d) = (self.heads, self.seq, self.head_dim);
+        match self.layout {
+            Layout::Bhsd => Strides {
+                batch: heads * seq * d,
+                head: seq * d,
+                seq: d,
+            },
+            Layout::Bshd => Strides {
+                batch: seq * heads * d,
+                head: d,
+                seq: heads * d,
+            },
+        }
+    }
+    /// `s` with the stride of each dimension of size 1 replaced by the layout's own
+    /// ([`TensorShape::strides`]): such a stride is never stepped, so any value a caller gives
+    /// is valid, and the kernels (TMA descriptors, 64-bit offsets) must not meet an absurd one.
+    pub(crate) fn effective(&self, s: Strides) -> Strides {
+        let own = self.strides();
+        let pick = |size: usize, given: usize, own: usize| if size > 1 { given } else { own };
+        Strides {
+            batch: pick(self.batch, s.batch, own.batch),
+            head: pick(self.heads, s.head, own.head),
+            seq: pick(self.seq, s.seq, own.seq),
+        }
+    }
     /// [`TensorShape::head_of`] for an `i` already known to lie inside a non-empty shape.
     pub(crate) fn head_index(&self, i: usize) -> usize {
         let per_batch = self.heads * self.seq * self.head_dim;
