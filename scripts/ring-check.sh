@@ -37,6 +37,9 @@ for d in /usr/local/cuda/lib64 /opt/torch/.venv/lib/python3.12/site-packages/nvi
   [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
 export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
+# The rendezvous's shared secret, one per check, as a launcher would give every rank of a job.
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+export SDPA_RING_TOKEN=${SDPA_RING_TOKEN:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}
 torchrun=(python3 -m torch.distributed.run --standalone --nproc-per-node "$ranks")
 summary=()
 has() { [[ " $steps " == *" $1 "* ]]; }

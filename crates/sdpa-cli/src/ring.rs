@@ -15,7 +15,7 @@
 //! t(1 GPU) / (N · t(N)). `validate` checks the sharded result, O and LSE, against the
 //! single-GPU kernel and the float64 reference on a smaller problem.
 
-use crate::{CliResult, Failure};
+use crate::CliResult;
 use cudarc::driver::{CudaSlice, CudaStream};
 use sdpa::distributed::{
     HostShards, Ring, RingOptions, RingReport, Shard, Transport, Zigzag, forward_host, lse_dims,
@@ -180,6 +180,9 @@ fn leads(ring: &Ring) -> bool {
 }
 
 fn bench(a: BenchArgs) -> CliResult<ExitCode> {
+    if let Some(path) = &a.json {
+        crate::output::check(&[("--json", path)], &[])?;
+    }
     let mut ring = open_ring(&a.ranks, true)?;
     let name = transport_name(&ring);
     let mut records = Vec::new();
@@ -278,12 +281,7 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
     }
     if let (Some(path), true) = (&a.json, leads(&ring)) {
         let text = serde_json::to_string_pretty(&records).expect("JSON of plain values");
-        std::fs::write(path, text).map_err(|e| {
-            Failure::Sdpa(sdpa::Error::Io {
-                path: path.display().to_string(),
-                msg: e.to_string(),
-            })
-        })?;
+        crate::output::write_text(path, &text)?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -367,7 +365,7 @@ fn time_one_gpu(p: &Problem, iters: usize) -> Option<f64> {
         Ok(median(&times))
     };
     run()
-        .map_err(|e| eprintln!("sdpa ring bench: one-GPU baseline not run: {e}"))
+        .map_err(|e| note!("sdpa ring bench: one-GPU baseline not run: {e}"))
         .ok()
 }
 
