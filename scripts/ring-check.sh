@@ -37,8 +37,8 @@ for d in /usr/local/cuda/lib64 /opt/torch/.venv/lib/python3.12/site-packages/nvi
   [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
 export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # the NCCL rings require the choice
 # The rendezvous's shared secret, one per check, as a launcher would give every rank of a job.
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export SDPA_RING_TOKEN=${SDPA_RING_TOKEN:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}
 torchrun=(python3 -m torch.distributed.run --standalone --nproc-per-node "$ranks")
 summary=()
