@@ -655,16 +655,21 @@ fn raw_npy(version: u8, header_len: u32, rest: &[u8]) -> Vec<u8> {
     bytes
 }
 
+/// `sdpa run --backend cpu` on the files `q`, `k`, `v`, writing `out`.
+fn run_qkv(q: &Path, k: &Path, v: &Path, out: &Path) -> Command {
+    let mut cmd = sdpa();
+    cmd.args(["run", "--backend", "cpu"]);
+    for (flag, path) in [("--q", q), ("--k", k), ("--v", v), ("--out", out)] {
+        cmd.arg(flag).arg(path);
+    }
+    cmd
+}
+
 /// `sdpa run --backend cpu` with `q` as the query file and a good K and V.
 fn run_with_q(q: &Path, out: &Path) -> Command {
     let good = tmp("good-kv.npy");
     write_npy(&good, &values(2 * 8 * 64, 4), &[1, 2, 8, 64]);
-    let mut cmd = sdpa();
-    cmd.args(["run", "--backend", "cpu"])
-        .args(["--q", q.to_str().unwrap()])
-        .args(["--k", good.to_str().unwrap(), "--v", good.to_str().unwrap()])
-        .args(["--out", out.to_str().unwrap()]);
-    cmd
+    run_qkv(q, &good, &good, out)
 }
 
 /// A 128-byte file whose shape is 32 nested lists: refused at once, one line naming the file.
@@ -1277,20 +1282,7 @@ fn outputs_that_would_destroy_inputs_or_fail_late_are_refused_first() {
     let q = dir.join("q.npy");
     write_npy(&q, &values(2 * 8 * 64, 1), &[1, 2, 8, 64]);
     let (out, lse) = (dir.join("o.npy"), dir.join("missing").join("lse.npy"));
-    let o = sdpa()
-        .args(["run", "--backend", "cpu"])
-        .args([
-            &"--q".as_ref(),
-            &q.as_os_str(),
-            &"--k".as_ref(),
-            &q.as_os_str(),
-        ])
-        .args([
-            &"--v".as_ref(),
-            &q.as_os_str(),
-            &"--out".as_ref(),
-            &out.as_os_str(),
-        ])
+    let o = run_qkv(&q, &q, &q, &out)
         .arg("--lse")
         .arg(&lse)
         .output()
@@ -1301,22 +1293,7 @@ fn outputs_that_would_destroy_inputs_or_fail_late_are_refused_first() {
     let q_link = dir.join("q-link.npy");
     std::os::unix::fs::symlink(&q, &q_link).unwrap();
     let q_before = std::fs::read(&q).unwrap();
-    let o = sdpa()
-        .args(["run", "--backend", "cpu"])
-        .args([
-            &"--q".as_ref(),
-            &q.as_os_str(),
-            &"--k".as_ref(),
-            &q.as_os_str(),
-        ])
-        .args([
-            &"--v".as_ref(),
-            &q.as_os_str(),
-            &"--out".as_ref(),
-            &q_link.as_os_str(),
-        ])
-        .output()
-        .unwrap();
+    let o = run_qkv(&q, &q, &q, &q_link).output().unwrap();
     assert_one_line_error(&o, "same file");
     assert_eq!(std::fs::read(&q).unwrap(), q_before);
 }

@@ -23,7 +23,7 @@ fn encode_one(dtype: DType, x: f32) -> u16 {
 }
 
 /// One bit pattern's value (see [`decode`]).
-fn decode_one(dtype: DType, b: u16) -> f64 {
+pub(crate) fn decode_one(dtype: DType, b: u16) -> f64 {
     match dtype {
         DType::F16 => f16::from_bits(b).to_f64(),
         DType::Bf16 => bf16::from_bits(b).to_f64(),

@@ -3,9 +3,10 @@
 
 mod fp8;
 
-use crate::codec::{decode, nan_bits, try_encode};
+use crate::codec::{decode_one, nan_bits, try_encode};
 use crate::device::{Device, StreamOrder};
 use crate::error::{Error, Result, invalid};
+use crate::memory::host_vec;
 use crate::problem::{DType, Scaling, TensorShape};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
 use std::sync::Arc;
@@ -248,27 +249,38 @@ impl Tensor {
         self.fp8.as_ref().map(|f| (f.scaling, f.shape))
     }
     /// Downloads the raw bit patterns (e4m3: codes in the low byte; synchronizes the stream).
+    /// Every host copy below is checked against the host's memory first: `Error::OutOfMemory`
+    /// where it cannot hold it, never an abort.
     pub fn to_bits(&self, dev: &Device) -> Result<Vec<u16>> {
-        ordered(dev, &[self], || {
-            Ok(match &self.buf {
-                Buf::Half(b) => dev.download(b)?,
-                Buf::Byte(b) => dev.download(b)?.into_iter().map(u16::from).collect(),
-            })
+        ordered(dev, &[self], || match &self.buf {
+            Buf::Half(b) => dev.download(b),
+            Buf::Byte(b) => {
+                let codes = dev.download(b)?;
+                let mut bits = host_vec(codes.len(), 0u16)?;
+                for (w, &c) in bits.iter_mut().zip(&codes) {
+                    *w = u16::from(c);
+                }
+                Ok(bits)
+            }
         })
     }
     /// Downloads as f64 (exact, e4m3 scaled by its scales; synchronizes the stream).
     pub fn to_f64(&self, dev: &Device) -> Result<Vec<f64>> {
-        let mut v = decode(self.dtype, &self.to_bits(dev)?);
-        if let Some(f) = &self.fp8 {
-            for (i, x) in v.iter_mut().enumerate() {
-                *x *= f64::from(f.of(i));
-            }
-        }
-        Ok(v)
+        self.values(dev, |x| x)
     }
     /// Downloads as f32 (exact for f16/bf16; e4m3 code·scale rounded to f32).
     pub fn to_f32(&self, dev: &Device) -> Result<Vec<f32>> {
-        Ok(self.to_f64(dev)?.into_iter().map(|x| x as f32).collect())
+        self.values(dev, |x| x as f32)
+    }
+    /// Each element's value (e4m3: code·scale, in f64) through `to`, into a checked host copy.
+    fn values<T: Clone + Default>(&self, dev: &Device, to: impl Fn(f64) -> T) -> Result<Vec<T>> {
+        let bits = self.to_bits(dev)?;
+        let mut out = host_vec(bits.len(), T::default())?;
+        for (i, (o, &b)) in out.iter_mut().zip(&bits).enumerate() {
+            let scale = self.fp8.as_ref().map_or(1.0, |f| f64::from(f.of(i)));
+            *o = to(decode_one(self.dtype, b) * scale);
+        }
+        Ok(out)
     }
     /// Overwrites the first `bits.len()` elements with bit patterns of this dtype (f16/bf16).
     pub fn write_bits(&mut self, dev: &Device, bits: &[u16]) -> Result<()> {
