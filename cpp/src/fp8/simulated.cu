@@ -1,8 +1,9 @@
 // The simulated FP8 path of the fused kernels without FP8 math (scalar, wmma, cutlass-sm80): Q, K
 // and V dequantized to the output dtype in one launch into the caller's workspace, then the
 // kernel's 16-bit instantiation on those copies. The copies keep the e4m3 tensors' element
-// positions, so the strides carry over unchanged. One launch and no allocation per call: a
-// dequantize launch and a fresh buffer per tensor made the small problems much slower (docs/log/).
+// positions, so the strides carry over unchanged. One launch and no allocation per call: a launch
+// and a fresh buffer per tensor are fixed costs that dominate small problems (measured:
+// docs/log/2026-11-notebook.md, "final figures and checks").
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -48,8 +49,9 @@ using fp8::from_float;
 // y_t[i] = code_t[i] * scale_t[group(i)], rounded once, for the three tensors t = blockIdx.y in one
 // grid (grid-stride along x). Elements between heads that the strides skip are converted too:
 // harmless bytes of the copies, never read by the kernel. The segment's fields are picked by value:
-// a pointer to one of the by-value parameters made ptxas copy all three to a stack frame in every
-// thread (which made the one launch slower than three separate ones).
+// a pointer to one of the by-value parameters makes ptxas copy all three to a stack frame in every
+// thread, local-memory traffic that undoes what the single launch saves (measured:
+// docs/log/2026-11-notebook.md, "final figures and checks").
 template <typename Out>
 __global__ void __launch_bounds__(kThreads)
     dequantize3(Segment s0, Segment s1, Segment s2, Out* y0, Out* y1, Out* y2, bool vec) {

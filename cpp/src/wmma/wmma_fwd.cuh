@@ -17,7 +17,9 @@
 // checked for Inf/NaN at the tile's barrier and, in the rare case it has some, handled as
 // common/nonfinite.cuh describes (the non-finite V check).
 //
-// Every tuning choice below names the variant of the wmma tuning log (docs/log/) that chose it.
+// Every tuning choice below says what it trades. Those marked "(measured)" were chosen by timing
+// the alternatives: docs/log/2026-11-notebook.md, "wmma tuned by measurement" (the variants and
+// their figures) and "Figures that lived in code comments".
 #pragma once
 
 #include <cuda_runtime.h>
@@ -47,24 +49,25 @@ constexpr int kBM = kWarps * 16;  // one 16-row wmma strip per warp
 constexpr int kBN = 64;
 static_assert(kBM == kBN, "Q is staged with the K/V tile loader");
 // K/V/Q row padding: 8 elements (16 bytes) puts the row pitch 16 bytes past a multiple of 128, so
-// the 8 rows one ldmatrix phase reads start in different banks. No padding is several times
-// slower (docs/log/); 16 elements puts rows r and r + 4 in the same banks (pitch
-// 32 bytes past a multiple of 128) and is clearly slower (D = 64 also loses a CTA per SM).
+// the 8 rows one ldmatrix phase reads start in different banks. Without padding every ldmatrix
+// of K/V is an 8-way bank conflict; 16 elements puts rows r and r + 4 in the same banks (pitch
+// 32 bytes past a multiple of 128), and at D = 64 costs a CTA per SM (measured).
 // wmma takes a pointer and a pitch, so an XOR swizzle is not expressible; padding is the choice.
 constexpr int kPad = 8;
 // S strip pitch in floats: 72 (288 bytes, 32 past 256). wmma's f32 accumulator store writes 8-byte
 // pairs, 4 lanes per row, 4 rows per half-warp: at 72 those 4 rows land on disjoint 8-bank spans. A
 // pitch of 68 is free of conflicts for the softmax reads but makes every accumulator store 2-way;
-// 72 with the lane mapping below is conflict-free for all four accesses ("l2", faster on both large
-// problems). Pitch 64 ("spad0") is about twice as slow.
+// 72 with the lane mapping below is conflict-free for all four accesses. Pitch 64 starts every row
+// in the same bank, so the rows of each store and read conflict (measured).
 constexpr int kSLd = kBN + 8;
 // P (T) has its own pitch inside the strip: 72 elements = 144 bytes (16 past 128), so both the
 // softmax's 8-byte P stores and the ldmatrix rows of the P·V load are conflict-free.
 constexpr int kPLd = kBN + 8;
-// Two K/V stages, by measurement ("st3" against "qk4_4"): a third stage costs a CTA per SM at
-// D = 64 (4 -> 3) and at D = 128 (2 -> 1), and is slower at both. An FA2-style schedule with one K
-// and one V buffer loaded in split phases (two barriers per tile, 168 registers for 3 CTAs/SM,
-// "sp2") gained little at D = 128 and lost at D = 64: not worth a second schedule.
+// Two K/V stages: a third stage costs a CTA per SM at D = 64 (4 -> 3) and at D = 128 (2 -> 1),
+// more than the deeper prefetch returns (measured). An FA2-style schedule with one K and one V
+// buffer loaded in split phases (two barriers per tile, 168 registers for 3 CTAs/SM) raises the
+// warps an SM holds, but its second barrier per tile and smaller register budget take that back
+// (measured): not worth a second schedule.
 constexpr int kStages = 2;
 
 using Acc = wm::fragment<wm::accumulator, 16, 16, 16, float>;
@@ -135,8 +138,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // Fragment loads from shared memory. For f16 the library's wmma.load already carries the .shared
 // state space and becomes ldmatrix. The bf16 builtins lose it: their PTX loads are generic, which
-// ptxas turns into plain LD plus MOVM transposes, and that alone made bf16 much slower than f16
-// ("base" against "fix4"). The same wmma.load with .shared spelled out restores ldmatrix. Layouts
+// ptxas turns into plain LD plus MOVM transposes, several instructions where f16 issues one
+// ldmatrix (measured). The same wmma.load with .shared spelled out restores ldmatrix. Layouts
 // are wmma's own (the instruction is the same), so mma_sync consumes them unchanged.
 __device__ __forceinline__ void load_frag(
     wm::fragment<wm::matrix_a, 16, 16, 16, __nv_bfloat16, wm::row_major>& f, const __nv_bfloat16* p,
@@ -175,8 +178,8 @@ __device__ __forceinline__ void load_frag(Frag& f, const __half* p, unsigned ldm
 // `dst` its first chunk in shared memory. Only a tile with fewer than 64 rows left pays for the row
 // predicate: rows past the end are zero-filled (zero K/Q rows give finite scores that the mask then
 // discards, zero V rows keep 0 * garbage = NaN out of P·V) and read from `base`, which is mapped.
-// Precomputing the addresses cuts the loader's instructions per tile to about a third ("ld4":
-// faster at D = 64, neutral at D = 128).
+// Precomputing the addresses cuts the loader's instructions per tile to about a third, which
+// counts where issue slots are short (D = 64), not where the Q·Kᵀ chain binds (D = 128; measured).
 template <int D>
 __device__ __forceinline__ void load_tile(uint32_t dst, const uint8_t* g, int64_t step,
                                           int rows_left, int tid, const uint8_t* base) {
@@ -229,9 +232,9 @@ __device__ __forceinline__ void record_and_zero(uint16_t* v, NonFiniteCols<D>& c
 }
 
 // CTAs per SM that __launch_bounds__ asks for at D = 64. On sm_90, 4 fit in shared memory (4 x
-// 54.4 KB) and 4 caps registers at 128; without the cap ptxas takes more and only 3 CTAs fit (a
-// 3-CTA configuration, "st3", was slower there). On sm_80 shared memory admits only 2, and the 128
-// cap would spill there, so it asks for 2. D = 128 holds 2 CTAs per SM on sm_90 and 1 on sm_80
+// 54.4 KB) and 4 caps registers at 128; without the cap ptxas takes more and only 3 CTAs fit,
+// and the 3-CTA configuration loses to 4 (measured). On sm_80 shared memory admits only 2, and the
+// 128 cap would spill there, so it asks for 2. D = 128 holds 2 CTAs per SM on sm_90 and 1 on sm_80
 // (shared memory) at any register count, so it asks for 1.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr int kMinCtasD64 = 2;
@@ -367,8 +370,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
 
     // S = Q·Kᵀ: the row-major K tile read as a col-major matrix_b is Kᵀ. Four independent
     // accumulators (one per 16-key block) interleave their mma chains; one accumulator at a time
-    // left each 16-key block a chain of KD dependent mmas ("qk4_4" against "smx4", faster at
-    // D = 128; two accumulators, "qk2_4", gained less).
+    // leaves each 16-key block a chain of KD dependent mmas, the latency D = 128 waits on, and
+    // two accumulators hide less of it (measured).
     {
       const T* kt = sK + buf * kBN * L::kLd;
       Acc s[NB];
@@ -390,8 +393,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
     __syncwarp();
 
     // Online softmax of this lane's half row, on raw scores: scale > 0 commutes with max, and the
-    // scaling folds into one FFMA per element inside the exponent ("smx4", with the tree reductions
-    // and fast_exp2: faster on both large problems).
+    // scaling folds into one FFMA per element inside the exponent; with the tree reductions and
+    // fast_exp2 that keeps the softmax's instruction count and dependency chains short (measured).
     float x[32];
     {
       const float* srow = sS + r * kSLd + 4 * half;
@@ -455,8 +458,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
     }
 
     // O += P·V. Unrolled by 2 so the next block's fragment loads overlap this block's mmas
-    // ("qk4p2", a small gain); fully unrolled, ptxas hoists every load and D = 128 runs out of
-    // registers.
+    // (measured); fully unrolled, ptxas hoists every load and D = 128 runs out of registers.
     const T* vt = sV + buf * kBN * L::kLd;
 #pragma unroll 2
     for (int kk = 0; kk < NB; ++kk) {

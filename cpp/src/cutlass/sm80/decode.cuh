@@ -395,8 +395,9 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   pl.lse_rows = a.total_q > 0 ? a.heads * a.total_q : a.batch * a.heads * a.seq_q;
   const int64_t tiles = (a.seq_k + 63) / 64;
   // Splits fill one CTA an SM (an unknown device: an H100's 132), each at least 4 tiles. One a
-  // SM, not the two that fit: fewer, longer splits measured faster on every decode problem
-  // (docs/perf.md), the pipeline's fill and the combine being paid fewer times.
+  // SM, not the two that fit: fewer, longer splits pay the pipeline's fill and drain and the
+  // combine fewer times, which outweighs the bytes more CTAs would keep in flight (measured:
+  // docs/log/2026-11-perf-history.md, "Serving: decode, paged cache, varlen").
   const int64_t slots = dev.known() ? dev.sms : 132;
   const int64_t base = a.batch * a.kv_heads * pl.row_blocks;
   int64_t splits = base >= slots ? 1 : slots / base;

@@ -9,15 +9,15 @@
 // registers for the whole sweep (D = 128: O 64 + Q 32 + S 32 registers + fragments, 214-223 in
 // all; D = 96: O 48 + Q 24 + S 32, 188-221). The kernel is templated on warps per CTA (W = 4, 8)
 // and strips per warp (MT = 1, 2: MT = 2 is FlashAttention-2's 32 rows a warp); all were checked
-// and timed (docs/log/). W4 MT1 is best or close everywhere and clearly best causal and on small
-// grids: several independent 4-warp CTAs per SM (on an H200, D = 64: 3, D = 128: 2) overlap one
-// CTA's softmax with another's mma, where 8 warps behind one __syncthreads per tile move in
-// lockstep; 64-row CTAs also make twice the CTAs for short sequences and cut the causal diagonal
-// waste. At D = 128 a CTA takes 96 KB, so an A100 (164 KB per SM) or sm_86 / sm_89 (100 KB) SM
-// holds only one, and at D = 96 (72 KB) an sm_86 / sm_89 SM: there W8 MT1 (one 8-warp CTA, 128
-// rows) ships instead, not 4 warps per SM. MT = 2 reuses each K/V fragment for two strips (half the
-// ldmatrix traffic) but needs 255 registers: at D = 128 Q no longer fits and is re-read from its
-// own buffer, with 32-key tiles to avoid spilling.
+// and timed (docs/log/2026-11-notebook.md, "Figures that lived in code comments"). W4 MT1 is best
+// or close everywhere and clearly best causal and on small grids: several independent 4-warp CTAs
+// per SM (on an H200, D = 64: 3, D = 128: 2) overlap one CTA's softmax with another's mma, where 8
+// warps behind one __syncthreads per tile move in lockstep; 64-row CTAs also make twice the CTAs
+// for short sequences and cut the causal diagonal waste. At D = 128 a CTA takes 96 KB, so an A100
+// (164 KB per SM) or sm_86 / sm_89 (100 KB) SM holds only one, and at D = 96 (72 KB) an sm_86 /
+// sm_89 SM: there W8 MT1 (one 8-warp CTA, 128 rows) ships instead, not 4 warps per SM. MT = 2
+// reuses each K/V fragment for two strips (half the ldmatrix traffic) but needs 255 registers: at
+// D = 128 Q no longer fits and is re-read from its own buffer, with 32-key tiles to avoid spilling.
 //
 // Keys come in tiles of BN = 64 through a ring of 3 cp.async stages (each stage: the K tile, then
 // the V tile, [BN][D] with d contiguous), one __syncthreads per tile. Per tile and warp:
@@ -361,9 +361,10 @@ __device__ __forceinline__ void softmax_step(float (&sacc)[kSN][4], float (&m_ru
     // mx·sl2 carried as hi + lo (rounded product and its exact residual): every exponent
     // fma(x, sl2, -hi) - lo is exact enough at any logit size, the max's exactly 0. A single
     // FMA with a rounded base leaves the max the base's rounding residual: past ~2^24 whole
-    // powers of two, p = 0 or inf (tests/numerics.rs, logits 1e8-1e10). The extra FADD costs
-    // little here; sm90's form (single FMA unless a warp votes for the exact one) and a
-    // branch per row were both much slower in this kernel (docs/log/).
+    // powers of two, p = 0 or inf (tests/numerics.rs, logits 1e8-1e10). The extra FADD is
+    // cheap here, where sm90's form (single FMA unless a warp votes for the exact one) and a
+    // branch per row cost this kernel far more (measured: docs/log/2026-11-notebook.md,
+    // "softmax exponents at huge logits").
     const float hi = mx == -INFINITY ? 0.f : __fmul_rn(mx, sl2);
     const float lo = mx == -INFINITY ? 0.f : fmaf(mx, sl2, -hi);
     // Exactly 1 when the max did not move (also for -inf == -inf: O and l are still 0).

@@ -51,7 +51,8 @@ struct Epilogue {
   // its first, seq.q0; packed O has batch stride 0), the qi-th this CTA stores,
   // through its 64-row staging area: row r, 16-byte chunk j lives at chunk j ^ (r % 8), so the
   // quad-strided 4-byte writes and the row-contiguous 16-byte reads are both free of bank
-  // conflicts. (Writing O straight from registers, 4 bytes a store, was slower.) The barrier in
+  // conflicts. (Writing O straight from registers would scatter 4-byte stores over rows;
+  // measured: docs/log/2026-11-notebook.md, the sm90 tuning log.) The barrier in
   // front keeps this tile's writes behind the reads of the previous one. `bar` is the
   // warpgroup's named barrier. The addresses are the same for every tile: computed from an opaque
   // thread index, or the compiler hoists them out of the tile loop and holds them in registers

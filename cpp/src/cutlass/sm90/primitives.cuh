@@ -158,8 +158,9 @@ __device__ __forceinline__ void dequant_scales(const P& p, int b, int h, float& 
 // past ~2^24 whole powers of two (p of the max 0 or inf: tests/numerics.rs, logits 1e8-1e10).
 // Beyond 2^15 the exact form RN(x·scale) - base is used instead: the max's exponent exactly 0, the
 // others <= 0. The choice is one vote per warp and tile, so ordinary logits run exactly the
-// single-FMA code (an extra FADD per score, or a branch per row, made the sm90 kernel measurably
-// slower and cutlass-sm80 much slower: docs/log/).
+// single-FMA code (an extra FADD per score, or a branch per row, cost the sm90 kernel time, and
+// the branch cost cutlass-sm80 far more; measured: docs/log/2026-11-notebook.md, "softmax exponents
+// at huge logits").
 constexpr float kFoldLimit = 32768.f;
 
 __device__ __forceinline__ float scaled_base(float m, float scale) {

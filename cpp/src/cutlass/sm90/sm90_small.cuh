@@ -24,11 +24,12 @@
 // e4m3 wgmma, V's codes landed apart and converted to f16 in shared memory while S runs, P·V in
 // f16; q·k's scales folded into the softmax scale, v's into the merge's normalization.
 //
-// Of the exchanges tried (docs/log/), one bulk copy per peer is the fastest; 8-byte
-// st.shared::cluster stores and a cluster barrier, or remote loads of the peers' stages, are
-// slower, and 8-byte st.async stores each counted by the owner's mbarrier far slower. Timed stage
-// by stage (empty cluster launch, loads and stores alone, plus the compute, plus the exchange), the
-// exchange and the chain of waits, not bandwidth, dominate the time.
+// The partials travel as one bulk copy per peer, the cheapest exchange of those tried (8-byte
+// st.shared::cluster stores and a cluster barrier, remote loads of the peers' stages, 8-byte
+// st.async stores each counted by the owner's mbarrier). Timed stage by stage (empty cluster
+// launch, loads and stores alone, plus the compute, plus the exchange), the exchange and the
+// chain of waits, not bandwidth, dominate the time (measured: docs/log/2026-11-notebook.md,
+// "mission problem: small-problem path for sm90").
 #pragma once
 
 #include "common/attributes.cuh"
@@ -313,7 +314,8 @@ __global__ void __launch_bounds__(128, 1)
     // Non-finite V check: V of a slice partly masked for the tile is checked for non-finite values
     // while P·V runs (both only read it). In the rare case it has any, they are recorded and zeroed
     // and P·V runs again. (Checking before P·V, or before the softmax with the V wait moved ahead
-    // of it, was slower.)
+    // of it, puts the check on the critical path; measured: docs/log/2026-11-notebook.md, "Figures
+    // that lived in code comments".)
     const uint32_t v = uint32_t(__cvta_generic_to_shared(sm.in.v));
     bool nonfinite = false;
     if (Mask::kMasksKeys && mask.first_partial_tile(m0, KN, nrank) <= rank) {
@@ -493,16 +495,19 @@ bool small_launch(const FwdArgs& a, cudaStream_t stream) {
   return true;
 }
 
-// 128-key slices: faster than 64-key slices, which on the mission problem make 256 CTAs (two to an
-// SM) and send 3 of 4 partials instead of 1 of 2; also faster on B1 H8 S512 (docs/log/).
+// 128-key slices: 64-key slices make twice the CTAs (on the mission problem 256, two to an SM) and
+// send 3 of 4 partials instead of 1 of 2, more exchange than the extra CTAs return, here and on
+// B1 H8 S512 (measured: docs/log/2026-11-notebook.md, "Figures that lived in code comments").
 constexpr int kSmallKeys = 128;
 
-// The small path at D = 64 where it was faster than the main kernel (docs/log/): B2 H8 S256 (f16,
-// bf16, causal or not), B1 H8 S512 and B1 H4 S1024 (causal or not). That is: grids the main kernel
-// would leave more than half empty (it then runs 64-row tiles, one per CTA: make_params) and 2 to 8
-// key slices. With a single slice (S <= 128) it was slower; D = 128 at S256 was even, so it stays
-// on the main kernel. can_implement states the main kernel's needs; the small kernel is taken
-// only where its shared memory fits as well.
+// The small path runs at D = 64 where it beats the main kernel: B2 H8 S256 (f16, bf16, causal or
+// not), B1 H8 S512 and B1 H4 S1024 (causal or not). That is: grids the main kernel would leave
+// more than half empty (it then runs 64-row tiles, one per CTA: make_params) and 2 to 8 key
+// slices. A single slice (S <= 128) has nothing to split, and at D = 128 (S256) the two kernels
+// are even, so both stay on the main kernel (measured: docs/log/2026-11-notebook.md, "mission
+// problem: small-problem path for sm90" and "Figures that lived in code comments"). can_implement
+// states the main kernel's needs; the small kernel is taken only where its shared memory fits as
+// well.
 template <class E, int D>
 bool small_forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   static_assert(D == 64, "the small path is built for head_dim 64 only");

@@ -37,10 +37,12 @@ using namespace cute;
 //                third stage does not fit; e4m3 at D = 128: Q 16 + O 32 + 3 x (K 16 + V 32).
 //   kPingPong    whether the two consumer warpgroups may take turns issuing (Params::turns
 //                decides per launch). At D = 128 the turns cost more than the ordering gains
-//                on the problems that matter, so they are compiled out.
+//                on the problems that matter, so they are compiled out (measured:
+//                docs/log/2026-11-perf-history.md, "Next to FlashAttention-4").
 //   kOneExpLoop  the softmax's huge-logit fallback pre-multiplies the scores and reuses the one
-//                FMA exponent loop (D = 128), or compiles a loop per form (D = 64): each is the
-//                faster one where it is used.
+//                FMA exponent loop (D = 128), or compiles a loop per form (D = 64): each chosen
+//                by timing both where it is used (measured: docs/log/2026-11-notebook.md, "one
+//                exponent loop").
 //   kConvertV    e4m3: V converted to f16 in shared memory by the producer's spare warps (D =
 //                64), or by a pre-pass the attention grid overlaps (D >= 128). The converting
 //                warps take issue slots and shared-memory bandwidth that D >= 128 needs more.

@@ -20,7 +20,8 @@ struct WorkTile {
 // differ in cost, query tile m seeing about m + 1 key tiles): heads one after another, each
 // heaviest tile first (L2 locality as above), except the (batch, head) pairs from tail_bh on,
 // which are interleaved heaviest first, so that the tiles handed out last are the cheap ones;
-// one CTA per tile (a static persistent split of the uneven tiles was slower), or, with a
+// one CTA per tile (a static persistent split cannot balance the uneven tiles; measured:
+// docs/log/2026-11-notebook.md, the sm90 tuning log), or, with a
 // counter (the 16-bit kernels up to D = 128), a persistent grid that takes them in this order as
 // CTAs free up (tile_feed.cuh).
 //
@@ -47,14 +48,16 @@ struct TileScheduler {
     int32_t* counter;
   };
 
-  // 64-row tiles when 128-row tiles would leave more than half the SMs idle (faster on the
-  // mission problem, docs/log/). Where one head's heaviest tile would overrun the rest of the
-  // work by more than 12% (in per-head order it starts when about one head's work, m_blocks^2 / 2
+  // 64-row tiles when 128-row tiles would leave more than half the SMs idle: twice the CTAs to
+  // spread a small problem's latency over (measured: docs/log/2026-11-notebook.md, the sm90
+  // tuning log). Where one head's heaviest tile would overrun the rest of the work by more than
+  // 0.12 of an SM's share (in per-head order it starts when about one head's work, m_blocks^2 / 2
   // tiles, is left to all SMs, and overruns the rest by about m_blocks - m_blocks^2 / (2 sms),
   // against bh m_blocks^2 / (2 sms) per SM in all), the last `tail` heads are interleaved, just
   // enough of them that their work per SM outlasts the heaviest tile twice:
   // tail m_blocks^2 / 2 >= 2 sms m_blocks. Below that threshold the interleaved heads' K/V crowd
-  // L2 and cost more than the overrun they save.
+  // L2 and cost more than the overrun they save (the threshold and the tail's size: measured,
+  // the same log).
   static Params make(int64_t seq_q, int64_t heads, int64_t batch, int sms) {
     return make(seq_q, heads, batch, sms, 0, nullptr);
   }

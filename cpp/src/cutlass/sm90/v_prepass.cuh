@@ -128,13 +128,16 @@ inline int64_t nan_table_bytes(const FwdArgs& a) {
 }
 // The head dims with a fast-mode kernel: up to 128. At D = 256 the two-level accumulation's
 // fresh accumulator of a whole tile does not fit the registers beside O; in chunks of O's
-// columns it serializes P·V, and measured slower than accurate mode (docs/perf.md).
+// columns it serializes P·V and loses to accurate mode (measured: docs/log/2026-11-perf-history.md,
+// "FP8 at head_dim 256").
 constexpr bool has_fast_kernel(int64_t head_dim) { return head_dim <= 128; }
 
-// Whether an e4m3 call asking for fast mode gets it, which it may not where accurate mode is
-// the faster (fast mode permits it; docs/perf.md has the measurements): at D = 256 (no fast
-// kernel), and at D = 64 below 2^23 scores (batch x heads x seq_q x seq_k), where accurate mode
-// converts V inside the kernel and fast mode's pre-pass launch costs more than its e4m3 P·V saves.
+// Whether an e4m3 call asking for fast mode gets it, which it may not where accurate mode takes
+// less time (fast mode permits it): at D = 256 (no fast kernel), and at D = 64 below 2^23 scores
+// (batch x heads x seq_q x seq_k), where accurate mode converts V inside the kernel and fast
+// mode's pre-pass launch costs more than its e4m3 P·V saves (measured:
+// docs/log/2026-11-perf-history.md, "FP8 at head_dim 256" and "FP8 fast mode: P·V on e4m3 tensor
+// cores").
 inline bool fast_mode_runs(const FwdArgs& a) {
   if (!a.fp8_fast || !has_fast_kernel(a.head_dim)) return false;
   return a.head_dim != 64 || a.batch * a.heads * a.seq_q * a.seq_k >= (1 << 23);
