@@ -69,8 +69,12 @@ fn gpu_time(
     v: &Tensor,
     out: &mut Tensor,
 ) -> Duration {
+    let plan = sdpa::Plan::new(dev, p, backend).unwrap();
     sdpa_harness::timing::elapsed(dev, || {
-        (0..iters).try_for_each(|_| sdpa::forward(dev, p, backend, q, k, v, out))
+        (0..iters).try_for_each(|_| {
+            let ops = sdpa::Tensors { q, k, v, out };
+            plan.run(ops, sdpa::Extras::default())
+        })
     })
     .unwrap()
 }
@@ -88,9 +92,10 @@ fn cpu_benches(c: &mut Criterion) {
 }
 
 /// What a call costs the host through owned tensors and through views of the caller's memory
-/// (the views made afresh each call, as a framework would), on the mission problem with `Auto`:
-/// wall time of `iters` calls and one synchronisation. The mission kernel is shorter than a
-/// call's host work, so this is the host path; in graph replay both are the same kernel.
+/// (the views made afresh each call, as a framework would), on the mission problem with `Auto`,
+/// planned once (`plan_*`: a loop's steps) and planned every call (`forward_*`: the one-shot
+/// form): wall time of `iters` calls and one synchronisation. The mission kernel is shorter
+/// than a call's host work, so this is the host path; in graph replay all are the same kernel.
 fn call_overhead(c: &mut Criterion, dev: &Device) {
     let p = sdpa_harness::named_problem("mission").unwrap();
     let inputs = sdpa_harness::inputs::random_inputs(&p, 1).unwrap();
@@ -109,14 +114,21 @@ fn call_overhead(c: &mut Criterion, dev: &Device) {
         dev.synchronize().unwrap();
         t0.elapsed()
     };
-    group.bench_function("tensors", |b| {
+    let plan = sdpa::Plan::new(dev, &p, Backend::Auto).unwrap();
+    group.bench_function("plan_tensors", |b| {
         b.iter_custom(|iters| {
             wall(iters, &mut || {
-                sdpa::forward(dev, &p, Backend::Auto, &q, &k, &v, &mut out).unwrap()
+                let ops = sdpa::Tensors {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    out: &mut out,
+                };
+                plan.run(ops, sdpa::Extras::default()).unwrap()
             })
         })
     });
-    group.bench_function("views", |b| {
+    group.bench_function("plan_views", |b| {
         b.iter_custom(|iters| {
             wall(iters, &mut || {
                 let views = Views {
@@ -125,7 +137,39 @@ fn call_overhead(c: &mut Criterion, dev: &Device) {
                     v: View::new(vc.as_view(), ks),
                     out: ViewMut::new(oc.as_view_mut(), qs),
                 };
-                sdpa::forward_views(dev, &p, Backend::Auto, views).unwrap()
+                plan.run(views, sdpa::Extras::default()).unwrap()
+            })
+        })
+    });
+    group.bench_function("forward_tensors", |b| {
+        b.iter_custom(|iters| {
+            wall(iters, &mut || {
+                sdpa::forward(
+                    dev,
+                    &p,
+                    Backend::Auto,
+                    sdpa::Tensors {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        out: &mut out,
+                    },
+                    sdpa::Extras::default(),
+                )
+                .unwrap()
+            })
+        })
+    });
+    group.bench_function("forward_views", |b| {
+        b.iter_custom(|iters| {
+            wall(iters, &mut || {
+                let views = Views {
+                    q: View::new(qc.as_view(), qs),
+                    k: View::new(kc.as_view(), ks),
+                    v: View::new(vc.as_view(), ks),
+                    out: ViewMut::new(oc.as_view_mut(), qs),
+                };
+                sdpa::forward(dev, &p, Backend::Auto, views, sdpa::Extras::default()).unwrap()
             })
         })
     });

@@ -453,22 +453,66 @@ fn tensor_errors_launch_nothing_and_leave_the_output_alone() {
         let cases: Vec<(&str, sdpa::Result<()>, &str)> = vec![
             (
                 "q bf16",
-                sdpa::forward(&dev, &pr, backend, &bf, &k, &v, &mut out),
+                sdpa::forward(
+                    &dev,
+                    &pr,
+                    backend,
+                    sdpa::Tensors {
+                        q: &bf,
+                        k: &k,
+                        v: &v,
+                        out: &mut out,
+                    },
+                    sdpa::Extras::default(),
+                ),
                 "q is bf16",
             ),
             (
                 "k bf16",
-                sdpa::forward(&dev, &pr, backend, &q, &bf, &v, &mut out),
+                sdpa::forward(
+                    &dev,
+                    &pr,
+                    backend,
+                    sdpa::Tensors {
+                        q: &q,
+                        k: &bf,
+                        v: &v,
+                        out: &mut out,
+                    },
+                    sdpa::Extras::default(),
+                ),
                 "k is bf16",
             ),
             (
                 "v short",
-                sdpa::forward(&dev, &pr, backend, &q, &k, &short, &mut out),
+                sdpa::forward(
+                    &dev,
+                    &pr,
+                    backend,
+                    sdpa::Tensors {
+                        q: &q,
+                        k: &k,
+                        v: &short,
+                        out: &mut out,
+                    },
+                    sdpa::Extras::default(),
+                ),
                 "v holds 1023 elements",
             ),
             (
                 "k short",
-                sdpa::forward(&dev, &pr, backend, &q, &short, &v, &mut out),
+                sdpa::forward(
+                    &dev,
+                    &pr,
+                    backend,
+                    sdpa::Tensors {
+                        q: &q,
+                        k: &short,
+                        v: &v,
+                        out: &mut out,
+                    },
+                    sdpa::Extras::default(),
+                ),
                 "k holds 1023",
             ),
             (
@@ -477,16 +521,30 @@ fn tensor_errors_launch_nothing_and_leave_the_output_alone() {
                     &dev,
                     &pr.with_dtype(DType::Bf16),
                     backend,
-                    &q,
-                    &k,
-                    &v,
-                    &mut out,
+                    sdpa::Tensors {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        out: &mut out,
+                    },
+                    sdpa::Extras::default(),
                 ),
                 "the problem says bf16",
             ),
             (
                 "kv_heads 3",
-                sdpa::forward(&dev, &pr.with_kv_heads(3), backend, &q, &k, &v, &mut out),
+                sdpa::forward(
+                    &dev,
+                    &pr.with_kv_heads(3),
+                    backend,
+                    sdpa::Tensors {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        out: &mut out,
+                    },
+                    sdpa::Extras::default(),
+                ),
                 "kv_heads (3)",
             ),
         ];
@@ -495,7 +553,19 @@ fn tensor_errors_launch_nothing_and_leave_the_output_alone() {
             assert!(e.to_string().contains(fragment), "{backend} {name}: {e}");
         }
         let mut short_out = Tensor::poisoned(&dev, DType::F16, n - 1).unwrap();
-        let e = sdpa::forward(&dev, &pr, backend, &q, &k, &v, &mut short_out).unwrap_err();
+        let e = sdpa::forward(
+            &dev,
+            &pr,
+            backend,
+            sdpa::Tensors {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &mut short_out,
+            },
+            sdpa::Extras::default(),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("out holds 1023"), "{backend}: {e}");
         // A fused kernel refuses a head dim cpp/kernels.txt does not instantiate for it (cublas
         // takes any head_dim).
@@ -511,8 +581,19 @@ fn tensor_errors_launch_nothing_and_leave_the_output_alone() {
                         .any(|k| k.dtype == DType::F16 && k.head_dim == d)
                 })
                 .expect("an f16 head dim up to 128 that is not instantiated");
-            let e =
-                sdpa::forward(&dev, &p(1, 1, 8, 8, d), backend, &q, &k, &v, &mut out).unwrap_err();
+            let e = sdpa::forward(
+                &dev,
+                &p(1, 1, 8, 8, d),
+                backend,
+                sdpa::Tensors {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    out: &mut out,
+                },
+                sdpa::Extras::default(),
+            )
+            .unwrap_err();
             assert_eq!(kind(&e), Kind::Unsupported, "{backend} d{d}: {e}");
         }
         assert!(
@@ -642,7 +723,18 @@ fn fp8_tensor_errors_name_the_value() {
         let fwd: Vec<(&str, sdpa::Result<()>, &str)> = vec![
             (
                 "v tensor-scaled",
-                sdpa::forward(&dev, &pr, backend, &q, &k, &per_tensor, &mut out),
+                sdpa::forward(
+                    &dev,
+                    &pr,
+                    backend,
+                    sdpa::Tensors {
+                        q: &q,
+                        k: &k,
+                        v: &per_tensor,
+                        out: &mut out,
+                    },
+                    sdpa::Extras::default(),
+                ),
                 "v has tensor scales, the problem says head",
             ),
             (
@@ -651,16 +743,30 @@ fn fp8_tensor_errors_name_the_value() {
                     &dev,
                     &pr.with_fp8_scaling(Scaling::PerTensor),
                     backend,
-                    &per_tensor,
-                    &other,
-                    &per_tensor,
-                    &mut out,
+                    sdpa::Tensors {
+                        q: &per_tensor,
+                        k: &other,
+                        v: &per_tensor,
+                        out: &mut out,
+                    },
+                    sdpa::Extras::default(),
                 ),
                 "k was quantized with shape [1, 1, 16, 64] bhsd, the problem's k is [1, 2, 8, 64] bhsd",
             ),
             (
                 "q f16",
-                sdpa::forward(&dev, &pr, backend, &f16, &k, &k, &mut out),
+                sdpa::forward(
+                    &dev,
+                    &pr,
+                    backend,
+                    sdpa::Tensors {
+                        q: &f16,
+                        k: &k,
+                        v: &k,
+                        out: &mut out,
+                    },
+                    sdpa::Extras::default(),
+                ),
                 "q is f16, the problem says e4m3",
             ),
             (
@@ -669,10 +775,13 @@ fn fp8_tensor_errors_name_the_value() {
                     &dev,
                     &pr.with_out_dtype(DType::Bf16),
                     backend,
-                    &q,
-                    &k,
-                    &k,
-                    &mut out,
+                    sdpa::Tensors {
+                        q: &q,
+                        k: &k,
+                        v: &k,
+                        out: &mut out,
+                    },
+                    sdpa::Extras::default(),
                 ),
                 "out is f16, the problem says bf16",
             ),

@@ -17,7 +17,19 @@ fn run(dev: &Device, p: &Problem, b: Backend, seed: u64) -> Vec<u16> {
     let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap()).unwrap();
     // Several calls back to back on this stream, so the threads' kernels overlap in time.
     for _ in 0..4 {
-        sdpa::forward(dev, p, b, &q, &k, &v, &mut out).unwrap();
+        sdpa::forward(
+            dev,
+            p,
+            b,
+            sdpa::Tensors {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &mut out,
+            },
+            sdpa::Extras::default(),
+        )
+        .unwrap();
     }
     out.to_bits(dev).unwrap()
 }
@@ -97,11 +109,35 @@ fn chained_calls_match_synchronized_ones() {
                     Tensor::poisoned(&dev, p.dtype, n).unwrap(),
                     Tensor::poisoned(&dev, p.dtype, n).unwrap(),
                 ];
-                sdpa::forward(&dev, p, b, &q, &k, &v, &mut bufs[0]).unwrap();
+                sdpa::forward(
+                    &dev,
+                    p,
+                    b,
+                    sdpa::Tensors {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        out: &mut bufs[0],
+                    },
+                    sdpa::Extras::default(),
+                )
+                .unwrap();
                 for step in 1..8 {
                     let [a, c] = &mut bufs;
                     let (src, dst) = if step % 2 == 1 { (&*a, c) } else { (&*c, a) };
-                    sdpa::forward(&dev, p, b, src, &k, &v, dst).unwrap();
+                    sdpa::forward(
+                        &dev,
+                        p,
+                        b,
+                        sdpa::Tensors {
+                            q: src,
+                            k: &k,
+                            v: &v,
+                            out: dst,
+                        },
+                        sdpa::Extras::default(),
+                    )
+                    .unwrap();
                     if sync {
                         dev.synchronize().unwrap();
                     }
@@ -152,13 +188,37 @@ fn tensors_used_across_streams_stay_ordered() {
             .unwrap();
         let mut busy_out = Tensor::poisoned(&a, busy.dtype, busy.q_len().unwrap()).unwrap();
         for round in 0..6 {
-            sdpa::forward(&a, &busy, backend, &bq, &bk, &bv, &mut busy_out).unwrap();
+            sdpa::forward(
+                &a,
+                &busy,
+                backend,
+                sdpa::Tensors {
+                    q: &bq,
+                    k: &bk,
+                    v: &bv,
+                    out: &mut busy_out,
+                },
+                sdpa::Extras::default(),
+            )
+            .unwrap();
             let [q, k, v] = inputs.upload(&a, p.dtype).unwrap();
             // The output alternates between the streams: its own free must wait too.
             let out_dev = if round % 2 == 0 { &a } else { &b };
             let mut out = Tensor::poisoned(out_dev, p.dtype, p.q_len().unwrap()).unwrap();
             for _ in 0..4 {
-                sdpa::forward(&b, &p, backend, &q, &k, &v, &mut out).unwrap();
+                sdpa::forward(
+                    &b,
+                    &p,
+                    backend,
+                    sdpa::Tensors {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        out: &mut out,
+                    },
+                    sdpa::Extras::default(),
+                )
+                .unwrap();
             }
             drop((q, k, v));
             let reuse: Vec<Tensor> = [p.q_len(), p.kv_len(), p.kv_len()]
@@ -233,7 +293,19 @@ fn caller_owned_buffers_round_trip_without_copies() {
     for b in common::expected_backends(&own) {
         let [q, k, v] = inputs.upload(&own, p.dtype).unwrap();
         let mut out = Tensor::poisoned(&own, p.dtype, n).unwrap();
-        sdpa::forward(&own, &p, b, &q, &k, &v, &mut out).unwrap();
+        sdpa::forward(
+            &own,
+            &p,
+            b,
+            sdpa::Tensors {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &mut out,
+            },
+            sdpa::Extras::default(),
+        )
+        .unwrap();
         let expected = out.to_bits(&own).unwrap();
 
         let caller_slice = |t: &Tensor| {
@@ -248,13 +320,13 @@ fn caller_owned_buffers_round_trip_without_copies() {
         let [q2, k2, v2] =
             [&q, &k, &v].map(|t| Tensor::from_cuda_slice(&theirs, caller_slice(t)).unwrap());
         let mut out2 = Tensor::zeros(&theirs, p.dtype, n).unwrap();
-        let named = sdpa::Operands {
+        let named = sdpa::Tensors {
             q: &q2,
             k: &k2,
             v: &v2,
             out: &mut out2,
         };
-        p.forward(&theirs, b, named).unwrap();
+        sdpa::forward(&theirs, &p, b, named, sdpa::Extras::default()).unwrap();
         let handed_back = out2.into_cuda_slice::<half::f16>().unwrap();
         let got: Vec<u16> = stream
             .clone_dtoh(&handed_back)

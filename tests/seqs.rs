@@ -220,13 +220,13 @@ fn metadata_errors_are_typed() {
         if let Some(m) = meta {
             bufs = bufs.with_meta(&dev, m).unwrap();
         }
-        let t = sdpa::Operands {
+        let t = sdpa::Tensors {
             q: &q,
             k: &k,
             v: &v,
             out: &mut out,
         };
-        sdpa::forward_with(&dev, p, backend, t, bufs.extras())
+        sdpa::forward(&dev, p, backend, t, bufs.extras())
     };
     run(&p, Some(&meta)).unwrap();
     let missing = SeqMeta {

@@ -114,7 +114,7 @@ fn strided_views_match_the_reference() {
             v: View::new(v.as_view(), ks),
             out: ViewMut::new(out.as_view_mut(), os),
         };
-        sdpa::forward_views(&dev, &p, b, views).unwrap();
+        sdpa::forward(&dev, &p, b, views, sdpa::Extras::default()).unwrap();
         let host = stream.clone_dtoh(&out).unwrap();
         let r = compare(&gather(&host, qshape, os), &reference, DType::F16, seed);
         assert!(r.pass(), "{b} on {p} with strided views: {r:?}");
@@ -178,7 +178,7 @@ fn strides_of_size_one_dimensions_are_never_used() {
             v: View::new(v.as_view(), absurd),
             out: ViewMut::new(out.as_view_mut(), absurd),
         };
-        sdpa::forward_views(&dev, &p, b, views)
+        sdpa::forward(&dev, &p, b, views, sdpa::Extras::default())
             .unwrap_or_else(|e| panic!("{b} refuses size-one strides: {e}"));
         let host = stream.clone_dtoh(&out).unwrap();
         let r = compare(&gather(&host, qshape, absurd), &reference, DType::F16, seed);
@@ -222,7 +222,7 @@ fn cublas_takes_views_in_the_problems_layout_only() {
         v: View::new(v.as_view(), ks),
         out: ViewMut::new(out.as_view_mut(), qs),
     };
-    sdpa::forward_views(&dev, &p, Backend::Cublas, views).unwrap();
+    sdpa::forward(&dev, &p, Backend::Cublas, views, sdpa::Extras::default()).unwrap();
     let host = stream.clone_dtoh(&out).unwrap();
     let got: Vec<f64> = host.iter().map(|x| f64::from(x.to_f32())).collect();
     let r = compare(&got, &reference, DType::F16, 0);
@@ -240,7 +240,7 @@ fn cublas_takes_views_in_the_problems_layout_only() {
         v: View::new(v.as_view(), ks),
         out: ViewMut::new(out.as_view_mut(), qs),
     };
-    let e = sdpa::forward_views(&dev, &p, Backend::Cublas, views).unwrap_err();
+    let e = sdpa::forward(&dev, &p, Backend::Cublas, views, sdpa::Extras::default()).unwrap_err();
     assert!(matches!(e, sdpa::Error::Unsupported { .. }), "{e}");
     assert!(e.to_string().contains("layout's own strides"), "{e}");
 }
@@ -260,7 +260,14 @@ fn bad_views_are_refused_and_leave_the_output_alone() {
     // V is the same good view in every case: only the named flaw differs.
     let run = |p: &Problem, q: View<'_, f16>, k: View<'_, f16>, out: ViewMut<'_, f16>| {
         let v = View::new(zeros.as_view(), s);
-        sdpa::forward_views(&dev, p, Backend::Auto, Views { q, k, v, out }).unwrap_err()
+        sdpa::forward(
+            &dev,
+            p,
+            Backend::Auto,
+            Views { q, k, v, out },
+            sdpa::Extras::default(),
+        )
+        .unwrap_err()
     };
     let cases = [
         (
@@ -338,7 +345,7 @@ fn bad_views_are_refused_and_leave_the_output_alone() {
 }
 
 /// A call on the caller's buffers and stream, captured into a CUDA graph once (after
-/// `sdpa::reserve`) and replayed: the reference's result, and after the caller overwrites Q in
+/// `Plan::reserve`) and replayed: the reference's result, and after the caller overwrites Q in
 /// place, the new reference's result from the same graph. For `Auto` and every backend this GPU
 /// must run that takes views.
 #[test]
@@ -363,7 +370,11 @@ fn a_call_on_callers_buffers_is_captured_in_a_graph() {
         let mut out = stream
             .clone_htod(&vec![f16::NAN; p.q_len().unwrap()])
             .unwrap();
-        let chosen = sdpa::reserve(&dev, &p, b).unwrap();
+        let chosen = sdpa::Plan::new(&dev, &p, b)
+            .unwrap()
+            .reserve()
+            .unwrap()
+            .backend();
         stream.synchronize().unwrap();
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -374,7 +385,7 @@ fn a_call_on_callers_buffers_is_captured_in_a_graph() {
             v: View::new(v.as_view(), ks),
             out: ViewMut::new(out.as_view_mut(), qs),
         };
-        let called = sdpa::forward_views(&dev, &p, b, views);
+        let called = sdpa::forward(&dev, &p, b, views, sdpa::Extras::default());
         let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
         called.unwrap_or_else(|e| panic!("{b} ({chosen}) during capture: {e}"));
         let graph = graph
@@ -445,7 +456,8 @@ fn e4m3_views_match_the_reference() {
                 v: Fp8View::new(v.as_view(), scales[2].as_view(), ks),
                 out: ViewMut::new(out.as_view_mut(), os),
             };
-            return sdpa::forward_fp8_views(&dev, &p16, b, views).map(|()| Vec::new());
+            return sdpa::forward(&dev, &p16, b, views, sdpa::Extras::default())
+                .map(|()| Vec::new());
         }
         let mut out = stream
             .clone_htod(&vec![half::bf16::NAN; p.q_len().unwrap()])
@@ -456,7 +468,7 @@ fn e4m3_views_match_the_reference() {
             v: Fp8View::new(v.as_view(), scales[2].as_view(), ks),
             out: ViewMut::new(out.as_view_mut(), os),
         };
-        sdpa::forward_fp8_views(&dev, &p, b, views)?;
+        sdpa::forward(&dev, &p, b, views, sdpa::Extras::default())?;
         let host = stream.clone_dtoh(&out).unwrap();
         Ok(host
             .iter()

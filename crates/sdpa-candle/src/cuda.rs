@@ -50,8 +50,7 @@ pub(crate) fn forward<T: sdpa::Element + CudaDType + ValidAsZeroBits>(
         v: View::new(vs.slice(v_l.start_offset()..), strides(v_l)),
         out: ViewMut::new(out.as_view_mut(), strides(&out_l)),
     };
-    sdpa::forward_views_with(&dev, p, Backend::Auto, views, extras)
-        .map_err(candle_core::Error::wrap)?;
+    sdpa::forward(&dev, p, Backend::Auto, views, extras).map_err(candle_core::Error::wrap)?;
     Ok((CudaStorage::wrap_cuda_slice(out, cdev), shape))
 }
 

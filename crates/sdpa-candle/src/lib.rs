@@ -114,7 +114,7 @@ pub fn flash_attn_windowed_softcap(
     )
 }
 
-/// The op behind [`flash_attn`]: one call of [`sdpa::forward_views`] on the GPU (backend
+/// The op behind [`flash_attn`]: one call of [`sdpa::forward`] on views on the GPU (backend
 /// `Auto`), [`sdpa::reference`] on the CPU.
 #[derive(Debug, Clone, Copy)]
 pub struct FlashAttn {

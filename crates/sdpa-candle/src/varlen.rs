@@ -135,7 +135,7 @@ pub fn flash_attn_varlen_windowed_softcap(
     q.apply_op3_no_bwd(k, v, &op)
 }
 
-/// The op behind [`flash_attn_varlen`]: one call of [`sdpa::forward_views_with`] on the GPU,
+/// The op behind [`flash_attn_varlen`]: one call of [`sdpa::forward`] on views on the GPU,
 /// the offsets in [`sdpa::Extras`]; [`sdpa::reference_seqs`] on the CPU. It holds the offsets
 /// tensors and reads their storage when it runs, as candle-flash-attn's op does.
 #[derive(Debug, Clone)]

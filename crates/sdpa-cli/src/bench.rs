@@ -180,6 +180,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                     // Which FP8 mode ran (null for f16/bf16), so fast and accurate records of
                     // one problem stay apart (outside the literal: json! recursion limit).
                     record["fp8_mode"] = json!((p.dtype == DType::E4m3).then(|| p.fp8_mode.name()));
+                    record["us_host"] = json!(t.us_host);
                     records.push(record);
                 }
                 Err(e @ sdpa::Error::Unsupported { .. }) => said(format!("skipped: {e}")),
@@ -192,20 +193,21 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     }
     drop(progress);
     outln!(
-        "\n{:<18} {:<9} {:<8} {:>11} {:>21} {:>11} {:>8} {:>10}",
+        "\n{:<18} {:<9} {:<8} {:>11} {:>21} {:>11} {:>8} {:>8} {:>10}",
         "problem",
         "dtype",
         "backend",
         "us_graph",
         "(95% CI, n)",
         "us_event",
+        "us_host",
         "TFLOP/s",
         "rel_err"
     )?;
     for r in &records {
         let ci = &r["us_graph_ci95"];
         outln!(
-            "{:<18} {:<9} {:<8} {:>11.2} {:>21} {:>11.2} {:>8.2} {:>10}",
+            "{:<18} {:<9} {:<8} {:>11.2} {:>21} {:>11.2} {:>8.2} {:>8.2} {:>10}",
             r["name"].as_str().unwrap_or(""),
             crate::plot::record_dtype(r),
             r["backend"].as_str().unwrap_or(""),
@@ -217,6 +219,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                 r["n_graph"].as_u64().unwrap_or(0)
             ),
             r["us_event"].as_f64().unwrap_or(f64::NAN),
+            r["us_host"].as_f64().unwrap_or(f64::NAN),
             r["tflops"].as_f64().unwrap_or(f64::NAN),
             r["rel_err"]
                 .as_f64()
@@ -319,13 +322,13 @@ fn bench_one(
         bufs = bufs.with_meta(dev, m)?;
     }
     let mut call = |out: &mut Tensor| {
-        let t = sdpa::Operands {
+        let t = sdpa::Tensors {
             q: &q,
             k: &k,
             v: &v,
             out,
         };
-        sdpa::forward_with(dev, p, b, t, bufs.extras())
+        sdpa::forward(dev, p, b, t, bufs.extras())
     };
     call(&mut out)?;
     let rel_err = if flops <= REFERENCE_FLOP_LIMIT {

@@ -21,7 +21,7 @@ use sdpa::distributed::{
     HostShards, Ring, RingOptions, RingReport, Shard, Transport, Zigzag, forward_host, lse_dims,
     q_dims,
 };
-use sdpa::{Backend, DType, Device, Extras, Operands, Problem, Tensor};
+use sdpa::{Backend, DType, Device, Extras, Problem, Tensor, Tensors};
 use sdpa_harness::{check, inputs};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -350,13 +350,13 @@ fn time_one_gpu(p: &Problem, iters: usize) -> Option<f64> {
         let mut times = Vec::new();
         for i in 0..=iters {
             let t0 = Instant::now();
-            let t = Operands {
+            let t = Tensors {
                 q: &q,
                 k: &k,
                 v: &v,
                 out: &mut out,
             };
-            sdpa::forward_with(&dev, p, Backend::Auto, t, Extras::default())?;
+            sdpa::forward(&dev, p, Backend::Auto, t, Extras::default())?;
             dev.synchronize()?;
             if i > 0 {
                 times.push(t0.elapsed().as_secs_f64());

@@ -279,13 +279,13 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
             let (qt, kt, vt) = (up(&q, 0)?, up(&k, 1)?, up(&v, 2)?);
             let mut ot = Tensor::poisoned(dev, od, q_len)?;
             let mut bufs = sdpa_harness::check::ExtraBuffers::new(dev, &p, slopes.as_deref())?;
-            let t = sdpa::Operands {
+            let t = sdpa::Tensors {
                 q: &qt,
                 k: &kt,
                 v: &vt,
                 out: &mut ot,
             };
-            sdpa::forward_with(dev, &p, backend, t, bufs.extras())?;
+            sdpa::forward(dev, &p, backend, t, bufs.extras())?;
             // Downloads: the LSE as f32 and f64; the output as bits, f64 and f32.
             check_host_elements(lse_len, 4 + 8)?;
             let lse = bufs.lse(dev)?.unwrap_or_default();

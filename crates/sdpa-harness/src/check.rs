@@ -407,13 +407,13 @@ pub fn run_backend_with_lse(
             if let Some(m) = &inputs.seq_meta {
                 bufs = bufs.with_meta(dev, m)?;
             }
-            let t = sdpa::Operands {
+            let t = sdpa::Tensors {
                 q: &q,
                 k: &k,
                 v: &v,
                 out: &mut out,
             };
-            sdpa::forward_with(dev, p, backend, t, bufs.extras())?;
+            sdpa::forward(dev, p, backend, t, bufs.extras())?;
             Ok((out.to_f64(dev)?, bufs.lse(dev)?))
         }
     }

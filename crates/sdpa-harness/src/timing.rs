@@ -1,6 +1,8 @@
 //! GPU timing, the same way everywhere (docs/perf.md, "How to measure"): CUDA events, warm-up
 //! first, medians. `us_graph` is the per-call time inside a CUDA graph of many calls (the kernel
-//! without launch gaps); `us_event` is one call between two events (what a caller sees).
+//! without launch gaps); `us_event` is one call between two events (what a caller sees);
+//! `us_host` is the host's time to check and enqueue one call (outside graphs: what a decode loop
+//! that does not capture pays each step on the CPU).
 
 use cudarc::driver::{CudaGraph, sys};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
@@ -14,6 +16,8 @@ pub struct Timing {
     pub us_graph: f64,
     /// One call between two events, host-side argument checking included (median).
     pub us_event: f64,
+    /// The host's time to check and enqueue one call, back to back outside a graph (median).
+    pub us_host: f64,
     /// The graph replays' per-call times.
     pub graph: Stats,
     /// The single launches' times.
@@ -77,11 +81,12 @@ fn median(sorted: &[f64]) -> f64 {
 }
 
 impl Timing {
-    fn from_samples(graph: &[f64], event: &[f64]) -> Timing {
+    fn from_samples(graph: &[f64], event: &[f64], host: &[f64]) -> Timing {
         let (graph, event) = (Stats::of(graph), Stats::of(event));
         Timing {
             us_graph: graph.median,
             us_event: event.median,
+            us_host: Stats::of(host).median,
             graph,
             event,
         }
@@ -122,6 +127,15 @@ pub fn time_gpu(dev: &Device, budget_ms: f64, mut f: impl FnMut() -> Result<()>)
     let share_us = budget_ms * 1e3 / 2.0;
     let reps = ((share_us / first_us) as usize).clamp(5, 200);
     let events: Vec<f64> = (0..reps).map(|_| once(&mut f)).collect::<Result<_>>()?;
+    // The host's share: calls back to back, each timed on the host clock alone (enqueueing
+    // only; the GPU runs behind), then one wait.
+    let host: Vec<f64> = (0..reps.max(50))
+        .map(|_| {
+            let t = Instant::now();
+            f().map(|()| t.elapsed().as_secs_f64() * 1e6)
+        })
+        .collect::<Result<_>>()?;
+    dev.synchronize()?;
 
     let (graph, calls) = capture(dev, first_us, &mut f)?;
     let replays = ((share_us / (first_us * calls as f64)) as usize).clamp(3, 50);
@@ -132,7 +146,7 @@ pub fn time_gpu(dev: &Device, budget_ms: f64, mut f: impl FnMut() -> Result<()>)
         end.record(stream)?;
         per_call.push(f64::from(start.elapsed_ms(&end)?) * 1e3 / calls as f64);
     }
-    Ok(Timing::from_samples(&per_call, &events))
+    Ok(Timing::from_samples(&per_call, &events, &host))
 }
 
 /// `f` captured into a CUDA graph of enough calls that a replay lasts about 2 ms (the graph's
@@ -245,20 +259,22 @@ pub fn time_backend(
             std::hint::black_box(inputs.reference(p)?);
             ts.push(t.elapsed().as_secs_f64() * 1e6);
         }
-        return Ok(Timing::from_samples(&ts, &ts));
+        return Ok(Timing::from_samples(&ts, &ts, &ts));
     }
     let dev = dev.expect("supports() requires a device for GPU backends");
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
     let mut bufs = crate::check::ExtraBuffers::new(dev, p, inputs.alibi_slopes.as_deref())?;
+    // Planned once, as a caller who runs a problem repeatedly does.
+    let plan = sdpa::Plan::new(dev, p, backend)?;
     time_gpu(dev, budget_ms, || {
-        let t = sdpa::Operands {
+        let t = sdpa::Tensors {
             q: &q,
             k: &k,
             v: &v,
             out: &mut out,
         };
-        sdpa::forward_with(dev, p, backend, t, bufs.extras())
+        plan.run(t, bufs.extras())
     })
 }
 

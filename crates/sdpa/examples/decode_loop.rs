@@ -9,7 +9,7 @@
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use sdpa::{
-    Backend, DType, Device, Extras, KvAppend, Operands, Problem, SeqMeta, Tensor, append_kv,
+    Backend, DType, Device, Extras, KvAppend, Plan, Problem, SeqMeta, Tensor, Tensors, append_kv,
 };
 
 const HEADS: usize = 32;
@@ -86,14 +86,14 @@ fn main() -> sdpa::Result<()> {
         cu_seqlens_k: Some(cu_dev.as_view()),
         ..Extras::default()
     };
-    let t = Operands {
+    let t = Tensors {
         q: &q,
         k: &k,
         v: &v,
         out: &mut out,
     };
     let used = sdpa::Backend::Auto.resolve(Some(&dev), &prefill)?;
-    sdpa::forward_with(&dev, &prefill, Backend::Auto, t, extras)?;
+    sdpa::forward(&dev, &prefill, Backend::Auto, t, extras)?;
     let meta = SeqMeta {
         cu_seqlens_q: Some(cu.clone()),
         cu_seqlens_k: Some(cu.clone()),
@@ -160,7 +160,9 @@ fn main() -> sdpa::Result<()> {
         Tensor::zeros(&dev, DTYPE, batch * row)?,
     );
     let mut out = Tensor::zeros(&dev, DTYPE, decode.q_len().unwrap())?;
-    let backend = sdpa::reserve(&dev, &decode, Backend::Auto)?;
+    let backend = Plan::new(&dev, &decode, Backend::Auto)?
+        .reserve()?
+        .backend();
     let mut step = |k_cache: &mut Tensor, v_cache: &mut Tensor, out: &mut Tensor| {
         append_kv(
             &dev,
@@ -180,13 +182,13 @@ fn main() -> sdpa::Result<()> {
             block_table: Some(table_dev.as_view()),
             ..Extras::default()
         };
-        let t = Operands {
+        let t = Tensors {
             q: &q_new,
             k: k_cache,
             v: v_cache,
             out,
         };
-        sdpa::forward_with(&dev, &decode, backend, t, extras)
+        sdpa::forward(&dev, &decode, backend, t, extras)
     };
     stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
     let captured = step(&mut k_cache, &mut v_cache, &mut out);

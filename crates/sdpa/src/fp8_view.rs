@@ -3,10 +3,11 @@
 
 use crate::backend::Backend;
 use crate::buffers::Buffers;
-use crate::device::Device;
-use crate::error::{Error, Result, invalid};
+
+use crate::error::{Result, invalid};
+use crate::extras::Extras;
 use crate::footprint::{out_apart, rows_distinct, span};
-use crate::problem::{DType, Problem, Scaling, Strides};
+use crate::problem::{DType, Scaling, Strides};
 use crate::tensor::Element;
 use crate::view::ViewMut;
 use cudarc::driver::{CudaView, DevicePtr, DeviceSlice};
@@ -55,8 +56,8 @@ pub struct Fp8Views<'a, 'o, T> {
     pub out: ViewMut<'o, T>,
 }
 
-/// [`crate::forward_views`] for an e4m3 problem: codes and scales read in place, the output
-/// written in place, nothing copied or allocated (once [`crate::reserve`] has run).
+/// A run on e4m3 views ([`Fp8Views`]): codes and scales read in place, the output written in
+/// place, nothing copied or allocated (once [`crate::Plan::reserve`] has run).
 ///
 /// Each view is checked as a 16-bit one is (its GPU, rows of 16-byte multiples, that it holds
 /// what its strides reach), and its scales hold one value, or one per (batch, head) pair. The
@@ -64,13 +65,12 @@ pub struct Fp8Views<'a, 'o, T> {
 /// dequantize first (the simulated path): they need bf16 output (the scales stay on the GPU,
 /// so whether f16 holds code · scale exactly cannot be checked), and per-head scales there need
 /// the strides of the problem's layout. cpu and cublas take owned tensors only.
-pub fn forward_fp8_views<T: Element>(
-    dev: &Device,
-    p: &Problem,
-    backend: Backend,
+pub(crate) fn run_fp8_views<T: Element>(
+    plan: &crate::Plan,
     views: Fp8Views<'_, '_, T>,
+    mut extras: Extras<'_>,
 ) -> Result<()> {
-    let p = p.checked()?;
+    let (dev, p) = (plan.device(), plan.checked());
     let Fp8Views { q, k, v, mut out } = views;
     if p.dtype != DType::E4m3 || p.output_dtype() != T::DTYPE {
         return Err(invalid!(
@@ -139,22 +139,19 @@ pub fn forward_fp8_views<T: Element>(
         )),
         _ => Ok(()),
     };
-    if backend != Backend::Auto {
-        takes(backend).map_err(|reason| Error::Unsupported {
-            backend: backend.name(),
-            reason,
-        })?;
-    }
-    let backend = backend.resolve_checked_where(Some(dev), &p, takes)?;
+    extras.check(dev, p, &spans)?;
+    let backend = plan.choose(takes)?;
     let kernel = backend
         .fused_kernel()
         .expect("cpu and cublas were refused above");
     let streams = [&q, &k, &v].map(|x| (x.codes.stream(), x.scales.stream()));
+    let extra_streams: Vec<_> = extras.streams().cloned().collect();
     let order = dev.order_after(
         streams
             .iter()
             .flat_map(|(a, b)| [*a, *b])
-            .chain([out.data.stream()]),
+            .chain([out.data.stream()])
+            .chain(&extra_streams),
     )?;
     let stream = dev.stream();
     let (qp, _qg) = q.codes.device_ptr(stream);
@@ -175,6 +172,7 @@ pub fn forward_fp8_views<T: Element>(
         alibi_slopes: 0,
         lse: 0,
         seqs: [0; 4],
-    };
-    order.finish(crate::backend::fused::forward(kernel, dev, &p, &b))
+    }
+    .with_extras(&extras.pointers(stream));
+    order.finish(crate::backend::fused::forward(kernel, dev, p, &b))
 }

@@ -30,7 +30,7 @@ pub struct KvAppend<'a> {
 /// Writes row i of sequence b's new keys and values to cache position `seqused_k[b] + i` (page
 /// `block_table[b][pos / page_size]`, row `pos % page_size`), then adds `n_new` to each
 /// `seqused_k[b]`. Everything happens on the device, on `dev`'s stream, with no host
-/// synchronization: a decode step (append, then [`crate::forward_with`] on the paged problem) can
+/// synchronization: a decode step (append, then [`crate::Plan::run`] on the paged problem) can
 /// be captured in a CUDA graph and replayed, each replay appending at the advanced positions.
 ///
 /// Shapes, dtypes and buffer lengths are checked against `p` (a paged problem, f16 or bf16).

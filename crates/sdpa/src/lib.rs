@@ -5,7 +5,7 @@
 //! grouped-query attention, causal (aligned bottom-right) or not, any sequence lengths.
 //!
 //! ```no_run
-//! use sdpa::{Backend, Device, DType, Problem, Tensor};
+//! use sdpa::{Backend, Device, DType, Extras, Problem, Tensor, Tensors};
 //!
 //! # fn main() -> sdpa::Result<()> {
 //! let dev = Device::new(0)?; // Err(Error::NoDevice) on a machine without a GPU
@@ -15,11 +15,16 @@
 //! let k = Tensor::from_f32(&dev, p.dtype, &vec![0.25; kl])?;
 //! let v = Tensor::from_f32(&dev, p.dtype, &vec![1.0; kl])?;
 //! let mut out = Tensor::poisoned(&dev, p.dtype, ql)?;
-//! sdpa::forward(&dev, &p, Backend::Auto, &q, &k, &v, &mut out)?;
+//! let ops = Tensors { q: &q, k: &k, v: &v, out: &mut out };
+//! sdpa::forward(&dev, &p, Backend::Auto, ops, Extras::default())?;
 //! assert!(out.to_f32(&dev)?.iter().all(|&x| x == 1.0));
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! One way in: [`Plan::new`] checks a problem and picks its backend once, [`Plan::run`] runs it
+//! on any operands ([`Tensors`], the caller's memory as [`Views`], e4m3 codes as [`Fp8Views`])
+//! with the [`Extras`] the problem asks for; [`forward`] is both in one call.
 //!
 //! The float64 reference needs no GPU:
 //!
@@ -52,6 +57,7 @@ pub mod fp8;
 mod fp8_view;
 mod kv_cache;
 pub mod memory;
+mod plan;
 mod problem;
 pub mod seqs;
 mod tensor;
@@ -68,41 +74,30 @@ pub use problem::{Alibi, DType, Fp8Mode, Layout, Mask, Problem, Scaling, Strides
 pub use seqs::{KvRows, SeqMeta, SeqSpan, Seqs, check_metadata};
 
 use buffers::Buffers;
-pub use fp8_view::{Fp8View, Fp8Views, forward_fp8_views};
+pub use fp8_view::{Fp8View, Fp8Views};
+pub use plan::{Operands, Plan, Tensors};
 use problem::Checked;
 pub use tensor::{Element, Tensor};
-pub use view::{View, ViewMut, Views, forward_views, forward_views_with};
+pub use view::{View, ViewMut, Views};
 
 use error::invalid;
 
-/// Runs attention for `p` on `dev`'s stream: `out = softmax(scale·Q·Kᵀ + mask)·V`.
+/// Runs attention for `p` on `dev`'s stream once: [`Plan::new`] then [`Plan::run`], for scripts
+/// and one-off calls (a loop plans once and runs each step). `ops` are [`Tensors`], [`Views`] or
+/// [`Fp8Views`]; `extras` the ALiBi slopes, log-sum-exp output and sequence metadata the problem
+/// asks for ([`Extras::default`] where it asks for none).
 ///
-/// Every argument is checked before anything is launched: the problem itself, each tensor's
-/// dtype, length and device, and whether `backend` supports the problem on this GPU. Returns
-/// when the work is queued (GPU backends) or done (`Cpu`). Nothing is written to `out` on error.
+/// Every argument is checked before anything is launched: the problem itself, each operand's
+/// dtype, extent and device, and whether `backend` supports the problem on this GPU. Returns
+/// when the work is queued (GPU backends) or done (`Cpu`). Nothing is written on error.
 ///
-/// The work is queued on `dev`'s stream. Tensors made through another handle of the same GPU
+/// The work is queued on `dev`'s stream. Buffers made through another handle of the same GPU
 /// (another stream) may be passed: the call is ordered after the work queued on their streams,
 /// and their streams after the call (see [`Device`]).
-pub fn forward(
-    dev: &Device,
-    p: &Problem,
-    backend: Backend,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &mut Tensor,
-) -> Result<()> {
-    let t = Operands { q, k, v, out };
-    forward_with(dev, p, backend, t, Extras::default())
-}
-
-/// [`forward`] with the operands a problem may ask for beyond Q, K, V and the output: ALiBi
-/// slopes (`p.alibi`) and the log-sum-exp output (`p.lse`), caller-owned f32 device buffers.
 ///
 /// ```no_run
 /// # fn main() -> sdpa::Result<()> {
-/// use sdpa::{Alibi, Backend, DType, Device, Extras, Mask, Operands, Problem, Tensor};
+/// use sdpa::{Alibi, Backend, DType, Device, Extras, Mask, Problem, Tensor, Tensors};
 /// let dev = Device::new(0)?;
 /// let p = Problem::new(1, 8, 4096, 4096, 128)
 ///     .with_mask(Mask::Window { left: Some(1024), right: Some(0) })
@@ -116,29 +111,35 @@ pub fn forward(
 /// let slopes: Vec<f32> = (1..=8).map(|h| 2f32.powi(-h)).collect();
 /// let slopes = dev.stream().clone_htod(&slopes).expect("upload");
 /// let mut lse = dev.stream().alloc_zeros::<f32>(p.lse_len()).expect("alloc");
-/// let t = Operands { q: &q, k: &k, v: &v, out: &mut out };
+/// let ops = Tensors { q: &q, k: &k, v: &v, out: &mut out };
 /// let extras = Extras {
 ///     alibi_slopes: Some(slopes.as_view()),
 ///     lse: Some(lse.as_view_mut()),
 ///     ..Extras::default()
 /// };
-/// sdpa::forward_with(&dev, &p, Backend::Auto, t, extras)?;
+/// sdpa::forward(&dev, &p, Backend::Auto, ops, extras)?;
 /// # Ok(())
 /// # }
 /// ```
-pub fn forward_with(
+pub fn forward<O: Operands>(
     dev: &Device,
     p: &Problem,
     backend: Backend,
-    t: Operands<'_>,
-    mut extras: Extras<'_>,
+    ops: O,
+    extras: Extras<'_>,
 ) -> Result<()> {
-    let p = p.checked()?;
-    let Operands { q, k, v, out } = t;
-    check_tensors(dev, &p, q, k, v, out)?;
+    Plan::new(dev, p, backend)?.run(ops, extras)
+}
+
+/// A run on owned tensors: each tensor's dtype, scales, length and GPU checked against the
+/// plan's problem, the extras against the problem and the tensors, the streams ordered.
+pub(crate) fn run_tensors(plan: &Plan, t: Tensors<'_>, mut extras: Extras<'_>) -> Result<()> {
+    let (dev, p) = (plan.device(), plan.checked());
+    let Tensors { q, k, v, out } = t;
+    check_tensors(dev, p, q, k, v, out)?;
     let spans = [q, k, v, &*out].map(|t| t.byte_span(dev));
-    extras.check(dev, &p, &spans)?;
-    let backend = backend.resolve_checked(Some(dev), &p)?;
+    extras.check(dev, p, &spans)?;
+    let backend = plan.backend();
     let extra_streams: Vec<_> = extras.streams().cloned().collect();
     let order = dev.order_after(
         [q, k, v, &*out]
@@ -146,21 +147,14 @@ pub fn forward_with(
             .flat_map(|t| t.streams())
             .chain(&extra_streams),
     )?;
-    let t = Operands { q, k, v, out };
-    order.finish(run(dev, &p, backend, t, &mut extras))
+    let t = Tensors { q, k, v, out };
+    order.finish(run(dev, p, backend, t, &mut extras))
 }
 
-/// Makes ready on `dev` what `backend` needs to run `p` (the cuBLAS handle and workspace, the
-/// scratch of the e4m3 kernels; for cublas one run of `p` on zeros, which loads its GEMM
-/// kernels), so that later calls of `p` or smaller problems allocate nothing and can be
-/// captured into a CUDA graph. Returns the backend that will run `p` (`Auto` resolved).
-///
-/// The e4m3 simulated path of cublas and cpu dequantizes into new tensors and still allocates.
-pub fn reserve(dev: &Device, p: &Problem, backend: Backend) -> Result<Backend> {
-    let p = p.checked()?;
-    let chosen = backend.resolve_checked(Some(dev), &p)?;
+/// What [`Plan::reserve`] makes ready for `backend` (resolved) on `p`.
+pub(crate) fn reserve_backend(dev: &Device, p: &Checked, chosen: Backend) -> Result<()> {
     if let Some(kernel) = chosen.fused_kernel() {
-        backend::fused::reserve(kernel, dev, &p)?;
+        backend::fused::reserve(kernel, dev, p)?;
     } else if chosen == Backend::Cublas {
         // cuBLAS loads a GEMM's kernels at their first launch, which a graph capture does not
         // allow: run the problem once, on zeros, besides making the handle and workspace.
@@ -173,52 +167,7 @@ pub fn reserve(dev: &Device, p: &Problem, backend: Backend) -> Result<Backend> {
         backend::cublas::forward(dev, &p, &b)?;
         dev.synchronize()?;
     }
-    Ok(chosen)
-}
-
-/// The tensors of one call, by name. Q, K and V have one type, so positional arguments let a
-/// swap compile; a struct literal does not.
-#[derive(Debug)]
-pub struct Operands<'a> {
-    /// Queries, `p.q_len()` elements.
-    pub q: &'a Tensor,
-    /// Keys, `p.kv_len()` elements.
-    pub k: &'a Tensor,
-    /// Values, `p.kv_len()` elements.
-    pub v: &'a Tensor,
-    /// The output, `p.q_len()` elements of `p.output_dtype()`; written only on success.
-    pub out: &'a mut Tensor,
-}
-
-impl Problem {
-    /// [`forward`] with named operands.
-    ///
-    /// ```no_run
-    /// # fn main() -> sdpa::Result<()> {
-    /// use sdpa::{Backend, DType, Device, Operands, Problem, Tensor};
-    /// let dev = Device::new(0)?;
-    /// let p = Problem::new(1, 8, 512, 512, 128).with_causal(true);
-    /// let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
-    /// let q = Tensor::zeros(&dev, DType::F16, ql)?;
-    /// let (k, v) = (Tensor::zeros(&dev, DType::F16, kl)?, Tensor::zeros(&dev, DType::F16, kl)?);
-    /// let mut out = Tensor::zeros(&dev, DType::F16, ql)?;
-    /// p.forward(&dev, Backend::Auto, Operands { q: &q, k: &k, v: &v, out: &mut out })?;
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn forward(&self, dev: &Device, backend: Backend, t: Operands<'_>) -> Result<()> {
-        forward(dev, self, backend, t.q, t.k, t.v, t.out)
-    }
-    /// [`forward_with`] for this problem.
-    pub fn forward_with(
-        &self,
-        dev: &Device,
-        backend: Backend,
-        t: Operands<'_>,
-        extras: Extras<'_>,
-    ) -> Result<()> {
-        forward_with(dev, self, backend, t, extras)
-    }
+    Ok(())
 }
 
 /// `forward` once its arguments are checked, `backend` resolved to one that supports `p`, and
@@ -227,7 +176,7 @@ fn run(
     dev: &Device,
     p: &Checked,
     backend: Backend,
-    t: Operands<'_>,
+    t: Tensors<'_>,
     extras: &mut Extras<'_>,
 ) -> Result<()> {
     if p.dtype == DType::E4m3 && !backend.native_fp8() {
@@ -236,7 +185,7 @@ fn run(
     if let Some(kernel) = backend.fused_kernel() {
         return fused_forward(kernel, dev, p, t, extras);
     }
-    let Operands { q, k, v, out } = t;
+    let Tensors { q, k, v, out } = t;
     match backend {
         Backend::Cpu => {
             let stream = dev.stream();
@@ -272,7 +221,7 @@ fn fused_forward(
     kernel: sdpa_sys::ffi::Kernel,
     dev: &Device,
     p: &Checked,
-    t: Operands<'_>,
+    t: Tensors<'_>,
     extras: &mut Extras<'_>,
 ) -> Result<()> {
     let stream = dev.stream().clone();
@@ -287,7 +236,7 @@ fn fp8_simulated(
     dev: &Device,
     p: &Checked,
     backend: Backend,
-    t: Operands<'_>,
+    t: Tensors<'_>,
     extras: &mut Extras<'_>,
 ) -> Result<()> {
     let dtype = p.output_dtype();
@@ -323,7 +272,7 @@ fn fp8_simulated(
         t.k.dequantize(dev, dtype)?,
         t.v.dequantize(dev, dtype)?,
     );
-    let t = Operands {
+    let t = Tensors {
         q: &q,
         k: &k,
         v: &v,

@@ -4,10 +4,10 @@
 use crate::backend::Backend;
 use crate::buffers::Buffers;
 use crate::device::Device;
-use crate::error::{Error, Result, invalid};
+use crate::error::{Result, invalid};
 use crate::extras::Extras;
 use crate::footprint::{out_apart, rows_distinct, span};
-use crate::problem::{Checked, Problem, Strides};
+use crate::problem::{Checked, Strides};
 use crate::tensor::Element;
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
 
@@ -79,64 +79,27 @@ pub struct Views<'a, 'o, T> {
     pub out: ViewMut<'o, T>,
 }
 
-/// [`crate::forward`] on views of the caller's memory: nothing is copied or allocated (once
-/// [`crate::reserve`] has run for the problem), and the work is queued on `dev`'s stream.
+/// A run on views of the caller's memory ([`Views`]): nothing is copied or allocated (once
+/// [`crate::Plan::reserve`] has run), and the work is queued on the plan's stream.
 ///
-/// `p`'s layout is not used: each view brings its own strides. Every view must be on `dev`'s
-/// GPU, have `p`'s dtype (the output too), 16-byte aligned rows (base address and every stride
-/// a multiple of 16 bytes), and hold every element its strides address; the output's strides
-/// must give each element its own address and the output may not overlap an input. The fused
-/// backends take any such strides; cublas only the strides of `p`'s layout; cpu takes owned
-/// tensors only. `Auto` picks among the backends that take these strides.
+/// The problem's layout is not used: each view brings its own strides. Every view must be on the
+/// plan's GPU, have the problem's dtype (the output too), 16-byte aligned rows (base address and
+/// every stride a multiple of 16 bytes), and hold every element its strides address; the output's
+/// strides must give each element its own address and the output may not overlap an input. The
+/// fused backends take any such strides; cublas only the strides of the problem's layout; cpu
+/// takes owned tensors only. `Auto` picks among the backends that take these strides.
 ///
 /// Stream order: a view of a buffer made on another stream is ordered like a [`crate::Tensor`]
 /// of that stream (the call waits for the work queued there, and that stream waits for the
 /// call), and cudarc's own event tracking, where the buffer's context has it on, adds its waits.
-/// On `dev`'s own stream nothing is waited for or recorded, so the call can be captured into a
-/// CUDA graph.
-///
-/// ```no_run
-/// # fn main() -> sdpa::Result<()> {
-/// use half::f16;
-/// use sdpa::{Backend, Device, Problem, View, ViewMut, Views};
-/// let ctx = cudarc::driver::CudaContext::new(0).expect("GPU 0");
-/// let stream = ctx.default_stream();
-/// let dev = Device::from_stream(stream.clone())?;
-/// let p = Problem::new(1, 8, 512, 512, 128).with_causal(true);
-/// let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
-/// let q = stream.alloc_zeros::<f16>(ql).expect("alloc");
-/// let kv = stream.alloc_zeros::<f16>(kl).expect("alloc");
-/// let mut out = stream.alloc_zeros::<f16>(ql).expect("alloc");
-/// let (qs, ks) = (p.q_strides(), p.kv_strides());
-/// let views = Views {
-///     q: View::new(q.as_view(), qs),
-///     k: View::new(kv.as_view(), ks),
-///     v: View::new(kv.as_view(), ks),
-///     out: ViewMut::new(out.as_view_mut(), qs),
-/// };
-/// sdpa::forward_views(&dev, &p, Backend::Auto, views)?;
-/// # Ok(())
-/// # }
-/// ```
-pub fn forward_views<T: Element>(
-    dev: &Device,
-    p: &Problem,
-    backend: Backend,
-    views: Views<'_, '_, T>,
-) -> Result<()> {
-    forward_views_with(dev, p, backend, views, Extras::default())
-}
-
-/// [`forward_views`] with the ALiBi slopes and the log-sum-exp output the problem asks for
-/// (see [`crate::forward_with`]).
-pub fn forward_views_with<T: Element>(
-    dev: &Device,
-    p: &Problem,
-    backend: Backend,
+/// On the plan's own stream nothing is waited for or recorded, so the call can be captured into
+/// a CUDA graph.
+pub(crate) fn run_views<T: Element>(
+    plan: &crate::Plan,
     views: Views<'_, '_, T>,
     extras: Extras<'_>,
 ) -> Result<()> {
-    let p = p.checked()?;
+    let p = plan.checked();
     if T::DTYPE != p.dtype || p.output_dtype() != p.dtype {
         return Err(invalid!(
             "the views are {}, the problem's inputs {} and output {}",
@@ -146,17 +109,18 @@ pub fn forward_views_with<T: Element>(
         ));
     }
     let Views { q, k, v, out } = views;
-    launch_views(dev, &p, backend, [q, k, v], out, extras, false)
+    let pick = |in_layout: bool| plan.choose(|b| takes_views(p, b, in_layout));
+    launch_views(plan.device(), p, pick, [q, k, v], out, extras, false)
 }
 
-/// [`forward_views_with`] on cutlass (sm90) with the output in f32 rather than the problem's
+/// A run on views on cutlass (sm90) with the output in f32 rather than the problem's
 /// dtype: a partial result that is merged with others before it is rounded (ring attention's
 /// steps). Where cutlass cannot write it ([`crate::backend::fused::writes_f32`] says so ahead),
 /// the core's own check refuses the launch with the reason.
 #[cfg(feature = "distributed")]
 pub(crate) fn forward_views_f32<T: Element>(
     dev: &Device,
-    p: &Problem,
+    p: &crate::Problem,
     [q, k, v]: [View<'_, T>; 3],
     out: ViewMut<'_, f32>,
     extras: Extras<'_>,
@@ -169,7 +133,8 @@ pub(crate) fn forward_views_f32<T: Element>(
             p.dtype
         ));
     }
-    launch_views(dev, &p, Backend::Cutlass, [q, k, v], out, extras, true)
+    let pick = |_| Backend::Cutlass.resolve_checked(Some(dev), &p);
+    launch_views(dev, &p, pick, [q, k, v], out, extras, true)
 }
 
 /// The checks every call on views makes, and its launch: the output's elements are `O`, the
@@ -177,7 +142,7 @@ pub(crate) fn forward_views_f32<T: Element>(
 fn launch_views<T: Element, O: DeviceRepr>(
     dev: &Device,
     p: &Checked,
-    backend: Backend,
+    pick: impl FnOnce(bool) -> Result<Backend>,
     [q, k, v]: [View<'_, T>; 3],
     mut out: ViewMut<'_, O>,
     mut extras: Extras<'_>,
@@ -204,7 +169,7 @@ fn launch_views<T: Element, O: DeviceRepr>(
     ];
     let (qd, kd) = (p.q_strides(), p.kv_strides());
     let in_layout = strides == [qd, kd, kd, qd];
-    let backend = resolve(dev, p, backend, in_layout)?;
+    let backend = pick(in_layout)?;
     let extra_streams: Vec<_> = extras.streams().cloned().collect();
     let order = dev.order_after(
         [
@@ -244,34 +209,15 @@ fn launch_views<T: Element, O: DeviceRepr>(
     order.finish(ran)
 }
 
-impl Problem {
-    /// [`forward_views`] for this problem.
-    pub fn forward_views<T: Element>(
-        &self,
-        dev: &Device,
-        backend: Backend,
-        views: Views<'_, '_, T>,
-    ) -> Result<()> {
-        forward_views(dev, self, backend, views)
-    }
-}
-
-/// The backend that runs `p` on views: `backend` if it takes them, for `Auto` the first of the
-/// measured order that does. cpu reads owned tensors; cublas only the layout's strides.
-fn resolve(dev: &Device, p: &Checked, backend: Backend, in_layout: bool) -> Result<Backend> {
-    let takes = |b: Backend| match b {
+/// Whether `b` runs views (`in_layout`: at the problem's own strides): cpu reads owned tensors;
+/// cublas only the layout's strides.
+fn takes_views(p: &Checked, b: Backend, in_layout: bool) -> std::result::Result<(), String> {
+    match b {
         Backend::Cpu => Err("reads owned tensors (Tensor), not views".to_string()),
         Backend::Cublas if !in_layout => Err(format!(
             "takes views with the {} layout's own strides only",
             p.layout
         )),
         _ => Ok(()),
-    };
-    if backend != Backend::Auto {
-        takes(backend).map_err(|reason| Error::Unsupported {
-            backend: backend.name(),
-            reason,
-        })?;
     }
-    backend.resolve_checked_where(Some(dev), p, takes)
 }

@@ -13,7 +13,7 @@ use crate::extras::Extras;
 use crate::ffi;
 use crate::problem::{Problem, Strides};
 use crate::tensor::Element;
-use crate::view::{View, ViewMut, Views, forward_views_f32, forward_views_with};
+use crate::view::{View, ViewMut, Views, forward_views_f32};
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr};
 use sdpa_sys::ffi::Dtype;
 
@@ -72,7 +72,7 @@ pub(crate) fn attend<T: Element>(
             let mut part = unsafe { wk.part.transmute_mut::<T>(n_out) }.expect("sized");
             let [q, k, v] = ins;
             let out = ViewMut::new(part.slice_mut(..), part_strides);
-            forward_views_with(dev, &bp, backend, Views { q, k, v, out }, extras)?;
+            crate::forward(dev, &bp, backend, Views { q, k, v, out }, extras)?;
             (part.device_ptr(stream).0, ffi::dtype(p.dtype))
         })
     })?;
