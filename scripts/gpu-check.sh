@@ -7,7 +7,7 @@
 #
 #   bash scripts/gpu-check.sh $OUT            # all steps
 #   STEPS="tests bench" bash scripts/gpu-check.sh $OUT
-# The candle step runs what scripts/stage-candle.sh put in .gpu/candle/ (after the stage).
+# The candle step runs what scripts/stage-candle.sh packed into .gpu/candle.txz (after the stage).
 set -uo pipefail
 out=${1:-${OUT:-/tmp/gpu-check}}
 mkdir -p "$out"
@@ -26,7 +26,9 @@ if has candle; then
   # sdpa-candle's GPU tests (the `cuda` feature), staged by scripts/stage-candle.sh: a missing
   # stage fails the step rather than skipping it.
   rc=0; n=0
-  for t in .gpu/candle/*; do
+  mkdir -p /tmp/gpu-candle
+  [ -f .gpu/candle.txz ] && xz -dc .gpu/candle.txz | tar -C /tmp/gpu-candle -xf -
+  for t in /tmp/gpu-candle/*; do
     [ -x "$t" ] || continue
     n=$((n + 1))
     LD_LIBRARY_PATH=/usr/local/cuda-13.0/lib64:${LD_LIBRARY_PATH:-} timeout 300 "$t" \

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Builds sdpa-candle's GPU tests (the `cuda` feature, outside `cargo test --workspace`) here and
-# puts their executables in .gpu/candle/, beside what ../shared/gpu/stage packs, so that
-# scripts/gpu-check.sh runs them on the GPU machine (its `candle` step). Run after stage (which
+# packs their executables into .gpu/candle.txz (xz: each carries the CUDA core), beside what
+# ../shared/gpu/stage packs, so that scripts/gpu-check.sh runs them on the GPU machine (its
+# `candle` step). Run after stage (which
 # empties .gpu/). candle's CUDA backend needs a toolkit: scripts/candle-cuda-env.sh makes one.
 #
 #   bash scripts/stage-candle.sh
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-mkdir -p .gpu/candle
+rm -rf .gpu/candle && mkdir -p .gpu/candle
 bash scripts/candle-cuda-env.sh cargo test -p sdpa-candle --features cuda --release --no-run \
   --message-format=json 2>/dev/null \
   | python3 -c '
@@ -22,4 +23,6 @@ for line in sys.stdin:
   strip --strip-debug ".gpu/candle/$(basename "$exe")"
 done
 ls .gpu/candle | grep -q . || { echo "stage-candle: no test executables built" >&2; exit 1; }
-ls -la .gpu/candle
+tar -C .gpu/candle -cf - . | xz -T0 -6 > .gpu/candle.txz
+rm -rf .gpu/candle
+ls -la .gpu/candle.txz
