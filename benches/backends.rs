@@ -141,6 +141,15 @@ fn call_overhead(c: &mut Criterion, dev: &Device) {
             })
         })
     });
+    // Parts of a run, for the profile of its host time: the backend's checks of the problem
+    // (Rust and the core's can_implement, which the core asks again before each launch), and
+    // planning itself.
+    group.bench_function("supports_cutlass", |b| {
+        b.iter(|| Backend::Cutlass.supports(Some(dev), &p))
+    });
+    group.bench_function("plan_new", |b| {
+        b.iter(|| sdpa::Plan::new(dev, &p, Backend::Auto).unwrap())
+    });
     group.bench_function("forward_tensors", |b| {
         b.iter_custom(|iters| {
             wall(iters, &mut || {

@@ -90,13 +90,15 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         let (one, full) = (launch_floor(d, 1)?, launch_floor(d, 2 * sms)?);
         outln!(
             "{} ({} SMs). launch floor (empty kernel): {:.2} us/call in a graph (1 CTA), {:.2} \
-             ({} CTAs); {:.2} us one launch between events",
+             ({} CTAs); {:.2} us one launch between events; {:.2} us of host time to enqueue one \
+             (us_host's floor)",
             d.name()?,
             sms,
             one.us_graph,
             full.us_graph,
             2 * sms,
-            one.us_event
+            one.us_event,
+            one.us_host
         )?;
     }
     let (device, sm) = match &dev {
