@@ -34,7 +34,7 @@ pub(crate) fn decode_one(dtype: DType, b: u16) -> f64 {
 /// Rounds f32 values to `dtype` (round-to-nearest-even) and returns their bit patterns (for
 /// e4m3: the unscaled codes, saturating to ±448, in the low byte). The result is allocated as
 /// any `Vec` is (the process aborts where the host cannot hold it); for data sized by a user,
-/// the crate uses [`try_encode`].
+/// the crate checks the host's memory first (`try_encode`).
 pub fn encode(dtype: DType, data: &[f32]) -> Vec<u16> {
     data.iter().map(|&x| encode_one(dtype, x)).collect()
 }

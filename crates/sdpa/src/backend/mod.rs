@@ -11,8 +11,6 @@ use crate::device::Device;
 use crate::error::{Error, Result, invalid};
 use crate::problem::{Checked, DType, Problem};
 
-/// Whether the native e4m3 kernel (cpp/src/cutlass/sm90) is built.
-const NATIVE_E4M3_BUILT: bool = true;
 use std::fmt;
 use std::str::FromStr;
 
@@ -102,17 +100,8 @@ impl Backend {
             backend: self.name(),
             reason,
         };
-        if p.dtype == DType::E4m3 && self != Backend::Auto {
-            if !self.native_fp8() {
-                return self.supports_checked(dev, &p.dequantized());
-            }
-            if !NATIVE_E4M3_BUILT {
-                return Err(unsupported(
-                    "the native e4m3 kernel is not built yet; e4m3 runs on the simulated path \
-                     of scalar, wmma, cublas and cutlass-sm80"
-                        .into(),
-                ));
-            }
+        if p.dtype == DType::E4m3 && self != Backend::Auto && !self.native_fp8() {
+            return self.supports_checked(dev, &p.dequantized());
         }
         if let Some(kernel) = self.fused_kernel() {
             return self.fused_supports(kernel, dev, p).map_err(unsupported);
