@@ -1,12 +1,10 @@
 //! e4m3 operands in the caller's memory: codes at any strides (head_dim contiguous) and their
 //! dequantization scales, read in place like the 16-bit views of `view.rs`.
 
-use crate::backend::Backend;
-use crate::buffers::Buffers;
-
 use crate::error::{Result, invalid};
 use crate::extras::Extras;
-use crate::footprint::{out_apart, rows_distinct, span};
+use crate::footprint::{rows_distinct, span};
+use crate::launch::{Bound, Call, Storage};
 use crate::problem::{DType, Scaling, Strides};
 use crate::tensor::Element;
 use crate::view::ViewMut;
@@ -68,7 +66,7 @@ pub struct Fp8Views<'a, 'o, T> {
 pub(crate) fn run_fp8_views<T: Element>(
     plan: &crate::Plan,
     views: Fp8Views<'_, '_, T>,
-    mut extras: Extras<'_>,
+    extras: Extras<'_>,
 ) -> Result<()> {
     let (dev, p) = (plan.device(), plan.checked());
     let Fp8Views { q, k, v, mut out } = views;
@@ -114,65 +112,59 @@ pub(crate) fn run_fp8_views<T: Element>(
         let (sp, _g) = view.scales.device_ptr(view.scales.stream());
         scale_spans.push((name, sp..sp + (view.scales.len() * 4) as u64));
     }
-    let mut inputs = vec![("q", &spans[0]), ("k", &spans[1]), ("v", &spans[2])];
-    inputs.extend(scale_spans.iter().map(|(name, r)| (*name, r)));
-    out_apart(&spans[3], &inputs)?;
     let strides = [
         qs.effective(q.strides),
         ks.effective(k.strides),
         ks.effective(v.strides),
         qs.effective(out.strides),
     ];
-    let (qd, kd) = (p.q_strides(), p.kv_strides());
-    let in_layout = strides[..3] == [qd, kd, kd];
-    let takes = |b: Backend| match b {
-        Backend::Cpu | Backend::Cublas => Err("takes e4m3 as owned tensors only".to_string()),
-        b if b.native_fp8() => Ok(()),
-        _ if T::DTYPE != DType::Bf16 => Err(
-            "dequantizes e4m3 views to bf16 only (whether f16 holds code · scale exactly depends \
-             on scales that stay on the GPU)"
-                .to_string(),
-        ),
-        _ if p.fp8_scaling == Scaling::PerHead && !in_layout => Err(format!(
-            "dequantizes per-head e4m3 views at the {} layout's own strides only",
-            p.layout
-        )),
-        _ => Ok(()),
-    };
-    extras.check(dev, p, &spans)?;
-    let backend = plan.choose(takes)?;
-    let kernel = backend
-        .fused_kernel()
-        .expect("cpu and cublas were refused above");
-    let streams = [&q, &k, &v].map(|x| (x.codes.stream(), x.scales.stream()));
-    let extra_streams: Vec<_> = extras.streams().cloned().collect();
-    let order = dev.order_after(
-        streams
-            .iter()
-            .flat_map(|(a, b)| [*a, *b])
-            .chain([out.data.stream()])
-            .chain(&extra_streams),
-    )?;
     let stream = dev.stream();
+    // The guards record cudarc's read/write events (where tracking is on) once dropped, after
+    // the launch is queued.
     let (qp, _qg) = q.codes.device_ptr(stream);
     let (kp, _kg) = k.codes.device_ptr(stream);
     let (vp, _vg) = v.codes.device_ptr(stream);
     let (qsp, _qsg) = q.scales.device_ptr(stream);
     let (ksp, _ksg) = k.scales.device_ptr(stream);
     let (vsp, _vsg) = v.scales.device_ptr(stream);
+    let out_stream = out.data.stream().clone();
     let (op, _og) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut out.data, stream);
-    let b = Buffers {
-        q: qp,
-        k: kp,
-        v: vp,
-        o: op,
+    let [qspan, kspan, vspan, ospan] = spans;
+    let [qsc, ksc, vsc] = [0, 1, 2].map(|i| scale_spans[i].1.clone());
+    let call = Call {
+        ops: [
+            Bound {
+                ptr: qp,
+                strides: strides[0],
+                span: qspan,
+                scales: Some((qsp, qsc)),
+            },
+            Bound {
+                ptr: kp,
+                strides: strides[1],
+                span: kspan,
+                scales: Some((ksp, ksc)),
+            },
+            Bound {
+                ptr: vp,
+                strides: strides[2],
+                span: vspan,
+                scales: Some((vsp, vsc)),
+            },
+            Bound {
+                ptr: op,
+                strides: strides[3],
+                span: ospan,
+                scales: None,
+            },
+        ],
         o_f32: false,
-        scales: [qsp, ksp, vsp],
-        strides,
-        alibi_slopes: 0,
-        lse: 0,
-        seqs: [0; 4],
-    }
-    .with_extras(&extras.pointers(stream));
-    order.finish(crate::backend::fused::forward(kernel, dev, p, &b))
+        streams: [&q, &k, &v]
+            .into_iter()
+            .flat_map(|x| [x.codes.stream().clone(), x.scales.stream().clone()])
+            .chain([out_stream])
+            .collect(),
+        storage: Storage::Fp8Views { out: T::DTYPE },
+    };
+    crate::launch::launch(plan, call, extras)
 }

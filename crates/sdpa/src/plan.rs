@@ -123,7 +123,7 @@ impl Plan {
     /// of the e4m3 kernels, the tile counter; for cublas one run on zeros, which loads its GEMM
     /// kernels), so that later runs allocate nothing and can be captured into a CUDA graph.
     pub fn reserve(&self) -> Result<&Plan> {
-        crate::reserve_backend(&self.dev, &self.p, self.backend())?;
+        reserve_backend(&self.dev, &self.p, self.backend())?;
         Ok(self)
     }
 
@@ -153,6 +153,25 @@ impl Plan {
         reasons.extend(self.refusals.iter().cloned());
         Err(none_supports(&self.p, &reasons))
     }
+}
+
+/// What [`Plan::reserve`] makes ready for `backend` (resolved) on `p`.
+fn reserve_backend(dev: &Device, p: &Checked, chosen: Backend) -> Result<()> {
+    if let Some(kernel) = chosen.fused_kernel() {
+        crate::backend::fused::reserve(kernel, dev, p)?;
+    } else if chosen == Backend::Cublas {
+        // cuBLAS loads a GEMM's kernels at their first launch, which a graph capture does not
+        // allow: run the problem once, on zeros, besides making the handle and workspace.
+        let p = p.dequantized();
+        crate::backend::cublas::reserve(dev, &p)?;
+        let (ql, kl) = (p.q_elems(), p.kv_elems());
+        let zeros = |n| Tensor::zeros(dev, p.dtype, n);
+        let (q, k, v, mut out) = (zeros(ql)?, zeros(kl)?, zeros(kl)?, zeros(ql)?);
+        let b = crate::buffers::Buffers::of_tensors(dev, &p, &q, &k, &v, &mut out);
+        crate::backend::cublas::forward(dev, &p, &b)?;
+        dev.synchronize()?;
+    }
+    Ok(())
 }
 
 fn none_supports(p: &Checked, reasons: &[String]) -> Error {
@@ -186,7 +205,7 @@ pub struct Tensors<'a> {
 
 impl Operands for Tensors<'_> {
     fn run(self, plan: &Plan, extras: Extras<'_>) -> Result<()> {
-        crate::run_tensors(plan, self, extras)
+        crate::owned::run_tensors(plan, self, extras)
     }
 }
 

@@ -1,13 +1,11 @@
 //! Borrowed views of the caller's device memory as operands: no copy, any element strides with a
 //! contiguous head_dim (as FlashAttention takes them), checked like owned tensors.
 
-use crate::backend::Backend;
-use crate::buffers::Buffers;
-use crate::device::Device;
 use crate::error::{Result, invalid};
 use crate::extras::Extras;
-use crate::footprint::{out_apart, rows_distinct, span};
-use crate::problem::{Checked, Strides};
+use crate::footprint::{rows_distinct, span};
+use crate::launch::{Bound, Call, Storage};
+use crate::problem::Strides;
 use crate::tensor::Element;
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
 
@@ -109,23 +107,21 @@ pub(crate) fn run_views<T: Element>(
         ));
     }
     let Views { q, k, v, out } = views;
-    let pick = |in_layout: bool| plan.choose(|b| takes_views(p, b, in_layout));
-    launch_views(plan.device(), p, pick, [q, k, v], out, extras, false)
+    launch_views(plan, [q, k, v], out, extras, false)
 }
 
-/// A run on views on cutlass (sm90) with the output in f32 rather than the problem's
-/// dtype: a partial result that is merged with others before it is rounded (ring attention's
-/// steps). Where cutlass cannot write it ([`crate::backend::fused::writes_f32`] says so ahead),
-/// the core's own check refuses the launch with the reason.
+/// A run on views on cutlass (sm90) with the output in f32 rather than the problem's dtype: a
+/// partial result that is merged with others before it is rounded (ring attention's steps).
+/// Where cutlass cannot write it ([`crate::backend::fused::writes_f32`] says so ahead), the
+/// core's own check refuses the launch with the reason.
 #[cfg(feature = "distributed")]
 pub(crate) fn forward_views_f32<T: Element>(
-    dev: &Device,
+    dev: &crate::Device,
     p: &crate::Problem,
     [q, k, v]: [View<'_, T>; 3],
     out: ViewMut<'_, f32>,
     extras: Extras<'_>,
 ) -> Result<()> {
-    let p = p.checked()?;
     if T::DTYPE != p.dtype {
         return Err(invalid!(
             "the views are {}, the problem's inputs {}",
@@ -133,21 +129,22 @@ pub(crate) fn forward_views_f32<T: Element>(
             p.dtype
         ));
     }
-    let pick = |_| Backend::Cutlass.resolve_checked(Some(dev), &p);
-    launch_views(dev, &p, pick, [q, k, v], out, extras, true)
+    let plan = crate::Plan::new(dev, p, crate::Backend::Cutlass)?;
+    launch_views(&plan, [q, k, v], out, extras, true)
 }
 
-/// The checks every call on views makes, and its launch: the output's elements are `O`, the
-/// problem's output dtype or (`o_f32`) f32.
+/// Binds views to the one pipeline ([`crate::launch::launch`]): each checked against the
+/// problem (its GPU, alignment and extent; the output's elements distinct), its strides with
+/// size-1 dimensions as the layout's own, its address guarded until the launch is queued. The
+/// output's elements are `O`: the problem's output dtype or (`o_f32`) f32.
 fn launch_views<T: Element, O: DeviceRepr>(
-    dev: &Device,
-    p: &Checked,
-    pick: impl FnOnce(bool) -> Result<Backend>,
+    plan: &crate::Plan,
     [q, k, v]: [View<'_, T>; 3],
     mut out: ViewMut<'_, O>,
-    mut extras: Extras<'_>,
+    extras: Extras<'_>,
     o_f32: bool,
 ) -> Result<()> {
+    let (dev, p) = (plan.device(), plan.checked());
     let (qs, ks) = (p.q_shape(), p.kv_shape());
     let spans = [
         span("q", dev, &q.data, q.strides, qs)?,
@@ -156,68 +153,42 @@ fn launch_views<T: Element, O: DeviceRepr>(
         span("out", dev, &out.data, out.strides, qs)?,
     ];
     rows_distinct(out.strides, qs)?;
-    out_apart(
-        &spans[3],
-        &[("q", &spans[0]), ("k", &spans[1]), ("v", &spans[2])],
-    )?;
-    extras.check(dev, p, &spans)?;
     let strides = [
         qs.effective(q.strides),
         ks.effective(k.strides),
         ks.effective(v.strides),
         qs.effective(out.strides),
     ];
-    let (qd, kd) = (p.q_strides(), p.kv_strides());
-    let in_layout = strides == [qd, kd, kd, qd];
-    let backend = pick(in_layout)?;
-    let extra_streams: Vec<_> = extras.streams().cloned().collect();
-    let order = dev.order_after(
-        [
-            q.data.stream(),
-            k.data.stream(),
-            v.data.stream(),
-            out.data.stream(),
-        ]
-        .into_iter()
-        .chain(&extra_streams),
-    )?;
     let stream = dev.stream();
     // The guards record cudarc's read/write events (where tracking is on) once dropped, after
     // the launch is queued.
     let (qp, _qg) = q.data.device_ptr(stream);
     let (kp, _kg) = k.data.device_ptr(stream);
     let (vp, _vg) = v.data.device_ptr(stream);
+    let out_stream = out.data.stream().clone();
     let (op, _og) = out.data.device_ptr_mut(stream);
-    let extra_ptrs = extras.pointers(stream);
-    let b = Buffers {
-        q: qp,
-        k: kp,
-        v: vp,
-        o: op,
-        o_f32,
-        scales: [0; 3],
+    let [qspan, kspan, vspan, ospan] = spans;
+    let bound = |ptr, strides, span| Bound {
+        ptr,
         strides,
-        alibi_slopes: 0,
-        lse: 0,
-        seqs: [0; 4],
-    }
-    .with_extras(&extra_ptrs);
-    let ran = match backend.fused_kernel() {
-        Some(kernel) => crate::backend::fused::forward(kernel, dev, p, &b),
-        None => crate::backend::cublas::forward(dev, p, &b),
+        span,
+        scales: None,
     };
-    order.finish(ran)
-}
-
-/// Whether `b` runs views (`in_layout`: at the problem's own strides): cpu reads owned tensors;
-/// cublas only the layout's strides.
-fn takes_views(p: &Checked, b: Backend, in_layout: bool) -> std::result::Result<(), String> {
-    match b {
-        Backend::Cpu => Err("reads owned tensors (Tensor), not views".to_string()),
-        Backend::Cublas if !in_layout => Err(format!(
-            "takes views with the {} layout's own strides only",
-            p.layout
-        )),
-        _ => Ok(()),
-    }
+    let call = Call {
+        ops: [
+            bound(qp, strides[0], qspan),
+            bound(kp, strides[1], kspan),
+            bound(vp, strides[2], vspan),
+            bound(op, strides[3], ospan),
+        ],
+        o_f32,
+        streams: vec![
+            q.data.stream().clone(),
+            k.data.stream().clone(),
+            v.data.stream().clone(),
+            out_stream,
+        ],
+        storage: Storage::Views,
+    };
+    crate::launch::launch(plan, call, extras)
 }
