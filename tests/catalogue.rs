@@ -453,98 +453,38 @@ fn tensor_errors_launch_nothing_and_leave_the_output_alone() {
         let cases: Vec<(&str, sdpa::Result<()>, &str)> = vec![
             (
                 "q bf16",
-                sdpa::forward(
-                    &dev,
-                    &pr,
-                    backend,
-                    sdpa::Tensors {
-                        q: &bf,
-                        k: &k,
-                        v: &v,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
-                ),
+                common::forward(&dev, &pr, backend, [&bf, &k, &v], &mut out),
                 "q is bf16",
             ),
             (
                 "k bf16",
-                sdpa::forward(
-                    &dev,
-                    &pr,
-                    backend,
-                    sdpa::Tensors {
-                        q: &q,
-                        k: &bf,
-                        v: &v,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
-                ),
+                common::forward(&dev, &pr, backend, [&q, &bf, &v], &mut out),
                 "k is bf16",
             ),
             (
                 "v short",
-                sdpa::forward(
-                    &dev,
-                    &pr,
-                    backend,
-                    sdpa::Tensors {
-                        q: &q,
-                        k: &k,
-                        v: &short,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
-                ),
+                common::forward(&dev, &pr, backend, [&q, &k, &short], &mut out),
                 "v holds 1023 elements",
             ),
             (
                 "k short",
-                sdpa::forward(
-                    &dev,
-                    &pr,
-                    backend,
-                    sdpa::Tensors {
-                        q: &q,
-                        k: &short,
-                        v: &v,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
-                ),
+                common::forward(&dev, &pr, backend, [&q, &short, &v], &mut out),
                 "k holds 1023",
             ),
             (
                 "problem bf16",
-                sdpa::forward(
+                common::forward(
                     &dev,
                     &pr.with_dtype(DType::Bf16),
                     backend,
-                    sdpa::Tensors {
-                        q: &q,
-                        k: &k,
-                        v: &v,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
+                    [&q, &k, &v],
+                    &mut out,
                 ),
                 "the problem says bf16",
             ),
             (
                 "kv_heads 3",
-                sdpa::forward(
-                    &dev,
-                    &pr.with_kv_heads(3),
-                    backend,
-                    sdpa::Tensors {
-                        q: &q,
-                        k: &k,
-                        v: &v,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
-                ),
+                common::forward(&dev, &pr.with_kv_heads(3), backend, [&q, &k, &v], &mut out),
                 "kv_heads (3)",
             ),
         ];
@@ -553,19 +493,7 @@ fn tensor_errors_launch_nothing_and_leave_the_output_alone() {
             assert!(e.to_string().contains(fragment), "{backend} {name}: {e}");
         }
         let mut short_out = Tensor::poisoned(&dev, DType::F16, n - 1).unwrap();
-        let e = sdpa::forward(
-            &dev,
-            &pr,
-            backend,
-            sdpa::Tensors {
-                q: &q,
-                k: &k,
-                v: &v,
-                out: &mut short_out,
-            },
-            sdpa::Extras::default(),
-        )
-        .unwrap_err();
+        let e = common::forward(&dev, &pr, backend, [&q, &k, &v], &mut short_out).unwrap_err();
         assert!(e.to_string().contains("out holds 1023"), "{backend}: {e}");
         // A fused kernel refuses a head dim cpp/kernels.txt does not instantiate for it (cublas
         // takes any head_dim).
@@ -723,65 +651,33 @@ fn fp8_tensor_errors_name_the_value() {
         let fwd: Vec<(&str, sdpa::Result<()>, &str)> = vec![
             (
                 "v tensor-scaled",
-                sdpa::forward(
-                    &dev,
-                    &pr,
-                    backend,
-                    sdpa::Tensors {
-                        q: &q,
-                        k: &k,
-                        v: &per_tensor,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
-                ),
+                common::forward(&dev, &pr, backend, [&q, &k, &per_tensor], &mut out),
                 "v has tensor scales, the problem says head",
             ),
             (
                 "k other shape",
-                sdpa::forward(
+                common::forward(
                     &dev,
                     &pr.with_fp8_scaling(Scaling::PerTensor),
                     backend,
-                    sdpa::Tensors {
-                        q: &per_tensor,
-                        k: &other,
-                        v: &per_tensor,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
+                    [&per_tensor, &other, &per_tensor],
+                    &mut out,
                 ),
                 "k was quantized with shape [1, 1, 16, 64] bhsd, the problem's k is [1, 2, 8, 64] bhsd",
             ),
             (
                 "q f16",
-                sdpa::forward(
-                    &dev,
-                    &pr,
-                    backend,
-                    sdpa::Tensors {
-                        q: &f16,
-                        k: &k,
-                        v: &k,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
-                ),
+                common::forward(&dev, &pr, backend, [&f16, &k, &k], &mut out),
                 "q is f16, the problem says e4m3",
             ),
             (
                 "out bf16",
-                sdpa::forward(
+                common::forward(
                     &dev,
                     &pr.with_out_dtype(DType::Bf16),
                     backend,
-                    sdpa::Tensors {
-                        q: &q,
-                        k: &k,
-                        v: &k,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
+                    [&q, &k, &k],
+                    &mut out,
                 ),
                 "out is f16, the problem says bf16",
             ),

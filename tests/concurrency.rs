@@ -17,19 +17,7 @@ fn run(dev: &Device, p: &Problem, b: Backend, seed: u64) -> Vec<u16> {
     let mut out = Tensor::poisoned(dev, p.dtype, p.q_len().unwrap()).unwrap();
     // Several calls back to back on this stream, so the threads' kernels overlap in time.
     for _ in 0..4 {
-        sdpa::forward(
-            dev,
-            p,
-            b,
-            sdpa::Tensors {
-                q: &q,
-                k: &k,
-                v: &v,
-                out: &mut out,
-            },
-            sdpa::Extras::default(),
-        )
-        .unwrap();
+        common::forward(dev, p, b, [&q, &k, &v], &mut out).unwrap();
     }
     out.to_bits(dev).unwrap()
 }
@@ -109,35 +97,11 @@ fn chained_calls_match_synchronized_ones() {
                     Tensor::poisoned(&dev, p.dtype, n).unwrap(),
                     Tensor::poisoned(&dev, p.dtype, n).unwrap(),
                 ];
-                sdpa::forward(
-                    &dev,
-                    p,
-                    b,
-                    sdpa::Tensors {
-                        q: &q,
-                        k: &k,
-                        v: &v,
-                        out: &mut bufs[0],
-                    },
-                    sdpa::Extras::default(),
-                )
-                .unwrap();
+                common::forward(&dev, p, b, [&q, &k, &v], &mut bufs[0]).unwrap();
                 for step in 1..8 {
                     let [a, c] = &mut bufs;
                     let (src, dst) = if step % 2 == 1 { (&*a, c) } else { (&*c, a) };
-                    sdpa::forward(
-                        &dev,
-                        p,
-                        b,
-                        sdpa::Tensors {
-                            q: src,
-                            k: &k,
-                            v: &v,
-                            out: dst,
-                        },
-                        sdpa::Extras::default(),
-                    )
-                    .unwrap();
+                    common::forward(&dev, p, b, [src, &k, &v], dst).unwrap();
                     if sync {
                         dev.synchronize().unwrap();
                     }
@@ -188,37 +152,13 @@ fn tensors_used_across_streams_stay_ordered() {
             .unwrap();
         let mut busy_out = Tensor::poisoned(&a, busy.dtype, busy.q_len().unwrap()).unwrap();
         for round in 0..6 {
-            sdpa::forward(
-                &a,
-                &busy,
-                backend,
-                sdpa::Tensors {
-                    q: &bq,
-                    k: &bk,
-                    v: &bv,
-                    out: &mut busy_out,
-                },
-                sdpa::Extras::default(),
-            )
-            .unwrap();
+            common::forward(&a, &busy, backend, [&bq, &bk, &bv], &mut busy_out).unwrap();
             let [q, k, v] = inputs.upload(&a, p.dtype).unwrap();
             // The output alternates between the streams: its own free must wait too.
             let out_dev = if round % 2 == 0 { &a } else { &b };
             let mut out = Tensor::poisoned(out_dev, p.dtype, p.q_len().unwrap()).unwrap();
             for _ in 0..4 {
-                sdpa::forward(
-                    &b,
-                    &p,
-                    backend,
-                    sdpa::Tensors {
-                        q: &q,
-                        k: &k,
-                        v: &v,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
-                )
-                .unwrap();
+                common::forward(&b, &p, backend, [&q, &k, &v], &mut out).unwrap();
             }
             drop((q, k, v));
             let reuse: Vec<Tensor> = [p.q_len(), p.kv_len(), p.kv_len()]
@@ -293,19 +233,7 @@ fn caller_owned_buffers_round_trip_without_copies() {
     for b in common::expected_backends(&own) {
         let [q, k, v] = inputs.upload(&own, p.dtype).unwrap();
         let mut out = Tensor::poisoned(&own, p.dtype, n).unwrap();
-        sdpa::forward(
-            &own,
-            &p,
-            b,
-            sdpa::Tensors {
-                q: &q,
-                k: &k,
-                v: &v,
-                out: &mut out,
-            },
-            sdpa::Extras::default(),
-        )
-        .unwrap();
+        common::forward(&own, &p, b, [&q, &k, &v], &mut out).unwrap();
         let expected = out.to_bits(&own).unwrap();
 
         let caller_slice = |t: &Tensor| {

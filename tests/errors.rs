@@ -93,84 +93,31 @@ fn tensor_mismatches_are_rejected_before_launch() {
     let short = Tensor::from_f32(&dev, DType::F16, &vec![0.5; n - 1]).unwrap();
 
     let mut out = Tensor::poisoned(&dev, DType::F16, n).unwrap();
-    let e = sdpa::forward(
-        &dev,
-        &p,
-        Backend::Scalar,
-        sdpa::Tensors {
-            q: &bf,
-            k: &k,
-            v: &v,
-            out: &mut out,
-        },
-        sdpa::Extras::default(),
-    )
-    .unwrap_err();
+    let e = common::forward(&dev, &p, Backend::Scalar, [&bf, &k, &v], &mut out).unwrap_err();
     assert!(
         e.to_string().contains("q is bf16, the problem says f16"),
         "{e}"
     );
-    let e = sdpa::forward(
-        &dev,
-        &p,
-        Backend::Scalar,
-        sdpa::Tensors {
-            q: &q,
-            k: &short,
-            v: &v,
-            out: &mut out,
-        },
-        sdpa::Extras::default(),
-    )
-    .unwrap_err();
+    let e = common::forward(&dev, &p, Backend::Scalar, [&q, &short, &v], &mut out).unwrap_err();
     assert!(
         e.to_string()
             .contains(&format!("k holds {} elements", n - 1)),
         "{e}"
     );
     let mut short_out = Tensor::poisoned(&dev, DType::F16, n - 1).unwrap();
-    let e = sdpa::forward(
-        &dev,
-        &p,
-        Backend::Scalar,
-        sdpa::Tensors {
-            q: &q,
-            k: &k,
-            v: &v,
-            out: &mut short_out,
-        },
-        sdpa::Extras::default(),
-    )
-    .unwrap_err();
+    let e = common::forward(&dev, &p, Backend::Scalar, [&q, &k, &v], &mut short_out).unwrap_err();
     assert!(e.to_string().contains("out holds"), "{e}");
-    let e = sdpa::forward(
+    let e = common::forward(
         &dev,
         &p.with_kv_heads(3),
         Backend::Scalar,
-        sdpa::Tensors {
-            q: &q,
-            k: &k,
-            v: &v,
-            out: &mut out,
-        },
-        sdpa::Extras::default(),
+        [&q, &k, &v],
+        &mut out,
     )
     .unwrap_err();
     assert!(e.to_string().contains("kv_heads (3)"), "{e}");
     let p80 = Problem::new(1, 1, 8, 8, 80);
-    let e = sdpa::forward(
-        &dev,
-        &p80,
-        Backend::Scalar,
-        sdpa::Tensors {
-            q: &q,
-            k: &k,
-            v: &v,
-            out: &mut out,
-        },
-        sdpa::Extras::default(),
-    )
-    .unwrap_err();
+    let e = common::forward(&dev, &p80, Backend::Scalar, [&q, &k, &v], &mut out).unwrap_err();
     assert!(matches!(e, Error::Unsupported { .. }), "{e}");
     // Nothing was written: the output is still all NaN.
     assert!(out.to_f32(&dev).unwrap().iter().all(|x| x.is_nan()));
@@ -228,48 +175,15 @@ fn tensor_from_another_gpu_is_rejected() {
         for (name, r) in [
             (
                 "q",
-                sdpa::forward(
-                    &dev0,
-                    &p,
-                    backend,
-                    sdpa::Tensors {
-                        q: &far,
-                        k: &k,
-                        v: &v,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
-                ),
+                common::forward(&dev0, &p, backend, [&far, &k, &v], &mut out),
             ),
             (
                 "k",
-                sdpa::forward(
-                    &dev0,
-                    &p,
-                    backend,
-                    sdpa::Tensors {
-                        q: &q,
-                        k: &far,
-                        v: &v,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
-                ),
+                common::forward(&dev0, &p, backend, [&q, &far, &v], &mut out),
             ),
             (
                 "v",
-                sdpa::forward(
-                    &dev0,
-                    &p,
-                    backend,
-                    sdpa::Tensors {
-                        q: &q,
-                        k: &k,
-                        v: &far,
-                        out: &mut out,
-                    },
-                    sdpa::Extras::default(),
-                ),
+                common::forward(&dev0, &p, backend, [&q, &k, &far], &mut out),
             ),
         ] {
             let e = r.unwrap_err();
@@ -284,19 +198,7 @@ fn tensor_from_another_gpu_is_rejected() {
             );
         }
         let mut far_out = Tensor::poisoned(&dev1, DType::F16, n).unwrap();
-        let e = sdpa::forward(
-            &dev0,
-            &p,
-            backend,
-            sdpa::Tensors {
-                q: &q,
-                k: &k,
-                v: &v,
-                out: &mut far_out,
-            },
-            sdpa::Extras::default(),
-        )
-        .unwrap_err();
+        let e = common::forward(&dev0, &p, backend, [&q, &k, &v], &mut far_out).unwrap_err();
         assert!(
             e.to_string().contains("out lives on another GPU"),
             "{backend}: {e}"

@@ -146,19 +146,7 @@ fn deterministic(dev: &sdpa::Device, p: &Problem, backend: Backend) {
     let mut runs = Vec::new();
     for _ in 0..3 {
         let mut out = sdpa::Tensor::poisoned(&dev, p.dtype, p.q_len().unwrap()).unwrap();
-        sdpa::forward(
-            &dev,
-            p,
-            backend,
-            sdpa::Tensors {
-                q: &q,
-                k: &k,
-                v: &v,
-                out: &mut out,
-            },
-            sdpa::Extras::default(),
-        )
-        .unwrap();
+        common::forward(&dev, p, backend, [&q, &k, &v], &mut out).unwrap();
         runs.push(out.to_bits(&dev).unwrap());
     }
     assert!(

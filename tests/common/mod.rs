@@ -3,7 +3,7 @@
 //! when `supports` wrongly refuses them all).
 #![allow(dead_code)]
 
-use sdpa::{Backend, DType, Device, Problem};
+use sdpa::{Backend, DType, Device, Extras, Problem, Tensor, Tensors};
 use std::fmt::Debug;
 use std::io::Write;
 
@@ -35,6 +35,17 @@ pub fn gpu(test: &str) -> Result<Device, Skip> {
 /// Whether `SDPA_REQUIRE_GPU=1` is set: skipping for want of a GPU is then a failure.
 pub fn require_gpu() -> bool {
     std::env::var("SDPA_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// `sdpa::forward` on owned tensors with no extras, the call most tests make.
+pub fn forward(
+    dev: &Device,
+    p: &Problem,
+    backend: Backend,
+    [q, k, v]: [&Tensor; 3],
+    out: &mut Tensor,
+) -> sdpa::Result<()> {
+    sdpa::forward(dev, p, backend, Tensors { q, k, v, out }, Extras::default())
 }
 
 /// Prints a skip reason where libtest does not swallow it (straight to stderr: libtest would
