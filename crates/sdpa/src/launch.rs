@@ -132,3 +132,50 @@ fn takes(p: &Checked, storage: &Storage<'_>, b: Backend, in_layout: bool) -> Res
         (Storage::Fp8Views { .. }, _) => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::Problem;
+
+    /// What each backend reads, by storage: every backend reads owned tensors; views not on cpu,
+    /// and on cublas only at the layout's strides; e4m3 views on the native kernel at any
+    /// strides, on the simulated path with bf16 output only (per-head scales at the layout's
+    /// strides), never on cpu or cublas.
+    #[test]
+    fn each_backend_reads_the_storage_it_can() {
+        let p16 = Problem::new(1, 2, 64, 64, 64).checked().unwrap();
+        let p8 = Problem::new(1, 2, 64, 64, 64)
+            .with_dtype(DType::E4m3)
+            .with_out_dtype(DType::Bf16)
+            .checked()
+            .unwrap();
+        let views = Storage::Views;
+        for b in [
+            Backend::Scalar,
+            Backend::Wmma,
+            Backend::Cutlass,
+            Backend::CutlassSm80,
+        ] {
+            assert!(takes(&p16, &views, b, false).is_ok(), "{b}");
+        }
+        assert!(takes(&p16, &views, Backend::Cublas, true).is_ok());
+        let e = takes(&p16, &views, Backend::Cublas, false).unwrap_err();
+        assert!(e.contains("layout's own strides"), "{e}");
+        let e = takes(&p16, &views, Backend::Cpu, true).unwrap_err();
+        assert!(e.contains("owned tensors"), "{e}");
+
+        let bf16 = Storage::Fp8Views { out: DType::Bf16 };
+        let f16 = Storage::Fp8Views { out: DType::F16 };
+        assert!(takes(&p8, &f16, Backend::Cutlass, false).is_ok());
+        assert!(takes(&p8, &bf16, Backend::CutlassSm80, true).is_ok());
+        let e = takes(&p8, &f16, Backend::CutlassSm80, true).unwrap_err();
+        assert!(e.contains("bf16 only"), "{e}");
+        let e = takes(&p8, &bf16, Backend::Scalar, false).unwrap_err();
+        assert!(e.contains("per-head"), "{e}");
+        for b in [Backend::Cpu, Backend::Cublas] {
+            let e = takes(&p8, &bf16, b, true).unwrap_err();
+            assert!(e.contains("owned tensors only"), "{b}: {e}");
+        }
+    }
+}
