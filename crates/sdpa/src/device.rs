@@ -327,6 +327,7 @@ mod tests {
     fn public_types_are_send_and_sync() {
         fn check<T: Send + Sync>() {}
         check::<super::Device>();
+        check::<crate::Plan>();
         check::<crate::Tensor>();
         check::<crate::Error>();
         check::<crate::CudaError>();
