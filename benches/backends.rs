@@ -6,6 +6,7 @@
 //! a call through tensors and through views (`call_overhead`).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use cudarc::driver::CudaSlice;
 use half::f16;
 use sdpa::{Backend, DType, Device, Fp8Mode, Problem, Tensor, View, ViewMut, Views};
 use sdpa_harness::NAMED_PROBLEMS;
@@ -91,6 +92,21 @@ fn cpu_benches(c: &mut Criterion) {
     group.finish();
 }
 
+/// Views of Q, K, V and the output at the layout's strides (`qs` for Q and out, `ks` for K, V),
+/// made afresh for each call as a framework would.
+fn views_of<'a>(
+    [q, k, v]: [&'a CudaSlice<f16>; 3],
+    out: &'a mut CudaSlice<f16>,
+    (qs, ks): (sdpa::Strides, sdpa::Strides),
+) -> Views<'a, 'a, f16> {
+    Views {
+        q: View::new(q.as_view(), qs),
+        k: View::new(k.as_view(), ks),
+        v: View::new(v.as_view(), ks),
+        out: ViewMut::new(out.as_view_mut(), qs),
+    }
+}
+
 /// What a call costs the host through owned tensors and through views of the caller's memory
 /// (the views made afresh each call, as a framework would), on the mission problem with `Auto`,
 /// planned once (`plan_*`: a loop's steps) and planned every call (`forward_*`: the one-shot
@@ -131,12 +147,7 @@ fn call_overhead(c: &mut Criterion, dev: &Device) {
     group.bench_function("plan_views", |b| {
         b.iter_custom(|iters| {
             wall(iters, &mut || {
-                let views = Views {
-                    q: View::new(qc.as_view(), qs),
-                    k: View::new(kc.as_view(), ks),
-                    v: View::new(vc.as_view(), ks),
-                    out: ViewMut::new(oc.as_view_mut(), qs),
-                };
+                let views = views_of([&qc, &kc, &vc], &mut oc, (qs, ks));
                 plan.run(views, sdpa::Extras::default()).unwrap()
             })
         })
@@ -172,12 +183,7 @@ fn call_overhead(c: &mut Criterion, dev: &Device) {
     group.bench_function("forward_views", |b| {
         b.iter_custom(|iters| {
             wall(iters, &mut || {
-                let views = Views {
-                    q: View::new(qc.as_view(), qs),
-                    k: View::new(kc.as_view(), ks),
-                    v: View::new(vc.as_view(), ks),
-                    out: ViewMut::new(oc.as_view_mut(), qs),
-                };
+                let views = views_of([&qc, &kc, &vc], &mut oc, (qs, ks));
                 sdpa::forward(dev, &p, Backend::Auto, views, sdpa::Extras::default()).unwrap()
             })
         })

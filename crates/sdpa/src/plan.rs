@@ -5,7 +5,7 @@
 //! ([`Fp8View`]): one [`Operands`] trait covers them, so there is one way to run attention
 //! whatever the storage. [`crate::forward`] is the one-shot form (plan, then run).
 
-use crate::backend::{Backend, auto};
+use crate::backend::{Backend, auto, none_runs, sm_of};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::extras::Extras;
@@ -38,6 +38,9 @@ use crate::view::Views;
 pub struct Plan {
     dev: Device,
     p: Checked,
+    /// Whether the plan was asked for `Auto` (a run that no candidate can take is then `Auto`'s
+    /// refusal, else the named backend's).
+    auto: bool,
     /// The backends that support the problem on the device, in the order a run tries them
     /// (one for a named backend; for `Auto` the measured order's).
     candidates: Vec<Backend>,
@@ -60,12 +63,8 @@ impl Plan {
     pub fn new(dev: &Device, p: &Problem, backend: Backend) -> Result<Plan> {
         let p = p.checked()?;
         let (candidates, refusals) = if backend == Backend::Auto {
-            let (major, minor) = dev.compute_capability()?;
-            let measured = auto::order(Some(major * 10 + minor), &p);
-            // Backends the table has not measured yet (added since it was made) come last.
-            let unmeasured = auto::FALLBACK.iter().filter(|b| !measured.contains(b));
             let (mut ok, mut no) = (Vec::new(), Vec::new());
-            for &b in measured.iter().chain(unmeasured) {
+            for b in auto::candidates(sm_of(Some(dev))?, &p) {
                 match b.supports_checked(Some(dev), &p) {
                     Ok(()) => ok.push(b),
                     Err(e) => no.push(e.to_string()),
@@ -81,7 +80,7 @@ impl Plan {
                 }
             }
             if ok.is_empty() {
-                return Err(none_supports(&p, &no));
+                return Err(none_runs(&p, &no));
             }
             (ok, no)
         } else {
@@ -91,6 +90,7 @@ impl Plan {
         Ok(Plan {
             dev: dev.clone(),
             p,
+            auto: backend == Backend::Auto,
             candidates,
             refusals,
         })
@@ -141,7 +141,7 @@ impl Plan {
         for &b in &self.candidates {
             match takes(b) {
                 Ok(()) => return Ok(b),
-                Err(why) if self.candidates.len() == 1 && self.refusals.is_empty() => {
+                Err(why) if !self.auto => {
                     return Err(Error::Unsupported {
                         backend: b.name(),
                         reason: why,
@@ -151,7 +151,7 @@ impl Plan {
             }
         }
         reasons.extend(self.refusals.iter().cloned());
-        Err(none_supports(&self.p, &reasons))
+        Err(none_runs(&self.p, &reasons))
     }
 }
 
@@ -172,13 +172,6 @@ fn reserve_backend(dev: &Device, p: &Checked, chosen: Backend) -> Result<()> {
         dev.synchronize()?;
     }
     Ok(())
-}
-
-fn none_supports(p: &Checked, reasons: &[String]) -> Error {
-    Error::Unsupported {
-        backend: Backend::Auto.name(),
-        reason: format!("no GPU backend can run {p}: {}", reasons.join("; ")),
-    }
 }
 
 /// The operands of one run, by name, whatever their storage: [`Tensors`] (owned tensors),

@@ -165,45 +165,35 @@ impl Backend {
     /// The concrete backend that runs `p`, having checked that it supports it: `self`, or for
     /// `Auto` the first supported backend of the measured order.
     pub(crate) fn resolve_checked(self, dev: Option<&Device>, p: &Checked) -> Result<Backend> {
-        self.resolve_checked_where(dev, p, |_| Ok(()))
-    }
-
-    /// `resolve_checked` among the backends `takes` accepts (its error: why not).
-    pub(crate) fn resolve_checked_where(
-        self,
-        dev: Option<&Device>,
-        p: &Checked,
-        takes: impl Fn(Backend) -> std::result::Result<(), String>,
-    ) -> Result<Backend> {
         if self != Backend::Auto {
             self.supports_checked(dev, p)?;
             return Ok(self);
         }
-        let sm = match dev {
-            Some(d) => {
-                let (major, minor) = d.compute_capability()?;
-                Some(major * 10 + minor)
-            }
-            None => None,
-        };
         let mut reasons = Vec::new();
-        let measured = auto::order(sm, p);
-        // Backends the table has not measured yet (added since it was made) come last.
-        let unmeasured = auto::FALLBACK.iter().filter(|b| !measured.contains(b));
-        for &b in measured.iter().chain(unmeasured) {
-            if let Err(why) = takes(b) {
-                reasons.push(format!("{b}: {why}"));
-                continue;
-            }
+        for b in auto::candidates(sm_of(dev)?, p) {
             match b.supports_checked(dev, p) {
                 Ok(()) => return Ok(b),
                 Err(e) => reasons.push(e.to_string()),
             }
         }
-        Err(Error::Unsupported {
-            backend: "auto",
-            reason: format!("no GPU backend can run {p}: {}", reasons.join("; ")),
-        })
+        Err(none_runs(p, &reasons))
+    }
+}
+
+/// The compute capability `Auto`'s table is keyed by (major·10 + minor), where there is a device.
+pub(crate) fn sm_of(dev: Option<&Device>) -> Result<Option<u32>> {
+    dev.map(|d| {
+        d.compute_capability()
+            .map(|(major, minor)| major * 10 + minor)
+    })
+    .transpose()
+}
+
+/// `Auto`'s refusal: no backend runs `p`, with each one's reason.
+pub(crate) fn none_runs(p: &Checked, reasons: &[String]) -> Error {
+    Error::Unsupported {
+        backend: Backend::Auto.name(),
+        reason: format!("no GPU backend can run {p}: {}", reasons.join("; ")),
     }
 }
 

@@ -25,6 +25,14 @@ pub const FALLBACK: [Backend; 5] = [
     Backend::Scalar,
 ];
 
+/// Every backend in the order `Auto` tries them for `p` on `sm`: [`order`], then the backends
+/// the table has not measured yet (added since it was made).
+pub(crate) fn candidates(sm: Option<u32>, p: &Problem) -> impl Iterator<Item = Backend> {
+    let measured = order(sm, p);
+    let unmeasured = FALLBACK.into_iter().filter(move |b| !measured.contains(b));
+    measured.iter().copied().chain(unmeasured)
+}
+
 /// The candidate order for `p` on a device of compute capability `sm`: the exact measured row,
 /// else a row measured on another device for the same kind of problem, else `FALLBACK`.
 pub fn order(sm: Option<u32>, p: &Problem) -> &'static [Backend] {
