@@ -53,20 +53,6 @@ const Instance kInstances[] = {
 };
 #undef SDPA_INSTANCE
 
-const char* name(Kernel kernel) {
-  switch (kernel) {
-    case Kernel::Scalar:
-      return "scalar";
-    case Kernel::Wmma:
-      return "wmma";
-    case Kernel::Cutlass:
-      return "cutlass";
-    case Kernel::CutlassSm80:
-      return "cutlass-sm80";
-  }
-  return "unknown kernel";
-}
-
 const char* name(Dtype dtype) {
   switch (dtype) {
     case Dtype::F16:
@@ -83,7 +69,7 @@ const char* name(Dtype dtype) {
 
 // Kernels without FP8 math take E4M3 inputs through the simulated path (fp8/simulated.cu).
 bool simulated(Kernel kernel, const FwdArgs& a) {
-  return a.dtype == Dtype::E4M3 && kernel != Kernel::Cutlass;
+  return a.ops.dtype == Dtype::E4M3 && kernel != Kernel::Cutlass;
 }
 
 const Instance* find(Kernel kernel, Dtype dtype, int64_t head_dim) {
@@ -94,40 +80,41 @@ const Instance* find(Kernel kernel, Dtype dtype, int64_t head_dim) {
 }  // namespace
 
 std::string can_implement(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) {
-  if (a.dtype != Dtype::E4M3 && a.out_dtype != a.dtype &&
-      !(a.out_dtype == Dtype::F32 && kernel == Kernel::Cutlass))
-    return std::string("output ") + name(a.out_dtype) + " from " + name(a.dtype) +
+  if (a.ops.dtype != Dtype::E4M3 && a.out.dtype != a.ops.dtype &&
+      !(a.out.dtype == Dtype::F32 && kernel == Kernel::Cutlass))
+    return std::string("output ") + name(a.out.dtype) + " from " + name(a.ops.dtype) +
            " inputs: only cutlass (sm90) writes another output type (f32)";
   if (simulated(kernel, a)) {
-    if (a.out_dtype != Dtype::F16 && a.out_dtype != Dtype::BF16)
+    if (a.out.dtype != Dtype::F16 && a.out.dtype != Dtype::BF16)
       return "e4m3 (simulated): out_dtype must be f16 or bf16";
     // The 16-bit instantiation of the output type runs on copies in the workspace (where
     // simulated_forward puts them; it asks again with their addresses).
     FwdArgs b = a;
-    b.dtype = a.out_dtype;
-    b.q = b.k = b.v = nullptr;
+    b.ops.dtype = a.out.dtype;
+    b.ops.q = b.ops.k = b.ops.v = 0;
     return can_implement(kernel, b, dev);
   }
-  const Instance* i = find(kernel, a.dtype, a.head_dim);
+  const Instance* i = find(kernel, a.ops.dtype, a.dims.head_dim);
   if (i == nullptr)
-    return std::string("dtype ") + name(a.dtype) + ", head_dim " + std::to_string(a.head_dim) +
-           " is not instantiated (cpp/kernels.txt) or not built";
+    return std::string("dtype ") + name(a.ops.dtype) + ", head_dim " +
+           std::to_string(a.dims.head_dim) + " is not instantiated (cpp/kernels.txt) or not built";
   return i->can_implement(a, dev);
 }
 
 void forward(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev, void* stream) {
   // The launches size their grids and pick configurations from it.
-  if (!dev.known()) throw Error(std::string(name(kernel)) + ": forward needs a known device");
+  if (!known(dev)) throw Error(std::string(name(kernel)) + ": forward needs a known device");
   const std::string why = can_implement(kernel, a, dev);
   if (!why.empty()) throw Error(std::string(name(kernel)) + ": " + why);
   if (simulated(kernel, a)) return simulated_forward(kernel, a, dev, stream);
-  find(kernel, a.dtype, a.head_dim)->forward(a, dev, static_cast<cudaStream_t>(stream));
+  find(kernel, a.ops.dtype, a.dims.head_dim)->forward(a, dev, static_cast<cudaStream_t>(stream));
 }
 
 int64_t workspace_bytes(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) {
   if (simulated(kernel, a)) return simulated_workspace_bytes(a);
 #if defined(SDPA_HAVE_CUTLASS)
-  if (kernel == Kernel::Cutlass && a.dtype == Dtype::E4M3) return cutlass_sm90::workspace_e4m3(a);
+  if (kernel == Kernel::Cutlass && a.ops.dtype == Dtype::E4M3)
+    return cutlass_sm90::workspace_e4m3(a);
   if (kernel == Kernel::Cutlass || kernel == Kernel::CutlassSm80)
     return cutlass_sm80::workspace_decode(a, dev);
 #endif

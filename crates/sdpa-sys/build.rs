@@ -50,7 +50,9 @@ fn main() {
         // Documentation builds (docs.rs) compile no CUDA: the crate's items need only the
         // kernel list and an empty build report.
         fs::write(out_dir.join("ptxas.txt"), "").unwrap();
-        write_instances(&cpp.join("kernels.txt"), &out_dir);
+        let list = read_kernel_list(&cpp.join("kernels.txt"));
+        write_instances(&list, &out_dir);
+        write_if_changed(&out_dir.join("kernels.rs"), &kernel_enum_rust(&list));
         println!("cargo:rustc-env=SDPA_CUDA_ARCHS=none (documentation build)");
         println!("cargo:rustc-env=SDPA_DEFAULT_CUDA_ARCHS={DEFAULT_ARCHS}");
         return;
@@ -82,21 +84,39 @@ fn main() {
     // run at once, so the tree has a lock of its own.
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let mut _tree_lock = None;
+    let mut tree = out.clone();
     if let Some(target_dir) = out.ancestors().nth(4) {
         let key = format!("{}\n{:?}\n{archs}", nvcc.display(), tc.cutlass_include);
-        let tree = target_dir.join(format!("sdpa-core-{:016x}", fnv1a(key.as_bytes())));
+        tree = target_dir.join(format!("sdpa-core-{:016x}", fnv1a(key.as_bytes())));
         _tree_lock = Some(lock_tree(&tree));
-        cfg.out_dir(tree);
+        cfg.out_dir(&tree);
     }
+
+    // The headers generated from the one definition of each argument block (src/args.rs, by
+    // cxx) and of the kernel list (cpp/kernels.txt), where the CUDA core and the bridge both
+    // include them as sdpa/args.h and sdpa/kernels.h. Rewritten only when their text changes,
+    // so that a build of another cargo profile rebuilds nothing.
+    let list = read_kernel_list(&cpp.join("kernels.txt"));
+    let mut bridge = cxx_build::bridges(["src/args.rs", "src/lib.rs"]);
+    let generated = tree.join("include");
+    let args_h = out.join("cxxbridge/include/sdpa-sys/src/args.rs.h");
+    let args_h =
+        fs::read_to_string(&args_h).unwrap_or_else(|e| fail(&format!("{}: {e}", args_h.display())));
+    write_if_changed(&generated.join("sdpa/args.h"), &args_h);
+    write_if_changed(&generated.join("sdpa/kernels.h"), &kernel_enum_cpp(&list));
+    write_if_changed(&out_dir.join("kernels.rs"), &kernel_enum_rust(&list));
+    cfg.define("SDPA_GENERATED_INCLUDE", &generated);
+
     let dst = cfg.build();
     let build = dst.join("build");
 
     write_ptxas_report(&build, &cpp, &out_dir);
-    write_instances(&cpp.join("kernels.txt"), &out_dir);
+    write_instances(&list, &out_dir);
 
-    cxx_build::bridge("src/lib.rs")
+    bridge
         .file("src/bridge.cc")
         .include(cpp.join("include"))
+        .include(&generated)
         .std("c++17")
         .compile("sdpa_bridge");
 
@@ -345,15 +365,17 @@ fn fix_up_toolkit(cuda: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// Concatenates the per-object ptxas reports (cmake/ptxas-log.sh) into one file for
-/// `sdpa_sys::PTXAS_REPORT`. A report whose source file is gone (deleted or moved since this
-/// build tree compiled it) is left out: CMake leaves its object and report behind.
-/// `$OUT_DIR/instances.rs`: cpp/kernels.txt (the fused-kernel instantiations) as a Rust table,
-/// so the safe layer knows which (backend, dtype, head_dim) exist without a second list.
-fn write_instances(list: &Path, out_dir: &Path) {
+/// cpp/kernels.txt: one (backend, dtype, head_dim) per line, the fused-kernel instantiations.
+struct KernelLine {
+    backend: String,
+    dtype: String,
+    head_dim: usize,
+}
+
+fn read_kernel_list(list: &Path) -> Vec<KernelLine> {
     let text =
         fs::read_to_string(list).unwrap_or_else(|e| fail(&format!("{}: {e}", list.display())));
-    let mut rust = String::from("&[\n");
+    let mut lines = Vec::new();
     for line in text.lines().map(str::trim) {
         if line.is_empty() || line.starts_with('#') {
             continue;
@@ -368,14 +390,112 @@ fn write_instances(list: &Path, out_dir: &Path) {
         let head_dim: usize = head_dim
             .parse()
             .unwrap_or_else(|_| fail(&format!("{}: bad head_dim in '{line}'", list.display())));
+        lines.push(KernelLine {
+            backend: backend.to_string(),
+            dtype: dtype.to_string(),
+            head_dim,
+        });
+    }
+    lines
+}
+
+/// The fused kernels in the order the list first names them: (name, enumerator), e.g.
+/// ("cutlass-sm80", "CutlassSm80"). The order gives each its value in both languages.
+fn kernels(list: &[KernelLine]) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for l in list {
+        if out.iter().all(|(name, _)| *name != l.backend) {
+            let camel: String = l
+                .backend
+                .split('-')
+                .map(|w| {
+                    let mut c = w.chars();
+                    c.next()
+                        .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                        .unwrap_or_default()
+                })
+                .collect();
+            out.push((l.backend.clone(), camel));
+        }
+    }
+    out
+}
+
+/// `sdpa/kernels.h`: `sdpa::Kernel` and its names, for the core and the bridge.
+fn kernel_enum_cpp(list: &[KernelLine]) -> String {
+    let ks = kernels(list);
+    let mut s = String::from(
+        "// Generated from cpp/kernels.txt by crates/sdpa-sys/build.rs; do not edit.\n\
+         #pragma once\n\n#include <cstdint>\n\nnamespace sdpa {\n\n\
+         // The fused kernels of the core, one per backend folder under cpp/src/.\n\
+         enum class Kernel : int32_t {\n",
+    );
+    for (i, (_, camel)) in ks.iter().enumerate() {
+        s.push_str(&format!("  {camel} = {i},\n"));
+    }
+    s.push_str("};\n\n// The name `sdpa` gives the kernel's backend.\n");
+    s.push_str("inline const char* name(Kernel kernel) {\n  switch (kernel) {\n");
+    for (name, camel) in &ks {
+        s.push_str(&format!(
+            "    case Kernel::{camel}:\n      return \"{name}\";\n"
+        ));
+    }
+    s.push_str("  }\n  return \"unknown kernel\";\n}\n\n}  // namespace sdpa\n");
+    s
+}
+
+/// `$OUT_DIR/kernels.rs`: the same enum in Rust, passed to the core by value (`ExternType`).
+fn kernel_enum_rust(list: &[KernelLine]) -> String {
+    let ks = kernels(list);
+    let mut s = String::from(
+        "/// The fused kernels of the core, one per backend folder under cpp/src/ (generated \
+         from\n/// cpp/kernels.txt: `sdpa::Kernel` of sdpa/kernels.h).\n\
+         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]\n#[repr(i32)]\npub enum Kernel {\n",
+    );
+    for (i, (name, camel)) in ks.iter().enumerate() {
+        s.push_str(&format!("    /// `{name}`\n    {camel} = {i},\n"));
+    }
+    s.push_str("}\n\nimpl Kernel {\n    /// Every kernel, in the list's order.\n");
+    s.push_str("    pub const ALL: &[Kernel] = &[");
+    for (_, camel) in &ks {
+        s.push_str(&format!("Kernel::{camel}, "));
+    }
+    s.push_str("];\n\n    /// The name `sdpa` gives the kernel's backend.\n");
+    s.push_str("    pub fn name(self) -> &'static str {\n        match self {\n");
+    for (name, camel) in &ks {
+        s.push_str(&format!("            Kernel::{camel} => {name:?},\n"));
+    }
+    s.push_str("        }\n    }\n}\n");
+    s
+}
+
+fn write_if_changed(path: &Path, text: &str) {
+    if fs::read_to_string(path).is_ok_and(|old| old == text) {
+        return;
+    }
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).unwrap_or_else(|e| fail(&format!("{}: {e}", dir.display())));
+    }
+    fs::write(path, text).unwrap_or_else(|e| fail(&format!("{}: {e}", path.display())));
+}
+
+/// `$OUT_DIR/instances.rs`: cpp/kernels.txt (the fused-kernel instantiations) as a Rust table,
+/// so the safe layer knows which (backend, dtype, head_dim) exist without a second list.
+fn write_instances(list: &[KernelLine], out_dir: &Path) {
+    let mut rust = String::from("&[\n");
+    for l in list {
         rust.push_str(&format!(
-            "    Instance {{ backend: {backend:?}, dtype: {dtype:?}, head_dim: {head_dim} }},\n"
+            "    Instance {{ backend: {:?}, dtype: {:?}, head_dim: {} }},\n",
+            l.backend, l.dtype, l.head_dim
         ));
     }
     rust.push(']');
-    fs::write(out_dir.join("instances.rs"), rust).unwrap();
+    write_if_changed(&out_dir.join("instances.rs"), &rust);
 }
 
+/// Concatenates the per-object ptxas reports (cmake/ptxas-log.sh) into one file for
+/// `sdpa_sys::PTXAS_REPORT`. A report whose source file is gone (deleted or moved since this
+/// build tree compiled it) is left out: CMake leaves its object and report behind.
 fn write_ptxas_report(build: &Path, cpp: &Path, out_dir: &Path) {
     let mut files = Vec::new();
     let mut stack = vec![build.to_path_buf()];

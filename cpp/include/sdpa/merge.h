@@ -20,28 +20,10 @@ namespace sdpa {
 // (batch, head, seq) order, acc_lse [rows]. merge_init sets it to "no key seen" (0, -inf).
 void merge_init(float* acc_o, float* acc_lse, int64_t rows, int64_t head_dim, void* stream);
 
-// One partial result folded into the running one. The part covers sequence positions [row0,
-// row0 + rows) of each (batch, head) of an accumulator of acc_seq positions.
-struct MergeArgs {
-  float* acc_o;           // f32 [batch][heads][acc_seq][head_dim], dense
-  float* acc_lse;         // f32 [batch][heads][acc_seq]
-  const void* part_o;     // dtype; element (b, h, s, d) at b*s[0] + h*s[1] + s*s[2] + d
-  const float* part_lse;  // f32 [batch][heads][rows], dense
-  int64_t part_stride[3];
-  int64_t batch, heads, rows, head_dim;
-  int64_t acc_seq, row0;
-  Dtype dtype;  // of part_o: F16, BF16 or F32
-};
+// One partial result folded into the running one (MergeArgs, sdpa/args.h).
 void merge_partial(const MergeArgs& a, void* stream);
 
-// The running result rounded to the output dtype at the output's strides.
-struct MergeFinishArgs {
-  const float* acc_o;  // f32 [batch][heads][seq][head_dim], dense
-  void* out;           // dtype; element (b, h, s, d) at b*s[0] + h*s[1] + s*s[2] + d
-  int64_t out_stride[3];
-  int64_t batch, heads, seq, head_dim;
-  Dtype dtype;  // of out: F16 or BF16
-};
+// The running result rounded to the output dtype at the output's strides (MergeFinishArgs).
 void merge_finish(const MergeFinishArgs& a, void* stream);
 
 }  // namespace sdpa

@@ -16,17 +16,18 @@ namespace {
 // value writes outside the cache.
 __global__ void append_rows(const KvAppendArgs a) {
   const int64_t i = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  const int64_t pos = int64_t(a.seqused_k[b]) + i;
+  const int64_t pos = int64_t(device_ptr<const int32_t>(a.seqused_k)[b]) + i;
   if (pos < 0 || pos >= a.pages_per_seq * a.page_size) return;  // past the sequence's pages
-  const int64_t entry = a.block_table[b * a.pages_per_seq + pos / a.page_size];
+  const int64_t entry =
+      device_ptr<const int32_t>(a.block_table)[b * a.pages_per_seq + pos / a.page_size];
   const int64_t page = min(max(entry, int64_t(0)), a.pages - 1);
   const int64_t row = page * a.page_size + pos % a.page_size;
   const int64_t chunks = a.head_dim / 8;  // 16 bytes of 16-bit values
   const int64_t src = ((b * a.n_new + i) * a.kv_heads + hk) * chunks;
   const int64_t dst = (row * a.kv_heads + hk) * chunks;
   for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-    static_cast<uint4*>(a.k_cache)[dst + c] = static_cast<const uint4*>(a.k_new)[src + c];
-    static_cast<uint4*>(a.v_cache)[dst + c] = static_cast<const uint4*>(a.v_new)[src + c];
+    device_ptr<uint4>(a.k_cache)[dst + c] = device_ptr<const uint4>(a.k_new)[src + c];
+    device_ptr<uint4>(a.v_cache)[dst + c] = device_ptr<const uint4>(a.v_new)[src + c];
   }
 }
 
@@ -51,8 +52,8 @@ void kv_append(const KvAppendArgs& a, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   append_rows<<<dim3(unsigned(a.n_new), unsigned(a.kv_heads), unsigned(a.batch)), 32, 0, s>>>(a);
   SDPA_LAUNCH_CHECK("kv_append rows launch");
-  advance_lengths<<<unsigned((a.batch + 127) / 128), 128, 0, s>>>(a.seqused_k, a.batch, a.n_new,
-                                                                  a.pages_per_seq * a.page_size);
+  advance_lengths<<<unsigned((a.batch + 127) / 128), 128, 0, s>>>(
+      device_ptr<int32_t>(a.seqused_k), a.batch, a.n_new, a.pages_per_seq * a.page_size);
   SDPA_LAUNCH_CHECK("kv_append lengths launch");
 }
 

@@ -28,19 +28,19 @@ struct KernelParams {
 
 inline KernelParams make_params(const FwdArgs& a) {
   KernelParams p;
-  p.q = static_cast<const uint8_t*>(a.q);
-  p.k = static_cast<const uint8_t*>(a.k);
-  p.v = static_cast<const uint8_t*>(a.v);
-  p.o = static_cast<uint8_t*>(a.o);
-  p.seq_q = a.seq_q;
-  p.seq_k = a.seq_k;
-  p.heads = a.heads;
-  p.group = a.heads / a.kv_heads;
-  p.qs = a.q_stride;
-  p.ks = a.k_stride;
-  p.vs = a.v_stride;
-  p.os = a.o_stride;
-  p.scale_log2 = a.scale * 1.4426950408889634f;
+  p.q = device_ptr<const uint8_t>(a.ops.q);
+  p.k = device_ptr<const uint8_t>(a.ops.k);
+  p.v = device_ptr<const uint8_t>(a.ops.v);
+  p.o = device_ptr<uint8_t>(a.ops.o);
+  p.seq_q = a.dims.seq_q;
+  p.seq_k = a.dims.seq_k;
+  p.heads = a.dims.heads;
+  p.group = a.dims.heads / a.dims.kv_heads;
+  p.qs = a.ops.q_stride;
+  p.ks = a.ops.k_stride;
+  p.vs = a.ops.v_stride;
+  p.os = a.ops.o_stride;
+  p.scale_log2 = a.mods.scale * 1.4426950408889634f;
   return p;
 }
 

@@ -30,14 +30,14 @@ inline std::string cc(const DeviceInfo& dev) {
 
 // The kernels on mma.sync, wmma, cp.async and bf16 arithmetic: sm_80 and newer.
 inline std::string sm80_or_newer(const DeviceInfo& dev) {
-  if (!dev.known() || dev.cc_major >= 8) return "";
+  if (!known(dev) || dev.cc_major >= 8) return "";
   return "needs compute capability 8.0 or newer, the GPU has " + cc(dev);
 }
 
 // `bytes` of dynamic shared memory per block (up to 48 KB every sm_80+ part gives without
 // opting in; above, what dev.smem_optin_per_block allows).
 inline std::string smem_per_block(const DeviceInfo& dev, int64_t bytes) {
-  if (!dev.known() || bytes <= 48 * 1024 || bytes <= dev.smem_optin_per_block) return "";
+  if (!known(dev) || bytes <= 48 * 1024 || bytes <= dev.smem_optin_per_block) return "";
   return "needs " + std::to_string(bytes) +
          " bytes of shared memory per block, the device offers " +
          std::to_string(dev.smem_optin_per_block);
@@ -46,12 +46,12 @@ inline std::string smem_per_block(const DeviceInfo& dev, int64_t bytes) {
 // A grid of (query tiles of `rows` rows, heads, batch): each CTA finds its (batch, head) in
 // blockIdx.z and .y.
 inline std::string grid_of_query_tiles(const FwdArgs& a, int64_t rows) {
-  if (a.heads > kGridYZMax || a.batch > kGridYZMax)
-    return "batch (" + std::to_string(a.batch) + ") and heads (" + std::to_string(a.heads) +
-           ") must each be at most 65535 (grid z and y)";
-  const int64_t tiles = (a.seq_q + rows - 1) / rows;
+  if (a.dims.heads > kGridYZMax || a.dims.batch > kGridYZMax)
+    return "batch (" + std::to_string(a.dims.batch) + ") and heads (" +
+           std::to_string(a.dims.heads) + ") must each be at most 65535 (grid z and y)";
+  const int64_t tiles = (a.dims.seq_q + rows - 1) / rows;
   if (tiles > kIntMax)
-    return "seq_q = " + std::to_string(a.seq_q) + " makes " + std::to_string(tiles) +
+    return "seq_q = " + std::to_string(a.dims.seq_q) + " makes " + std::to_string(tiles) +
            " query tiles of " + std::to_string(rows) + " rows; grid x allows 2^31 - 1";
   return "";
 }
@@ -61,9 +61,11 @@ inline std::string grid_of_query_tiles(const FwdArgs& a, int64_t rows) {
 // (tile start + tile size, last row + the causal offset), also in `int`.
 inline std::string int_sequences(const FwdArgs& a, const char* kernel, int64_t tile) {
   for (const auto& [what, n] :
-       {std::pair{"seq_q", a.seq_q}, std::pair{"seq_k", a.seq_k}, std::pair{"total_q", a.total_q},
-        std::pair{"the rows of packed or paged K/V", a.kv_rows},
-        std::pair{"the block table's entries", a.page_size > 0 ? a.batch * a.pages_per_seq : 0}})
+       {std::pair{"seq_q", a.dims.seq_q}, std::pair{"seq_k", a.dims.seq_k},
+        std::pair{"total_q", a.seqs.total_q},
+        std::pair{"the rows of packed or paged K/V", a.seqs.kv_rows},
+        std::pair{"the block table's entries",
+                  a.seqs.page_size > 0 ? a.dims.batch * a.seqs.pages_per_seq : 0}})
     if (n > kIntMax - (tile - 1))
       return std::string(what) + " = " + std::to_string(n) + " exceeds 2^31 - " +
              std::to_string(tile) + ": the " + kernel +
@@ -73,7 +75,8 @@ inline std::string int_sequences(const FwdArgs& a, const char* kernel, int64_t t
 
 // Dense sequences only: no packed Q or K/V, paged cache or seqused_k.
 inline std::string dense_sequences(const FwdArgs& a, const char* kernel) {
-  if (a.total_q == 0 && !a.packed_kv && a.page_size == 0 && !a.has_seqused_k) return "";
+  if (a.seqs.total_q == 0 && !a.seqs.packed_kv && a.seqs.page_size == 0 && !a.seqs.has_seqused_k)
+    return "";
   return std::string(kernel) +
          " runs dense sequences only, no packed (varlen) Q or K/V, paged cache or seqused_k "
          "(scalar runs them)";

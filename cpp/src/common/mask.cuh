@@ -206,10 +206,10 @@ constexpr bool kIsBand = IsBand<Mask>::value;
 // CausalBottomRight.
 template <typename Index>
 Band<Index> band_of(const FwdArgs& a) {
-  const int64_t unbounded = a.seq_q + a.seq_k;
+  const int64_t unbounded = a.dims.seq_q + a.dims.seq_k;
   const auto side = [&](int64_t x) { return x < 0 || x > unbounded ? unbounded : x; };
-  int64_t diag = a.seq_k - a.seq_q, left = unbounded, right = unbounded;
-  switch (a.mask) {
+  int64_t diag = a.dims.seq_k - a.dims.seq_q, left = unbounded, right = unbounded;
+  switch (a.mask.kind) {
     case Mask::NoMask:
       break;
     case Mask::CausalBottomRight:
@@ -220,19 +220,20 @@ Band<Index> band_of(const FwdArgs& a) {
       right = 0;
       break;
     case Mask::Window:
-      left = side(a.window_left);
-      right = side(a.window_right);
+      left = side(a.mask.window_left);
+      right = side(a.mask.window_right);
       break;
   }
-  return {Index(a.seq_q), Index(a.seq_k), Index(diag),
-          Index(left),    Index(right),   a.mask == Mask::CausalTopLeft};
+  return {Index(a.dims.seq_q), Index(a.dims.seq_k), Index(diag),
+          Index(left),         Index(right),        a.mask.kind == Mask::CausalTopLeft};
 }
 
 // Whether `a` needs a kernel's general path: a mask with a lower edge or a top-left diagonal,
 // a softcap, ALiBi, or sequences of different lengths (whose masks move with each one's lengths).
 inline bool needs_band(const FwdArgs& a) {
-  return a.mask == Mask::CausalTopLeft || a.mask == Mask::Window || a.softcap > 0.f || a.alibi ||
-         a.total_q > 0 || a.packed_kv || a.page_size > 0 || a.has_seqused_k;
+  return a.mask.kind == Mask::CausalTopLeft || a.mask.kind == Mask::Window ||
+         a.mods.softcap > 0.f || a.mods.alibi || a.seqs.total_q > 0 || a.seqs.packed_kv ||
+         a.seqs.page_size > 0 || a.seqs.has_seqused_k;
 }
 
 // Calls f with the policy for `mask` (a value of the policy type, for seq_q and seq_k): where a
@@ -256,7 +257,7 @@ decltype(auto) dispatch_mask(Mask mask, Index seq_q, Index seq_k, F&& f) {
 template <typename Index, class F>
 decltype(auto) dispatch_band(const FwdArgs& a, F&& f) {
   if (needs_band(a)) return std::forward<F>(f)(band_of<Index>(a));
-  return dispatch_mask(a.mask, Index(a.seq_q), Index(a.seq_k), std::forward<F>(f));
+  return dispatch_mask(a.mask.kind, Index(a.dims.seq_q), Index(a.dims.seq_k), std::forward<F>(f));
 }
 
 // The reason a band kernel with `bn`-key tiles cannot run `a`'s window ("" where it can): the
@@ -265,10 +266,11 @@ decltype(auto) dispatch_band(const FwdArgs& a, F&& f) {
 inline std::string narrow_window(const FwdArgs& a, int64_t bn, const char* kernel) {
   // Either side alone at least a tile wide answers before the sum is formed, so the sum of two
   // sides near INT64_MAX is never computed.
-  if (a.mask != Mask::Window || a.window_left < 0 || a.window_right < 0 || a.window_left >= bn ||
-      a.window_right >= bn || a.window_left + a.window_right + 1 >= bn)
+  if (a.mask.kind != Mask::Window || a.mask.window_left < 0 || a.mask.window_right < 0 ||
+      a.mask.window_left >= bn || a.mask.window_right >= bn ||
+      a.mask.window_left + a.mask.window_right + 1 >= bn)
     return "";
-  return "a window of " + std::to_string(a.window_left + a.window_right + 1) +
+  return "a window of " + std::to_string(a.mask.window_left + a.mask.window_right + 1) +
          " keys (left + right + 1) is narrower than the " + kernel + " kernel's " +
          std::to_string(bn) + "-key tile, which its non-finite V check needs (scalar runs it)";
 }
@@ -280,7 +282,7 @@ inline std::string plain_only(const FwdArgs& a, const char* kernel) {
     return std::string(kernel) +
            " runs no mask but causal bottom-right, and no softcap or ALiBi (scalar, cutlass and "
            "cutlass-sm80 run them)";
-  if (a.has_lse) return std::string(kernel) + " does not write the log-sum-exp";
+  if (a.out.has_lse) return std::string(kernel) + " does not write the log-sum-exp";
   return "";
 }
 

@@ -29,15 +29,15 @@ struct SeqParams {
   int64_t kv_rows;  // rows of packed K/V, or of a paged cache (pages << page_shift)
 
   static SeqParams of(const FwdArgs& a) {
-    SeqParams s{a.cu_seqlens_q,
-                a.cu_seqlens_k,
-                a.has_seqused_k ? a.seqused_k : nullptr,
-                a.page_size > 0 ? a.block_table : nullptr,
-                a.pages_per_seq,
+    SeqParams s{device_ptr<const int32_t>(a.seqs.cu_seqlens_q),
+                device_ptr<const int32_t>(a.seqs.cu_seqlens_k),
+                a.seqs.has_seqused_k ? device_ptr<const int32_t>(a.seqs.seqused_k) : nullptr,
+                a.seqs.page_size > 0 ? device_ptr<const int32_t>(a.seqs.block_table) : nullptr,
+                a.seqs.pages_per_seq,
                 0,
-                a.total_q,
-                a.kv_rows};
-    while ((int64_t(1) << s.page_shift) < a.page_size) ++s.page_shift;
+                a.seqs.total_q,
+                a.seqs.kv_rows};
+    while ((int64_t(1) << s.page_shift) < a.seqs.page_size) ++s.page_shift;
     return s;
   }
 

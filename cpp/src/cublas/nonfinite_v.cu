@@ -178,11 +178,11 @@ __global__ void __launch_bounds__(kThreads) add_kernel(Params p, int64_t q_pairs
 
 Params make_params(const NonFiniteVArgs& a) {
   Params p;
-  p.v = static_cast<const uint16_t*>(a.v);
+  p.v = device_ptr<const uint16_t>(a.v);
   p.vs = a.v_stride;
-  p.v_finite = static_cast<uint16_t*>(a.v_finite);
-  p.first = static_cast<uint32_t*>(a.first_keys);
-  p.o = static_cast<uint16_t*>(a.o);
+  p.v_finite = device_ptr<uint16_t>(a.v_finite);
+  p.first = device_ptr<uint32_t>(a.first_keys);
+  p.o = device_ptr<uint16_t>(a.o);
   p.os = a.o_stride;
   p.heads = a.heads;
   p.kv_heads = a.kv_heads;
@@ -205,8 +205,7 @@ int access_width(const NonFiniteVArgs& a) {
   for (int w : {8, 2}) {
     const int64_t bytes = 2 * w;
     const bool ok = a.head_dim % w == 0 && a.v_stride.batch % w == 0 && a.v_stride.head % w == 0 &&
-                    a.v_stride.seq % w == 0 && reinterpret_cast<uintptr_t>(a.v) % bytes == 0 &&
-                    reinterpret_cast<uintptr_t>(a.v_finite) % bytes == 0;
+                    a.v_stride.seq % w == 0 && a.v % bytes == 0 && a.v_finite % bytes == 0;
     if (ok) return w;
   }
   return 1;
@@ -239,7 +238,7 @@ void sanitize_v(const NonFiniteVArgs& a, void* stream) {
   const int64_t kv_pairs = a.batch * a.kv_heads;
   // Every record starts at "no such key", which the kernel lowers.
   static_assert(kNoKey32 == 0xffffffffu, "kNoKey32 is what a 0xff byte memset writes");
-  SDPA_CUDA_CHECK(cudaMemsetAsync(a.first_keys, 0xff,
+  SDPA_CUDA_CHECK(cudaMemsetAsync(device_ptr<void>(a.first_keys), 0xff,
                                   size_t(kv_pairs * (1 + 3 * a.head_dim)) * sizeof(uint32_t), st));
   const int width = access_width(a);
   if (bf16)

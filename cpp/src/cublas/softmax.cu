@@ -75,18 +75,18 @@ namespace sdpa {
 
 void masked_softmax(const SoftmaxArgs& a, void* stream) {
   const auto st = static_cast<cudaStream_t>(stream);
-  const auto s = static_cast<const float*>(a.s);
+  const auto s = device_ptr<const float>(a.s);
   if (a.rows > 0x7fffffff) throw Error("masked_softmax: more than 2^31-1 rows");
   const unsigned grid = unsigned(a.rows);
   using namespace cublas_backend;
   switch (a.dtype) {
     case Dtype::F16:
-      softmax_kernel<<<grid, kThreads, 0, st>>>(s, static_cast<__half*>(a.p), a.seq_q, a.seq_k,
+      softmax_kernel<<<grid, kThreads, 0, st>>>(s, device_ptr<__half>(a.p), a.seq_q, a.seq_k,
                                                 a.mask == sdpa::Mask::CausalBottomRight);
       break;
     case Dtype::BF16:
-      softmax_kernel<<<grid, kThreads, 0, st>>>(s, static_cast<__nv_bfloat16*>(a.p), a.seq_q,
-                                                a.seq_k, a.mask == sdpa::Mask::CausalBottomRight);
+      softmax_kernel<<<grid, kThreads, 0, st>>>(s, device_ptr<__nv_bfloat16>(a.p), a.seq_q, a.seq_k,
+                                                a.mask == sdpa::Mask::CausalBottomRight);
       break;
     default:
       throw Error("masked_softmax: unsupported dtype code " + std::to_string(int(a.dtype)));

@@ -94,15 +94,21 @@ struct Plan {
 
 Plan plan(const FwdArgs& a) {
   Plan p{};
-  const int64_t nq = extent(a.batch, a.heads, a.seq_q, a.head_dim, a.q_stride);
-  const int64_t nk = extent(a.batch, a.kv_heads, a.seq_k, a.head_dim, a.k_stride);
-  const int64_t nv = extent(a.batch, a.kv_heads, a.seq_k, a.head_dim, a.v_stride);
-  p.seg[0] = {static_cast<const uint8_t*>(a.q), nq,
-              scale_map(a.per_head_scales, a.heads, nq, a.q_stride), a.q_scale};
-  p.seg[1] = {static_cast<const uint8_t*>(a.k), nk,
-              scale_map(a.per_head_scales, a.kv_heads, nk, a.k_stride), a.k_scale};
-  p.seg[2] = {static_cast<const uint8_t*>(a.v), nv,
-              scale_map(a.per_head_scales, a.kv_heads, nv, a.v_stride), a.v_scale};
+  const int64_t nq =
+      extent(a.dims.batch, a.dims.heads, a.dims.seq_q, a.dims.head_dim, a.ops.q_stride);
+  const int64_t nk =
+      extent(a.dims.batch, a.dims.kv_heads, a.dims.seq_k, a.dims.head_dim, a.ops.k_stride);
+  const int64_t nv =
+      extent(a.dims.batch, a.dims.kv_heads, a.dims.seq_k, a.dims.head_dim, a.ops.v_stride);
+  p.seg[0] = {device_ptr<const uint8_t>(a.ops.q), nq,
+              scale_map(a.fp8.per_head_scales, a.dims.heads, nq, a.ops.q_stride),
+              device_ptr<const float>(a.fp8.q_scale)};
+  p.seg[1] = {device_ptr<const uint8_t>(a.ops.k), nk,
+              scale_map(a.fp8.per_head_scales, a.dims.kv_heads, nk, a.ops.k_stride),
+              device_ptr<const float>(a.fp8.k_scale)};
+  p.seg[2] = {device_ptr<const uint8_t>(a.ops.v), nv,
+              scale_map(a.fp8.per_head_scales, a.dims.kv_heads, nv, a.ops.v_stride),
+              device_ptr<const float>(a.fp8.v_scale)};
   int64_t at = 0;
   for (int t = 0; t < 3; ++t) {
     p.offset[t] = at;
@@ -117,15 +123,15 @@ Plan plan(const FwdArgs& a) {
 int64_t simulated_workspace_bytes(const FwdArgs& a) { return plan(a).bytes; }
 
 void simulated_forward(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev, void* stream) {
-  if (a.out_dtype != Dtype::F16 && a.out_dtype != Dtype::BF16)
+  if (a.out.dtype != Dtype::F16 && a.out.dtype != Dtype::BF16)
     throw Error("e4m3 (simulated): out_dtype must be f16 or bf16");
-  if (!a.q_scale || !a.k_scale || !a.v_scale)
+  if (!a.fp8.q_scale || !a.fp8.k_scale || !a.fp8.v_scale)
     throw Error("e4m3 (simulated): q, k and v scales are required");
   const Plan p = plan(a);
-  if (a.workspace == nullptr)
+  if (a.scratch.workspace == 0)
     throw Error("e4m3 (simulated): needs a workspace of workspace_bytes() = " +
                 std::to_string(p.bytes) + " bytes");
-  auto* ws = static_cast<uint8_t*>(a.workspace);
+  auto* ws = device_ptr<uint8_t>(a.scratch.workspace);
   void* y[3] = {ws + p.offset[0], ws + p.offset[1], ws + p.offset[2]};
   const auto s = static_cast<cudaStream_t>(stream);
   // Whole 8-code chunks share one scale group where the group boundaries (multiples of inner
@@ -139,7 +145,7 @@ void simulated_forward(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev, v
   const int64_t most = std::max(p.seg[0].n, std::max(p.seg[1].n, p.seg[2].n)) / (vec ? 8 : 1);
   const int64_t blocks = (most + kThreads - 1) / kThreads;
   const dim3 grid(unsigned(blocks < 2048 ? blocks : 2048), 3);  // grid-stride beyond
-  if (a.out_dtype == Dtype::F16)
+  if (a.out.dtype == Dtype::F16)
     dequantize3<__half>
         <<<grid, kThreads, 0, s>>>(p.seg[0], p.seg[1], p.seg[2], static_cast<__half*>(y[0]),
                                    static_cast<__half*>(y[1]), static_cast<__half*>(y[2]), vec);
@@ -149,13 +155,12 @@ void simulated_forward(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev, v
         static_cast<__nv_bfloat16*>(y[1]), static_cast<__nv_bfloat16*>(y[2]), vec);
   SDPA_LAUNCH_CHECK("e4m3 (simulated) dequantize launch");
   FwdArgs b = a;
-  b.q = y[0];
-  b.k = y[1];
-  b.v = y[2];
-  b.dtype = a.out_dtype;
-  b.q_scale = b.k_scale = b.v_scale = nullptr;
-  b.per_head_scales = false;
-  b.workspace = nullptr;
+  b.ops.q = reinterpret_cast<uintptr_t>(y[0]);
+  b.ops.k = reinterpret_cast<uintptr_t>(y[1]);
+  b.ops.v = reinterpret_cast<uintptr_t>(y[2]);
+  b.ops.dtype = a.out.dtype;
+  b.fp8 = FwdFp8{};
+  b.scratch.workspace = 0;
   forward(kernel, b, dev, stream);
 }
 

@@ -81,20 +81,21 @@ __global__ void merge_rows(const MergeArgs a) {
   if (row >= a.batch * a.heads * a.rows) return;
   const int64_t s = row % a.rows, bh = row / a.rows, h = bh % a.heads, b = bh / a.heads;
   const int64_t acc_row = bh * a.acc_seq + a.row0 + s;
-  const float l1 = a.acc_lse[acc_row], l2 = a.part_lse[row];
+  float* acc_lse = device_ptr<float>(a.acc_lse);
+  const float l1 = acc_lse[acc_row], l2 = device_ptr<const float>(a.part_lse)[row];
   if (l2 == -INFINITY) return;  // the part saw no key for this row: nothing to add
   const float m = fmaxf(l1, l2);
   const float w1 = expf(l1 - m), w2 = expf(l2 - m);  // w1 = 0 while the row has seen no key
   const float sum = w1 + w2, c1 = w1 / sum, c2 = w2 / sum;
-  float2* o = reinterpret_cast<float2*>(a.acc_o + acc_row * a.head_dim);
-  const T* p_row = static_cast<const T*>(a.part_o) + b * a.part_stride[0] + h * a.part_stride[1] +
-                   s * a.part_stride[2];
+  float2* o = reinterpret_cast<float2*>(device_ptr<float>(a.acc_o) + acc_row * a.head_dim);
+  const T* p_row = device_ptr<const T>(a.part_o) + b * a.part_stride.batch +
+                   h * a.part_stride.head + s * a.part_stride.seq;
   for (int64_t i = lane; i < a.head_dim / 2; i += 32) {
     const float2 x = o[i], y = load_pair(p_row, i);
     o[i] = make_float2(c1 * x.x + c2 * y.x, c1 * x.y + c2 * y.y);
   }
   __syncwarp();
-  if (lane == 0) a.acc_lse[acc_row] = m + logf(sum);
+  if (lane == 0) acc_lse[acc_row] = m + logf(sum);
 }
 
 template <typename T>
@@ -103,9 +104,10 @@ __global__ void finish_rows(const MergeFinishArgs a) {
   const int lane = threadIdx.x % 32;
   if (row >= a.batch * a.heads * a.seq) return;
   const int64_t s = row % a.seq, bh = row / a.seq, h = bh % a.heads, b = bh / a.heads;
-  const float2* o = reinterpret_cast<const float2*>(a.acc_o + row * a.head_dim);
+  const float2* o =
+      reinterpret_cast<const float2*>(device_ptr<const float>(a.acc_o) + row * a.head_dim);
   T* out_row =
-      static_cast<T*>(a.out) + b * a.out_stride[0] + h * a.out_stride[1] + s * a.out_stride[2];
+      device_ptr<T>(a.out) + b * a.out_stride.batch + h * a.out_stride.head + s * a.out_stride.seq;
   uint32_t* out = reinterpret_cast<uint32_t*>(out_row);
   for (int64_t i = lane; i < a.head_dim / 2; i += 32) {
     const float2 x = o[i];

@@ -262,18 +262,18 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
 
 template <typename T, int D, class Mask>
 void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
-  if ((a.alibi && !a.alibi_slopes) || (a.has_lse && !a.lse))
+  if ((a.mods.alibi && !a.mods.alibi_slopes) || (a.out.has_lse && !a.out.lse))
     throw Error("scalar: the ALiBi slopes or the log-sum-exp buffer is missing");
   Params<Mask> p{};
   p.base = make_params(a);
   p.mask = mask;
-  if (a.softcap > 0.f) {
-    p.cap2 = a.softcap * 1.4426950408889634f;
+  if (a.mods.softcap > 0.f) {
+    p.cap2 = a.mods.softcap * 1.4426950408889634f;
     p.inv_cap2 = 1.f / p.cap2;
   }
-  p.alibi = a.alibi ? a.alibi_slopes : nullptr;
-  p.alibi_bstride = a.alibi_batch_stride;
-  p.lse = a.has_lse ? a.lse : nullptr;
+  p.alibi = a.mods.alibi ? device_ptr<const float>(a.mods.alibi_slopes) : nullptr;
+  p.alibi_bstride = a.mods.alibi_batch_stride;
+  p.lse = a.out.has_lse ? device_ptr<float>(a.out.lse) : nullptr;
   p.seqs = SeqParams::of(a);
   const auto kernel = fwd_kernel<T, D, Mask>;
   constexpr int kSmem = int(sizeof(Smem<D>));
@@ -281,7 +281,8 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
     static std::atomic<uint64_t> configured{0};
     opt_in_smem(reinterpret_cast<const void*>(kernel), kSmem, configured);
   }
-  const dim3 grid(unsigned((a.seq_q + kBM - 1) / kBM), unsigned(a.heads), unsigned(a.batch));
+  const dim3 grid(unsigned((a.dims.seq_q + kBM - 1) / kBM), unsigned(a.dims.heads),
+                  unsigned(a.dims.batch));
   kernel<<<grid, kThreads, kSmem, stream>>>(p);
   SDPA_LAUNCH_CHECK("scalar fwd_kernel launch");
 }

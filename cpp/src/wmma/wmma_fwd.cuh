@@ -11,7 +11,7 @@
 // the same strip and accumulates P·V into O fragments kept in registers. K/V tiles arrive by
 // cp.async, double-buffered: tile n+1 is in flight while tile n is computed.
 //
-// The mask is a policy of common/mask.cuh (Index int64_t), built in forward() from a.mask: the
+// The mask is a policy of common/mask.cuh (Index int64_t), built in forward() from a.mask.kind: the
 // kernel asks it for the CTA's key range, which tiles need a mask, and per row the keys it sees.
 // Under a mask that hides keys, a V tile partly masked for the CTA (first_partial_tile on) is
 // checked for Inf/NaN at the tile's barrier and, in the rare case it has some, handled as
@@ -542,7 +542,8 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   opt_in_smem(reinterpret_cast<const void*>(fwd_kernel<T, D, Mask>), kSmem, configured);
 
   const Params p = make_params(a);
-  const dim3 grid(unsigned((a.seq_q + kBM - 1) / kBM), unsigned(a.heads), unsigned(a.batch));
+  const dim3 grid(unsigned((a.dims.seq_q + kBM - 1) / kBM), unsigned(a.dims.heads),
+                  unsigned(a.dims.batch));
   fwd_kernel<T, D, Mask><<<grid, kThreads, kSmem, stream>>>(p);
   SDPA_LAUNCH_CHECK("wmma fwd_kernel launch");
 }
@@ -558,8 +559,8 @@ static_assert(kMaxSeqK == int64_t(1) << 30, "can_implement's reason names 2^30")
 template <typename T, int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
   std::string seq_k;
-  if (a.seq_k > kMaxSeqK)
-    seq_k = "seq_k = " + std::to_string(a.seq_k) +
+  if (a.dims.seq_k > kMaxSeqK)
+    seq_k = "seq_k = " + std::to_string(a.dims.seq_k) +
             " exceeds 2^30: the wmma kernel computes key-tile offsets in 32-bit int";
   return limits::first({limits::dense_sequences(a, "wmma"), mask::plain_only(a, "wmma"),
                         limits::grid_of_query_tiles(a, kBM), seq_k, limits::sm80_or_newer(dev),
@@ -568,7 +569,7 @@ std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
 
 template <typename T, int D>
 void forward(const FwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
-  mask::dispatch_mask(a.mask, a.seq_q, a.seq_k,
+  mask::dispatch_mask(a.mask.kind, a.dims.seq_q, a.dims.seq_k,
                       [&](auto m) { launch<T, D, decltype(m)>(a, stream); });
 }
 

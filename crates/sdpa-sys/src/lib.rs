@@ -1,4 +1,6 @@
-//! The whole Rust/C++ boundary of sdpa: one `#[cxx::bridge]` module.
+//! The whole Rust/C++ boundary of sdpa: the argument blocks, defined once in [`args`] (cxx
+//! shared structs, whose generated C++ declarations the core includes), the kernel list
+//! ([`Kernel`], generated from cpp/kernels.txt), and the functions of [`ffi`].
 //!
 //! Everything here is raw: pointers are `u64` device addresses, streams are `CUstream` values
 //! as `usize`. The safe layer (`sdpa` crate) validates every argument before calling in; a C++
@@ -14,228 +16,6 @@
 )]
 #[cxx::bridge(namespace = "sdpa_bridge")]
 pub mod ffi {
-    /// The core's element types: `sdpa::Dtype` of cpp/include/sdpa/sdpa.h, bound by cxx (which
-    /// checks at build time that the C++ enum has these names and values).
-    #[namespace = "sdpa"]
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    #[repr(i32)]
-    enum Dtype {
-        F16 = 0,
-        BF16 = 1,
-        E4M3 = 2,
-        /// An output type only: partial results merged before they are rounded.
-        F32 = 3,
-    }
-
-    /// Which keys each query row sees: `sdpa::Mask`, bound like `Dtype`.
-    #[namespace = "sdpa"]
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    #[repr(i32)]
-    enum Mask {
-        NoMask = 0,
-        CausalBottomRight = 1,
-        CausalTopLeft = 2,
-        Window = 3,
-    }
-
-    /// The fused kernels of the core, one per backend folder under cpp/src/: `sdpa::Kernel`,
-    /// bound like `Dtype`.
-    #[namespace = "sdpa"]
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    #[repr(i32)]
-    enum Kernel {
-        Scalar = 0,
-        Wmma = 1,
-        Cutlass = 2,
-        CutlassSm80 = 3,
-    }
-
-    /// Mirrors `sdpa::FwdArgs` (cpp/include/sdpa/sdpa.h). Strides in elements: [batch, head, seq].
-    #[derive(Debug, Clone)]
-    pub struct FwdArgs {
-        pub q: u64,
-        pub k: u64,
-        pub v: u64,
-        pub o: u64,
-        pub batch: i64,
-        pub heads: i64,
-        pub kv_heads: i64,
-        pub seq_q: i64,
-        pub seq_k: i64,
-        pub head_dim: i64,
-        pub q_stride: [i64; 3],
-        pub k_stride: [i64; 3],
-        pub v_stride: [i64; 3],
-        pub o_stride: [i64; 3],
-        pub scale: f32,
-        pub mask: Mask,
-        /// Window only: keys left and right of the diagonal (negative: unbounded).
-        pub window_left: i64,
-        pub window_right: i64,
-        /// > 0: the logit cap; 0: none.
-        pub softcap: f32,
-        /// ALiBi: device f32 slopes (0 in a question asked before the buffers exist), slope
-        /// of (b, h) at `b * alibi_batch_stride + h`.
-        pub alibi: bool,
-        pub alibi_slopes: u64,
-        pub alibi_batch_stride: i64,
-        /// The log-sum-exp out: device f32 [batch][heads][seq_q] (0 as for the slopes).
-        pub has_lse: bool,
-        pub lse: u64,
-        /// Of q, k, v
-        pub dtype: Dtype,
-        /// Of o: F16 or BF16
-        pub out_dtype: Dtype,
-        /// e4m3 only (0 otherwise): device f32 dequantization scales, one per tensor or one
-        /// per (batch, head) pair when `per_head_scales`.
-        pub q_scale: u64,
-        pub k_scale: u64,
-        pub v_scale: u64,
-        pub per_head_scales: bool,
-        /// e4m3 only: fast mode, P·V on e4m3 tensor cores where the kernel has it.
-        pub fp8_fast: bool,
-        /// Scratch of `workspace_bytes(kernel, args)` bytes (0 when none is needed).
-        pub workspace: u64,
-        /// Two device i32, zero between calls (0: none), with which the cutlass-sm90 masked
-        /// kernels hand out their work tiles to a persistent grid.
-        pub tile_counter: u64,
-        /// Sequences of different lengths (0 / false for dense ones; sdpa.h says how): rows
-        /// of packed Q, whether K/V are packed, the rows of packed K/V or of a paged cache, a
-        /// paged cache's page size and block-table columns, whether seqused_k caps each
-        /// sequence's keys, and the device i32 metadata.
-        pub total_q: i64,
-        pub packed_kv: bool,
-        pub kv_rows: i64,
-        pub page_size: i64,
-        pub pages_per_seq: i64,
-        pub has_seqused_k: bool,
-        pub cu_seqlens_q: u64,
-        pub cu_seqlens_k: u64,
-        pub seqused_k: u64,
-        pub block_table: u64,
-    }
-
-    /// Mirrors `sdpa::DeviceInfo`: what the fused kernels need to know about their GPU, read
-    /// once per device. All zero: an unknown device (`can_implement` then checks the problem
-    /// alone; `forward` refuses it).
-    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-    pub struct DeviceInfo {
-        pub cc_major: i32,
-        pub cc_minor: i32,
-        /// Multiprocessors.
-        pub sms: i32,
-        /// Bytes of shared memory a block may opt in to.
-        pub smem_optin_per_block: i32,
-        /// Bytes of shared memory per multiprocessor.
-        pub smem_per_sm: i32,
-    }
-
-    /// Mirrors `sdpa::ScaleMap`: element i is in scale group
-    /// `(i / per_batch) * heads + (i / inner) % heads`.
-    #[derive(Debug, Clone, Copy)]
-    pub struct ScaleMap {
-        pub heads: i64,
-        pub inner: i64,
-        pub per_batch: i64,
-    }
-
-    /// Mirrors `sdpa::SoftmaxArgs`: S (f32) -> P (dtype), rows = batch * heads * seq_q.
-    #[derive(Debug, Clone)]
-    pub struct SoftmaxArgs {
-        pub s: u64,
-        pub p: u64,
-        pub rows: i64,
-        pub seq_q: i64,
-        pub seq_k: i64,
-        pub mask: Mask,
-        /// F16 or BF16
-        pub dtype: Dtype,
-    }
-
-    /// Mirrors `sdpa::KvAppendArgs`: new K/V rows appended into a paged cache (device addresses;
-    /// sdpa.h says how).
-    #[derive(Debug, Clone)]
-    pub struct KvAppendArgs {
-        pub k_new: u64,
-        pub v_new: u64,
-        pub k_cache: u64,
-        pub v_cache: u64,
-        pub block_table: u64,
-        pub seqused_k: u64,
-        pub batch: i64,
-        pub n_new: i64,
-        pub kv_heads: i64,
-        pub head_dim: i64,
-        pub page_size: i64,
-        pub pages_per_seq: i64,
-        /// Pages of the cache.
-        pub pages: i64,
-        /// F16 or BF16
-        pub dtype: Dtype,
-    }
-
-    /// Mirrors `sdpa::NonFiniteVArgs`: the cuBLAS backend's finite copy of V for causal
-    /// problems and its records (the non-finite V check). Strides in elements: [batch, head, seq].
-    #[derive(Debug, Clone)]
-    pub struct NonFiniteVArgs {
-        pub v: u64,
-        pub v_stride: [i64; 3],
-        /// Dense [batch][kv_heads][seq_k][head_dim], of the dtype
-        pub v_finite: u64,
-        /// u32 [batch * kv_heads][1 + 3 * head_dim]
-        pub first_keys: u64,
-        pub o: u64,
-        pub o_stride: [i64; 3],
-        pub batch: i64,
-        pub heads: i64,
-        pub kv_heads: i64,
-        pub seq_q: i64,
-        pub seq_k: i64,
-        pub head_dim: i64,
-        /// Of v and o: F16 or BF16
-        pub dtype: Dtype,
-    }
-
-    /// Mirrors `sdpa::MergeArgs` (sdpa/merge.h): one partial attention result (16-bit O at its
-    /// strides, f32 log-sum-exp) folded into a running f32 one through their log-sum-exps.
-    #[derive(Debug, Clone)]
-    pub struct MergeArgs {
-        /// f32 [batch][heads][acc_seq][head_dim], dense
-        pub acc_o: u64,
-        /// f32 [batch][heads][acc_seq]
-        pub acc_lse: u64,
-        pub part_o: u64,
-        /// f32 [batch][heads][rows], dense
-        pub part_lse: u64,
-        /// Of part_o, in elements: [batch, head, seq]
-        pub part_stride: [i64; 3],
-        pub batch: i64,
-        pub heads: i64,
-        pub rows: i64,
-        pub head_dim: i64,
-        pub acc_seq: i64,
-        /// The part's rows are the accumulator's positions [row0, row0 + rows)
-        pub row0: i64,
-        /// Of part_o: F16 or BF16
-        pub dtype: Dtype,
-    }
-
-    /// Mirrors `sdpa::MergeFinishArgs`: the running f32 result rounded into the output.
-    #[derive(Debug, Clone)]
-    pub struct MergeFinishArgs {
-        /// f32 [batch][heads][seq][head_dim], dense
-        pub acc_o: u64,
-        pub out: u64,
-        /// Of out, in elements: [batch, head, seq]
-        pub out_stride: [i64; 3],
-        pub batch: i64,
-        pub heads: i64,
-        pub seq: i64,
-        pub head_dim: i64,
-        /// Of out: F16 or BF16
-        pub dtype: Dtype,
-    }
-
     /// Resource use of one kernel on the current device.
     #[derive(Debug, Clone)]
     pub struct KernelAttr {
@@ -249,12 +29,21 @@ pub mod ffi {
         pub max_threads: i32,
     }
 
+    // The argument blocks (src/args.rs) and the kernel list (cpp/kernels.txt), each defined
+    // once and shared by value.
     #[namespace = "sdpa"]
     unsafe extern "C++" {
         include!("sdpa/sdpa.h");
-        type Dtype;
-        type Kernel;
-        type Mask;
+        type Dtype = crate::args::Dtype;
+        type Kernel = crate::Kernel;
+        type FwdArgs = crate::args::FwdArgs;
+        type DeviceInfo = crate::args::DeviceInfo;
+        type SoftmaxArgs = crate::args::SoftmaxArgs;
+        type NonFiniteVArgs = crate::args::NonFiniteVArgs;
+        type KvAppendArgs = crate::args::KvAppendArgs;
+        type MergeArgs = crate::args::MergeArgs;
+        type MergeFinishArgs = crate::args::MergeFinishArgs;
+        type ScaleMap = crate::args::ScaleMap;
     }
 
     unsafe extern "C++" {
@@ -360,6 +149,17 @@ pub mod ffi {
         /// Whether the CUTLASS kernels were compiled in.
         fn built_with_cutlass() -> bool;
     }
+}
+
+pub mod args;
+
+include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+
+// SAFETY: `Kernel` is `#[repr(i32)]` with the enumerators and values of `sdpa::Kernel`
+// (`enum class Kernel : int32_t`), both generated from cpp/kernels.txt by build.rs.
+unsafe impl cxx::ExternType for Kernel {
+    type Id = cxx::type_id!("sdpa::Kernel");
+    type Kind = cxx::kind::Trivial;
 }
 
 /// The ptxas resource report of every kernel, captured when `cpp/` was compiled

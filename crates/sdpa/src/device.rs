@@ -5,7 +5,7 @@ use crate::error::MemoryKind;
 use crate::error::{Error, Result};
 use crate::memory::{bytes_of, host_vec, out_of_memory};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, sys};
-use sdpa_sys::ffi::DeviceInfo;
+use sdpa_sys::args::DeviceInfo;
 use std::sync::{Arc, Mutex};
 
 /// A GPU and one stream on it. Everything issued through one `Device` runs in order on its

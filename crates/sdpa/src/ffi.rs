@@ -3,7 +3,7 @@
 //! how values are spelled there.
 
 use crate::problem::{DType, Mask};
-use sdpa_sys::ffi::Dtype;
+use sdpa_sys::args::Dtype;
 
 /// The core's spelling of an element type.
 pub(crate) fn dtype(d: DType) -> Dtype {
@@ -16,8 +16,8 @@ pub(crate) fn dtype(d: DType) -> Dtype {
 
 /// The core's spelling of a mask (in its canonical form) and its window sides (-1: unbounded,
 /// and for masks without a window).
-pub(crate) fn mask(m: Mask) -> (sdpa_sys::ffi::Mask, i64, i64) {
-    use sdpa_sys::ffi::Mask as M;
+pub(crate) fn mask(m: Mask) -> (sdpa_sys::args::Mask, i64, i64) {
+    use sdpa_sys::args::Mask as M;
     let side = |x: Option<usize>| x.map_or(-1, |n| n.min(i64::MAX as usize) as i64);
     match m.canonical() {
         Mask::None => (M::NoMask, -1, -1),

@@ -156,7 +156,7 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
     let (table, _tg) = a.block_table.device_ptr(stream);
     let mut used = a.seqused_k;
     let (seqused, _ug) = used.device_ptr_mut(stream);
-    let args = sdpa_sys::ffi::KvAppendArgs {
+    let args = sdpa_sys::args::KvAppendArgs {
         k_new: a.k_new.ptr(dev),
         v_new: a.v_new.ptr(dev),
         k_cache: a.k_cache.ptr_mut(dev),

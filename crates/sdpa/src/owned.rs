@@ -92,7 +92,7 @@ pub(crate) fn run(
 /// A fused kernel's launch on the tensors and the extras' buffers (the guards of their
 /// addresses held until the launch is queued).
 fn fused_forward(
-    kernel: sdpa_sys::ffi::Kernel,
+    kernel: sdpa_sys::Kernel,
     dev: &Device,
     p: &Checked,
     t: Tensors<'_>,

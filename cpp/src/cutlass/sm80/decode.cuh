@@ -367,12 +367,14 @@ constexpr bool kHasDecode = D == 64 || D == 128;
 // query tokens against at least 4 key tiles, no mask but causal bottom-right, no softcap or
 // ALiBi.
 inline bool applies(const FwdArgs& a) {
-  if (a.dtype == Dtype::E4M3 || a.out_dtype != a.dtype) return false;
-  if (!(a.head_dim == 64 || a.head_dim == 128)) return false;
-  if (a.mask != Mask::NoMask && a.mask != Mask::CausalBottomRight) return false;
-  if (a.softcap > 0.f || a.alibi) return false;
-  return a.seq_q <= kMaxTokens && a.seq_k >= 256 && a.heads / a.kv_heads <= 64 &&
-         a.kv_heads * ((a.seq_q * (a.heads / a.kv_heads) + 15) / 16) <= 65535 && a.batch <= 65535;
+  if (a.ops.dtype == Dtype::E4M3 || a.out.dtype != a.ops.dtype) return false;
+  if (!(a.dims.head_dim == 64 || a.dims.head_dim == 128)) return false;
+  if (a.mask.kind != Mask::NoMask && a.mask.kind != Mask::CausalBottomRight) return false;
+  if (a.mods.softcap > 0.f || a.mods.alibi) return false;
+  return a.dims.seq_q <= kMaxTokens && a.dims.seq_k >= 256 &&
+         a.dims.heads / a.dims.kv_heads <= 64 &&
+         a.dims.kv_heads * ((a.dims.seq_q * (a.dims.heads / a.dims.kv_heads) + 15) / 16) <= 65535 &&
+         a.dims.batch <= 65535;
 }
 
 // The launch's shape: rows a CTA (16 or 32), row blocks, splits and their tiles.
@@ -389,17 +391,18 @@ inline int smem_bytes(int mt) {
 
 inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   Plan pl{};
-  const int64_t group = a.heads / a.kv_heads, rows = a.seq_q * group;
+  const int64_t group = a.dims.heads / a.dims.kv_heads, rows = a.dims.seq_q * group;
   pl.mt = rows <= 16 ? 1 : 2;
   pl.row_blocks = int((rows + 16 * pl.mt - 1) / (16 * pl.mt));
-  pl.lse_rows = a.total_q > 0 ? a.heads * a.total_q : a.batch * a.heads * a.seq_q;
-  const int64_t tiles = (a.seq_k + 63) / 64;
+  pl.lse_rows = a.seqs.total_q > 0 ? a.dims.heads * a.seqs.total_q
+                                   : a.dims.batch * a.dims.heads * a.dims.seq_q;
+  const int64_t tiles = (a.dims.seq_k + 63) / 64;
   // Splits fill one CTA an SM (an unknown device: an H100's 132), each at least 4 tiles. One a
   // SM, not the two that fit: fewer, longer splits pay the pipeline's fill and drain and the
   // combine fewer times, which outweighs the bytes more CTAs would keep in flight (measured:
   // docs/log/2026-11-perf-history.md, "Serving: decode, paged cache, varlen").
-  const int64_t slots = dev.known() ? dev.sms : 132;
-  const int64_t base = a.batch * a.kv_heads * pl.row_blocks;
+  const int64_t slots = known(dev) ? dev.sms : 132;
+  const int64_t base = a.dims.batch * a.dims.kv_heads * pl.row_blocks;
   int64_t splits = base >= slots ? 1 : slots / base;
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, tiles / 4));
   // SDPA_DECODE_SPLITS=n in the environment sets the count instead (read once), for measuring.
@@ -416,7 +419,7 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
 inline int64_t workspace_bytes(const FwdArgs& a, const DeviceInfo& dev) {
   const Plan pl = plan(a, dev);
   if (pl.splits == 1) return 0;
-  return int64_t(pl.splits) * pl.lse_rows * (a.head_dim + 1) * int64_t(sizeof(float));
+  return int64_t(pl.splits) * pl.lse_rows * (a.dims.head_dim + 1) * int64_t(sizeof(float));
 }
 
 // What the decode path needs beyond applies(): seq_q, seq_k and key indices a tile past them in
@@ -432,41 +435,43 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Pla
             cudaStream_t stream) {
   using G = Geo<T, D, MT>;
   Params<T, Mask> p{};
-  p.q = static_cast<const T*>(a.q);
-  p.k = static_cast<const T*>(a.k);
-  p.v = static_cast<const T*>(a.v);
-  p.o = static_cast<T*>(a.o);
-  p.qs = a.q_stride;
-  p.ks = a.k_stride;
-  p.vs = a.v_stride;
-  p.os = a.o_stride;
+  p.q = device_ptr<const T>(a.ops.q);
+  p.k = device_ptr<const T>(a.ops.k);
+  p.v = device_ptr<const T>(a.ops.v);
+  p.o = device_ptr<T>(a.ops.o);
+  p.qs = a.ops.q_stride;
+  p.ks = a.ops.k_stride;
+  p.vs = a.ops.v_stride;
+  p.os = a.ops.o_stride;
   p.mask = mask;
-  p.group = int(a.heads / a.kv_heads);
-  p.heads = int(a.heads);
+  p.group = int(a.dims.heads / a.dims.kv_heads);
+  p.heads = int(a.dims.heads);
   p.row_blocks = pl.row_blocks;
-  p.scale_log2 = a.scale * 1.4426950408889634f;
-  p.lse = a.has_lse ? a.lse : nullptr;
+  p.scale_log2 = a.mods.scale * 1.4426950408889634f;
+  p.lse = a.out.has_lse ? device_ptr<float>(a.out.lse) : nullptr;
   p.seqs = SeqParams::of(a);
   p.splits = pl.splits;
   p.split_tiles = pl.split_tiles;
   p.lse_rows = pl.lse_rows;
   if (pl.splits > 1) {
-    if (a.workspace == nullptr || reinterpret_cast<uintptr_t>(a.workspace) % 16 != 0)
+    if (a.scratch.workspace == 0 || a.scratch.workspace % 16 != 0)
       throw Error("cutlass-sm80 decode: needs a 16-byte aligned workspace of workspace_bytes()");
-    p.ws_o = static_cast<float*>(a.workspace);
+    p.ws_o = device_ptr<float>(a.scratch.workspace);
     p.ws_lse = p.ws_o + int64_t(pl.splits) * pl.lse_rows * D;
   }
   const auto kernel = decode_kernel<T, D, MT, Mask>;
   static std::atomic<uint64_t> configured{0};
   opt_in_smem(reinterpret_cast<const void*>(kernel), G::kSmemBytes, configured);
-  const dim3 grid(unsigned(pl.splits), unsigned(a.kv_heads * pl.row_blocks), unsigned(a.batch));
+  const dim3 grid(unsigned(pl.splits), unsigned(a.dims.kv_heads * pl.row_blocks),
+                  unsigned(a.dims.batch));
   kernel<<<grid, kThreads, G::kSmemBytes, stream>>>(p);
   SDPA_LAUNCH_CHECK("cutlass-sm80 decode_kernel launch");
   if (pl.splits > 1) {
     // On sm_90 the combine launches programmatically: its launch and start overlap the splits'
     // tail, and it waits for their completion before reading the partials.
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(unsigned((a.seq_q + 3) / 4), unsigned(a.heads), unsigned(a.batch));
+    cfg.gridDim =
+        dim3(unsigned((a.dims.seq_q + 3) / 4), unsigned(a.dims.heads), unsigned(a.dims.batch));
     cfg.blockDim = dim3(128);
     cfg.stream = stream;
     cudaLaunchAttribute attrs[1];
@@ -477,9 +482,10 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Pla
 
 template <typename T, int D>
 void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
-  if (a.has_lse && !a.lse) throw Error("cutlass-sm80 decode: a log-sum-exp without its buffer");
+  if (a.out.has_lse && !a.out.lse)
+    throw Error("cutlass-sm80 decode: a log-sum-exp without its buffer");
   const Plan pl = plan(a, dev);
-  mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), [&](const auto& mask) {
+  mask::dispatch_mask(a.mask.kind, int(a.dims.seq_q), int(a.dims.seq_k), [&](const auto& mask) {
     if (pl.mt == 1) return launch<T, D, 1>(a, dev, mask, pl, stream);
     launch<T, D, 2>(a, dev, mask, pl, stream);
   });

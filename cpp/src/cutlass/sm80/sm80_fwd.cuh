@@ -48,8 +48,8 @@
 // staged through the same buffer.
 //
 // Masks: the kernel is templated on a mask policy of common/mask.cuh (Index int), built in
-// forward() from a.mask and passed in Params, and asks it which keys the CTA and each warp see,
-// which tiles need masking and each row's visible keys. The general path (mask::Band: windows,
+// forward() from a.mask.kind and passed in Params, and asks it which keys the CTA and each warp
+// see, which tiles need masking and each row's visible keys. The general path (mask::Band: windows,
 // top-left causal, and any mask with softcap or ALiBi) masks both edges of a row's band, turns
 // the scores into log2-domain logits first where a softcap or ALiBi is on (common/score_mods.cuh;
 // the softmax then runs with scale 1), and checks V tiles its lower edge crosses too. Every
@@ -787,7 +787,7 @@ constexpr int kMaxTileRows = 16 * 8;
 // picks there (the 4-warp one where the device is unknown: both take the same).
 template <typename T, int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
-  const int warps = dev.known() ? shipping_warps<T, D>(dev) : 4;
+  const int warps = known(dev) ? shipping_warps<T, D>(dev) : 4;
   const int smem = mask::dispatch_band<int>(a, [&](const auto& m) {
     using Mask = std::decay_t<decltype(m)>;
     if constexpr (kHasW8<D>) {
@@ -810,33 +810,34 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
     opt_in_smem(reinterpret_cast<const void*>(fwd_kernel<T, D, Mask, W, MT>), kSmem, configured);
   }
   Params<T, Mask> p{};
-  p.q = static_cast<const T*>(a.q);
-  p.k = static_cast<const T*>(a.k);
-  p.v = static_cast<const T*>(a.v);
-  p.o = static_cast<T*>(a.o);
-  p.qs = a.q_stride;
-  p.ks = a.k_stride;
-  p.vs = a.v_stride;
-  p.os = a.o_stride;
+  p.q = device_ptr<const T>(a.ops.q);
+  p.k = device_ptr<const T>(a.ops.k);
+  p.v = device_ptr<const T>(a.ops.v);
+  p.o = device_ptr<T>(a.ops.o);
+  p.qs = a.ops.q_stride;
+  p.ks = a.ops.k_stride;
+  p.vs = a.ops.v_stride;
+  p.os = a.ops.o_stride;
   p.mask = mask;
-  p.group = int(a.heads / a.kv_heads);
-  p.scale_log2 = a.scale * 1.4426950408889634f;
-  p.lse = a.has_lse ? a.lse : nullptr;
-  p.heads = int(a.heads);
-  p.cap2 = a.softcap > 0.f ? a.softcap * 1.4426950408889634f : 0.f;
-  p.alibi = a.alibi ? a.alibi_slopes : nullptr;
-  p.alibi_bstride = int(a.alibi_batch_stride);
+  p.group = int(a.dims.heads / a.dims.kv_heads);
+  p.scale_log2 = a.mods.scale * 1.4426950408889634f;
+  p.lse = a.out.has_lse ? device_ptr<float>(a.out.lse) : nullptr;
+  p.heads = int(a.dims.heads);
+  p.cap2 = a.mods.softcap > 0.f ? a.mods.softcap * 1.4426950408889634f : 0.f;
+  p.alibi = a.mods.alibi ? device_ptr<const float>(a.mods.alibi_slopes) : nullptr;
+  p.alibi_bstride = int(a.mods.alibi_batch_stride);
   p.seqs = SeqParams::of(a);
   // Under a mask that hides keys CTAs are launched last query block first (the kernel reverses
   // blockIdx.x).
-  const dim3 grid(unsigned((a.seq_q + C::kBM - 1) / C::kBM), unsigned(a.heads), unsigned(a.batch));
+  const dim3 grid(unsigned((a.dims.seq_q + C::kBM - 1) / C::kBM), unsigned(a.dims.heads),
+                  unsigned(a.dims.batch));
   fwd_kernel<T, D, Mask, W, MT><<<grid, C::kThreads, kSmem, stream>>>(p);
   SDPA_LAUNCH_CHECK("cutlass-sm80 fwd_kernel launch");
 }
 
 template <typename T, int D>
 void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
-  if ((a.alibi && !a.alibi_slopes) || (a.has_lse && !a.lse))
+  if ((a.mods.alibi && !a.mods.alibi_slopes) || (a.out.has_lse && !a.out.lse))
     throw Error("cutlass-sm80: ALiBi without slopes or a log-sum-exp without its buffer");
   const int warps = shipping_warps<T, D>(dev);
   mask::dispatch_band<int>(a, [&](const auto& mask) {

@@ -784,56 +784,57 @@ struct Mainloop {
                          make_shape(int(rows), Int<D>{}, int(heads), int(batch)),
                          make_stride(st.seq, _1{}, st.head, bs));
     };
-    const int64_t q_rows = a.total_q > 0 ? a.total_q : a.seq_q;
-    const int64_t q_batch = a.total_q > 0 ? 1 : a.batch;
-    const int64_t kv_rows = a.kv_rows > 0 ? a.kv_rows : a.seq_k;
-    const int64_t kv_batch = a.kv_rows > 0 ? 1 : a.batch;
+    const int64_t q_rows = a.seqs.total_q > 0 ? a.seqs.total_q : a.dims.seq_q;
+    const int64_t q_batch = a.seqs.total_q > 0 ? 1 : a.dims.batch;
+    const int64_t kv_rows = a.seqs.kv_rows > 0 ? a.seqs.kv_rows : a.dims.seq_k;
+    const int64_t kv_batch = a.seqs.kv_rows > 0 ? 1 : a.dims.batch;
     Params p{};
-    p.tma_q = make_tma_copy(SM90_TMA_LOAD{},
-                            gmem(static_cast<const QK*>(a.q), q_rows, a.heads, q_batch, a.q_stride),
-                            typename C::LayoutQ{}, Shape<Int<BM>, Int<D>>{}, _1{});
-    p.tma_k =
-        make_tma_copy(SM90_TMA_LOAD{},
-                      gmem(static_cast<const QK*>(a.k), kv_rows, a.kv_heads, kv_batch, a.k_stride),
-                      take<0, 2>(typename C::LayoutK{}), Shape<Int<BN>, Int<D>>{}, _1{});
+    p.tma_q = make_tma_copy(
+        SM90_TMA_LOAD{},
+        gmem(device_ptr<const QK>(a.ops.q), q_rows, a.dims.heads, q_batch, a.ops.q_stride),
+        typename C::LayoutQ{}, Shape<Int<BM>, Int<D>>{}, _1{});
+    p.tma_k = make_tma_copy(
+        SM90_TMA_LOAD{},
+        gmem(device_ptr<const QK>(a.ops.k), kv_rows, a.dims.kv_heads, kv_batch, a.ops.k_stride),
+        take<0, 2>(typename C::LayoutK{}), Shape<Int<BN>, Int<D>>{}, _1{});
     if constexpr (E::kConvertV) {
-      p.tma_v = make_tma_copy(SM90_TMA_LOAD{},
-                              gmem(static_cast<const QK*>(v), kv_rows, a.kv_heads, kv_batch, vs),
-                              take<0, 2>(typename C::LayoutV8{}), Shape<Int<BN>, Int<D>>{}, _1{});
+      p.tma_v = make_tma_copy(
+          SM90_TMA_LOAD{}, gmem(static_cast<const QK*>(v), kv_rows, a.dims.kv_heads, kv_batch, vs),
+          take<0, 2>(typename C::LayoutV8{}), Shape<Int<BN>, Int<D>>{}, _1{});
     } else if constexpr (E::kFp8PV) {
       // The pre-pass's V^T in the workspace `v`, [batch][kv_head][D][keys_t]; after it, the
       // masked kernels' NaN table.
       const int64_t keys = transposed_keys(a);
       p.keys_t = int(keys);
-      p.tma_v =
-          make_tma_copy(SM90_TMA_LOAD{},
-                        make_tensor(make_gmem_ptr(static_cast<const PV*>(v)),
-                                    make_shape(Int<D>{}, int(keys), int(a.kv_heads), int(a.batch)),
-                                    make_stride(keys, _1{}, D * keys, a.kv_heads * D * keys)),
-                        take<0, 2>(typename C::LayoutVt{}), Shape<Int<D>, Int<BN>>{}, _1{});
+      p.tma_v = make_tma_copy(
+          SM90_TMA_LOAD{},
+          make_tensor(make_gmem_ptr(static_cast<const PV*>(v)),
+                      make_shape(Int<D>{}, int(keys), int(a.dims.kv_heads), int(a.dims.batch)),
+                      make_stride(keys, _1{}, D * keys, a.dims.kv_heads * D * keys)),
+          take<0, 2>(typename C::LayoutVt{}), Shape<Int<D>, Int<BN>>{}, _1{});
       if (nan_table_bytes(a) > 0)
         p.nan_first = reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(v) +
                                                         transposed_v_bytes(a));
     } else {
-      p.tma_v = make_tma_copy(SM90_TMA_LOAD{},
-                              gmem(static_cast<const PV*>(v), kv_rows, a.kv_heads, kv_batch, vs),
-                              take<0, 2>(typename C::LayoutV{}), Shape<Int<BN>, Int<D>>{}, _1{});
+      p.tma_v = make_tma_copy(
+          SM90_TMA_LOAD{}, gmem(static_cast<const PV*>(v), kv_rows, a.dims.kv_heads, kv_batch, vs),
+          take<0, 2>(typename C::LayoutV{}), Shape<Int<BN>, Int<D>>{}, _1{});
     }
     fill_sizes(p, a);
     p.turns = turns ? 1 : 0;
-    p.q_scale = a.q_scale;
-    p.k_scale = a.k_scale;
-    p.v_scale = a.v_scale;
-    p.per_head = a.per_head_scales ? 1 : 0;
+    p.q_scale = device_ptr<const float>(a.fp8.q_scale);
+    p.k_scale = device_ptr<const float>(a.fp8.k_scale);
+    p.v_scale = device_ptr<const float>(a.fp8.v_scale);
+    p.per_head = a.fp8.per_head_scales ? 1 : 0;
     if constexpr (kBand) {
       const mask::Band<int> band = mask::band_of<int>(a);
       p.diag = band.diag;
       p.left = band.left;
       p.right = band.right;
       p.top_left = band.top_left ? 1 : 0;
-      p.cap2 = a.softcap > 0.f ? a.softcap * 1.4426950408889634f : 0.f;
-      p.alibi = a.alibi ? a.alibi_slopes : nullptr;
-      p.alibi_bstride = int(a.alibi_batch_stride);
+      p.cap2 = a.mods.softcap > 0.f ? a.mods.softcap * 1.4426950408889634f : 0.f;
+      p.alibi = a.mods.alibi ? device_ptr<const float>(a.mods.alibi_slopes) : nullptr;
+      p.alibi_bstride = int(a.mods.alibi_batch_stride);
       p.seqs = SeqParams::of(a);
     }
     return p;

@@ -130,13 +130,13 @@ struct FastDiv {
 // arguments (32-bit sizes: each kernel's can_implement).
 template <class P>
 void fill_sizes(P& p, const FwdArgs& a) {
-  p.seq_q = int(a.seq_q);
-  p.seq_k = int(a.seq_k);
-  p.heads = int(a.heads);
-  p.kv_heads = int(a.kv_heads);
-  p.batch = int(a.batch);
-  p.scale_log2 = a.scale * 1.4426950408889634f;
-  p.div_group = FastDiv(int(a.heads / a.kv_heads));
+  p.seq_q = int(a.dims.seq_q);
+  p.seq_k = int(a.dims.seq_k);
+  p.heads = int(a.dims.heads);
+  p.kv_heads = int(a.dims.kv_heads);
+  p.batch = int(a.dims.batch);
+  p.scale_log2 = a.mods.scale * 1.4426950408889634f;
+  p.div_group = FastDiv(int(a.dims.heads / a.dims.kv_heads));
 }
 
 // E4M3: the dequantization scales of (batch b, head h) from a parameter block's q_scale, k_scale,

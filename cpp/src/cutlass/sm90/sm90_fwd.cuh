@@ -221,12 +221,12 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
 // TMA needs a 16-byte aligned base and 16-byte multiple strides below 2^40 bytes (and dims
 // below 2^32: the shapes here are int). A null pointer is not checked (can_implement asked before
 // the buffers exist).
-inline std::string tma_operand(const void* ptr, const Strides& s, const char* what,
+inline std::string tma_operand(uint64_t address, const Strides& s, const char* what,
                                int elem_bytes) {
   const auto ok = [&](int64_t st) {
     return st >= 0 && (st * elem_bytes) % 16 == 0 && st * elem_bytes < (int64_t(1) << 40);
   };
-  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0 || !ok(s.batch) || !ok(s.head) || !ok(s.seq))
+  if (address % 16 != 0 || !ok(s.batch) || !ok(s.head) || !ok(s.seq))
     return std::string(what) +
            " is not TMA-addressable (16-byte aligned base and strides required)";
   return "";
@@ -253,24 +253,22 @@ template <class E, int D, class Mask>
 KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   using Sched = TileScheduler<Mask::kMasksKeys>;
   KernelParams<E, D, Mask> p{};
-  p.sched = Sched::make(a.seq_q, a.heads, a.batch, sms, a.total_q, a.cu_seqlens_q);
+  p.sched = Sched::make(a.dims.seq_q, a.dims.heads, a.dims.batch, sms, a.seqs.total_q,
+                        device_ptr<const int32_t>(a.seqs.cu_seqlens_q));
   // A kernel on the feed is persistent where the caller gave a tile counter (tile_feed.cuh).
   if constexpr (Mainloop<E, D, Mask>::kFeed)
-    p.sched.counter = forced_ctas() < 0 ? nullptr : a.tile_counter;
+    p.sched.counter = forced_ctas() < 0 ? nullptr : device_ptr<int32_t>(a.scratch.tile_counter);
   // Non-masked grids are persistent past one wave (Sched::grid_size), as are those on the feed
   // with a counter; turns only pay where every CTA runs a single tile.
   const bool turns = p.sched.wgs == 2 && ((Mask::kMasksKeys && p.sched.counter == nullptr) ||
                                           p.sched.tiles <= persistent_ctas(p.sched, sms));
   // E4M3 with the pre-pass: V is its copy in the workspace (v_prepass.cuh).
-  const void* v = E::kPrepass ? a.workspace : a.v;
-  const Strides vs = E::kPrepass && !E::kFp8PV ? packed_v_strides(a) : a.v_stride;
+  const void* v = device_ptr<const void>(E::kPrepass ? a.scratch.workspace : a.ops.v);
+  const Strides vs = E::kPrepass && !E::kFp8PV ? packed_v_strides(a) : a.ops.v_stride;
   p.mainloop = Mainloop<E, D, Mask>::make(a, v, vs, turns);
-  p.epilogue = {static_cast<typename Epilogue<E, D>::Stored*>(a.o),
-                a.o_stride,
-                int(a.seq_q),
-                a.has_lse ? a.lse : nullptr,
-                int(a.heads),
-                a.total_q};
+  p.epilogue = {
+      device_ptr<typename Epilogue<E, D>::Stored>(a.ops.o),   a.ops.o_stride,    int(a.dims.seq_q),
+      a.out.has_lse ? device_ptr<float>(a.out.lse) : nullptr, int(a.dims.heads), a.seqs.total_q};
   return p;
 }
 
@@ -286,17 +284,18 @@ std::string int_limits(const FwdArgs& a) {
   if (!seqs.empty()) return seqs;
   // The causal producer forms row + seq_k before subtracting seq_q; a band row +- its sides,
   // clamped to seq_q + seq_k (mask::Band).
-  if (a.mask == Mask::CausalBottomRight && a.seq_q + a.seq_k > limits::kIntMax)
-    return "causal seq_q + seq_k = " + std::to_string(a.seq_q + a.seq_k) +
+  if (a.mask.kind == Mask::CausalBottomRight && a.dims.seq_q + a.dims.seq_k > limits::kIntMax)
+    return "causal seq_q + seq_k = " + std::to_string(a.dims.seq_q + a.dims.seq_k) +
            " exceeds 2^31 - 1: the cutlass-sm90 kernel computes the diagonal in 32-bit int";
-  if (mask::needs_band(a) && 2 * (a.seq_q + a.seq_k) > limits::kIntMax)
-    return "2 (seq_q + seq_k) = " + std::to_string(2 * (a.seq_q + a.seq_k)) +
+  if (mask::needs_band(a) && 2 * (a.dims.seq_q + a.dims.seq_k) > limits::kIntMax)
+    return "2 (seq_q + seq_k) = " + std::to_string(2 * (a.dims.seq_q + a.dims.seq_k)) +
            " exceeds 2^31 - 1: the cutlass-sm90 kernel computes a band's keys in 32-bit int";
   // Tiles of C::kBM rows (64 only where there are no more than SMs). No overflow: validation
   // caps batch x heads x seq_q at 2^40 / head_dim.
   // Packed Q: ceil(total_q / 64) + batch a head (TileScheduler), at 64-row tiles.
-  const int64_t tiles = a.total_q > 0 ? ((a.total_q + 63) / 64 + a.batch) * a.heads
-                                      : (a.seq_q + C::kBM - 1) / C::kBM * a.batch * a.heads;
+  const int64_t tiles = a.seqs.total_q > 0
+                            ? ((a.seqs.total_q + 63) / 64 + a.dims.batch) * a.dims.heads
+                            : (a.dims.seq_q + C::kBM - 1) / C::kBM * a.dims.batch * a.dims.heads;
   if (tiles > kMaxTiles)
     return std::to_string(tiles) +
            " work tiles exceed 2^30: the cutlass-sm90 kernel numbers them in 32-bit int";
@@ -309,17 +308,18 @@ template <class E, int D>
 std::string tma_limits(const FwdArgs& a) {
   // E4M3 with the pre-pass reads V through its copy (f16, or e4m3 transposed).
   const int64_t in = sizeof(typename E::QK), v_in = E::kPrepass ? sizeof(typename E::PV) : in;
-  const int64_t q_elems = (a.total_q > 0 ? a.total_q : a.batch * a.seq_q) * a.heads * a.head_dim;
-  const int64_t kv_elems =
-      (a.kv_rows > 0 ? a.kv_rows : a.batch * a.seq_k) * a.kv_heads * a.head_dim;
+  const int64_t q_elems = (a.seqs.total_q > 0 ? a.seqs.total_q : a.dims.batch * a.dims.seq_q) *
+                          a.dims.heads * a.dims.head_dim;
+  const int64_t kv_elems = (a.seqs.kv_rows > 0 ? a.seqs.kv_rows : a.dims.batch * a.dims.seq_k) *
+                           a.dims.kv_heads * a.dims.head_dim;
   for (const auto& [what, bytes] : {std::pair{"Q", q_elems * in}, std::pair{"K", kv_elems * in},
                                     std::pair{"V", kv_elems * v_in}})
     if (bytes >= (int64_t(1) << 40))
       return std::string(what) + " is " + std::to_string(bytes) +
              " bytes; TMA descriptor strides must stay below 2^40 bytes";
-  return limits::first({tma_operand(a.q, a.q_stride, "q", in),
-                        tma_operand(a.k, a.k_stride, "k", in),
-                        tma_operand(a.v, a.v_stride, "v", in)});
+  return limits::first({tma_operand(a.ops.q, a.ops.q_stride, "q", in),
+                        tma_operand(a.ops.k, a.ops.k_stride, "k", in),
+                        tma_operand(a.ops.v, a.ops.v_stride, "v", in)});
 }
 
 // The general path (mask::needs_band: windows, top-left causal, softcap, ALiBi, sequences of
@@ -337,8 +337,8 @@ std::string band_limits(const FwdArgs& a) {
     return "cutlass-sm90 writes an f32 output for no mask or causal bottom-right over dense "
            "sequences only (no window, softcap, ALiBi, packed or paged K/V)";
   constexpr int kBN = TileConfig<E, D>::kBN;
-  if (a.page_size > 0 && a.page_size % kBN != 0)
-    return "a paged cache's pages of " + std::to_string(a.page_size) +
+  if (a.seqs.page_size > 0 && a.seqs.page_size % kBN != 0)
+    return "a paged cache's pages of " + std::to_string(a.seqs.page_size) +
            " keys are smaller than the cutlass-sm90 kernel's " + std::to_string(kBN) +
            "-key tile at head_dim " + std::to_string(D) + " (cutlass-sm80 runs them)";
   return mask::narrow_window(a, kBN, "cutlass-sm90");
@@ -346,7 +346,7 @@ std::string band_limits(const FwdArgs& a) {
 
 // wgmma, TMA, setmaxnreg and clusters as compiled for sm_90a: Hopper (H100, H200) alone.
 inline std::string sm90_only(const DeviceInfo& dev) {
-  if (!dev.known() || (dev.cc_major == 9 && dev.cc_minor == 0)) return "";
+  if (!known(dev) || (dev.cc_major == 9 && dev.cc_minor == 0)) return "";
   return "the sm_90a kernel runs on compute capability 9.0 (H100/H200), the GPU has " +
          limits::cc(dev);
 }
@@ -369,7 +369,7 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   opt_in_smem(reinterpret_cast<const void*>(kernel), kSmem, configured);
   const int sms = dev.sms;
   if constexpr (E::kFp8) {
-    if (!a.q_scale || !a.k_scale || !a.v_scale)
+    if (!a.fp8.q_scale || !a.fp8.k_scale || !a.fp8.v_scale)
       throw Error("cutlass-sm90 e4m3: q, k and v scales are required");
   }
   launch_v_prepass<E, D>(a, sms, stream);
@@ -394,11 +394,11 @@ void small_attributes(std::vector<KernelAttr>& out, const char* name);
 
 template <class E, int D>
 void forward_elems(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
-  if ((a.alibi && !a.alibi_slopes) || (a.has_lse && !a.lse))
+  if ((a.mods.alibi && !a.mods.alibi_slopes) || (a.out.has_lse && !a.out.lse))
     throw Error("cutlass-sm90: the ALiBi slopes or the log-sum-exp buffer is missing");
   const auto run = [&](auto m) { launch<E, D, decltype(m)>(a, dev, stream); };
   if constexpr (E::kFp8 || E::kF32Out)
-    mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), run);
+    mask::dispatch_mask(a.mask.kind, int(a.dims.seq_q), int(a.dims.seq_k), run);
   else
     mask::dispatch_band<int>(a, run);
 }
@@ -410,7 +410,7 @@ constexpr bool kHasF32Out = D == 64 || D == 128;
 
 template <typename T, int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
-  if (a.out_dtype != Dtype::F32) return can_implement_elems<Same<T>, D>(a, dev);
+  if (a.out.dtype != Dtype::F32) return can_implement_elems<Same<T>, D>(a, dev);
   if constexpr (kHasF32Out<D>)
     return can_implement_elems<F32Out<T>, D>(a, dev);
   else
@@ -420,7 +420,7 @@ std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
 
 template <typename T, int D>
 void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
-  if (a.out_dtype == Dtype::F32) {
+  if (a.out.dtype == Dtype::F32) {
     if constexpr (kHasF32Out<D>) return forward_elems<F32Out<T>, D>(a, dev, stream);
     throw Error("cutlass-sm90: no f32 output at this head_dim");
   }
@@ -429,16 +429,16 @@ void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   forward_elems<Same<T>, D>(a, dev, stream);
 }
 
-// E4M3 Q, K, V; O in a.out_dtype. Accurate mode (E4m3: P·V in f16) or fast mode (E4m3Fast:
+// E4M3 Q, K, V; O in a.out.dtype. Accurate mode (E4m3: P·V in f16) or fast mode (E4m3Fast:
 // P·V in e4m3), each instantiated in its own translation unit (instantiate_e4m3*.cu.in).
 template <typename Out, int D, bool kFast>
 using E4m3Of = std::conditional_t<kFast, E4m3Fast<Out>, E4m3<Out, D>>;
 
 template <int D, bool kFast>
 std::string can_implement_e4m3(const FwdArgs& a, const DeviceInfo& dev) {
-  if (a.out_dtype == Dtype::F16)
+  if (a.out.dtype == Dtype::F16)
     return can_implement_elems<E4m3Of<cute::half_t, D, kFast>, D>(a, dev);
-  if (a.out_dtype == Dtype::BF16)
+  if (a.out.dtype == Dtype::BF16)
     return can_implement_elems<E4m3Of<cute::bfloat16_t, D, kFast>, D>(a, dev);
   return "e4m3: out_dtype must be f16 or bf16";
 }
@@ -452,8 +452,8 @@ void forward_e4m3(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) 
       if (small_forward<E, D>(a, dev, stream)) return;
     forward_elems<E, D>(a, dev, stream);
   };
-  if (a.out_dtype == Dtype::F16) return run(E4m3Of<cute::half_t, D, kFast>{});
-  if (a.out_dtype == Dtype::BF16) return run(E4m3Of<cute::bfloat16_t, D, kFast>{});
+  if (a.out.dtype == Dtype::F16) return run(E4m3Of<cute::half_t, D, kFast>{});
+  if (a.out.dtype == Dtype::BF16) return run(E4m3Of<cute::bfloat16_t, D, kFast>{});
   throw Error("cutlass-sm90 e4m3: out_dtype must be f16 or bf16");
 }
 

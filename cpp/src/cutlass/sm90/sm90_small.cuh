@@ -438,31 +438,35 @@ template <class E, int D, int KN>
 SmallParams<E, D, KN> make_small_params(const FwdArgs& a, int cluster) {
   using C = SmallCfg<E, D, KN>;
   const auto gmem = [&](auto const* ptr, int64_t seq, int64_t heads, const Strides& st) {
-    return make_tensor(make_gmem_ptr(ptr), make_shape(int(seq), Int<D>{}, int(heads), int(a.batch)),
+    return make_tensor(make_gmem_ptr(ptr),
+                       make_shape(int(seq), Int<D>{}, int(heads), int(a.dims.batch)),
                        make_stride(st.seq, _1{}, st.head, st.batch));
   };
   using QK = typename C::QK;
   using VIn = std::conditional_t<E::kFp8, QK, typename C::PV>;  // V as the call holds it
   using VLayout = std::conditional_t<E::kFp8, typename C::LayoutV8, typename C::LayoutV>;
   SmallParams<E, D, KN> p{};
-  p.tma_q = make_tma_copy(SM90_TMA_LOAD{},
-                          gmem(static_cast<const QK*>(a.q), a.seq_q, a.heads, a.q_stride),
-                          typename C::LayoutQ{}, Shape<_64, Int<D>>{}, _1{});
-  p.tma_k = make_tma_copy(SM90_TMA_LOAD{},
-                          gmem(static_cast<const QK*>(a.k), a.seq_k, a.kv_heads, a.k_stride),
-                          typename C::LayoutK{}, Shape<Int<KN>, Int<D>>{}, _1{});
-  p.tma_v = make_tma_copy(SM90_TMA_LOAD{},
-                          gmem(static_cast<const VIn*>(a.v), a.seq_k, a.kv_heads, a.v_stride),
-                          VLayout{}, Shape<Int<KN>, Int<D>>{}, _1{});
-  p.o = static_cast<typename C::Out*>(a.o);
-  p.os = a.o_stride;
+  p.tma_q =
+      make_tma_copy(SM90_TMA_LOAD{},
+                    gmem(device_ptr<const QK>(a.ops.q), a.dims.seq_q, a.dims.heads, a.ops.q_stride),
+                    typename C::LayoutQ{}, Shape<_64, Int<D>>{}, _1{});
+  p.tma_k = make_tma_copy(
+      SM90_TMA_LOAD{},
+      gmem(device_ptr<const QK>(a.ops.k), a.dims.seq_k, a.dims.kv_heads, a.ops.k_stride),
+      typename C::LayoutK{}, Shape<Int<KN>, Int<D>>{}, _1{});
+  p.tma_v = make_tma_copy(
+      SM90_TMA_LOAD{},
+      gmem(device_ptr<const VIn>(a.ops.v), a.dims.seq_k, a.dims.kv_heads, a.ops.v_stride),
+      VLayout{}, Shape<Int<KN>, Int<D>>{}, _1{});
+  p.o = device_ptr<typename C::Out>(a.ops.o);
+  p.os = a.ops.o_stride;
   fill_sizes(p, a);
   p.rows = (64 + cluster - 1) / cluster;
   p.div_heads = FastDiv(p.heads);
-  p.q_scale = a.q_scale;
-  p.k_scale = a.k_scale;
-  p.v_scale = a.v_scale;
-  p.per_head = a.per_head_scales ? 1 : 0;
+  p.q_scale = device_ptr<const float>(a.fp8.q_scale);
+  p.k_scale = device_ptr<const float>(a.fp8.k_scale);
+  p.v_scale = device_ptr<const float>(a.fp8.v_scale);
+  p.per_head = a.fp8.per_head_scales ? 1 : 0;
   return p;
 }
 
@@ -471,8 +475,8 @@ SmallParams<E, D, KN> make_small_params(const FwdArgs& a, int cluster) {
 template <class E, int D, int KN, class Mask>
 bool small_launch(const FwdArgs& a, cudaStream_t stream) {
   using C = SmallCfg<E, D, KN>;
-  const int64_t cluster = (a.seq_k + KN - 1) / KN;
-  const int64_t m_blocks = (a.seq_q + 63) / 64, bh = a.batch * a.heads;
+  const int64_t cluster = (a.dims.seq_k + KN - 1) / KN;
+  const int64_t m_blocks = (a.dims.seq_q + 63) / 64, bh = a.dims.batch * a.dims.heads;
   if (cluster > C::kMaxCluster || m_blocks > 65535 || bh > 65535) return false;
   const auto kernel = small_kernel<E, D, KN, Mask>;
   static std::atomic<uint64_t> configured{0};
@@ -511,11 +515,11 @@ constexpr int kSmallKeys = 128;
 template <class E, int D>
 bool small_forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   static_assert(D == 64, "the small path is built for head_dim 64 only");
-  const int64_t tiles128 = (a.seq_q + 127) / 128 * a.batch * a.heads;
-  if (a.seq_k <= kSmallKeys || 2 * tiles128 > dev.sms) return false;
-  if (mask::needs_band(a) || a.has_lse) return false;  // the main kernel's general path
+  const int64_t tiles128 = (a.dims.seq_q + 127) / 128 * a.dims.batch * a.dims.heads;
+  if (a.dims.seq_k <= kSmallKeys || 2 * tiles128 > dev.sms) return false;
+  if (mask::needs_band(a) || a.out.has_lse) return false;  // the main kernel's general path
   if (SmallCfg<E, D, kSmallKeys>::kSmemBytes > dev.smem_optin_per_block) return false;
-  return mask::dispatch_mask(a.mask, int(a.seq_q), int(a.seq_k), [&](auto m) {
+  return mask::dispatch_mask(a.mask.kind, int(a.dims.seq_q), int(a.dims.seq_k), [&](auto m) {
     return small_launch<E, D, kSmallKeys, decltype(m)>(a, stream);
   });
 }

@@ -113,18 +113,21 @@ __global__ void __launch_bounds__(256)
 // Host side ----------------------------------------------------------------------------------
 
 // Fast mode: V^T's keys a row.
-inline int64_t transposed_keys(const FwdArgs& a) { return (a.seq_k + 31) / 32 * 32; }
+inline int64_t transposed_keys(const FwdArgs& a) { return (a.dims.seq_k + 31) / 32 * 32; }
 
 // The workspace: accurate mode at D >= 128, convert_v's f16 V; fast mode, V^T and after it (at a
 // 16-byte boundary) the NanColumns table of masked calls.
 inline Strides packed_v_strides(const FwdArgs& a) {
-  return {a.kv_heads * a.seq_k * a.head_dim, a.seq_k * a.head_dim, a.head_dim};
+  return {a.dims.kv_heads * a.dims.seq_k * a.dims.head_dim, a.dims.seq_k * a.dims.head_dim,
+          a.dims.head_dim};
 }
 inline int64_t transposed_v_bytes(const FwdArgs& a) {
-  return (a.batch * a.kv_heads * a.head_dim * transposed_keys(a) + 15) / 16 * 16;
+  return (a.dims.batch * a.dims.kv_heads * a.dims.head_dim * transposed_keys(a) + 15) / 16 * 16;
 }
 inline int64_t nan_table_bytes(const FwdArgs& a) {
-  return a.mask == Mask::NoMask ? 0 : a.batch * a.kv_heads * nan_table_words(a.head_dim) * 4;
+  return a.mask.kind == Mask::NoMask
+             ? 0
+             : a.dims.batch * a.dims.kv_heads * nan_table_words(a.dims.head_dim) * 4;
 }
 // The head dims with a fast-mode kernel: up to 128. At D = 256 the two-level accumulation's
 // fresh accumulator of a whole tile does not fit the registers beside O; in chunks of O's
@@ -139,47 +142,50 @@ constexpr bool has_fast_kernel(int64_t head_dim) { return head_dim <= 128; }
 // docs/log/2026-11-perf-history.md, "FP8 at head_dim 256" and "FP8 fast mode: P·V on e4m3 tensor
 // cores").
 inline bool fast_mode_runs(const FwdArgs& a) {
-  if (!a.fp8_fast || !has_fast_kernel(a.head_dim)) return false;
-  return a.head_dim != 64 || a.batch * a.heads * a.seq_q * a.seq_k >= (1 << 23);
+  if (!a.fp8.fast || !has_fast_kernel(a.dims.head_dim)) return false;
+  return a.dims.head_dim != 64 ||
+         a.dims.batch * a.dims.heads * a.dims.seq_q * a.dims.seq_k >= (1 << 23);
 }
 
 inline int64_t workspace_e4m3_bytes(const FwdArgs& a) {
   if (fast_mode_runs(a)) return transposed_v_bytes(a) + nan_table_bytes(a);
-  const bool prepass = a.head_dim == 64    ? E4m3<cute::half_t, 64>::kPrepass
-                       : a.head_dim == 128 ? E4m3<cute::half_t, 128>::kPrepass
-                                           : E4m3<cute::half_t, 256>::kPrepass;
-  return prepass ? a.batch * a.kv_heads * a.seq_k * a.head_dim * int64_t(sizeof(cute::half_t)) : 0;
+  const bool prepass = a.dims.head_dim == 64    ? E4m3<cute::half_t, 64>::kPrepass
+                       : a.dims.head_dim == 128 ? E4m3<cute::half_t, 128>::kPrepass
+                                                : E4m3<cute::half_t, 256>::kPrepass;
+  return prepass ? a.dims.batch * a.dims.kv_heads * a.dims.seq_k * a.dims.head_dim *
+                       int64_t(sizeof(cute::half_t))
+                 : 0;
 }
 
-// Enqueues the pre-pass of E's kernel (none without one) on `stream`, into a.workspace.
+// Enqueues the pre-pass of E's kernel (none without one) on `stream`, into a.scratch.workspace.
 template <class E, int D>
 void launch_v_prepass(const FwdArgs& a, int sms, cudaStream_t stream) {
   if constexpr (E::kPrepass) {
-    if (a.workspace == nullptr || reinterpret_cast<uintptr_t>(a.workspace) % 16 != 0)
+    if (a.scratch.workspace == 0 || a.scratch.workspace % 16 != 0)
       throw Error("cutlass-sm90 e4m3: needs a 16-byte aligned workspace of workspace_bytes()");
     // Launched the ordinary way: it starts once everything before it on the stream is done,
     // which is what lets the attention grid read Q and K before its own wait.
     if constexpr (E::kFp8PV) {
-      auto* out = static_cast<uint8_t*>(a.workspace);
+      auto* out = device_ptr<uint8_t>(a.scratch.workspace);
       uint32_t* table = nullptr;
       if (nan_table_bytes(a) > 0) {
         table = reinterpret_cast<uint32_t*>(out + transposed_v_bytes(a));
         SDPA_CUDA_CHECK(cudaMemsetAsync(table, 0xff, size_t(nan_table_bytes(a)), stream));
       }
-      const int64_t groups = a.batch * a.kv_heads * (transposed_keys(a) / 32);
+      const int64_t groups = a.dims.batch * a.dims.kv_heads * (transposed_keys(a) / 32);
       // A 32-key group a CTA step; at most 8 CTAs an SM, a stride loop beyond.
       const int64_t blocks = std::min<int64_t>(groups, 8 * int64_t(sms));
       transpose_v<D><<<unsigned(blocks), 256, 0, stream>>>(
-          static_cast<const uint8_t*>(a.v), a.v_stride, int(a.seq_k), int(a.kv_heads),
-          int(transposed_keys(a)), groups, out, table);
+          device_ptr<const uint8_t>(a.ops.v), a.ops.v_stride, int(a.dims.seq_k),
+          int(a.dims.kv_heads), int(transposed_keys(a)), groups, out, table);
       SDPA_LAUNCH_CHECK("cutlass-sm90 e4m3 transpose_v launch");
     } else {
-      const int64_t chunks = a.batch * a.kv_heads * a.seq_k * (D / 16);
+      const int64_t chunks = a.dims.batch * a.dims.kv_heads * a.dims.seq_k * (D / 16);
       // At most 8 CTAs of 256 threads per SM (the SM's 2048 threads), a stride loop beyond.
       const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, 8 * int64_t(sms));
-      convert_v<D><<<unsigned(blocks), 256, 0, stream>>>(static_cast<const uint8_t*>(a.v),
-                                                         a.v_stride, int(a.seq_k), int(a.kv_heads),
-                                                         chunks, static_cast<uint4*>(a.workspace));
+      convert_v<D><<<unsigned(blocks), 256, 0, stream>>>(
+          device_ptr<const uint8_t>(a.ops.v), a.ops.v_stride, int(a.dims.seq_k),
+          int(a.dims.kv_heads), chunks, device_ptr<uint4>(a.scratch.workspace));
       SDPA_LAUNCH_CHECK("cutlass-sm90 e4m3 convert_v launch");
     }
   }

@@ -13,7 +13,11 @@ use crate::ffi;
 use crate::problem::{Alibi, Checked, DType, Fp8Mode, KvRows, Problem, Scaling};
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use sdpa_sys::INSTANCES;
-use sdpa_sys::ffi::{DeviceInfo, Kernel};
+use sdpa_sys::Kernel;
+use sdpa_sys::args::{
+    DeviceInfo, Dtype, FwdArgs, FwdDims, FwdFp8, FwdMask, FwdOperands, FwdOutput, FwdScoreMods,
+    FwdScratch, FwdSeqs,
+};
 use std::fmt;
 use std::sync::MutexGuard;
 
@@ -105,10 +109,8 @@ pub(crate) fn can_implement(
 #[cfg(feature = "distributed")]
 pub(crate) fn writes_f32(dev: &Device, p: &Checked) -> Result<()> {
     Backend::Cutlass.supports_checked(Some(dev), p)?;
-    let args = sdpa_sys::ffi::FwdArgs {
-        out_dtype: sdpa_sys::ffi::Dtype::F32,
-        ..problem_args(p)
-    };
+    let mut args = problem_args(p);
+    args.out.dtype = Dtype::F32;
     let why = sdpa_sys::ffi::can_implement(Kernel::Cutlass, &args, &dev.info())?;
     if why.is_empty() {
         Ok(())
@@ -144,9 +146,9 @@ pub(crate) fn forward(kernel: Kernel, dev: &Device, p: &Checked, b: &Buffers) ->
     if bytes > 0 {
         let scratch = guard.insert(lock_scratch(dev)?);
         grow(dev, scratch, bytes)?;
-        args.workspace = scratch.as_mut().unwrap().device_ptr_mut(dev.stream()).0;
+        args.scratch.workspace = scratch.as_mut().unwrap().device_ptr_mut(dev.stream()).0;
     }
-    args.tile_counter = dev.tile_counter()?;
+    args.scratch.tile_counter = dev.tile_counter()?;
     let stream = dev.raw_stream()?;
     // SAFETY: the caller validated shapes, dtypes, lengths, strides and context of every buffer
     // against `p`; the strides in `args` address only elements inside them; the workspace holds
@@ -185,75 +187,80 @@ fn grow(dev: &Device, scratch: &mut Scratch, bytes: usize) -> Result<()> {
 }
 
 /// The argument block the C++ core takes for `p`, with no buffers (every pointer 0).
-fn problem_args(p: &Problem) -> sdpa_sys::ffi::FwdArgs {
+fn problem_args(p: &Problem) -> FwdArgs {
     let (qs, ks) = (p.q_strides().as_i64(), p.kv_strides().as_i64());
     let fp8 = p.dtype == DType::E4m3;
-    let (mask, window_left, window_right) = ffi::mask(p.mask);
-    sdpa_sys::ffi::FwdArgs {
-        q: 0,
-        k: 0,
-        v: 0,
-        o: 0,
-        batch: p.batch as i64,
-        heads: p.heads as i64,
-        kv_heads: p.kv_heads as i64,
-        seq_q: p.seq_q as i64,
-        seq_k: p.seq_k as i64,
-        head_dim: p.head_dim as i64,
-        q_stride: qs,
-        k_stride: ks,
-        v_stride: ks,
-        o_stride: qs,
-        scale: p.scale(),
-        mask,
-        window_left,
-        window_right,
-        softcap: p.softcap.unwrap_or(0.0),
-        alibi: p.alibi.is_some(),
-        alibi_slopes: 0,
-        alibi_batch_stride: match p.alibi {
-            Some(Alibi::PerBatchHead) => p.heads as i64,
-            _ => 0,
+    let (kind, window_left, window_right) = ffi::mask(p.mask);
+    let (total_k, page_size, pages_per_seq) = match p.seqs.kv {
+        KvRows::Dense => (0, 0, 0),
+        KvRows::Packed { total } => (total, 0, 0),
+        KvRows::Paged {
+            pages,
+            page_size,
+            pages_per_seq,
+        } => (pages * page_size, page_size, pages_per_seq),
+    };
+    FwdArgs {
+        ops: FwdOperands {
+            q: 0,
+            k: 0,
+            v: 0,
+            o: 0,
+            q_stride: qs.into(),
+            k_stride: ks.into(),
+            v_stride: ks.into(),
+            o_stride: qs.into(),
+            dtype: ffi::dtype(p.dtype),
         },
-        has_lse: p.lse,
-        lse: 0,
-        dtype: ffi::dtype(p.dtype),
-        out_dtype: ffi::dtype(p.output_dtype()),
-        q_scale: 0,
-        k_scale: 0,
-        v_scale: 0,
-        per_head_scales: fp8 && p.fp8_scaling == Scaling::PerHead,
-        // A permission: kernels without an e4m3 P·V (and the simulated path) ignore it.
-        fp8_fast: fp8 && p.fp8_mode == Fp8Mode::Fast,
-        workspace: 0,
-        tile_counter: 0,
-        total_q: p.seqs.packed_q.unwrap_or(0) as i64,
-        packed_kv: matches!(p.seqs.kv, KvRows::Packed { .. }),
-        kv_rows: match p.seqs.kv {
-            KvRows::Dense => 0,
-            KvRows::Packed { total } => total as i64,
-            KvRows::Paged {
-                pages, page_size, ..
-            } => (pages * page_size) as i64,
+        dims: FwdDims {
+            batch: p.batch as i64,
+            heads: p.heads as i64,
+            kv_heads: p.kv_heads as i64,
+            seq_q: p.seq_q as i64,
+            seq_k: p.seq_k as i64,
+            head_dim: p.head_dim as i64,
         },
-        page_size: match p.seqs.kv {
-            KvRows::Paged { page_size, .. } => page_size as i64,
-            _ => 0,
+        mask: FwdMask {
+            kind,
+            window_left,
+            window_right,
         },
-        pages_per_seq: match p.seqs.kv {
-            KvRows::Paged { pages_per_seq, .. } => pages_per_seq as i64,
-            _ => 0,
+        mods: FwdScoreMods {
+            scale: p.scale(),
+            softcap: p.softcap.unwrap_or(0.0),
+            alibi: p.alibi.is_some(),
+            alibi_slopes: 0,
+            alibi_batch_stride: match p.alibi {
+                Some(Alibi::PerBatchHead) => p.heads as i64,
+                _ => 0,
+            },
         },
-        has_seqused_k: p.seqs.seqused_k,
-        cu_seqlens_q: 0,
-        cu_seqlens_k: 0,
-        seqused_k: 0,
-        block_table: 0,
+        seqs: FwdSeqs {
+            total_q: p.seqs.packed_q.unwrap_or(0) as i64,
+            packed_kv: matches!(p.seqs.kv, KvRows::Packed { .. }),
+            kv_rows: total_k as i64,
+            page_size: page_size as i64,
+            pages_per_seq: pages_per_seq as i64,
+            has_seqused_k: p.seqs.seqused_k,
+            ..FwdSeqs::default()
+        },
+        fp8: FwdFp8 {
+            per_head_scales: fp8 && p.fp8_scaling == Scaling::PerHead,
+            // A permission: kernels without an e4m3 P·V (and the simulated path) ignore it.
+            fast: fp8 && p.fp8_mode == Fp8Mode::Fast,
+            ..FwdFp8::default()
+        },
+        out: FwdOutput {
+            dtype: ffi::dtype(p.output_dtype()),
+            has_lse: p.lse,
+            lse: 0,
+        },
+        scratch: FwdScratch::default(),
     }
 }
 
 /// The argument block of a launch; built only from checked arguments.
-fn fwd_args(p: &Problem, b: &Buffers) -> sdpa_sys::ffi::FwdArgs {
+fn fwd_args(p: &Problem, b: &Buffers) -> FwdArgs {
     let [mut qs, mut ks, mut vs, mut os] = b.strides.map(|s| s.as_i64());
     // Packed and paged tensors are one sequence dimension: the kernels add no batch offset.
     if p.seqs.packed_q.is_some() {
@@ -265,31 +272,38 @@ fn fwd_args(p: &Problem, b: &Buffers) -> sdpa_sys::ffi::FwdArgs {
         vs[0] = 0;
     }
     let [cu_seqlens_q, cu_seqlens_k, seqused_k, block_table] = b.seqs;
-    sdpa_sys::ffi::FwdArgs {
+    let [q_scale, k_scale, v_scale] = b.scales;
+    let mut args = problem_args(p);
+    args.ops = FwdOperands {
         q: b.q,
         k: b.k,
         v: b.v,
         o: b.o,
-        q_stride: qs,
-        k_stride: ks,
-        v_stride: vs,
-        o_stride: os,
-        q_scale: b.scales[0],
-        k_scale: b.scales[1],
-        v_scale: b.scales[2],
-        alibi_slopes: b.alibi_slopes,
-        lse: b.lse,
-        out_dtype: if b.o_f32 {
-            sdpa_sys::ffi::Dtype::F32
-        } else {
-            ffi::dtype(p.output_dtype())
-        },
+        q_stride: qs.into(),
+        k_stride: ks.into(),
+        v_stride: vs.into(),
+        o_stride: os.into(),
+        ..args.ops
+    };
+    args.mods.alibi_slopes = b.alibi_slopes;
+    args.seqs = FwdSeqs {
         cu_seqlens_q,
         cu_seqlens_k,
         seqused_k,
         block_table,
-        ..problem_args(p)
+        ..args.seqs
+    };
+    args.fp8 = FwdFp8 {
+        q_scale,
+        k_scale,
+        v_scale,
+        ..args.fp8
+    };
+    args.out.lse = b.lse;
+    if b.o_f32 {
+        args.out.dtype = Dtype::F32;
     }
+    args
 }
 
 #[cfg(test)]
@@ -476,9 +490,10 @@ mod tests {
         if !built(Backend::Cutlass) {
             return;
         }
-        let f32_out = |p: &Problem| sdpa_sys::ffi::FwdArgs {
-            out_dtype: sdpa_sys::ffi::Dtype::F32,
-            ..problem_args(p)
+        let f32_out = |p: &Problem| {
+            let mut args = problem_args(p);
+            args.out.dtype = Dtype::F32;
+            args
         };
         let ask =
             |kernel, p: &Problem| sdpa_sys::ffi::can_implement(kernel, &f32_out(p), &H100).unwrap();
@@ -514,10 +529,8 @@ mod tests {
             return;
         }
         let p = Problem::new(1, 1, 8, 8, 64);
-        let args = sdpa_sys::ffi::FwdArgs {
-            k: 0x1000 + 8,
-            ..problem_args(&p)
-        };
+        let mut args = problem_args(&p);
+        args.ops.k = 0x1000 + 8;
         let why = sdpa_sys::ffi::can_implement(Kernel::Cutlass, &args, &H100).unwrap();
         assert!(why.contains("k is not TMA-addressable"), "{why}");
     }
@@ -527,9 +540,9 @@ mod tests {
     #[test]
     fn the_fp8_mode_reaches_the_argument_block() {
         let p = Problem::new(1, 1, 8, 8, 64).with_dtype(DType::E4m3);
-        assert!(!problem_args(&p).fp8_fast);
+        assert!(!problem_args(&p).fp8.fast);
         let fast = p.with_fp8_mode(Fp8Mode::Fast);
-        assert!(problem_args(&fast).fp8_fast);
+        assert!(problem_args(&fast).fp8.fast);
         let (qs, ks) = (p.q_strides(), p.kv_strides());
         let b = Buffers {
             q: 0,
@@ -543,8 +556,8 @@ mod tests {
             lse: 0,
             seqs: [0; 4],
         };
-        assert!(fwd_args(&fast, &b).fp8_fast);
-        assert!(!fwd_args(&p, &b).fp8_fast);
+        assert!(fwd_args(&fast, &b).fp8.fast);
+        assert!(!fwd_args(&p, &b).fp8.fast);
     }
 
     /// `forward` asks `can_implement` first and launches nothing it refuses; it needs a known

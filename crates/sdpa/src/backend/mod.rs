@@ -71,8 +71,8 @@ impl Backend {
 
     /// The C++ core's fused kernel behind this backend (None: cpu, cublas, auto). The core
     /// also runs e4m3 inputs on the kernels without FP8 math (its simulated path).
-    pub(crate) fn fused_kernel(self) -> Option<sdpa_sys::ffi::Kernel> {
-        use sdpa_sys::ffi::Kernel;
+    pub(crate) fn fused_kernel(self) -> Option<sdpa_sys::Kernel> {
+        use sdpa_sys::Kernel;
         match self {
             Backend::Scalar => Some(Kernel::Scalar),
             Backend::Wmma => Some(Kernel::Wmma),
@@ -132,7 +132,7 @@ impl Backend {
     /// all that is checked), so a caller without a GPU still learns them.
     fn fused_supports(
         self,
-        kernel: sdpa_sys::ffi::Kernel,
+        kernel: sdpa_sys::Kernel,
         dev: Option<&Device>,
         p: &Checked,
     ) -> std::result::Result<(), String> {

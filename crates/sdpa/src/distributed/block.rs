@@ -15,7 +15,7 @@ use crate::problem::{Problem, Strides};
 use crate::tensor::Element;
 use crate::view::{View, ViewMut, Views, forward_views_f32};
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr};
-use sdpa_sys::ffi::Dtype;
+use sdpa_sys::args::Dtype;
 
 /// What one rank's attention calls write: one call's partial output (the problem's dtype, or
 /// f32 where `part_f32`) and log-sum-exp, and the running result; and, where asked, where its

@@ -8,7 +8,7 @@ use crate::device::Device;
 use crate::error::Result;
 use crate::problem::{DType, Strides};
 use cudarc::driver::{CudaViewMut, DevicePtr, DevicePtrMut};
-use sdpa_sys::ffi::{Dtype, MergeArgs, MergeFinishArgs};
+use sdpa_sys::args::{Dtype, MergeArgs, MergeFinishArgs};
 
 /// A `[batch, heads, seq, head_dim]` f32 output and `[batch, heads, seq]` log-sum-exp, dense,
 /// on one device's stream, in buffers it borrows.
@@ -79,7 +79,7 @@ impl<'a> Accumulator<'a> {
             acc_lse: lp,
             part_o: part.o,
             part_lse: part.lse,
-            part_stride: part.strides.as_i64(),
+            part_stride: part.strides.as_i64().into(),
             batch: self.batch as i64,
             heads: self.heads as i64,
             rows: part.rows as i64,
@@ -111,7 +111,7 @@ impl<'a> Accumulator<'a> {
         let args = MergeFinishArgs {
             acc_o: op,
             out,
-            out_stride: strides.as_i64(),
+            out_stride: strides.as_i64().into(),
             batch: self.batch as i64,
             heads: self.heads as i64,
             seq: self.seq as i64,

@@ -8,7 +8,7 @@ use crate::ffi;
 use crate::fp8::{check_len, check_scale_count, scale_count, scales_from_amax};
 use crate::problem::{DType, Scaling, TensorShape};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
-use sdpa_sys::ffi::ScaleMap;
+use sdpa_sys::args::ScaleMap;
 
 fn scale_map(shape: &TensorShape, scaling: Scaling) -> ScaleMap {
     let n = shape.len().unwrap_or(0) as i64;

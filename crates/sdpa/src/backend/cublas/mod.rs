@@ -390,7 +390,7 @@ pub(crate) fn forward(dev: &Device, p: &Checked, b: &Buffers) -> Result<()> {
             .run(blas)?;
         }
     }
-    let args = sdpa_sys::ffi::SoftmaxArgs {
+    let args = sdpa_sys::args::SoftmaxArgs {
         s: s_ptr,
         p: p_ptr,
         rows: scores as i64 / sk,
@@ -404,13 +404,13 @@ pub(crate) fn forward(dev: &Device, p: &Checked, b: &Buffers) -> Result<()> {
     unsafe { sdpa_sys::ffi::masked_softmax(&args, stream)? };
     // Causal: P = 0 at masked keys, and 0 · NaN = 0 · Inf = NaN inside the GEMM, so it reads a
     // finite copy of V and the non-finite values are put back for the rows that see them.
-    let nonfinite = p.is_causal().then(|| sdpa_sys::ffi::NonFiniteVArgs {
+    let nonfinite = p.is_causal().then(|| sdpa_sys::args::NonFiniteVArgs {
         v: vp,
-        v_stride: ks.as_i64(),
+        v_stride: ks.as_i64().into(),
         v_finite: s_ptr + layout.v_finite as u64,
         first_keys: s_ptr + layout.first_keys as u64,
         o: op,
-        o_stride: qs.as_i64(),
+        o_stride: qs.as_i64().into(),
         batch: p.batch as i64,
         heads: p.heads as i64,
         kv_heads: p.kv_heads as i64,

@@ -1,0 +1,304 @@
+//! The argument blocks of the C++ core, defined once: cxx generates their C++ declarations
+//! (`sdpa-sys/src/args.rs.h`, which the build copies to `sdpa/args.h` for the CUDA core; the
+//! core's public header includes it), so Rust and C++ cannot disagree on a field.
+//!
+//! Every device buffer is a `u64` device address (0: none), every stride is in elements, and
+//! the Rust layer (`sdpa` crate) has validated every field before a block reaches the core:
+//! shapes, strides, alignment, and that the buffers hold what the strides address.
+
+// The upper-case enumerators are the C++ core's names.
+#[allow(clippy::upper_case_acronyms)]
+#[cxx::bridge(namespace = "sdpa")]
+mod blocks {
+    /// Element types. E4M3 = FP8 (1 sign, 4 exponent, 3 mantissa bits, "fn": no infinities,
+    /// max 448), only as an input type of Q, K, V, always with dequantization scales. F32 only
+    /// as an output type: a partial result that is merged with others before it is rounded
+    /// (ring attention's steps).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    #[repr(i32)]
+    enum Dtype {
+        F16 = 0,
+        BF16 = 1,
+        E4M3 = 2,
+        F32 = 3,
+    }
+
+    /// Which keys each query row sees. CausalBottomRight: row i sees keys j <= i + seq_k -
+    /// seq_q (the causal diagonal aligned to the last key, as FlashAttention for seq_q !=
+    /// seq_k). CausalTopLeft: j <= i. Window: i + seq_k - seq_q - window_left <= j <= i + seq_k
+    /// - seq_q + window_right (a negative side is unbounded), FlashAttention's window_size.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    #[repr(i32)]
+    enum Mask {
+        NoMask = 0,
+        CausalBottomRight = 1,
+        CausalTopLeft = 2,
+        Window = 3,
+    }
+
+    /// Strides of a [batch][head][seq][head_dim] tensor in elements; the innermost (head_dim)
+    /// stride is 1. A packed or paged tensor (one sequence dimension) has batch stride 0.
+    #[derive(Debug, Clone, Copy, Default)]
+    struct Strides {
+        batch: i64,
+        head: i64,
+        seq: i64,
+    }
+
+    /// Q, K, V in and O out, of `dtype` (O: of `FwdOutput::dtype`).
+    #[derive(Debug, Clone, Copy)]
+    struct FwdOperands {
+        q: u64,
+        k: u64,
+        v: u64,
+        o: u64,
+        q_stride: Strides,
+        k_stride: Strides,
+        v_stride: Strides,
+        o_stride: Strides,
+        dtype: Dtype,
+    }
+
+    /// The problem's extents. With sequences of different lengths (`FwdSeqs`) batch is the
+    /// number of sequences, seq_q and seq_k the longest one's lengths.
+    #[derive(Debug, Clone, Copy, Default)]
+    struct FwdDims {
+        batch: i64,
+        heads: i64,
+        kv_heads: i64,
+        seq_q: i64,
+        seq_k: i64,
+        head_dim: i64,
+    }
+
+    /// The mask and, for `Mask::Window`, the keys left and right of the diagonal (negative:
+    /// unbounded).
+    #[derive(Debug, Clone, Copy)]
+    struct FwdMask {
+        kind: Mask,
+        window_left: i64,
+        window_right: i64,
+    }
+
+    /// What happens to a score before the softmax: the scale, then with softcap > 0
+    /// softcap * tanh(score / softcap) (0: off), then with ALiBi -slope * |i + seq_k - seq_q -
+    /// j| added to row i, key j, slope = alibi_slopes[b * alibi_batch_stride + h] (stride 0:
+    /// one slope per head; device f32).
+    #[derive(Debug, Clone, Copy)]
+    struct FwdScoreMods {
+        scale: f32,
+        softcap: f32,
+        alibi: bool,
+        alibi_slopes: u64,
+        alibi_batch_stride: i64,
+    }
+
+    /// Sequences of different lengths (FlashAttention's varlen and paged cache); all 0 / false
+    /// for dense ones. Sequence b's queries: rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of
+    /// packed Q and O (total_q > 0 rows), else its batch entry's seq_q. Its keys: rows
+    /// cu_seqlens_k[b] .. cu_seqlens_k[b + 1] of packed K and V (packed_kv), key j at row j %
+    /// page_size of page block_table[b * pages_per_seq + j / page_size] of a paged cache
+    /// (page_size > 0, a power of two), else its batch entry's seq_k; with has_seqused_k only
+    /// the first seqused_k[b] of them. The log-sum-exp of packed Q is [heads][total_q]. kv_rows:
+    /// the rows of packed K/V (total_k) or of a paged cache (pages x page_size), 0 for dense
+    /// ones. The metadata is device i32 (0 in a question asked before the buffers exist).
+    #[derive(Debug, Clone, Copy, Default)]
+    struct FwdSeqs {
+        total_q: i64,
+        packed_kv: bool,
+        kv_rows: i64,
+        page_size: i64,
+        pages_per_seq: i64,
+        has_seqused_k: bool,
+        cu_seqlens_q: u64,
+        cu_seqlens_k: u64,
+        seqused_k: u64,
+        block_table: u64,
+    }
+
+    /// E4M3 inputs only (0 / false otherwise): dequantization scales, real value = code *
+    /// scale, device f32 arrays of one entry (per tensor) or, with per_head_scales, one per
+    /// (batch, head) pair: q_scale[b * heads + h], k_scale[b * kv_heads + hk], v_scale[b *
+    /// kv_heads + hk]. fast: P·V on e4m3 tensor cores (P rounded to e4m3) where the kernel has
+    /// it (cutlass-sm90); false, and every other kernel: P·V in 16 bit (accurate mode).
+    #[derive(Debug, Clone, Copy, Default)]
+    struct FwdFp8 {
+        q_scale: u64,
+        k_scale: u64,
+        v_scale: u64,
+        per_head_scales: bool,
+        fast: bool,
+    }
+
+    /// The output: O's dtype (the inputs' for 16-bit ones; F16 or BF16 for E4M3; F32 from
+    /// F16/BF16 on cutlass), and with has_lse the log-sum-exp, device f32
+    /// [batch][heads][seq_q]: the natural log of each row's sum of exponentials of its logits
+    /// (-inf for a row that sees no key).
+    #[derive(Debug, Clone, Copy)]
+    struct FwdOutput {
+        dtype: Dtype,
+        has_lse: bool,
+        lse: u64,
+    }
+
+    /// Device memory a launch borrows. workspace: workspace_bytes(kernel, args) bytes owned by
+    /// the caller (0 when that is 0), valid until the enqueued work is done. tile_counter: two
+    /// device i32 that are zero between calls (0: none), with which a kernel may hand out its
+    /// work tiles to a persistent grid as they free up (the cutlass-sm90 masked kernels); such
+    /// a kernel leaves them zero when it ends, and a call may run before the previous one on
+    /// the same stream has ended only where it waits for it before touching them.
+    #[derive(Debug, Clone, Copy, Default)]
+    struct FwdScratch {
+        workspace: u64,
+        tile_counter: u64,
+    }
+
+    /// One attention forward call: the argument block every fused kernel takes. Pointers may
+    /// be 0 in a question asked before any buffer exists (`alibi` and `has_lse` then say what
+    /// the call will pass).
+    #[derive(Debug, Clone, Copy)]
+    struct FwdArgs {
+        ops: FwdOperands,
+        dims: FwdDims,
+        mask: FwdMask,
+        mods: FwdScoreMods,
+        seqs: FwdSeqs,
+        fp8: FwdFp8,
+        out: FwdOutput,
+        scratch: FwdScratch,
+    }
+
+    /// What the fused kernels need to know about the GPU they run on, read once per device by
+    /// the caller (crates/sdpa/src/device.rs), so that no kernel queries or caches device
+    /// attributes itself. All zero: an unknown device (a question asked without a GPU), for
+    /// which can_implement checks the problem alone.
+    #[derive(Debug, Clone, Copy, Default)]
+    struct DeviceInfo {
+        /// Compute capability.
+        cc_major: i32,
+        cc_minor: i32,
+        /// Multiprocessors.
+        sms: i32,
+        /// Bytes of shared memory a block may opt in to.
+        smem_optin_per_block: i32,
+        /// Bytes of shared memory per multiprocessor.
+        smem_per_sm: i32,
+    }
+
+    /// The softmax step of the unfused cuBLAS backend: P = softmax(S) per row, causal mask
+    /// aligned bottom-right, P in `dtype` (F16 or BF16). S is f32 [rows][seq_k], rows =
+    /// batch * heads * seq_q.
+    #[derive(Debug, Clone, Copy)]
+    struct SoftmaxArgs {
+        s: u64,
+        p: u64,
+        rows: i64,
+        seq_q: i64,
+        seq_k: i64,
+        mask: Mask,
+        dtype: Dtype,
+    }
+
+    /// Non-finite V at causally masked keys, for the unfused cuBLAS backend. Its P·V GEMM spans
+    /// every key with P = 0 at masked ones, and 0 · NaN = NaN, so a NaN or an infinity anywhere
+    /// in V would reach rows that do not see its key: causal calls run the GEMM on a finite
+    /// copy of V and add the reference's non-finite terms to O afterwards. v: V as given,
+    /// [batch][kv_heads][seq_k][head_dim] at v_stride. v_finite (out): V with its non-finite
+    /// values set to 0, dense. first_keys: scratch of u32 [batch * kv_heads][1 + 3 * head_dim]
+    /// (per kv head, the first key holding any non-finite value, then the first key holding a
+    /// NaN, a +Inf, a -Inf in each column; all bits set: none). o: O = P · v_finite at
+    /// o_stride. dtype: of V and O, F16 or BF16.
+    #[derive(Debug, Clone, Copy)]
+    struct NonFiniteVArgs {
+        v: u64,
+        v_stride: Strides,
+        v_finite: u64,
+        first_keys: u64,
+        o: u64,
+        o_stride: Strides,
+        batch: i64,
+        heads: i64,
+        kv_heads: i64,
+        seq_q: i64,
+        seq_k: i64,
+        head_dim: i64,
+        dtype: Dtype,
+    }
+
+    /// New K/V rows appended into a paged cache (FlashAttention's flash_attn_with_kvcache
+    /// append): k_new, v_new [batch][n_new][kv_heads][head_dim] contiguous; k_cache, v_cache
+    /// [pages][page_size][kv_heads][head_dim] contiguous; block_table [batch][pages_per_seq];
+    /// seqused_k [batch], in and out. dtype: F16 or BF16.
+    #[derive(Debug, Clone, Copy)]
+    struct KvAppendArgs {
+        k_new: u64,
+        v_new: u64,
+        k_cache: u64,
+        v_cache: u64,
+        block_table: u64,
+        seqused_k: u64,
+        batch: i64,
+        n_new: i64,
+        kv_heads: i64,
+        head_dim: i64,
+        page_size: i64,
+        pages_per_seq: i64,
+        /// Pages of the cache.
+        pages: i64,
+        dtype: Dtype,
+    }
+
+    /// One partial attention result folded into a running f32 one through their log-sum-exps
+    /// (sdpa/merge.h). acc_o: f32 [batch][heads][acc_seq][head_dim], dense; acc_lse: f32
+    /// [batch][heads][acc_seq]; part_o: of dtype (F16, BF16 or F32) at part_stride; part_lse:
+    /// f32 [batch][heads][rows], dense. The part's rows are the accumulator's positions [row0,
+    /// row0 + rows).
+    #[derive(Debug, Clone, Copy)]
+    struct MergeArgs {
+        acc_o: u64,
+        acc_lse: u64,
+        part_o: u64,
+        part_lse: u64,
+        part_stride: Strides,
+        batch: i64,
+        heads: i64,
+        rows: i64,
+        head_dim: i64,
+        acc_seq: i64,
+        row0: i64,
+        dtype: Dtype,
+    }
+
+    /// The running f32 result (acc_o, f32 [batch][heads][seq][head_dim], dense) rounded to
+    /// `dtype` (F16 or BF16) into out at out_stride.
+    #[derive(Debug, Clone, Copy)]
+    struct MergeFinishArgs {
+        acc_o: u64,
+        out: u64,
+        out_stride: Strides,
+        batch: i64,
+        heads: i64,
+        seq: i64,
+        head_dim: i64,
+        dtype: Dtype,
+    }
+
+    /// How E4M3 scales map onto a tensor's elements: element i belongs to scale group (i /
+    /// per_batch) * heads + (i / inner) % heads; per_batch = seq * heads * head_dim, inner =
+    /// seq * head_dim (BHSD) or head_dim (BSHD). One group for per-tensor scales (heads = 1,
+    /// inner = per_batch = n).
+    #[derive(Debug, Clone, Copy)]
+    struct ScaleMap {
+        heads: i64,
+        inner: i64,
+        per_batch: i64,
+    }
+}
+
+pub use blocks::*;
+
+impl From<[i64; 3]> for Strides {
+    fn from([batch, head, seq]: [i64; 3]) -> Self {
+        Self { batch, head, seq }
+    }
+}
