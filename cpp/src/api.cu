@@ -1,7 +1,7 @@
 // Host-side dispatch: the one lookup from (kernel, dtype, head_dim) to an instantiation of
-// cpp/kernels.txt, for can_implement, forward and the attributes. Arguments arrive validated by
-// the Rust layer; forward asks can_implement first and throws its reason instead of launching
-// anything.
+// cpp/kernels.txt, made by plan() once per problem; can_implement asks it too, forward runs the
+// plan's instance. Arguments arrive validated by the Rust layer; forward checks what the
+// instance needs of the call's buffers and throws its reason instead of launching anything.
 #include <string>
 
 #include "common/check.cuh"
@@ -88,7 +88,7 @@ std::string can_implement(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev
     if (a.out.dtype != Dtype::F16 && a.out.dtype != Dtype::BF16)
       return "e4m3 (simulated): out_dtype must be f16 or bf16";
     // The 16-bit instantiation of the output type runs on copies in the workspace (where
-    // simulated_forward puts them; it asks again with their addresses).
+    // simulated_inputs puts them; forward asks it again with their addresses).
     FwdArgs b = a;
     b.ops.dtype = a.out.dtype;
     b.ops.q = b.ops.k = b.ops.v = 0;
@@ -101,15 +101,9 @@ std::string can_implement(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev
   return i->can_implement(a, dev);
 }
 
-void forward(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev, void* stream) {
-  // The launches size their grids and pick configurations from it.
-  if (!known(dev)) throw Error(std::string(name(kernel)) + ": forward needs a known device");
-  const std::string why = can_implement(kernel, a, dev);
-  if (!why.empty()) throw Error(std::string(name(kernel)) + ": " + why);
-  if (simulated(kernel, a)) return simulated_forward(kernel, a, dev, stream);
-  find(kernel, a.ops.dtype, a.dims.head_dim)->forward(a, dev, static_cast<cudaStream_t>(stream));
-}
-
+namespace {
+// Scratch bytes `kernel` needs for `a`'s problem (0 for most; decode's split-KV partials depend
+// on the SM count).
 int64_t workspace_bytes(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) {
   if (simulated(kernel, a)) return simulated_workspace_bytes(a);
 #if defined(SDPA_HAVE_CUTLASS)
@@ -122,6 +116,54 @@ int64_t workspace_bytes(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) 
   (void)a;
   (void)dev;
   return 0;
+}
+
+// The instantiation a plan names, which must be the one for `a`'s kernel, dtype and head dim.
+const Instance& planned(const KernelPlan& plan, const FwdArgs& a) {
+  const int64_t n = sizeof(kInstances) / sizeof(kInstances[0]);
+  if (plan.instance < 0 || plan.instance >= n)
+    throw Error("forward: a plan that plan() did not make");
+  const Instance& i = kInstances[plan.instance];
+  const Dtype runs = plan.simulated ? a.out.dtype : a.ops.dtype;
+  if (i.kernel != plan.kernel || i.dtype != runs || i.head_dim != a.dims.head_dim)
+    throw Error(std::string(name(plan.kernel)) + ": forward: the plan is for another problem");
+  return i;
+}
+
+// The instance's own checks of one launch's arguments (its buffers: alignment, TMA
+// addressing, the pointers the problem needs), thrown as the kernel's refusal.
+void check(const Instance& i, const FwdArgs& a, const DeviceInfo& dev) {
+  const std::string why = i.can_implement(a, dev);
+  if (!why.empty()) throw Error(std::string(name(i.kernel)) + ": " + why);
+}
+}  // namespace
+
+KernelPlan plan(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) {
+  // The launches size their grids and pick configurations from it.
+  if (!known(dev)) throw Error(std::string(name(kernel)) + ": a plan needs a known device");
+  const std::string why = can_implement(kernel, a, dev);
+  if (!why.empty()) throw Error(std::string(name(kernel)) + ": " + why);
+  const bool sim = simulated(kernel, a);
+  const Instance* i = find(kernel, sim ? a.out.dtype : a.ops.dtype, a.dims.head_dim);
+  KernelPlan p{};
+  p.kernel = kernel;
+  p.instance = int32_t(i - kInstances);
+  p.simulated = sim;
+  p.workspace_bytes = workspace_bytes(kernel, a, dev);
+  return p;
+}
+
+void forward(const KernelPlan& plan, const FwdArgs& a, const DeviceInfo& dev, void* stream) {
+  if (!known(dev)) throw Error(std::string(name(plan.kernel)) + ": forward needs a known device");
+  const Instance& i = planned(plan, a);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (!plan.simulated) {
+    check(i, a, dev);
+    return i.forward(a, dev, s);
+  }
+  const FwdArgs b = simulated_inputs(a, stream);
+  check(i, b, dev);
+  i.forward(b, dev, s);
 }
 
 __global__ void empty() {}

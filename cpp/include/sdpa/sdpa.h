@@ -61,13 +61,17 @@ struct KernelAttr {
 // skipped for an unknown `dev`.
 std::string can_implement(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
 
-// Runs `kernel` on `args`, enqueued on `stream` (a CUstream / cudaStream_t) of the device `dev`
-// describes; throws can_implement's reason where it is not empty.
-void forward(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev, void* stream);
+// What `kernel` runs for the problem of `args` on the device `dev` describes, decided once: the
+// instantiation, whether e4m3 inputs go through the simulated path, the scratch bytes every
+// run needs in args.scratch.workspace. The pointers of `args` may be 0. Throws can_implement's
+// reason where it is not empty.
+KernelPlan plan(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
 
-// Bytes of scratch memory `forward(kernel, args)` on the device `dev` describes needs in
-// args.workspace (0 for most; decode's split-KV partials depend on the SM count).
-int64_t workspace_bytes(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
+// Runs the planned kernel on `args` (the problem `plan` was made for, with this call's
+// buffers), enqueued on `stream` (a CUstream / cudaStream_t) of the device `dev` describes. The
+// choice is the plan's; what the kernel needs of the buffers (alignment, TMA addressing, the
+// pointers the problem asks for) is checked again, and refused with the kernel's reason.
+void forward(const KernelPlan& plan, const FwdArgs& args, const DeviceInfo& dev, void* stream);
 
 // Appends n_new new key and value rows of each sequence into a paged cache (FlashAttention's
 // flash_attn_with_kvcache append): row i of sequence b goes to position seqused_k[b] + i, key j

@@ -10,9 +10,9 @@ namespace sdpa {
 // Workspace bytes for the 16-bit copies of Q, K and V.
 int64_t simulated_workspace_bytes(const FwdArgs& a);
 
-// Dequantizes Q, K, V (a.ops.dtype E4M3, with scales) into a.scratch.workspace as a.out.dtype, then
-// runs `kernel`'s 16-bit instantiation on the copies, all on `stream` of the device `dev`
-// describes.
-void simulated_forward(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev, void* stream);
+// Enqueues on `stream` the dequantization of Q, K, V (a.ops.dtype E4M3, with scales) into
+// a.scratch.workspace as a.out.dtype, and returns the arguments of the 16-bit kernel that runs
+// on the copies (after it, on the same stream).
+FwdArgs simulated_inputs(const FwdArgs& a, void* stream);
 
 }  // namespace sdpa

@@ -168,6 +168,24 @@ mod blocks {
         scratch: FwdScratch,
     }
 
+    /// What `plan` decided for one problem on one device, which every run of that problem
+    /// reads: the kernel, the core's index of its instantiation (only `plan` writes it),
+    /// whether e4m3 inputs go through the simulated path (dequantized copies and the 16-bit
+    /// instantiation), and the scratch bytes a run needs in `FwdScratch::workspace`.
+    #[derive(Debug, Clone, Copy)]
+    struct KernelPlan {
+        kernel: Kernel,
+        instance: i32,
+        simulated: bool,
+        workspace_bytes: i64,
+    }
+
+    // The kernel list, generated from cpp/kernels.txt (build.rs).
+    unsafe extern "C++" {
+        include!("sdpa/kernels.h");
+        type Kernel = crate::Kernel;
+    }
+
     /// What the fused kernels need to know about the GPU they run on, read once per device by
     /// the caller (crates/sdpa/src/device.rs), so that no kernel queries or caches device
     /// attributes itself. All zero: an unknown device (a question asked without a GPU), for

@@ -9,12 +9,13 @@ rust::String can_implement(Kernel kernel, const FwdArgs& args, const DeviceInfo&
   return sdpa::can_implement(kernel, args, dev);
 }
 
-void forward(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev, std::size_t stream) {
-  sdpa::forward(kernel, args, dev, reinterpret_cast<void*>(stream));
+KernelPlan plan(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev) {
+  return sdpa::plan(kernel, args, dev);
 }
 
-int64_t workspace_bytes(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev) {
-  return sdpa::workspace_bytes(kernel, args, dev);
+void forward(const KernelPlan& plan, const FwdArgs& args, const DeviceInfo& dev,
+             std::size_t stream) {
+  sdpa::forward(plan, args, dev, reinterpret_cast<void*>(stream));
 }
 
 void absmax(uint64_t x, bool x_is_f32, Dtype dtype, int64_t n, ScaleMap m, uint64_t amax,

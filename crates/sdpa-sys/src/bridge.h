@@ -15,6 +15,7 @@ using sdpa::DeviceInfo;
 using sdpa::Dtype;
 using sdpa::FwdArgs;
 using sdpa::Kernel;
+using sdpa::KernelPlan;
 using sdpa::KvAppendArgs;
 using sdpa::MergeArgs;
 using sdpa::MergeFinishArgs;
@@ -23,13 +24,14 @@ using sdpa::ScaleMap;
 using sdpa::SoftmaxArgs;
 
 rust::String can_implement(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
-void forward(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev, std::size_t stream);
+KernelPlan plan(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
+void forward(const KernelPlan& plan, const FwdArgs& args, const DeviceInfo& dev,
+             std::size_t stream);
 void masked_softmax(const SoftmaxArgs& args, std::size_t stream);
 void kv_append(const KvAppendArgs& args, std::size_t stream);
 void sanitize_v(const NonFiniteVArgs& args, std::size_t stream);
 void add_nonfinite_v(const NonFiniteVArgs& args, std::size_t stream);
 void e4m3_encode(uint64_t x, uint64_t y, int64_t n, float inv_scale, std::size_t stream);
-int64_t workspace_bytes(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
 void absmax(uint64_t x, bool x_is_f32, Dtype dtype, int64_t n, ScaleMap map, uint64_t amax,
             int64_t groups, std::size_t stream);
 void e4m3_quantize(uint64_t x, bool x_is_f32, Dtype dtype, uint64_t y, int64_t n, ScaleMap map,

@@ -37,6 +37,7 @@ pub mod ffi {
         type Dtype = crate::args::Dtype;
         type Kernel = crate::Kernel;
         type FwdArgs = crate::args::FwdArgs;
+        type KernelPlan = crate::args::KernelPlan;
         type DeviceInfo = crate::args::DeviceInfo;
         type SoftmaxArgs = crate::args::SoftmaxArgs;
         type NonFiniteVArgs = crate::args::NonFiniteVArgs;
@@ -54,19 +55,22 @@ pub mod ffi {
         /// in `args` may be 0 (not checked then); device requirements are skipped for an
         /// unknown (all zero) `dev`. Calls nothing on the GPU.
         fn can_implement(kernel: Kernel, args: &FwdArgs, dev: &DeviceInfo) -> Result<String>;
+        /// What `kernel` runs for the problem of `args` on the device `dev` describes, decided
+        /// once (sdpa.h): the instantiation and the scratch bytes. Pointers in `args` may be 0.
+        /// An error with can_implement's reason where the kernel cannot. Calls nothing on the
+        /// GPU.
+        fn plan(kernel: Kernel, args: &FwdArgs, dev: &DeviceInfo) -> Result<KernelPlan>;
         /// # Safety
-        /// `args` must describe live device buffers of the sizes its shape and strides address,
-        /// on the device current on this thread, which `dev` describes, and `stream` must be a
-        /// valid stream there.
+        /// `plan` must come from `plan` for the problem of `args`; `args` must describe live
+        /// device buffers of the sizes its shape and strides address, its workspace at least
+        /// `plan.workspace_bytes`, on the device current on this thread, which `dev` describes,
+        /// and `stream` must be a valid stream there.
         unsafe fn forward(
-            kernel: Kernel,
+            plan: &KernelPlan,
             args: &FwdArgs,
             dev: &DeviceInfo,
             stream: usize,
         ) -> Result<()>;
-        /// Scratch bytes `forward(kernel, args)` on the device `dev` describes needs in
-        /// `args.workspace`.
-        fn workspace_bytes(kernel: Kernel, args: &FwdArgs, dev: &DeviceInfo) -> Result<i64>;
         /// # Safety
         /// `args.s` and `args.p` must be live device buffers of `rows * seq_k` elements (f32
         /// and the dtype) on the current context; `stream` a valid stream there.

@@ -73,7 +73,10 @@ pub(crate) fn launch(plan: &Plan, call: Call<'_>, mut extras: Extras<'_>) -> Res
     let extra_streams: Vec<_> = extras.streams().cloned().collect();
     let order = dev.order_after(call.streams.iter().chain(&extra_streams))?;
     let ran = match call.storage {
-        Storage::Tensors(t) => crate::owned::run(dev, p, backend, t, &mut extras),
+        Storage::Tensors(t) => {
+            let kernel = plan.kernel_plan(backend);
+            crate::owned::run(dev, p, backend, kernel, t, &mut extras)
+        }
         Storage::Views | Storage::Fp8Views { .. } => {
             let stream = dev.stream().clone();
             let b = Buffers {
@@ -89,7 +92,7 @@ pub(crate) fn launch(plan: &Plan, call: Call<'_>, mut extras: Extras<'_>) -> Res
                 seqs: [0; 4],
             }
             .with_extras(&extras.pointers(&stream));
-            match backend.fused_kernel() {
+            match plan.kernel_plan(backend) {
                 Some(kernel) => crate::backend::fused::forward(kernel, dev, p, &b),
                 None => crate::backend::cublas::forward(dev, p, &b),
             }

@@ -13,6 +13,7 @@ use crate::plan::{Plan, Tensors};
 use crate::problem::{Checked, DType};
 use crate::tensor::Tensor;
 use crate::{reference_seqs, reference_with};
+use sdpa_sys::args::KernelPlan;
 
 /// A run on owned tensors: each tensor's dtype, scales, length and GPU checked against the
 /// plan's problem, then the one pipeline ([`launch::launch`]).
@@ -44,19 +45,20 @@ pub(crate) fn run_tensors(plan: &Plan, t: Tensors<'_>, extras: Extras<'_>) -> Re
     launch::launch(plan, call, extras)
 }
 
-/// `forward` once its arguments are checked, `backend` resolved to one that supports `p`, and
-/// the streams ordered.
+/// A run once its arguments are checked, `backend` resolved to one that supports `p` (`kernel`:
+/// the core's plan of `p` where `backend` is fused), and the streams ordered.
 pub(crate) fn run(
     dev: &Device,
     p: &Checked,
     backend: Backend,
+    kernel: Option<&KernelPlan>,
     t: Tensors<'_>,
     extras: &mut Extras<'_>,
 ) -> Result<()> {
     if p.dtype == DType::E4m3 && !backend.native_fp8() {
-        return fp8_simulated(dev, p, backend, t, extras);
+        return fp8_simulated(dev, p, backend, kernel, t, extras);
     }
-    if let Some(kernel) = backend.fused_kernel() {
+    if let Some(kernel) = kernel {
         return fused_forward(kernel, dev, p, t, extras);
     }
     let Tensors { q, k, v, out } = t;
@@ -84,15 +86,18 @@ pub(crate) fn run(
         Backend::Cublas => {
             backend::cublas::forward(dev, p, &Buffers::of_tensors(dev, p, q, k, v, out))
         }
-        Backend::Auto => unreachable!("resolve() returns a concrete backend"),
-        _ => unreachable!("fused backends returned above"),
+        // A plan resolves Auto and plans every fused candidate: neither reaches here.
+        b => Err(Error::Unsupported {
+            backend: b.name(),
+            reason: "no plan of the core for this backend".to_string(),
+        }),
     }
 }
 
 /// A fused kernel's launch on the tensors and the extras' buffers (the guards of their
 /// addresses held until the launch is queued).
 fn fused_forward(
-    kernel: sdpa_sys::Kernel,
+    kernel: &KernelPlan,
     dev: &Device,
     p: &Checked,
     t: Tensors<'_>,
@@ -110,6 +115,7 @@ fn fp8_simulated(
     dev: &Device,
     p: &Checked,
     backend: Backend,
+    kernel: Option<&KernelPlan>,
     t: Tensors<'_>,
     extras: &mut Extras<'_>,
 ) -> Result<()> {
@@ -138,7 +144,7 @@ fn fp8_simulated(
     }
     // The fused kernels dequantize into the device's scratch in one launch (C++ side,
     // cpp/src/fp8/simulated.cu); cublas and cpu take dequantized tensors.
-    if let Some(kernel) = backend.fused_kernel() {
+    if let Some(kernel) = kernel {
         return fused_forward(kernel, dev, p, t, extras);
     }
     let (q, k, v) = (
@@ -152,7 +158,7 @@ fn fp8_simulated(
         v: &v,
         out: t.out,
     };
-    run(dev, &p.dequantized(), backend, t, extras)
+    run(dev, &p.dequantized(), backend, None, t, extras)
 }
 
 /// Each tensor's dtype, scales, length and GPU against the (valid) problem.

@@ -13,6 +13,7 @@ use crate::fp8_view::Fp8Views;
 use crate::problem::{Checked, DType, Problem};
 use crate::tensor::{Element, Tensor};
 use crate::view::Views;
+use sdpa_sys::args::KernelPlan;
 
 /// A problem checked on a device, with the backends that support it there, ready to run.
 ///
@@ -46,6 +47,9 @@ pub struct Plan {
     candidates: Vec<Backend>,
     /// Why each backend `Auto` passed over refused (for the error of a run none can take).
     refusals: Vec<String>,
+    /// Per candidate, what the core decided for a fused backend (its instantiation and
+    /// scratch), once: every run reads it.
+    kernels: Vec<Option<KernelPlan>>,
 }
 
 impl std::fmt::Debug for Plan {
@@ -87,12 +91,21 @@ impl Plan {
             backend.supports_checked(Some(dev), &p)?;
             (vec![backend], Vec::new())
         };
+        let kernels = candidates
+            .iter()
+            .map(|b| {
+                b.fused_kernel()
+                    .map(|k| crate::backend::fused::plan(k, dev, &p))
+                    .transpose()
+            })
+            .collect::<Result<_>>()?;
         Ok(Plan {
             dev: dev.clone(),
             p,
             auto: backend == Backend::Auto,
             candidates,
             refusals,
+            kernels,
         })
     }
 
@@ -123,8 +136,17 @@ impl Plan {
     /// of the e4m3 kernels, the tile counter; for cublas one run on zeros, which loads its GEMM
     /// kernels), so that later runs allocate nothing and can be captured into a CUDA graph.
     pub fn reserve(&self) -> Result<&Plan> {
-        reserve_backend(&self.dev, &self.p, self.backend())?;
+        match self.kernels[0] {
+            Some(kernel) => crate::backend::fused::reserve(&kernel, &self.dev)?,
+            None => reserve_backend(&self.dev, &self.p, self.backend())?,
+        }
         Ok(self)
+    }
+
+    /// The core's plan for candidate `b` where it is a fused backend.
+    pub(crate) fn kernel_plan(&self, b: Backend) -> Option<&KernelPlan> {
+        let i = self.candidates.iter().position(|&c| c == b)?;
+        self.kernels[i].as_ref()
     }
 
     pub(crate) fn checked(&self) -> &Checked {
@@ -155,11 +177,9 @@ impl Plan {
     }
 }
 
-/// What [`Plan::reserve`] makes ready for `backend` (resolved) on `p`.
+/// What [`Plan::reserve`] makes ready for an unfused `backend` (resolved) on `p`.
 fn reserve_backend(dev: &Device, p: &Checked, chosen: Backend) -> Result<()> {
-    if let Some(kernel) = chosen.fused_kernel() {
-        crate::backend::fused::reserve(kernel, dev, p)?;
-    } else if chosen == Backend::Cublas {
+    if chosen == Backend::Cublas {
         // cuBLAS loads a GEMM's kernels at their first launch, which a graph capture does not
         // allow: run the problem once, on zeros, besides making the handle and workspace.
         let p = p.dequantized();

@@ -16,7 +16,7 @@ use sdpa_sys::INSTANCES;
 use sdpa_sys::Kernel;
 use sdpa_sys::args::{
     DeviceInfo, Dtype, FwdArgs, FwdDims, FwdFp8, FwdMask, FwdOperands, FwdOutput, FwdScoreMods,
-    FwdScratch, FwdSeqs,
+    FwdScratch, FwdSeqs, KernelPlan,
 };
 use std::fmt;
 use std::sync::MutexGuard;
@@ -133,15 +133,22 @@ fn can_implement_on(
     if why.is_empty() { Ok(()) } else { Err(why) }
 }
 
-pub(crate) fn forward(kernel: Kernel, dev: &Device, p: &Checked, b: &Buffers) -> Result<()> {
+/// What `kernel` runs for `p` on `dev`, decided once by the core (the instantiation, the
+/// scratch bytes): every run of the problem reads it.
+pub(crate) fn plan(kernel: Kernel, dev: &Device, p: &Problem) -> Result<KernelPlan> {
+    Ok(sdpa_sys::ffi::plan(kernel, &problem_args(p), &dev.info())?)
+}
+
+/// Runs the planned kernel on the problem `plan` was made for and `b`'s buffers.
+pub(crate) fn forward(plan: &KernelPlan, dev: &Device, p: &Checked, b: &Buffers) -> Result<()> {
     let mut args = fwd_args(p, b);
     // Scratch the kernel asks for (e4m3 inputs: the native kernel's V copy, the simulated
     // path's 16-bit Q, K, V; each written by a pre-pass of the same call before any read): the
-    // device's buffer, grown when too small (`Device::reserve` grows it ahead of a capture). The
-    // lock is held until the launch is enqueued, so a concurrent grow cannot free it under us;
-    // stream order does the rest. Only kernels that asked for scratch take it (the 16-bit ones
-    // never do).
-    let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &args, &dev.info())? as usize;
+    // device's buffer, grown when too small (`reserve` grows it ahead of a capture). The lock is
+    // held until the launch is enqueued, so a concurrent grow cannot free it under us; stream
+    // order does the rest. Only kernels that asked for scratch take it (the 16-bit ones never
+    // do).
+    let bytes = plan.workspace_bytes as usize;
     let mut guard = None;
     if bytes > 0 {
         let scratch = guard.insert(lock_scratch(dev)?);
@@ -150,18 +157,18 @@ pub(crate) fn forward(kernel: Kernel, dev: &Device, p: &Checked, b: &Buffers) ->
     }
     args.scratch.tile_counter = dev.tile_counter()?;
     let stream = dev.raw_stream()?;
-    // SAFETY: the caller validated shapes, dtypes, lengths, strides and context of every buffer
-    // against `p`; the strides in `args` address only elements inside them; the workspace holds
-    // the bytes the kernel asked for.
-    unsafe { sdpa_sys::ffi::forward(kernel, &args, &dev.info(), stream)? };
+    // SAFETY: the plan is the core's for `p`; the caller validated shapes, dtypes, lengths,
+    // strides and context of every buffer against `p`; the strides in `args` address only
+    // elements inside them; the workspace holds the bytes the plan asked for.
+    unsafe { sdpa_sys::ffi::forward(plan, &args, &dev.info(), stream)? };
     drop(guard);
     Ok(())
 }
 
-/// Grows the device's scratch to what `kernel` asks for on `p`, so that a later call (one
-/// captured into a graph, say) allocates nothing.
-pub(crate) fn reserve(kernel: Kernel, dev: &Device, p: &Problem) -> Result<()> {
-    let bytes = sdpa_sys::ffi::workspace_bytes(kernel, &problem_args(p), &dev.info())? as usize;
+/// Grows the device's scratch to what `plan` asks for, so that a later run (one captured into
+/// a graph, say) allocates nothing.
+pub(crate) fn reserve(plan: &KernelPlan, dev: &Device) -> Result<()> {
+    let bytes = plan.workspace_bytes as usize;
     if bytes > 0 {
         grow(dev, &mut *lock_scratch(dev)?, bytes)?;
     }
@@ -560,23 +567,51 @@ mod tests {
         assert!(!fwd_args(&p, &b).fp8.fast);
     }
 
-    /// `forward` asks `can_implement` first and launches nothing it refuses; it needs a known
-    /// device (its launches size their grids by it).
+    /// A plan asks `can_implement` first and plans nothing it refuses; it needs a known device
+    /// (the launches size their grids by it).
     #[test]
-    fn forward_refuses_before_launching() {
+    fn planning_refuses_before_launching() {
         let args = problem_args(&Problem::new(1, 1, 8, 8, 64));
-        // SAFETY: both calls are refused before any pointer or stream is used.
-        let e = unsafe { sdpa_sys::ffi::forward(Kernel::Scalar, &args, &T4, 0) }.unwrap_err();
+        let e = sdpa_sys::ffi::plan(Kernel::Scalar, &args, &T4).unwrap_err();
         assert!(
             e.what()
                 .contains("scalar: needs compute capability 8.0 or newer"),
             "{e}"
         );
-        let e = unsafe { sdpa_sys::ffi::forward(Kernel::Wmma, &args, &DeviceInfo::default(), 0) }
-            .unwrap_err();
+        let e = sdpa_sys::ffi::plan(Kernel::Wmma, &args, &DeviceInfo::default()).unwrap_err();
         assert!(
-            e.what().contains("wmma: forward needs a known device"),
+            e.what().contains("wmma: a plan needs a known device"),
             "{e}"
+        );
+    }
+
+    /// A plan names the instantiation of its problem: a forward with another problem's
+    /// arguments, or with a plan the core did not make, is refused before anything is used.
+    #[test]
+    fn forward_refuses_a_plan_of_another_problem() {
+        if !built(Backend::Scalar) {
+            return;
+        }
+        let p = Problem::new(1, 1, 8, 8, 64);
+        let plan = sdpa_sys::ffi::plan(Kernel::Scalar, &problem_args(&p), &H100).unwrap();
+        assert!(!plan.simulated);
+        let other = problem_args(&Problem::new(1, 1, 8, 8, 128));
+        // SAFETY: refused before any pointer or stream is used.
+        let e = unsafe { sdpa_sys::ffi::forward(&plan, &other, &H100, 0) }.unwrap_err();
+        assert!(e.what().contains("the plan is for another problem"), "{e}");
+        let forged = KernelPlan {
+            instance: i32::MAX,
+            ..plan
+        };
+        // SAFETY: as above.
+        let e =
+            unsafe { sdpa_sys::ffi::forward(&forged, &problem_args(&p), &H100, 0) }.unwrap_err();
+        assert!(e.what().contains("a plan that plan() did not make"), "{e}");
+        let e4m3 = p.with_dtype(DType::E4m3);
+        let sim = sdpa_sys::ffi::plan(Kernel::Scalar, &problem_args(&e4m3), &H100).unwrap();
+        assert!(
+            sim.simulated && sim.workspace_bytes >= 3 * 8 * 64 * 2,
+            "{sim:?}"
         );
     }
 
