@@ -705,8 +705,12 @@ mod tests {
                 "records[0]: causal must be true or false, got 1",
             ),
             (
+                json!({"dtype": "f64"}),
+                "records[0]: dtype: unknown dtype \"f64\"",
+            ),
+            (
                 json!({"dtype": "f32"}),
-                "records[0]: dtype: unknown dtype \"f32\"",
+                "records[0]: bad problem: the inputs are f32: f32 is an output type only",
             ),
             (
                 json!({"dtype": 16}),

@@ -148,6 +148,12 @@ impl ProblemArgs {
             .iter()
             .map(|d| d.parse())
             .collect::<Result<_>>()?;
+        if let Some(d) = dtypes.iter().find(|d| !d.is_input()) {
+            return Err(sdpa::Error::InvalidArgument(format!(
+                "--dtype {d}: {d} is an output type only (--out-dtype {d} writes it from f16 or \
+                 bf16 inputs)"
+            )));
+        }
         if !self.fp8_mode.is_empty() && !dtypes.contains(&DType::E4m3) {
             return Err(sdpa::Error::InvalidArgument(
                 "--fp8-mode applies to e4m3 problems; add e4m3 to --dtype".into(),
