@@ -231,13 +231,27 @@ fn api_cases() -> Vec<ApiCase> {
                 .with_dtype(DType::E4m3)
                 .with_out_dtype(DType::E4m3)),
             Invalid,
-            "output dtype must be f16 or bf16, got e4m3",
+            "output dtype must be f16, bf16 or f32, got e4m3",
         ),
         (
             "f16 in, bf16 out",
             v(p(1, 1, 4, 4, 64).with_out_dtype(DType::Bf16)),
             Invalid,
-            "only e4m3 inputs may have another output dtype",
+            "output dtype bf16 differs from input dtype f16",
+        ),
+        (
+            "f32 in",
+            v(p(1, 1, 4, 4, 64).with_dtype(DType::F32)),
+            Invalid,
+            "f32 is an output type only",
+        ),
+        (
+            "e4m3 in, f32 out",
+            v(p(1, 1, 4, 4, 64)
+                .with_dtype(DType::E4m3)
+                .with_out_dtype(DType::F32)),
+            Invalid,
+            "the output of e4m3 inputs is f16 or bf16, got f32",
         ),
         (
             "fp8 scaling row",
@@ -403,7 +417,7 @@ fn cli_errors_are_one_line_and_write_nothing() {
         ),
         (
             ["validate", "--dtype", "f32"].map(String::from).to_vec(),
-            "unknown dtype \"f32\"",
+            "--dtype f32: f32 is an output type only",
         ),
         (
             ["validate", "--kv-heads", "3", "--problem", "mission"]

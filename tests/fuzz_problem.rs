@@ -25,7 +25,12 @@ fn dim() -> impl Strategy<Value = usize> {
 }
 
 fn dtype() -> impl Strategy<Value = DType> {
-    prop_oneof![Just(DType::F16), Just(DType::Bf16), Just(DType::E4m3)]
+    prop_oneof![
+        Just(DType::F16),
+        Just(DType::Bf16),
+        Just(DType::E4m3),
+        Just(DType::F32)
+    ]
 }
 
 fn scaling() -> impl Strategy<Value = Scaling> {
@@ -48,8 +53,13 @@ fn check_valid(p: &Problem) -> Result<(), TestCaseError> {
     prop_assert!(p.scale().is_finite() && p.scale() > 0.0);
     prop_assert!(p.flops() >= 0.0);
     prop_assert!(p.visible_keys(sq - 1) <= sk);
-    prop_assert!(matches!(p.output_dtype(), DType::F16 | DType::Bf16));
-    prop_assert!(p.dtype == DType::E4m3 || p.output_dtype() == p.dtype);
+    prop_assert!(p.dtype.is_input() && p.output_dtype().is_output());
+    // Another output dtype: f16 or bf16 of e4m3 inputs, f32 of f16/bf16 ones.
+    let pair_ok = match (p.dtype, p.output_dtype()) {
+        (DType::E4m3, o) => matches!(o, DType::F16 | DType::Bf16),
+        (i, o) => o == i || o == DType::F32,
+    };
+    prop_assert!(pair_ok, "{} -> {}", p.dtype, p.output_dtype());
     // One scale per tensor, or one per (batch, head) pair: Q's and K/V's counts.
     for (shape, heads) in [(p.q_shape(), h), (p.kv_shape(), kvh)] {
         let n = scale_count(&shape, p.fp8_scaling);
@@ -155,8 +165,8 @@ proptest! {
         dt in dtype(), out in prop::option::of(dtype()), sc in scaling(),
         bshd in any::<bool>(),
     ) {
-        // Every dtype, output dtype and scaling, the invalid pairs (e4m3 out, f16 in and bf16
-        // out) included.
+        // Every dtype, output dtype and scaling, the invalid ones (f32 in, e4m3 out, e4m3 in and
+        // f32 out, f16 in and bf16 out) included.
         let mut p = Problem::new(b, h, sq, sk, d)
             .with_kv_heads(kvh)
             .with_causal(causal)
@@ -166,7 +176,11 @@ proptest! {
         p.out_dtype = out;
         p.scale = scale;
         let valid = p.validate();
-        if out == Some(DType::E4m3) || (dt != DType::E4m3 && out.is_some_and(|o| o != dt)) {
+        let other_out = |o: DType| match dt {
+            DType::E4m3 => !matches!(o, DType::F16 | DType::Bf16),
+            _ => o != dt && o != DType::F32,
+        };
+        if dt == DType::F32 || out.is_some_and(other_out) {
             prop_assert!(valid.is_err(), "{p} validated");
         }
         for backend in Backend::ALL {

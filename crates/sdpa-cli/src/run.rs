@@ -52,9 +52,10 @@ pub struct Args {
     /// e4m3: scales per tensor or per (batch, head): tensor or head.
     #[arg(long, default_value = "head")]
     scaling: String,
-    /// e4m3: the output dtype the kernel writes (f16 or bf16).
-    #[arg(long, default_value = "f16")]
-    out_dtype: String,
+    /// The output dtype the kernel writes: f16 or bf16 for e4m3 inputs (default f16); f32 for
+    /// f16/bf16 inputs (cutlass on sm_90a and cpu write it; default: the input dtype).
+    #[arg(long)]
+    out_dtype: Option<String>,
     /// e4m3: accurate (P·V in 16 bit) or fast (P·V on e4m3 tensor cores where the backend has
     /// them; the cpu reference is exact either way).
     #[arg(long, default_value = "accurate")]
@@ -90,13 +91,14 @@ fn check_outputs(a: &Args) -> Result<()> {
 /// Refuses values that the rounding to `dtype` would turn into infinities, which attention
 /// turns into NaN rows: an infinity in the file, or a finite value beyond the dtype's range
 /// (f16: 65504). e4m3 scales its inputs into range, so only infinities are refused there (its
-/// quantization refuses them too). NaN passes through, as it does in every dtype. The error
+/// quantization refuses them too); f32, an output type only, is refused by the problem's
+/// validation after this. NaN passes through, as it does in every dtype. The error
 /// names the input, the first offending element and its value.
 fn check_fits(flag: &str, path: &Path, x: &[f32], dtype: DType) -> Result<()> {
     let overflows = |v: f32| match dtype {
         DType::F16 => half::f16::from_f32(v).is_infinite(),
         DType::Bf16 => half::bf16::from_f32(v).is_infinite(),
-        DType::E4m3 => v.is_infinite(),
+        DType::E4m3 | DType::F32 => v.is_infinite(),
     };
     let Some(i) = x.iter().position(|&v| overflows(v)) else {
         return Ok(());
@@ -182,7 +184,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     let dtype: DType = a.dtype.parse()?;
     let layout: Layout = a.layout.parse()?;
     let scaling: Scaling = a.scaling.parse()?;
-    let out_dtype: DType = a.out_dtype.parse()?;
+    let out_dtype: Option<DType> = a.out_dtype.as_deref().map(str::parse).transpose()?;
     let fp8_mode: Fp8Mode = a.fp8_mode.parse()?;
     check_outputs(&a)?;
     let (q, qshape) = npy::read(&a.q)?;
@@ -253,7 +255,10 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         None => None,
     };
     if dtype == DType::E4m3 {
-        p = p.with_fp8_scaling(scaling).with_out_dtype(out_dtype);
+        p = p.with_fp8_scaling(scaling);
+    }
+    if let Some(out) = out_dtype {
+        p = p.with_out_dtype(out);
     }
     p = p.with_fp8_mode(fp8_mode);
     p.validate().map_err(|e| match e {

@@ -35,9 +35,11 @@ pub struct ProblemArgs {
     /// e4m3 inputs: scales per tensor or per (batch, head): tensor or head.
     #[arg(long, default_value = "head")]
     pub scaling: String,
-    /// e4m3 inputs: output dtype, f16 or bf16.
-    #[arg(long, default_value = "f16")]
-    pub out_dtype: String,
+    /// Output dtype, for the input dtypes that can write it: f16 or bf16 for e4m3 inputs
+    /// (default f16), f32 for f16/bf16 inputs (cutlass on sm_90a and cpu write it; default: the
+    /// input dtype).
+    #[arg(long)]
+    pub out_dtype: Option<String>,
     /// e4m3 inputs: how P·V runs (comma-separated): accurate (16 bit) or fast (e4m3 tensor
     /// cores where the backend has them, P rounded to e4m3). Default: each e4m3 problem in
     /// both modes, each held to its own bar.
@@ -90,7 +92,7 @@ impl ProblemArgs {
             }
         };
         let scaling: Scaling = self.scaling.parse()?;
-        let out_dtype: DType = self.out_dtype.parse()?;
+        let out_dtype: Option<DType> = self.out_dtype.as_deref().map(str::parse).transpose()?;
         let fp8_modes: Vec<Fp8Mode> = match self.fp8_mode.is_empty() {
             true => Fp8Mode::ALL.to_vec(),
             false => self
@@ -146,10 +148,24 @@ impl ProblemArgs {
             .iter()
             .map(|d| d.parse())
             .collect::<Result<_>>()?;
+        if let Some(d) = dtypes.iter().find(|d| !d.is_input()) {
+            return Err(sdpa::Error::InvalidArgument(format!(
+                "--dtype {d}: {d} is an output type only (--out-dtype {d} writes it from f16 or \
+                 bf16 inputs)"
+            )));
+        }
         if !self.fp8_mode.is_empty() && !dtypes.contains(&DType::E4m3) {
             return Err(sdpa::Error::InvalidArgument(
                 "--fp8-mode applies to e4m3 problems; add e4m3 to --dtype".into(),
             ));
+        }
+        if let Some(o) = out_dtype
+            && !dtypes.iter().any(|&d| writes(d, o))
+        {
+            return Err(sdpa::Error::InvalidArgument(format!(
+                "--out-dtype {o} applies to none of --dtype's types (e4m3 inputs take f16 or \
+                 bf16, f16/bf16 inputs f32)"
+            )));
         }
         let mut out: Vec<(String, Problem)> = Vec::new();
         for dtype in dtypes {
@@ -176,7 +192,10 @@ impl ProblemArgs {
                         p = p.with_kv_heads(kv);
                     }
                     if dtype == DType::E4m3 {
-                        p = p.with_fp8_scaling(scaling).with_out_dtype(out_dtype);
+                        p = p.with_fp8_scaling(scaling);
+                    }
+                    if let Some(o) = out_dtype.filter(|&o| writes(dtype, o)) {
+                        p = p.with_out_dtype(o);
                     }
                     let mut name = name.clone();
                     if !keep && c && !name.ends_with("-causal") {
@@ -212,12 +231,25 @@ impl ProblemArgs {
     }
 }
 
-/// The dtype column: `e4m3>f16/accurate` (or `/fast`) for e4m3 inputs, the dtype otherwise.
+/// The dtype column: `e4m3>f16/accurate` (or `/fast`) for e4m3 inputs, `f16>f32` for an f32
+/// output, the dtype otherwise.
 pub fn dtype_label(p: &Problem) -> String {
     if p.dtype == DType::E4m3 {
         format!("e4m3>{}/{}", p.output_dtype(), p.fp8_mode)
+    } else if p.output_dtype() != p.dtype {
+        format!("{}>{}", p.dtype, p.output_dtype())
     } else {
         p.dtype.name().to_string()
+    }
+}
+
+/// Whether inputs of `input` can have an output of `out` other than their default: f16 or
+/// bf16 for e4m3 inputs, f32 for f16/bf16 ones (what `--out-dtype` applies to).
+fn writes(input: DType, out: DType) -> bool {
+    match input {
+        DType::E4m3 => DType::ALL.contains(&out),
+        DType::F16 | DType::Bf16 => out == DType::F32,
+        DType::F32 => false,
     }
 }
 
@@ -427,5 +459,36 @@ mod tests {
         assert!(kept.iter().all(|(_, p)| p.dtype == DType::E4m3));
         let named = expand(&["--dtype", "e4m3", "--problem", "varlen-16"], &default);
         assert!(named.is_err(), "{:?}", named.map(|v| v.len()));
+    }
+
+    /// `--out-dtype` applies to the input dtypes that can write it: f32 to f16 and bf16 (their
+    /// label says so), f16/bf16 to e4m3; an output none of the dtypes takes is an error.
+    #[test]
+    fn out_dtype_applies_where_the_inputs_take_it() {
+        let default = ["s1k-d64"];
+        let args = ["--dtype", "f16,bf16,e4m3", "--out-dtype", "f32"];
+        let ps = expand(&args, &default).unwrap();
+        let labels: Vec<String> = ps.iter().map(|(_, p)| dtype_label(p)).collect();
+        assert!(labels.contains(&"f16>f32".to_string()), "{labels:?}");
+        assert!(labels.contains(&"bf16>f32".to_string()), "{labels:?}");
+        for (_, p) in &ps {
+            let want = match p.dtype {
+                DType::E4m3 => DType::F16,
+                _ => DType::F32,
+            };
+            assert_eq!(p.output_dtype(), want, "{p}");
+        }
+        let ps = expand(&["--dtype", "e4m3", "--out-dtype", "bf16"], &default).unwrap();
+        assert!(ps.iter().all(|(_, p)| p.output_dtype() == DType::Bf16));
+        let e = expand(&["--dtype", "f16", "--out-dtype", "bf16"], &default).unwrap_err();
+        assert!(
+            e.to_string().contains("--out-dtype bf16 applies to none"),
+            "{e}"
+        );
+        let e = expand(&["--dtype", "e4m3", "--out-dtype", "f32"], &default).unwrap_err();
+        assert!(
+            e.to_string().contains("--out-dtype f32 applies to none"),
+            "{e}"
+        );
     }
 }

@@ -13,10 +13,8 @@ pub(crate) struct Buffers {
     pub(crate) q: u64,
     pub(crate) k: u64,
     pub(crate) v: u64,
+    /// The output, of the problem's output dtype.
     pub(crate) o: u64,
-    /// Whether `o` holds f32 rather than the problem's output dtype: a partial result that is
-    /// merged with others before it is rounded (cutlass sm90 alone writes it).
-    pub(crate) o_f32: bool,
     /// Device addresses of the e4m3 dequantization scales of Q, K and V (0 for f16/bf16).
     pub(crate) scales: [u64; 3],
     /// Of Q, K, V and the output, in that order.
@@ -46,7 +44,6 @@ impl Buffers {
             k: k.ptr(dev),
             v: v.ptr(dev),
             o: out.ptr_mut(dev),
-            o_f32: false,
             scales: [q.scales_ptr(dev), k.scales_ptr(dev), v.scales_ptr(dev)],
             strides: [qs, ks, ks, qs],
             alibi_slopes: 0,

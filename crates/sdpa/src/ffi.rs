@@ -11,6 +11,7 @@ pub(crate) fn dtype(d: DType) -> Dtype {
         DType::F16 => Dtype::F16,
         DType::Bf16 => Dtype::BF16,
         DType::E4m3 => Dtype::E4M3,
+        DType::F32 => Dtype::F32,
     }
 }
 

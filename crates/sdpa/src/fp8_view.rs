@@ -158,7 +158,6 @@ pub(crate) fn run_fp8_views<T: Element>(
                 scales: None,
             },
         ],
-        o_f32: false,
         streams: [&q, &k, &v]
             .into_iter()
             .flat_map(|x| [x.codes.stream().clone(), x.scales.stream().clone()])

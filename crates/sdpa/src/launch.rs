@@ -20,7 +20,7 @@ use std::sync::Arc;
 pub(crate) enum Storage<'t> {
     /// Owned tensors (every backend reads them; cpu and cublas's e4m3 path copy from them).
     Tensors(Tensors<'t>),
-    /// Views of the caller's f16/bf16 memory.
+    /// Views of the caller's memory: f16/bf16 inputs, an output of the problem's output dtype.
     Views,
     /// e4m3 codes and scales in the caller's memory, with a `out` of this dtype.
     Fp8Views { out: DType },
@@ -37,11 +37,10 @@ pub(crate) struct Bound {
     pub(crate) scales: Option<(u64, Range<u64>)>,
 }
 
-/// A run's operands, bound: Q, K, V and the output (f32 where `o_f32`), the streams their
-/// buffers belong to, and how they are stored.
+/// A run's operands, bound: Q, K, V and the output (of the problem's output dtype), the
+/// streams their buffers belong to, and how they are stored.
 pub(crate) struct Call<'t> {
     pub(crate) ops: [Bound; 4],
-    pub(crate) o_f32: bool,
     pub(crate) streams: Vec<Arc<CudaStream>>,
     pub(crate) storage: Storage<'t>,
 }
@@ -84,7 +83,6 @@ pub(crate) fn launch(plan: &Plan, call: Call<'_>, mut extras: Extras<'_>) -> Res
                 k: k.ptr,
                 v: v.ptr,
                 o: o.ptr,
-                o_f32: call.o_f32,
                 scales: [q, k, v].map(|b| b.scales.as_ref().map_or(0, |s| s.0)),
                 strides,
                 alibi_slopes: 0,

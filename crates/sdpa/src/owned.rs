@@ -4,7 +4,6 @@
 
 use crate::backend::{self, Backend};
 use crate::buffers::Buffers;
-use crate::codec::encode;
 use crate::device::Device;
 use crate::error::{Error, Result, invalid};
 use crate::extras::Extras;
@@ -38,7 +37,6 @@ pub(crate) fn run_tensors(plan: &Plan, t: Tensors<'_>, extras: Extras<'_>) -> Re
         .collect();
     let call = launch::Call {
         ops,
-        o_f32: false,
         streams,
         storage: launch::Storage::Tensors(Tensors { q, k, v, out }),
     };
@@ -80,8 +78,9 @@ pub(crate) fn run(
                 let l32: Vec<f32> = r.lse.iter().map(|&x| x as f32).collect();
                 stream.memcpy_htod(&l32, &mut lse.slice_mut(..l32.len()))?;
             }
+            // Rounded once to f32, then (f16/bf16 outputs) to the output dtype.
             let o32: Vec<f32> = r.out.iter().map(|&x| x as f32).collect();
-            out.write_bits(dev, &encode(p.output_dtype(), &o32))
+            out.write_f32(dev, &o32)
         }
         Backend::Cublas => {
             backend::cublas::forward(dev, p, &Buffers::of_tensors(dev, p, q, k, v, out))

@@ -195,7 +195,8 @@ fn reserve_backend(dev: &Device, p: &Checked, chosen: Backend) -> Result<()> {
 }
 
 /// The operands of one run, by name, whatever their storage: [`Tensors`] (owned tensors),
-/// [`Views`] (views of the caller's f16/bf16 memory at any strides) and [`Fp8Views`] (e4m3
+/// [`Views`] (views of the caller's f16/bf16 memory at any strides, the output f16, bf16 or
+/// f32) and [`Fp8Views`] (e4m3
 /// codes and their scales in the caller's memory). Sealed: the crate checks each kind.
 pub trait Operands: sealed::Sealed {
     #[doc(hidden)]
@@ -212,7 +213,8 @@ pub struct Tensors<'a> {
     pub k: &'a Tensor,
     /// Values, `p.kv_len()` elements.
     pub v: &'a Tensor,
-    /// The output, `p.q_len()` elements of `p.output_dtype()`; written only on success.
+    /// The output, `p.q_len()` elements of `p.output_dtype()` (f16, bf16 or f32); written only
+    /// on success.
     pub out: &'a mut Tensor,
 }
 
@@ -222,7 +224,7 @@ impl Operands for Tensors<'_> {
     }
 }
 
-impl<T: Element> Operands for Views<'_, '_, T> {
+impl<T: Element, O: Element> Operands for Views<'_, '_, T, O> {
     fn run(self, plan: &Plan, extras: Extras<'_>) -> Result<()> {
         crate::view::run_views(plan, self, extras)
     }
@@ -237,6 +239,6 @@ impl<T: Element> Operands for Fp8Views<'_, '_, T> {
 mod sealed {
     pub trait Sealed {}
     impl Sealed for super::Tensors<'_> {}
-    impl<T: crate::tensor::Element> Sealed for super::Views<'_, '_, T> {}
+    impl<T: crate::tensor::Element, O: crate::tensor::Element> Sealed for super::Views<'_, '_, T, O> {}
     impl<T: crate::tensor::Element> Sealed for super::Fp8Views<'_, '_, T> {}
 }

@@ -7,7 +7,7 @@ use crate::footprint::{rows_distinct, span};
 use crate::launch::{Bound, Call, Storage};
 use crate::problem::Strides;
 use crate::tensor::Element;
-use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
+use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
 
 /// Q, K or V in the caller's device memory: a `[batch, heads, seq, head_dim]` tensor at element
 /// `strides` inside `data` (head_dim contiguous), borrowed for the call.
@@ -64,9 +64,11 @@ impl<T> std::fmt::Debug for ViewMut<'_, T> {
     }
 }
 
-/// The operands of a call on views, by name.
+/// The operands of a call on views, by name: Q, K and V of element `T` (f16 or bf16), the
+/// output of element `O`, the problem's output dtype: `T` itself by default, or `f32` for a
+/// problem made `with_out_dtype(DType::F32)`.
 #[derive(Debug)]
-pub struct Views<'a, 'o, T> {
+pub struct Views<'a, 'o, T, O = T> {
     /// Queries, `[batch, heads, seq_q, head_dim]`.
     pub q: View<'a, T>,
     /// Keys, `[batch, kv_heads, seq_k, head_dim]`.
@@ -74,75 +76,53 @@ pub struct Views<'a, 'o, T> {
     /// Values, as the keys.
     pub v: View<'a, T>,
     /// The output, as the queries; written only on success.
-    pub out: ViewMut<'o, T>,
+    pub out: ViewMut<'o, O>,
 }
 
 /// A run on views of the caller's memory ([`Views`]): nothing is copied or allocated (once
 /// [`crate::Plan::reserve`] has run), and the work is queued on the plan's stream.
 ///
 /// The problem's layout is not used: each view brings its own strides. Every view must be on the
-/// plan's GPU, have the problem's dtype (the output too), 16-byte aligned rows (base address and
-/// every stride a multiple of 16 bytes), and hold every element its strides address; the output's
-/// strides must give each element its own address and the output may not overlap an input. The
-/// fused backends take any such strides; cublas only the strides of the problem's layout; cpu
-/// takes owned tensors only. `Auto` picks among the backends that take these strides.
+/// plan's GPU, have the problem's dtype (the output its output dtype), 16-byte aligned rows (base
+/// address and every stride a multiple of 16 bytes), and hold every element its strides
+/// address; the output's strides must give each element its own address and the output may not
+/// overlap an input. The fused backends take any such strides; cublas only the strides of the
+/// problem's layout; cpu takes owned tensors only. `Auto` picks among the backends that take
+/// these strides.
 ///
 /// Stream order: a view of a buffer made on another stream is ordered like a [`crate::Tensor`]
 /// of that stream (the call waits for the work queued there, and that stream waits for the
 /// call), and cudarc's own event tracking, where the buffer's context has it on, adds its waits.
 /// On the plan's own stream nothing is waited for or recorded, so the call can be captured into
 /// a CUDA graph.
-pub(crate) fn run_views<T: Element>(
+pub(crate) fn run_views<T: Element, O: Element>(
     plan: &crate::Plan,
-    views: Views<'_, '_, T>,
+    views: Views<'_, '_, T, O>,
     extras: Extras<'_>,
 ) -> Result<()> {
     let p = plan.checked();
-    if T::DTYPE != p.dtype || p.output_dtype() != p.dtype {
+    if T::DTYPE != p.dtype || O::DTYPE != p.output_dtype() {
         return Err(invalid!(
-            "the views are {}, the problem's inputs {} and output {}",
+            "the views are {}, the problem's inputs {}; the output view is {}, the problem's \
+             output {}",
             T::DTYPE,
             p.dtype,
+            O::DTYPE,
             p.output_dtype()
         ));
     }
     let Views { q, k, v, out } = views;
-    launch_views(plan, [q, k, v], out, extras, false)
-}
-
-/// A run on views on cutlass (sm90) with the output in f32 rather than the problem's dtype: a
-/// partial result that is merged with others before it is rounded (ring attention's steps).
-/// Where cutlass cannot write it ([`crate::backend::fused::writes_f32`] says so ahead), the
-/// core's own check refuses the launch with the reason.
-#[cfg(feature = "distributed")]
-pub(crate) fn forward_views_f32<T: Element>(
-    dev: &crate::Device,
-    p: &crate::Problem,
-    [q, k, v]: [View<'_, T>; 3],
-    out: ViewMut<'_, f32>,
-    extras: Extras<'_>,
-) -> Result<()> {
-    if T::DTYPE != p.dtype {
-        return Err(invalid!(
-            "the views are {}, the problem's inputs {}",
-            T::DTYPE,
-            p.dtype
-        ));
-    }
-    let plan = crate::Plan::new(dev, p, crate::Backend::Cutlass)?;
-    launch_views(&plan, [q, k, v], out, extras, true)
+    launch_views(plan, [q, k, v], out, extras)
 }
 
 /// Binds views to the one pipeline ([`crate::launch::launch`]): each checked against the
 /// problem (its GPU, alignment and extent; the output's elements distinct), its strides with
-/// size-1 dimensions as the layout's own, its address guarded until the launch is queued. The
-/// output's elements are `O`: the problem's output dtype or (`o_f32`) f32.
-fn launch_views<T: Element, O: DeviceRepr>(
+/// size-1 dimensions as the layout's own, its address guarded until the launch is queued.
+fn launch_views<T: Element, O: Element>(
     plan: &crate::Plan,
     [q, k, v]: [View<'_, T>; 3],
     mut out: ViewMut<'_, O>,
     extras: Extras<'_>,
-    o_f32: bool,
 ) -> Result<()> {
     let (dev, p) = (plan.device(), plan.checked());
     let (qs, ks) = (p.q_shape(), p.kv_shape());
@@ -181,7 +161,6 @@ fn launch_views<T: Element, O: DeviceRepr>(
             bound(vp, strides[2], vspan),
             bound(op, strides[3], ospan),
         ],
-        o_f32,
         streams: vec![
             q.data.stream().clone(),
             k.data.stream().clone(),

@@ -15,7 +15,7 @@ use cudarc::driver::{CudaSlice, DevicePtrMut};
 use sdpa_sys::INSTANCES;
 use sdpa_sys::Kernel;
 use sdpa_sys::args::{
-    DeviceInfo, Dtype, FwdArgs, FwdDims, FwdFp8, FwdMask, FwdOperands, FwdOutput, FwdScoreMods,
+    DeviceInfo, FwdArgs, FwdDims, FwdFp8, FwdMask, FwdOperands, FwdOutput, FwdScoreMods,
     FwdScratch, FwdSeqs, KernelPlan,
 };
 use std::fmt;
@@ -102,24 +102,6 @@ pub(crate) fn can_implement(
     p: &Problem,
 ) -> std::result::Result<(), String> {
     can_implement_on(kernel, &dev.map(Device::info).unwrap_or_default(), p)
-}
-
-/// Whether cutlass (sm90) runs `p` on `dev` with its output written in f32 (a partial result
-/// merged before it is rounded) instead of the problem's output dtype.
-#[cfg(feature = "distributed")]
-pub(crate) fn writes_f32(dev: &Device, p: &Checked) -> Result<()> {
-    Backend::Cutlass.supports_checked(Some(dev), p)?;
-    let mut args = problem_args(p);
-    args.out.dtype = Dtype::F32;
-    let why = sdpa_sys::ffi::can_implement(Kernel::Cutlass, &args, &dev.info())?;
-    if why.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::Unsupported {
-            backend: Backend::Cutlass.name(),
-            reason: why,
-        })
-    }
 }
 
 /// `can_implement` on the device `info` describes (all zero: unknown).
@@ -307,9 +289,6 @@ fn fwd_args(p: &Problem, b: &Buffers) -> FwdArgs {
         ..args.fp8
     };
     args.out.lse = b.lse;
-    if b.o_f32 {
-        args.out.dtype = Dtype::F32;
-    }
     args
 }
 
@@ -317,6 +296,7 @@ fn fwd_args(p: &Problem, b: &Buffers) -> FwdArgs {
 mod tests {
     use super::*;
     use crate::problem::Mask;
+    use sdpa_sys::args::Dtype;
 
     /// Parts as the kernels are told about them (their cudaDeviceGetAttribute values).
     const T4: DeviceInfo = DeviceInfo {
@@ -489,19 +469,16 @@ mod tests {
         );
     }
 
-    /// An f32 output (partial results) is cutlass (sm90)'s alone, from 16-bit inputs, prefill
-    /// and decode shapes alike; every other kernel, e4m3 inputs, other head dims and the
-    /// general path's variants refuse it by name.
+    /// An f32 output is cutlass (sm90)'s alone, from 16-bit inputs, prefill and decode shapes
+    /// alike; every other kernel, e4m3 inputs, other head dims and the general path's variants
+    /// refuse it by name. The output dtype reaches the kernels from the problem.
     #[test]
     fn only_the_sm90_kernel_writes_f32_outputs() {
+        let f32_out = |p: &Problem| problem_args(&p.with_out_dtype(DType::F32));
+        assert_eq!(f32_out(&Problem::new(1, 1, 8, 8, 64)).out.dtype, Dtype::F32);
         if !built(Backend::Cutlass) {
             return;
         }
-        let f32_out = |p: &Problem| {
-            let mut args = problem_args(p);
-            args.out.dtype = Dtype::F32;
-            args
-        };
         let ask =
             |kernel, p: &Problem| sdpa_sys::ffi::can_implement(kernel, &f32_out(p), &H100).unwrap();
         let prefill = Problem::new(1, 8, 512, 512, 128)
@@ -556,7 +533,6 @@ mod tests {
             k: 0,
             v: 0,
             o: 0,
-            o_f32: false,
             scales: [0; 3],
             strides: [qs, ks, ks, qs],
             alibi_slopes: 0,

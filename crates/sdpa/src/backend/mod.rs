@@ -215,3 +215,46 @@ impl FromStr for Backend {
             })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An f32 output is refused ahead, with a typed error, by every backend that does not write
+    /// it: cublas by its own limits (no device needed), the fused kernels but cutlass (sm90) by
+    /// their `can_implement`; cpu writes it.
+    #[test]
+    fn only_cutlass_and_cpu_take_an_f32_output() {
+        for dtype in DType::ALL {
+            let p = Problem::new(1, 4, 64, 64, 64)
+                .with_kv_heads(2)
+                .with_causal(true)
+                .with_dtype(dtype)
+                .with_out_dtype(DType::F32);
+            assert!(Backend::Cpu.supports(None, &p).is_ok(), "{p}");
+            match Backend::Cublas.supports(None, &p) {
+                Err(Error::Unsupported { backend, reason }) => {
+                    assert_eq!(backend, "cublas");
+                    assert!(reason.contains("not f32"), "{reason}");
+                }
+                other => panic!("cublas {p}: {other:?}"),
+            }
+            let cutlass = sdpa_sys::ffi::built_with_cutlass();
+            for b in [Backend::Scalar, Backend::Wmma, Backend::CutlassSm80] {
+                if b == Backend::CutlassSm80 && !cutlass {
+                    continue;
+                }
+                match b.supports(None, &p) {
+                    Err(Error::Unsupported { backend, reason }) => {
+                        assert_eq!(backend, b.name());
+                        assert!(
+                            reason.contains("only cutlass (sm90) writes"),
+                            "{b}: {reason}"
+                        );
+                    }
+                    other => panic!("{b} {p}: {other:?}"),
+                }
+            }
+        }
+    }
+}

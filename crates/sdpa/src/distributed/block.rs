@@ -11,9 +11,10 @@ use crate::device::Device;
 use crate::error::Result;
 use crate::extras::Extras;
 use crate::ffi;
-use crate::problem::{Problem, Strides};
+use crate::plan::Plan;
+use crate::problem::{DType, Problem, Strides};
 use crate::tensor::Element;
-use crate::view::{View, ViewMut, Views, forward_views_f32};
+use crate::view::{View, ViewMut, Views};
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr};
 use sdpa_sys::args::Dtype;
 
@@ -58,19 +59,19 @@ pub(crate) fn attend<T: Element>(
     };
     let stream = dev.stream();
     let (o, dtype) = Timeline::span(&mut wk.timeline, Phase::Attention, stream, || {
+        let [q, k, v] = ins;
         // SAFETY: the partial buffer holds a whole local shard's output in its element type
         // (Sizes::part_bytes); each call writes the rows it covers before the merge reads them.
         Ok(if wk.part_f32 {
             let mut part = unsafe { wk.part.transmute_mut::<f32>(n_out) }.expect("sized");
-            let out = ViewMut {
-                data: part.slice_mut(..),
-                strides: part_strides,
-            };
-            forward_views_f32(dev, &bp, ins, out, extras)?;
+            let out = ViewMut::new(part.slice_mut(..), part_strides);
+            // A partial result, merged with the others before it is rounded: f32 where cutlass
+            // writes it (the ring checked that it does for every block of the rank).
+            let plan = Plan::new(dev, &bp.with_out_dtype(DType::F32), Backend::Cutlass)?;
+            plan.run(Views { q, k, v, out }, extras)?;
             (part.device_ptr(stream).0, Dtype::F32)
         } else {
             let mut part = unsafe { wk.part.transmute_mut::<T>(n_out) }.expect("sized");
-            let [q, k, v] = ins;
             let out = ViewMut::new(part.slice_mut(..), part_strides);
             crate::forward(dev, &bp, backend, Views { q, k, v, out }, extras)?;
             (part.device_ptr(stream).0, ffi::dtype(p.dtype))

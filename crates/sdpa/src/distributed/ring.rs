@@ -30,10 +30,9 @@ use super::timeline::{HostClock, HostPhase, HostTimings, Phase, RankTimings, Tim
 use super::workspace::{RankBuffers, Sizes};
 use super::zigzag::Zigzag;
 use crate::backend::Backend;
-use crate::backend::fused::writes_f32;
 use crate::device::Device;
 use crate::error::{Result, invalid};
-use crate::problem::Problem;
+use crate::problem::{DType, Problem};
 use crate::tensor::Element;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::mem::size_of;
@@ -426,7 +425,9 @@ impl Ring {
                 plan.iter().flat_map(|s| &s.blocks).all(|b| {
                     let bp = block_problem(p, b);
                     matches!(backend, Backend::Auto | Backend::Cutlass)
-                        && bp.checked().is_ok_and(|c| writes_f32(&r.dev, &c).is_ok())
+                        && Backend::Cutlass
+                            .supports(Some(&r.dev), &bp.with_out_dtype(DType::F32))
+                            .is_ok()
                 })
             })
             .collect();

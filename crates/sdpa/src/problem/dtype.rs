@@ -5,6 +5,9 @@ use std::fmt;
 use std::str::FromStr;
 
 /// Element type of Q, K, V and the output.
+///
+/// f16 and bf16 are input and output types; e4m3 is an input type only, f32 an output type
+/// only ([`DType::INPUTS`], [`DType::OUTPUTS`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     /// IEEE half precision.
@@ -15,6 +18,10 @@ pub enum DType {
     /// output of an e4m3 problem is f16 or bf16
     /// ([`Problem::output_dtype`](crate::Problem::output_dtype)).
     E4m3,
+    /// IEEE single precision: an output type only, of f16/bf16 inputs (a result that is merged
+    /// or accumulated further before it is rounded, such as ring attention's partial blocks).
+    /// The `cutlass` (sm_90a) and `cpu` backends write it.
+    F32,
 }
 
 impl DType {
@@ -23,6 +30,7 @@ impl DType {
         match self {
             DType::F16 | DType::Bf16 => 2,
             DType::E4m3 => 1,
+            DType::F32 => 4,
         }
     }
     /// Name as the CLI and bench records spell it.
@@ -31,21 +39,34 @@ impl DType {
             DType::F16 => "f16",
             DType::Bf16 => "bf16",
             DType::E4m3 => "e4m3",
+            DType::F32 => "f32",
         }
     }
     /// Unit roundoff (half the spacing of values near 1): 2^-11 for f16, 2^-8 for bf16, 2^-4
-    /// for e4m3.
+    /// for e4m3, 2^-24 for f32.
     pub fn unit_roundoff(self) -> f64 {
         match self {
             DType::F16 => 2f64.powi(-11),
             DType::Bf16 => 2f64.powi(-8),
             DType::E4m3 => 2f64.powi(-4),
+            DType::F32 => 2f64.powi(-24),
         }
     }
-    /// The 16-bit float dtypes (every backend's native types, and the output types).
+    /// Whether Q, K and V may be of this type (all but f32).
+    pub fn is_input(self) -> bool {
+        self != DType::F32
+    }
+    /// Whether the output may be of this type (all but e4m3).
+    pub fn is_output(self) -> bool {
+        self != DType::E4m3
+    }
+    /// The 16-bit float dtypes: every backend's native input types, and each problem's default
+    /// output type.
     pub const ALL: [DType; 2] = [DType::F16, DType::Bf16];
     /// Every input dtype, in the order tables list them.
     pub const INPUTS: [DType; 3] = [DType::F16, DType::Bf16, DType::E4m3];
+    /// Every output dtype, in the order tables list them.
+    pub const OUTPUTS: [DType; 3] = [DType::F16, DType::Bf16, DType::F32];
 }
 
 impl fmt::Display for DType {
@@ -61,7 +82,10 @@ impl FromStr for DType {
             "f16" | "fp16" | "half" | "float16" => Ok(DType::F16),
             "bf16" | "bfloat16" => Ok(DType::Bf16),
             "e4m3" | "fp8" | "float8_e4m3fn" => Ok(DType::E4m3),
-            _ => Err(invalid!("unknown dtype {s:?} (expected f16, bf16 or e4m3)")),
+            "f32" | "fp32" | "float32" => Ok(DType::F32),
+            _ => Err(invalid!(
+                "unknown dtype {s:?} (expected f16, bf16, e4m3 or f32)"
+            )),
         }
     }
 }

@@ -198,7 +198,8 @@ impl Problem {
         self.dtype = dtype;
         self
     }
-    /// Sets the output element type (only e4m3 problems may differ from the input type).
+    /// Sets the output element type: the input type, f16 or bf16 for e4m3 inputs, f32 for
+    /// f16/bf16 inputs ([`DType::F32`]; the `cutlass` and `cpu` backends write it).
     pub fn with_out_dtype(mut self, dtype: DType) -> Self {
         self.out_dtype = Some(dtype);
         self
@@ -229,6 +230,9 @@ impl Problem {
     /// output dtype (the simulated FP8 path, which runs P·V in 16 bit: the mode is back to
     /// accurate); other problems unchanged.
     pub fn as_dequantized(&self) -> Problem {
+        if self.dtype != DType::E4m3 {
+            return *self;
+        }
         Problem {
             dtype: self.output_dtype(),
             out_dtype: None,
@@ -307,16 +311,27 @@ impl Problem {
             ));
         }
         match (self.dtype, self.output_dtype()) {
-            (_, DType::E4m3) => {
+            (DType::F32, _) => {
                 return Err(invalid!(
-                    "the output dtype must be f16 or bf16, got e4m3 (e4m3 is an input type)"
+                    "the inputs are f32: f32 is an output type only (Q, K and V are f16, bf16 \
+                     or e4m3)"
                 ));
             }
-            (DType::E4m3, _) => {}
+            (_, DType::E4m3) => {
+                return Err(invalid!(
+                    "the output dtype must be f16, bf16 or f32, got e4m3 (e4m3 is an input type)"
+                ));
+            }
+            (DType::E4m3, DType::F32) => {
+                return Err(invalid!(
+                    "the output of e4m3 inputs is f16 or bf16, got f32"
+                ));
+            }
+            (DType::E4m3, _) | (_, DType::F32) => {}
             (i, o) if i != o => {
                 return Err(invalid!(
-                    "output dtype {o} differs from input dtype {i}: only e4m3 inputs may have \
-                     another output dtype"
+                    "output dtype {o} differs from input dtype {i}: only e4m3 inputs (to f16 or \
+                     bf16) and f16/bf16 inputs (to f32) may have another output dtype"
                 ));
             }
             _ => {}
@@ -478,6 +493,8 @@ impl fmt::Display for Problem {
             if self.fp8_mode == Fp8Mode::Fast {
                 f.write_str(" fast")?;
             }
+        } else if self.output_dtype() != self.dtype {
+            write!(f, "->{}", self.output_dtype())?;
         }
         match self.mask.canonical() {
             Mask::None => {}
@@ -657,6 +674,66 @@ mod tests {
         assert_eq!((sim.dtype, sim.fp8_mode), (DType::F16, Fp8Mode::Accurate));
         sim.validate().unwrap();
         assert_ne!(fast, p.with_causal(true), "the mode tells problems apart");
+    }
+
+    /// f32 is an output type of f16/bf16 inputs only: f32 inputs and an f32 output of e4m3
+    /// inputs are typed errors that name the rule; the problem's name shows the output type.
+    #[test]
+    fn f32_is_an_output_type_of_16_bit_inputs() {
+        let p = Problem::new(1, 4, 8, 8, 64).with_kv_heads(2);
+        for dtype in DType::ALL {
+            let ok = p.with_dtype(dtype).with_out_dtype(DType::F32);
+            ok.validate().unwrap();
+            assert_eq!(ok.output_dtype(), DType::F32);
+            assert_eq!(ok.to_string(), format!("B1 H4/2 S8 D64 {dtype}->f32"));
+            assert_eq!(ok.as_dequantized(), ok, "not an e4m3 problem");
+        }
+        let bad = |p: Problem, fragment: &str| {
+            let e = p.validate().unwrap_err();
+            assert!(matches!(e, crate::Error::InvalidArgument(_)), "{p}: {e:?}");
+            assert!(e.to_string().contains(fragment), "{p}: {e}");
+        };
+        bad(p.with_dtype(DType::F32), "f32 is an output type only");
+        bad(
+            p.with_dtype(DType::F32).with_out_dtype(DType::F32),
+            "f32 is an output type only",
+        );
+        bad(
+            p.with_dtype(DType::E4m3).with_out_dtype(DType::F32),
+            "the output of e4m3 inputs is f16 or bf16, got f32",
+        );
+        bad(
+            p.with_out_dtype(DType::Bf16),
+            "output dtype bf16 differs from input dtype f16",
+        );
+        bad(p.with_out_dtype(DType::E4m3), "got e4m3");
+    }
+
+    /// f32 parses by its usual names, prints as "f32", takes 4 bytes and rounds at 2^-24; it
+    /// is an output dtype, not an input one.
+    #[test]
+    fn f32_parses_and_sizes_as_an_output_type() {
+        for name in ["f32", "fp32", "float32", "F32", "Float32"] {
+            assert_eq!(name.parse::<DType>().unwrap(), DType::F32, "{name}");
+        }
+        assert_eq!(DType::F32.name(), "f32");
+        assert_eq!(DType::F32.to_string(), "f32");
+        assert_eq!(DType::F32.size(), 4);
+        assert_eq!(DType::F32.unit_roundoff(), f64::from(f32::EPSILON) / 2.0);
+        assert!(!DType::INPUTS.contains(&DType::F32));
+        assert!(DType::OUTPUTS.contains(&DType::F32));
+        assert!(!DType::OUTPUTS.contains(&DType::E4m3));
+        for d in DType::INPUTS {
+            assert!(d.is_input(), "{d}");
+            assert_eq!(d.name().parse::<DType>().unwrap(), d);
+        }
+        for d in DType::OUTPUTS {
+            assert!(d.is_output(), "{d}");
+        }
+        assert!(!DType::F32.is_input() && !DType::E4m3.is_output());
+        let e = "f64".parse::<DType>().unwrap_err();
+        assert!(matches!(e, crate::Error::InvalidArgument(_)), "{e:?}");
+        assert!(e.to_string().contains("e4m3 or f32"), "{e}");
     }
 
     #[test]

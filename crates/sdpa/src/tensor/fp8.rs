@@ -119,9 +119,9 @@ impl Tensor {
                 self.dtype
             ));
         };
-        if dtype == DType::E4m3 {
+        if !DType::ALL.contains(&dtype) {
             return Err(invalid!(
-                "Tensor::dequantize: the target must be f16 or bf16"
+                "Tensor::dequantize: the target must be f16 or bf16, got {dtype}"
             ));
         }
         if !self.same_context(dev) {

@@ -107,6 +107,14 @@ pub(crate) fn limits(p: &Problem) -> std::result::Result<(), String> {
     if p.lse {
         return Err("does not write the log-sum-exp".into());
     }
+    // Its P·V GEMM writes the input dtype (e4m3 problems reach here dequantized to theirs).
+    if p.output_dtype() != p.dtype {
+        return Err(format!(
+            "writes its output in the input dtype ({}), not {} (cutlass and cpu write f32)",
+            p.dtype,
+            p.output_dtype()
+        ));
+    }
     if !p.seqs.is_dense() {
         return Err(
             "runs dense sequences only, no packed (varlen) Q or K/V, paged cache or seqused_k \
@@ -185,6 +193,8 @@ fn data_type(d: DType) -> cb::cudaDataType {
         DType::Bf16 => cb::cudaDataType::CUDA_R_16BF,
         // Never reached: e4m3 problems arrive here dequantized (the simulated FP8 path).
         DType::E4m3 => cb::cudaDataType::CUDA_R_8F_E4M3,
+        // Never reached: `limits` refuses an output of another dtype than the inputs'.
+        DType::F32 => cb::cudaDataType::CUDA_R_32F,
     }
 }
 
