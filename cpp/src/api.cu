@@ -15,18 +15,11 @@
   namespace ns {                                                              \
   std::string can_implement_##tag##_d##d(const FwdArgs&, const DeviceInfo&);  \
   void forward_##tag##_d##d(const FwdArgs&, const DeviceInfo&, cudaStream_t); \
+  int64_t workspace_##tag##_d##d(const FwdArgs&, const DeviceInfo&);          \
   void attributes_##tag##_d##d(std::vector<KernelAttr>&, const DeviceInfo&);  \
   }
 namespace sdpa {
 #include "registry.inc"
-#if defined(SDPA_HAVE_CUTLASS)
-namespace cutlass_sm90 {
-int64_t workspace_e4m3(const FwdArgs&);
-}  // namespace cutlass_sm90
-namespace cutlass_sm80 {
-int64_t workspace_decode(const FwdArgs&, const DeviceInfo&);
-}  // namespace cutlass_sm80
-#endif
 }  // namespace sdpa
 #undef SDPA_INSTANCE
 
@@ -38,6 +31,7 @@ struct Instance {
   int64_t head_dim;
   std::string (*can_implement)(const FwdArgs&, const DeviceInfo&);
   void (*forward)(const FwdArgs&, const DeviceInfo&, cudaStream_t);
+  int64_t (*workspace)(const FwdArgs&, const DeviceInfo&);
   void (*attributes)(std::vector<KernelAttr>&, const DeviceInfo&);
 };
 
@@ -47,6 +41,7 @@ struct Instance {
            d,                                    \
            ns::can_implement_##tag##_d##d,       \
            ns::forward_##tag##_d##d,             \
+           ns::workspace_##tag##_d##d,           \
            ns::attributes_##tag##_d##d},
 const Instance kInstances[] = {
 #include "registry.inc"
@@ -67,15 +62,19 @@ const char* name(Dtype dtype) {
   return "unknown dtype";
 }
 
-// Kernels without FP8 math take E4M3 inputs through the simulated path (fp8/simulated.cu).
-bool simulated(Kernel kernel, const FwdArgs& a) {
-  return a.ops.dtype == Dtype::E4M3 && kernel != Kernel::Cutlass;
-}
-
 const Instance* find(Kernel kernel, Dtype dtype, int64_t head_dim) {
   for (const Instance& i : kInstances)
     if (i.kernel == kernel && i.dtype == dtype && i.head_dim == head_dim) return &i;
   return nullptr;
+}
+
+// Kernels without FP8 math (no e4m3 line in cpp/kernels.txt) take E4M3 inputs through the
+// simulated path (fp8/simulated.cu).
+bool simulated(Kernel kernel, const FwdArgs& a) {
+  if (a.ops.dtype != Dtype::E4M3) return false;
+  for (const Instance& i : kInstances)
+    if (i.kernel == kernel && i.dtype == Dtype::E4M3) return false;
+  return true;
 }
 }  // namespace
 
@@ -102,22 +101,6 @@ std::string can_implement(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev
 }
 
 namespace {
-// Scratch bytes `kernel` needs for `a`'s problem (0 for most; decode's split-KV partials depend
-// on the SM count).
-int64_t workspace_bytes(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) {
-  if (simulated(kernel, a)) return simulated_workspace_bytes(a);
-#if defined(SDPA_HAVE_CUTLASS)
-  if (kernel == Kernel::Cutlass && a.ops.dtype == Dtype::E4M3)
-    return cutlass_sm90::workspace_e4m3(a);
-  if (kernel == Kernel::Cutlass || kernel == Kernel::CutlassSm80)
-    return cutlass_sm80::workspace_decode(a, dev);
-#endif
-  (void)kernel;
-  (void)a;
-  (void)dev;
-  return 0;
-}
-
 // The instantiation a plan names, which must be the one for `a`'s kernel, dtype and head dim.
 const Instance& planned(const KernelPlan& plan, const FwdArgs& a) {
   const int64_t n = sizeof(kInstances) / sizeof(kInstances[0]);
@@ -149,7 +132,8 @@ KernelPlan plan(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) {
   p.kernel = kernel;
   p.instance = int32_t(i - kInstances);
   p.simulated = sim;
-  p.workspace_bytes = workspace_bytes(kernel, a, dev);
+  // Scratch: the simulated path's 16-bit copies, else what the instance asks for.
+  p.workspace_bytes = sim ? simulated_workspace_bytes(a) : i->workspace(a, dev);
   return p;
 }
 

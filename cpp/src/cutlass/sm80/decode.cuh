@@ -363,12 +363,12 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Pa
 template <int D>
 constexpr bool kHasDecode = D == 64 || D == 128;
 
-// Whether `a` is a decode step this path takes: 16-bit inputs and output, at most kMaxTokens
+// Whether `a` is a decode step this path takes, at a head dim with a decode kernel
+// (kHasDecode, which the instances ask first): 16-bit inputs and output, at most kMaxTokens
 // query tokens against at least 4 key tiles, no mask but causal bottom-right, no softcap or
 // ALiBi.
 inline bool applies(const FwdArgs& a) {
   if (a.ops.dtype == Dtype::E4M3 || a.out.dtype != a.ops.dtype) return false;
-  if (!(a.dims.head_dim == 64 || a.dims.head_dim == 128)) return false;
   if (a.mask.kind != Mask::NoMask && a.mask.kind != Mask::CausalBottomRight) return false;
   if (a.mods.softcap > 0.f || a.mods.alibi) return false;
   return a.dims.seq_q <= kMaxTokens && a.dims.seq_k >= 256 &&

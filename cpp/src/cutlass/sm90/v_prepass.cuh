@@ -141,20 +141,22 @@ constexpr bool has_fast_kernel(int64_t head_dim) { return head_dim <= 128; }
 // mode's pre-pass launch costs more than its e4m3 P·V saves (measured:
 // docs/log/2026-11-perf-history.md, "FP8 at head_dim 256" and "FP8 fast mode: P·V on e4m3 tensor
 // cores").
-inline bool fast_mode_runs(const FwdArgs& a) {
-  if (!a.fp8.fast || !has_fast_kernel(a.dims.head_dim)) return false;
-  return a.dims.head_dim != 64 ||
-         a.dims.batch * a.dims.heads * a.dims.seq_q * a.dims.seq_k >= (1 << 23);
+template <int D>
+bool fast_mode_runs(const FwdArgs& a) {
+  if constexpr (!has_fast_kernel(D)) return false;
+  if (!a.fp8.fast) return false;
+  return D != 64 || a.dims.batch * a.dims.heads * a.dims.seq_q * a.dims.seq_k >= (1 << 23);
 }
 
-inline int64_t workspace_e4m3_bytes(const FwdArgs& a) {
-  if (fast_mode_runs(a)) return transposed_v_bytes(a) + nan_table_bytes(a);
-  const bool prepass = a.dims.head_dim == 64    ? E4m3<cute::half_t, 64>::kPrepass
-                       : a.dims.head_dim == 128 ? E4m3<cute::half_t, 128>::kPrepass
-                                                : E4m3<cute::half_t, 256>::kPrepass;
-  return prepass ? a.dims.batch * a.dims.kv_heads * a.dims.seq_k * a.dims.head_dim *
-                       int64_t(sizeof(cute::half_t))
-                 : 0;
+// The scratch of the e4m3 kernel at head dim D: fast mode's transposed V and NaN table, else
+// the V copy of the accurate kernel's pre-pass where its configuration has one.
+template <int D>
+int64_t workspace_e4m3_bytes(const FwdArgs& a) {
+  if (fast_mode_runs<D>(a)) return transposed_v_bytes(a) + nan_table_bytes(a);
+  if constexpr (E4m3<cute::half_t, D>::kPrepass)
+    return a.dims.batch * a.dims.kv_heads * a.dims.seq_k * a.dims.head_dim *
+           int64_t(sizeof(cute::half_t));
+  return 0;
 }
 
 // Enqueues the pre-pass of E's kernel (none without one) on `stream`, into a.scratch.workspace.

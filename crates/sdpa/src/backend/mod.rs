@@ -82,10 +82,13 @@ impl Backend {
         }
     }
 
-    /// Whether this backend takes e4m3 inputs natively (FP8 tensor-core math). The others run
-    /// e4m3 problems on the simulated path: inputs dequantized to the output dtype first.
+    /// Whether this backend takes e4m3 inputs natively (FP8 tensor-core math: cpp/kernels.txt
+    /// lists e4m3 instantiations of it). The others run e4m3 problems on the simulated path:
+    /// inputs dequantized to the output dtype first.
     pub fn native_fp8(self) -> bool {
-        self == Backend::Cutlass
+        sdpa_sys::INSTANCES
+            .iter()
+            .any(|i| i.backend == self.name() && i.dtype == "e4m3")
     }
 
     /// Whether this backend can run `p` on `dev`; the error says precisely why not (an invalid
