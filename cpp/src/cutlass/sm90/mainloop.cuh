@@ -55,7 +55,6 @@ struct Mainloop {
   using QK = typename E::QK;
   using PV = typename E::PV;
   using Sched = TileScheduler<Mask::kMasksKeys>;
-  using Bar = cutlass::arch::ClusterTransactionBarrier;
   static constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages;
   static constexpr int kLog2BN = BN == 128 ? 7 : 6;
   static_assert(BN == 1 << kLog2BN);
@@ -108,17 +107,32 @@ struct Mainloop {
   // and fast mode, whose pre-pass took V's NaN codes out (add_nan_columns).
   static constexpr bool kChecksV = Mask::kMasksKeys && !E::kConvertV && !E::kFp8PV;
 
-  // Work tile k of this CTA (sp.tiles: none left) for the roles that read it: on the feed, the
-  // tile the producer's TMA thread published (Mainloop::load); else the static walk, tiles
-  // blockIdx.x, blockIdx.x + gridDim.x, ... (the first alone where a CTA runs one).
-  __device__ __forceinline__ static int reader_tile(const typename Sched::Params& sp,
-                                                    typename C::Smem& sm, int k) {
-    if constexpr (kFeed) {
-      return TileFeed::take(sm, k);
-    } else {
-      const int t = int(blockIdx.x) + k * int(gridDim.x);
-      return (kOneTile && k > 0) || t >= sp.tiles ? sp.tiles : t;
-    }
+  // The walk over the CTA's work tiles every role takes (the tile feed, or the static walk).
+  using Walk = TileWalk<kFeed, kOneTile>;
+
+  // How the V ring's phases follow from its uses (VRing): the check's detour, tracked across
+  // tiles or following from the uses of one.
+  static constexpr VCheck kVCheck = !kChecksV  ? VCheck::kNone
+                                    : kTracked ? VCheck::kTracked
+                                    : BN < BM  ? VCheck::kOneTileMany
+                                               : VCheck::kOneTile;
+
+  // The CTA's pipelines over its barriers in shared memory.
+  struct Pipes {
+    Ring<S> k;
+    VRing<S, kVCheck> v;
+    Ring<C::kV8Stages> v8;  // kConvertV: the e4m3 V tiles, for the converting warps
+    Handoff<1> q;
+    // kTracked: the check's records of a query tile, in the check slots of its parity: written
+    // (full) and read by the consumers (empty).
+    Handoff<2> records;
+  };
+  __device__ __forceinline__ static Pipes pipes(typename C::Smem& sm) {
+    return {{sm.full_k, sm.empty_k},
+            {{sm.full_v, sm.empty_v}, sm.full_vd, sm.checked_v},
+            {sm.full_v8, sm.empty_v8},
+            {&sm.bar_q, &sm.empty_q},
+            {sm.nf_ready, sm.nf_free}};
   }
 
   // Work tile w's sequence: its rows in the packed tensors and its lengths (the call's for
@@ -246,7 +260,8 @@ struct Mainloop {
     const int bm = 64 * sp.wgs;
     int it = 0, qi = 0;  // qi: the tiles with queries so far (Q loads)
     // Work tile t's loads.
-    const auto load_tile = [&](int t) {
+    Walk::template issue<E::kConvertV>(sp, sm, [&](int t) {
+      const Pipes pp = pipes(sm);
       const WorkTile w = Sched::decode(sp, t);
       const int hk = p.div_group.div(w.h);
       const int m0 = w.m_block * bm;
@@ -289,9 +304,9 @@ struct Mainloop {
         }
       }();
       const auto load_q = [&]() {  // once the consumers are done with the previous Q
-        if (qi > 0) Bar::wait(&sm.empty_q, (qi - 1) & 1);
-        Bar::arrive_and_expect_tx(&sm.bar_q, kQBytes);
-        copy(p.tma_q.with(sm.bar_q), get<0>(tQ), get<1>(tQ));
+        pp.q.acquire(qi);
+        uint64_t& full_q = pp.q.expect(qi, kQBytes);
+        copy(p.tma_q.with(full_q), get<0>(tQ), get<1>(tQ));
       };
       // The causal and band kernels' first tile of a CTA loads Q first (nothing frees it); later
       // tiles, and every tile of the unmasked kernel, after K_0, which the previous tile frees at
@@ -302,55 +317,29 @@ struct Mainloop {
         // Ring use `it`, which is n where a CTA runs one tile (one register less).
         const PipelineState<S> use{kOneTile ? n : it};
         const int s = use.stage();
-        if (use.reuses()) Bar::wait(&sm.empty_k[s], use.empty_phase());
-        Bar::arrive_and_expect_tx(&sm.full_k[s], kKBytes);
+        pp.k.acquire(use);
+        uint64_t& full_k = pp.k.expect(use, kKBytes);
         const int j = key_tile(n, kt), jt = key_tile_at(p, w.b, j);
-        copy(p.tma_k.with(sm.full_k[s]), get<0>(tK)(_, jt), get<1>(tK)(_, s));
+        copy(p.tma_k.with(full_k), get<0>(tK)(_, jt), get<1>(tK)(_, s));
         if (!q_first && n == 0) load_q();
         if constexpr (E::kConvertV) {
           const PipelineState<C::kV8Stages> use8{use.u};
           const int s8 = use8.stage();
-          if (use8.reuses()) Bar::wait(&sm.empty_v8[s8], use8.empty_phase());
-          Bar::arrive_and_expect_tx(&sm.full_v8[s8], kVBytes);
-          copy(p.tma_v.with(sm.full_v8[s8]), get<0>(tV)(_, jt), get<1>(tV)(_, s8));
+          pp.v8.acquire(use8);
+          uint64_t& full_v8 = pp.v8.expect(use8, kVBytes);
+          copy(p.tma_v.with(full_v8), get<0>(tV)(_, jt), get<1>(tV)(_, s8));
         } else {
           if constexpr (E::kPrepass)
             if (use.u == 0) pdl_wait();  // V comes from convert_v
-          if (use.reuses()) Bar::wait(&sm.empty_v[s], use.empty_phase());
-          // Partly masked tiles land on full_vd: the non-finite V check waits for them.
+          pp.v.ring.acquire(use);
+          // Partly masked tiles take the check's detour: it waits for them.
           const bool checked = kBand ? n < kt.n_cross : j >= kt.n_first;
-          uint64_t& full = kChecksV && checked ? sm.full_vd[s] : sm.full_v[s];
-          Bar::arrive_and_expect_tx(&full, kVBytes);
-          copy(p.tma_v.with(full), get<0>(tV)(_, jt), get<1>(tV)(_, s));
+          uint64_t& full_v = pp.v.expect(use, checked, kVBytes);
+          copy(p.tma_v.with(full_v), get<0>(tV)(_, jt), get<1>(tV)(_, s));
         }
       }
       ++qi;
-    };
-    if constexpr (kFeed) {
-      // The feed's index lives in shared memory: in a register across the loop it is what
-      // ptxas spills first at D >= 192.
-      const uint32_t k_at = uint32_t(__cvta_generic_to_shared(&sm.feed_next));
-      st_shared(k_at, 0u);
-      for (;;) {
-        const int k = int(ld_shared_32(k_at));
-        st_shared(k_at, uint32_t(k + 1));
-        const int t = TileFeed{sp.counter, sp.tiles}.publish(sm, k);
-        if (t >= sp.tiles) break;
-        load_tile(t);
-      }
-    } else {
-      // kConvertV: the grid stride re-read each tile; held in a register across the loop it is
-      // the one value ptxas spills at 24 registers (4-8 bytes).
-      const auto stride = [] {
-        uint32_t n = gridDim.x;
-        if constexpr (E::kConvertV) asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
-        return int(n);
-      };
-      for (int t = blockIdx.x; t < sp.tiles; t += stride()) {
-        load_tile(t);
-        if constexpr (kOneTile) break;
-      }
-    }
+    });
   }
 
   // kConvertV, producer warps 1-3 (thread ct of C::kConverters): each e4m3 V tile of the ring, 8
@@ -369,17 +358,18 @@ struct Mainloop {
     // A thread keeps its 8 columns and steps over rows (no index division in the loop).
     constexpr int S8 = C::kV8Stages, kPerRow = D / 8, kStep = C::kConverters / kPerRow;
     static_assert(C::kConverters % kPerRow == 0);
+    const Pipes pp = pipes(sm);
     const int bm = 64 * sp.wgs;
     int it = 0;
-    for (int t = blockIdx.x; t < sp.tiles; t += gridDim.x) {
+    Walk::follow(sp, sm, [&](int t) __attribute__((always_inline)) {
       const WorkTile w = Sched::decode(sp, t);
       const KeyTiles kt = key_tiles(p, seq_of_tile(p, w), w.m_block * bm, bm);
       for (int n = 0; n < kt.n_tiles; ++n, ++it) {
         const PipelineState<S> use{it};
         const PipelineState<S8> use8{it};
         const int s = use.stage(), s8 = use8.stage();
-        Bar::wait(&sm.full_v8[s8], use8.full_phase());
-        if (use.reuses()) Bar::wait(&sm.empty_v[s], use.empty_phase());
+        pp.v8.wait(use8);
+        pp.v.ring.acquire(use);
         bool nan8 = false;  // non-finite V: a NaN code among this thread's (no infinities)
         // Recomputed per tile from an opaque index: fewer registers held across the loop.
         int ci = ct;
@@ -396,11 +386,10 @@ struct Mainloop {
         if (key_tile(n, kt) >= kt.n_first) settle_nonfinite<C>(sm, s, s, nan8, ct, kCheckBarrier);
         // These generic-proxy writes must be visible to the wgmmas (async proxy).
         cutlass::arch::fence_view_async_shared();
-        Bar::arrive(&sm.empty_v8[s8]);
-        Bar::arrive(&sm.full_v[s]);
+        pp.v8.release(use8);
+        pp.v.ring.commit(use);
       }
-      if constexpr (kOneTile) break;
-    }
+    });
   }
 
   // Masked kernels without kConvertV, producer warps 1-3 (thread ct of C::kConverters): the
@@ -417,30 +406,23 @@ struct Mainloop {
     static_assert(S >= 2);
     const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
     const int bm = 64 * sp.wgs;
-    int it = 0, nt = 0;     // ring uses and tiles with queries so far
-    uint32_t vd_phase = 0;  // band: bit s, the phase full_vd[s] is in
-    for (int k = 0;; ++k) {
-      int t = reader_tile(sp, sm, k);
-      if (t >= sp.tiles) break;
+    int it = 0, nt = 0;  // ring uses and tiles with queries so far
+    PhaseBits landed;    // kTracked: bit s, the phase of stage s's landed barrier
+    Walk::follow(sp, sm, [&](int t) __attribute__((always_inline)) {
+      const Pipes pp = pipes(sm);
       asm volatile("" : "+r"(t));  // opaque: nothing shared with the TMA thread's registers
       const WorkTile w = Sched::decode(sp, t);
       const int m0 = w.m_block * bm;
       const Seq<int> seq = seq_of_tile(p, w);
-      if (past_end(seq, m0)) continue;
+      if (past_end(seq, m0)) return;
       const KeyTiles kt = key_tiles(p, seq, m0, bm);
       const int n_checked = checked_uses(kt);
       const int slot0 = kTracked ? (nt & 1) * C::kTileSlots : 0;
-      if constexpr (kTracked)
-        if (nt >= 2) Bar::wait(&sm.nf_free[nt & 1], ((nt >> 1) - 1) & 1);
+      if constexpr (kTracked) pp.records.acquire(nt);
       for (int u = 0; u < n_checked; ++u) {
         const PipelineState<S> use{it + u};
         const int s = use.stage();
-        if constexpr (kTracked) {
-          Bar::wait(&sm.full_vd[s], (vd_phase >> s) & 1);
-          vd_phase ^= 1u << s;
-        } else {
-          Bar::wait(&sm.full_vd[s], use.full_phase());
-        }
+        pp.v.wait_landed(use, landed);
         const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
         // Rows past the sequence's keys (packed K/V: the next sequence's) are zeroed unrecorded.
         const int real_keys = seq.seq_k - key_tile(u, kt) * BN;
@@ -448,13 +430,12 @@ struct Mainloop {
             sm, s, slot0 + u, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters), ct,
             kCheckBarrier, real_keys);
         if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
-        Bar::arrive(&sm.checked_v[s]);
+        pp.v.commit_checked(use);
       }
-      if constexpr (kTracked) Bar::arrive(&sm.nf_ready[nt & 1]);
+      if constexpr (kTracked) pp.records.commit(nt);
       it += kt.n_tiles;
       ++nt;
-      if constexpr (kOneTile) break;
-    }
+    });
   }
 
   // E4M3: q·k's dequantization scales folded into the softmax scale, v's into the output factor.
@@ -522,7 +503,7 @@ struct Mainloop {
   __device__ __forceinline__ static void mma(const Params& p, typename C::Smem& sm, const Ops& ops,
                                              int m0, const KeyTiles& kt, int& it, int qi, TO& tOrO,
                                              Softmax& softmax, const WorkTile& w, float sl2_raw,
-                                             int wg, uint32_t& v_phase) {
+                                             int wg, PhaseBits& v_phase) {
     const float sl2 = step_scale(p, sl2_raw);
     const int n_tiles = kt.n_tiles;
     const bool turns = C::kPingPong && p.turns;
@@ -532,9 +513,10 @@ struct Mainloop {
     const auto turn_arrive = [&](int w) {
       if (turns) named_arrive(kTurnBarrier + w, 256);
     };
+    const Pipes pp = pipes(sm);
     if (n_tiles == 0) {
-      Bar::wait(&sm.bar_q, qi & 1);  // every loaded Q is waited for before it is freed
-      if constexpr (!C::kAliasO) Bar::arrive(&sm.empty_q);
+      pp.q.wait(qi);  // every loaded Q is waited for before it is freed
+      if constexpr (!C::kAliasO) pp.q.release(qi);
       return;
     }
 
@@ -607,41 +589,19 @@ struct Mainloop {
         apply_mask(Srow, cSrc, mask, m0, key_tile(n, kt) * BN, BN);
       softmax.step(Srow, sl2);
     };
-    // V of the tile's i-th ring use: landed, and checked if partly masked. The n_cross partly
-    // masked tiles are a tile's first uses (key_tile), completing checked_v instead of full_v.
-    // kTracked kernels (tiles walked from the feed) track both barriers' phase per stage in
-    // v_phase (bit s: full_v[s], bit S + s: checked_v[s]); the others run one tile a CTA, their
-    // phases follow from its uses.
+    // V of the tile's i-th ring use: landed, and checked if partly masked (the n_cross partly
+    // masked tiles are a tile's first uses: key_tile).
     const auto wait_v = [&](int i, const PipelineState<S>& use) {
-      if constexpr (kTracked) {
-        const int s = use.stage();
-        const int bit = i < checked_uses(kt) ? S + s : s;
-        Bar::wait(i < checked_uses(kt) ? &sm.checked_v[s] : &sm.full_v[s], (v_phase >> bit) & 1);
-        v_phase ^= 1u << bit;
-      } else if constexpr (kChecksV && C::kBN < C::kBM) {
-        // Possibly more checked uses than stages: each stage's barriers count its own.
-        if (i < checked_uses(kt))
-          Bar::wait(&sm.checked_v[use.stage()], use.full_phase());
-        else
-          Bar::wait(&sm.full_v[use.stage()], use.full_phase_after_uses(checked_uses(kt)));
-      } else if constexpr (kChecksV) {
-        const int n_cross = max(0, n_tiles - kt.n_first);
-        if (i < n_cross)
-          Bar::wait(&sm.checked_v[use.stage()], 0);
-        else
-          Bar::wait(&sm.full_v[use.stage()], use.full_phase_after(n_cross));
-      } else {
-        Bar::wait(&sm.full_v[use.stage()], use.full_phase());
-      }
+      pp.v.wait(i, use, checked_uses(kt), v_phase);
     };
 
     if (wg == 1) turn_arrive(0);
-    Bar::wait(&sm.bar_q, qi & 1);
+    pp.q.wait(qi);
 
     // Round 0.
     {
       const PipelineState<S> k{it};
-      Bar::wait(&sm.full_k[k.stage()], k.full_phase());
+      pp.k.wait(k);
       turn_sync(wg);
       fence_all();
       warpgroup_arrive();
@@ -650,15 +610,15 @@ struct Mainloop {
       turn_arrive(wg ^ 1);
       warpgroup_wait<0>();
       fence_all();
-      Bar::arrive(&sm.empty_k[k.stage()]);
-      if (!C::kAliasO && n_tiles == 1) Bar::arrive(&sm.empty_q);
+      pp.k.release(k);
+      if (!C::kAliasO && n_tiles == 1) pp.q.release(qi);
       softmax_step(0);
       convert_p(rP, tSrS);  // O is still zero: no rescale
     }
 
     for (int n = 1; n < n_tiles; ++n) {
       const PipelineState<S> k{it + n}, v{it + n - 1};  // ring uses of K_n and V_{n-1}
-      Bar::wait(&sm.full_k[k.stage()], k.full_phase());
+      pp.k.wait(k);
       wait_v(n - 1, v);
       turn_sync(wg);
       fence_all();
@@ -675,12 +635,12 @@ struct Mainloop {
       turn_arrive(wg ^ 1);
       warpgroup_wait<1>();  // S_n done; P_{n-1}·V_{n-1} may still run
       warpgroup_fence_operand(tSrS);
-      Bar::arrive(&sm.empty_k[k.stage()]);
-      if (!C::kAliasO && n == n_tiles - 1) Bar::arrive(&sm.empty_q);
+      pp.k.release(k);
+      if (!C::kAliasO && n == n_tiles - 1) pp.q.release(qi);
       softmax_step(n);
       warpgroup_wait<0>();
       fence_all();
-      Bar::arrive(&sm.empty_v[v.stage()]);
+      pp.v.ring.release(v);
       add_pv();
       convert_p(rP, tSrS);
     }
@@ -698,7 +658,7 @@ struct Mainloop {
       if (wg == 0) turn_arrive(1);
       warpgroup_wait<0>();
       fence_all();
-      Bar::arrive(&sm.empty_v[v.stage()]);
+      pp.v.ring.release(v);
       add_pv();
     }
     it += n_tiles;

@@ -4,10 +4,11 @@
 // (S on e4m3 wgmma; P·V on f16, or in fast mode on e4m3). The kernel is role dispatch over its
 // collectives:
 //   tile_config.cuh     element types, the per-head-dim tuning table, layouts, shared storage
-//   tile_scheduler.cuh  which work tiles a CTA runs, in what order; the grid size
+//   tile_scheduler.cuh  which work tiles a CTA runs, in what order (the walk every role
+//                       takes); the grid size
 //   tile_feed.cuh       the masked kernels' tiles handed to a persistent grid as CTAs free up
 //   mainloop.cuh        the producer's TMA loads, the spare warps' V work, the consumers' rounds
-//   pipeline.cuh        ring positions and barrier phases
+//   pipeline.cuh        the barrier pipelines (K/V ring, the V check's detour, hand-overs)
 //   softmax.cuh         the online softmax on the accumulators; mask application
 //   nonfinite_v.cuh     the non-finite V check
 //   epilogue.cuh        O to global memory
@@ -164,7 +165,7 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
     return;
   }
 
-  // Consumer warpgroups: the CTA's work tiles as the producer walks them (Mainloop::reader_tile).
+  // Consumer warpgroups: the CTA's work tiles as the producer walks them (TileWalk::follow).
   cutlass::arch::warpgroup_reg_alloc<uint32_t(kConsumerRegs<E, D, Mask>)>();
   const int ctid = tid - 128;       // 0 .. consumers - 1
   const int wg = ctid / 128;        // this consumer warpgroup: rows [64 wg, 64 wg + 64)
@@ -173,14 +174,12 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<C::kBM>, Int<D>>{});
   Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
   const auto ops = Main::consumer_operands(sm, ctid);
-  int it = 0, qi = 0;    // ring uses and tiles with queries so far
-  uint32_t v_phase = 0;  // kTracked kernels' V barrier phases (Mainloop::mma)
-  for (int k = 0;; ++k) {
-    const int t = Main::reader_tile(p.sched, sm, k);
-    if (t >= p.sched.tiles) break;
+  int it = 0, qi = 0;  // ring uses and tiles with queries so far
+  PhaseBits v_phase;   // kTracked kernels' V barrier phases (VRing)
+  Main::Walk::follow(p.sched, sm, [&](int t) __attribute__((always_inline)) {
     const WorkTile w = Sched::decode(p.sched, t);
     const int m0 = w.m_block * bm;
-    if (Main::past_end(Main::seq_of_tile(p.mainloop, w), m0)) continue;
+    if (Main::past_end(Main::seq_of_tile(p.mainloop, w), m0)) return;
     const KeyTiles kt = Main::key_tiles(p.mainloop, Main::seq_of_tile(p.mainloop, w), m0, bm);
     float sl2, o_scale;
     Main::scales(p.mainloop, w, sl2, o_scale);
@@ -192,10 +191,10 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
     const Seq<int> seq = Main::seq_of_tile(p.mainloop, w);
     // On the feed the check runs ahead by up to a tile: its records of this tile are in the
     // slots of the tile's parity, complete once nf_ready says so, and free once read.
-    if constexpr (Main::kTracked) Main::Bar::wait(&sm.nf_ready[qi & 1], (qi >> 1) & 1);
+    if constexpr (Main::kTracked) Main::pipes(sm).records.wait(qi);
     Main::add_masked_nonfinite(p.mainloop, w, sm, Main::mask_of(p.mainloop, seq), m0, kt, tOrO,
                                ctid, (qi & 1) * C::kTileSlots);
-    if constexpr (Main::kTracked) Main::Bar::arrive(&sm.nf_free[qi & 1]);
+    if constexpr (Main::kTracked) Main::pipes(sm).records.release(qi);
     Epilogue<E, D>::store_lse(p.epilogue, softmax, ops.coords, seq, w.b, w.h, m0,
                               Main::step_scale(p.mainloop, sl2));
     softmax.normalize(O, o_scale);
@@ -208,11 +207,10 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
       // O was staged in Q's buffer: Q is free once the staging is read, and the next Q's TMA
       // (async proxy) is ordered after these generic-proxy accesses.
       cutlass::arch::fence_view_async_shared();
-      Main::Bar::arrive(&sm.empty_q);
+      Main::pipes(sm).q.release(qi);
     }
     ++qi;
-    if constexpr (Main::kOneTile) break;
-  }
+  });
 #endif
 }
 
