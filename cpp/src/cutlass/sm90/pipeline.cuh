@@ -82,7 +82,7 @@ struct PhaseBits {
 };
 
 // How the V ring's phases follow from its uses where the non-finite V check diverts some of them
-// (the partly masked tiles, a query tile's first ring uses: Mainloop::key_tile) from full[s]
+// (the partly masked tiles, a query tile's first ring uses: TileKeys::key_tile) from full[s]
 // onto landed[s], and then onto checked[s] once checked.
 enum class VCheck {
   kNone,         // no check: every use completes full[s]

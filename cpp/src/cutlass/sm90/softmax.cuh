@@ -44,7 +44,7 @@ __device__ __forceinline__ void apply_band(TS& S, TC const& cSrc, const Mask& ma
     if (mods.cap2 > 0.f) {
       const float in = mods.sl2 / mods.cap2;
       // With ALiBi the bias comes after the cap: the logits themselves; else tanh alone (the
-      // softmax scales by the cap: Mainloop::step_scale).
+      // softmax scales by the cap: Consumer::step_scale).
       if (mods.alibi) {
         CUTE_UNROLL
         for (int i = 0; i < size(S); ++i) S(i) = mods.cap2 * tanh_approx(S(i) * in);
