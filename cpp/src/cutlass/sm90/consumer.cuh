@@ -2,7 +2,6 @@
 // online softmax with the mask and score mods in between, and O += P·V.
 #pragma once
 
-#include "common/score_mods.cuh"
 #include "cutlass/sm90/kernel_traits.cuh"
 #include "cutlass/sm90/softmax.cuh"
 #include "cutlass/sm90/tile_keys.cuh"
@@ -28,9 +27,8 @@ struct Consumer {
   using C = typename T::C;
   using PV = typename E::PV;
   using Params = typename T::Params;
-  using Pipes = typename T::Pipes;
+  using Mods = typename T::Mods;
   static constexpr int BM = T::BM, BN = T::BN, S = T::S;
-  static constexpr bool kBand = T::kBand;
 
   // E4M3: q·k's dequantization scales folded into the softmax scale, v's into the output factor.
   __device__ __forceinline__ static void scales(const Params& p, const WorkTile& w, float& sl2,
@@ -40,28 +38,9 @@ struct Consumer {
     if constexpr (E::kFp8) dequant_scales(p, w.b, w.h, sl2, o_scale);
   }
 
-  // Band: the score mods of work tile w (slope of its (batch, head)). Made where they are used,
-  // from the parameters (constant memory) rather than held in registers across the main loop.
-  __device__ __forceinline__ static ScoreMods mods(const Params& p, const WorkTile& w,
-                                                   const Mask& mask, float sl2) {
-    ScoreMods m{false, sl2, 0.f, false, 0.f, mask.seq_k - mask.seq_q};
-    if constexpr (kBand) {
-      m.cap2 = p.cap2;
-      m.alibi = p.alibi != nullptr;
-      if (m.alibi) m.slope2 = __ldg(p.alibi + w.b * p.alibi_bstride + w.h) * 1.4426950408889634f;
-      m.on = m.cap2 > 0.f || m.alibi;
-    }
-    return m;
-  }
-
-  // The scale the softmax steps take: 1 where the band's mods turned the scores into log2-domain
-  // logits (ALiBi), the cap where they turned them into tanh values (softcap alone), else the
-  // softmax scale.
+  // The scale the softmax steps take (the score mods').
   __device__ __forceinline__ static float step_scale(const Params& p, float sl2) {
-    if constexpr (kBand)
-      return p.alibi != nullptr ? 1.f : p.cap2 > 0.f ? p.cap2 : sl2;
-    else
-      return sl2;
+    return Mods::step_scale(p, sl2);
   }
 
   // A consumer thread's wgmma operands in shared memory (descriptors of Q, K and V over the
@@ -107,10 +86,9 @@ struct Consumer {
     const auto turn_arrive = [&](int w) {
       if (turns) named_arrive(kTurnBarrier + w, 256);
     };
-    const Pipes pp = T::pipes(sm);
     if (n_tiles == 0) {
-      pp.q.wait(qi);  // every loaded Q is waited for before it is freed
-      if constexpr (!C::kAliasO) pp.q.release(qi);
+      T::q_slot(sm).wait(qi);  // every loaded Q is waited for before it is freed
+      if constexpr (!C::kAliasO) T::q_slot(sm).release(qi);
       return;
     }
 
@@ -175,28 +153,31 @@ struct Consumer {
       warpgroup_fence_operand(rP);
     };
     const auto softmax_step = [&](int n) {
-      // The mask (and a band's mods) from the parameters, not held across the loop.
+      // The mask and the score mods from the parameters, not held across the loop; the mods
+      // first, then the mask.
+      // (The mods are made before the key tile's place is computed: the other way round, the
+      // compiler computes the mods' branches on every tile.)
       const Mask mask = K::mask_of(p, K::seq_of_tile(p, w));
-      if constexpr (kBand)
-        apply_band(Srow, cSrc, mask, mods(p, w, mask, sl2_raw), m0, BM, K::key_tile(n, kt) * BN,
-                   BN);
-      else
-        apply_mask(Srow, cSrc, mask, m0, K::key_tile(n, kt) * BN, BN);
+      const Mods mods = Mods::of(p, w, mask.seq_k - mask.seq_q, sl2_raw);
+      const int n0 = K::key_tile(n, kt) * BN;
+      const auto tile = score_tile(Srow, cSrc);
+      mods.apply(tile, m0, n0);
+      mask.apply(tile, m0, BM, n0, BN);
       softmax.step(Srow, sl2);
     };
     // V of the tile's i-th ring use: landed, and checked if partly masked (the n_cross partly
     // masked tiles are a tile's first uses: key_tile).
     const auto wait_v = [&](int i, const PipelineState<S>& use) {
-      pp.v.wait(i, use, K::checked_uses(kt), v_phase);
+      T::v_ring(sm).wait(i, use, K::checked_uses(kt), v_phase);
     };
 
     if (wg == 1) turn_arrive(0);
-    pp.q.wait(qi);
+    T::q_slot(sm).wait(qi);
 
     // Round 0.
     {
       const PipelineState<S> k{it};
-      pp.k.wait(k);
+      T::k_ring(sm).wait(k);
       turn_sync(wg);
       fence_all();
       warpgroup_arrive();
@@ -205,15 +186,15 @@ struct Consumer {
       turn_arrive(wg ^ 1);
       warpgroup_wait<0>();
       fence_all();
-      pp.k.release(k);
-      if (!C::kAliasO && n_tiles == 1) pp.q.release(qi);
+      T::k_ring(sm).release(k);
+      if (!C::kAliasO && n_tiles == 1) T::q_slot(sm).release(qi);
       softmax_step(0);
       convert_p(rP, tSrS);  // O is still zero: no rescale
     }
 
     for (int n = 1; n < n_tiles; ++n) {
       const PipelineState<S> k{it + n}, v{it + n - 1};  // ring uses of K_n and V_{n-1}
-      pp.k.wait(k);
+      T::k_ring(sm).wait(k);
       wait_v(n - 1, v);
       turn_sync(wg);
       fence_all();
@@ -230,12 +211,12 @@ struct Consumer {
       turn_arrive(wg ^ 1);
       warpgroup_wait<1>();  // S_n done; P_{n-1}·V_{n-1} may still run
       warpgroup_fence_operand(tSrS);
-      pp.k.release(k);
-      if (!C::kAliasO && n == n_tiles - 1) pp.q.release(qi);
+      T::k_ring(sm).release(k);
+      if (!C::kAliasO && n == n_tiles - 1) T::q_slot(sm).release(qi);
       softmax_step(n);
       warpgroup_wait<0>();
       fence_all();
-      pp.v.ring.release(v);
+      T::v_ring(sm).ring.release(v);
       add_pv();
       convert_p(rP, tSrS);
     }
@@ -253,7 +234,7 @@ struct Consumer {
       if (wg == 0) turn_arrive(1);
       warpgroup_wait<0>();
       fence_all();
-      pp.v.ring.release(v);
+      T::v_ring(sm).ring.release(v);
       add_pv();
     }
     it += n_tiles;

@@ -6,6 +6,8 @@
 #include "common/mask.cuh"
 #include "cutlass/sm90/mainloop_params.cuh"
 #include "cutlass/sm90/pipeline.cuh"
+#include "cutlass/sm90/score_mod.cuh"
+#include "cutlass/sm90/seq_layout.cuh"
 #include "cutlass/sm90/tile_config.cuh"
 #include "cutlass/sm90/tile_scheduler.cuh"
 
@@ -27,9 +29,15 @@ struct KernelTraits {
   static constexpr int BM = C::kBM, BN = C::kBN, S = C::kStages;
   static constexpr int kLog2BN = BN == 128 ? 7 : 6;
   static_assert(BN == 1 << kLog2BN);
-  // The general path: a band mask (windows, top-left causal) with softcap and ALiBi.
+  // A band mask (windows, top-left causal): a lower edge inside a block's key range, so partly
+  // masked key tiles at both ends of it.
   static constexpr bool kBand = mask::kIsBand<Mask>;
   static_assert(!(kBand && E::kConvertV), "no band kernel for e4m3 V converted in shared memory");
+  // The kernels' tiers: the band kernel is the general path, and its score mods and sequence
+  // layout are the call's, chosen at run time; the plain kernels (no mask, causal bottom-right)
+  // run dense sequences without mods (mask::needs_band routes every other call to the band).
+  using Mods = std::conditional_t<kBand, CapAlibiMod, NoScoreMod>;
+  using Seqs = std::conditional_t<kBand, VarSeqs<kLog2BN>, DenseSeqs>;
 
   // Whether the masked (causal, band) 16-bit kernels walk the tile feed (a persistent grid where
   // there is a counter): up to D = 128. At D = 192 and 256 the producer's TMA thread, which
@@ -57,22 +65,23 @@ struct KernelTraits {
                                     : BN < BM  ? VCheck::kOneTileMany
                                                : VCheck::kOneTile;
 
-  // The CTA's pipelines over its barriers in shared memory.
-  struct Pipes {
-    Ring<S> k;
-    VRing<S, kVCheck> v;
-    Ring<C::kV8Stages> v8;  // kConvertV: the e4m3 V tiles, for the converting warps
-    Handoff<1> q;
-    // kTracked: the check's records of a query tile, in the check slots of its parity: written
-    // (full) and read by the consumers (empty).
-    Handoff<2> records;
-  };
-  __device__ __forceinline__ static Pipes pipes(typename C::Smem& sm) {
-    return {{sm.full_k, sm.empty_k},
-            {{sm.full_v, sm.empty_v}, sm.full_vd, sm.checked_v},
-            {sm.full_v8, sm.empty_v8},
-            {&sm.bar_q, &sm.empty_q},
-            {sm.nf_ready, sm.nf_free}};
+  // The CTA's pipelines over its barriers in shared memory, each made where it is used: a
+  // bundle of them made once and held across a loop makes the compiler lay the loop out
+  // otherwise (and larger).
+  using Smem = typename C::Smem;
+  __device__ __forceinline__ static Ring<S> k_ring(Smem& sm) { return {sm.full_k, sm.empty_k}; }
+  __device__ __forceinline__ static VRing<S, kVCheck> v_ring(Smem& sm) {
+    return {{sm.full_v, sm.empty_v}, sm.full_vd, sm.checked_v};
+  }
+  // kConvertV: the e4m3 V tiles, for the converting warps.
+  __device__ __forceinline__ static Ring<C::kV8Stages> v8_ring(Smem& sm) {
+    return {sm.full_v8, sm.empty_v8};
+  }
+  __device__ __forceinline__ static Handoff<1> q_slot(Smem& sm) { return {&sm.bar_q, &sm.empty_q}; }
+  // kTracked: the check's records of a query tile, in the check slots of its parity: written
+  // (full) and read by the consumers (empty).
+  __device__ __forceinline__ static Handoff<2> records(Smem& sm) {
+    return {sm.nf_ready, sm.nf_free};
   }
 };
 

@@ -17,8 +17,8 @@ struct Producer {
   using PV = typename E::PV;
   using Sched = typename T::Sched;
   using Params = typename T::Params;
-  using Pipes = typename T::Pipes;
   using Walk = typename T::Walk;
+  using Seqs = typename T::Seqs;
   static constexpr int BM = T::BM, BN = T::BN, S = T::S;
   static constexpr bool kBand = T::kBand, kFeed = T::kFeed, kOneTile = T::kOneTile;
 
@@ -52,16 +52,13 @@ struct Producer {
     int it = 0, qi = 0;  // qi: the tiles with queries so far (Q loads)
     // Work tile t's loads.
     Walk::template issue<E::kConvertV>(sp, sm, [&](int t) {
-      const Pipes pp = T::pipes(sm);
       const WorkTile w = Sched::decode(sp, t);
       const int hk = p.div_group.div(w.h);
       const int m0 = w.m_block * bm;
       const Seq<int> seq = K::seq_of_tile(p, w);
       if (K::past_end(seq, m0)) return;
       const KeyTiles kt = K::key_tiles(p, seq, m0, bm);
-      // Packed or paged tensors are one batch entry.
-      const int qb = kBand && p.seqs.cu_q != nullptr ? 0 : w.b;
-      const int kb = kBand && (p.seqs.cu_k != nullptr || p.seqs.paged()) ? 0 : w.b;
+      const int qb = Seqs::q_batch(p, w.b), kb = Seqs::kv_batch(p, w.b);
       // BM rows from row m0 (with 64-row tiles the upper half goes unused).
       Tensor gQ = local_tile(domain_offset(make_coord(seq.q0 + m0, _0{}), mQ(_, _, w.h, qb)),
                              Shape<Int<BM>, Int<D>>{}, make_coord(_0{}, _0{}));
@@ -95,8 +92,8 @@ struct Producer {
         }
       }();
       const auto load_q = [&]() {  // once the consumers are done with the previous Q
-        pp.q.acquire(qi);
-        uint64_t& full_q = pp.q.expect(qi, kQBytes);
+        T::q_slot(sm).acquire(qi);
+        uint64_t& full_q = T::q_slot(sm).expect(qi, kQBytes);
         copy(p.tma_q.with(full_q), get<0>(tQ), get<1>(tQ));
       };
       // The causal and band kernels' first tile of a CTA loads Q first (nothing frees it); later
@@ -108,24 +105,24 @@ struct Producer {
         // Ring use `it`, which is n where a CTA runs one tile (one register less).
         const PipelineState<S> use{kOneTile ? n : it};
         const int s = use.stage();
-        pp.k.acquire(use);
-        uint64_t& full_k = pp.k.expect(use, kKBytes);
-        const int j = K::key_tile(n, kt), jt = K::key_tile_at(p, w.b, j);
+        T::k_ring(sm).acquire(use);
+        uint64_t& full_k = T::k_ring(sm).expect(use, kKBytes);
+        const int j = K::key_tile(n, kt), jt = Seqs::key_tile_at(p, w.b, j);
         copy(p.tma_k.with(full_k), get<0>(tK)(_, jt), get<1>(tK)(_, s));
         if (!q_first && n == 0) load_q();
         if constexpr (E::kConvertV) {
           const PipelineState<C::kV8Stages> use8{use.u};
           const int s8 = use8.stage();
-          pp.v8.acquire(use8);
-          uint64_t& full_v8 = pp.v8.expect(use8, kVBytes);
+          T::v8_ring(sm).acquire(use8);
+          uint64_t& full_v8 = T::v8_ring(sm).expect(use8, kVBytes);
           copy(p.tma_v.with(full_v8), get<0>(tV)(_, jt), get<1>(tV)(_, s8));
         } else {
           if constexpr (E::kPrepass)
             if (use.u == 0) pdl_wait();  // V comes from convert_v
-          pp.v.ring.acquire(use);
+          T::v_ring(sm).ring.acquire(use);
           // Partly masked tiles take the check's detour: it waits for them.
           const bool checked = kBand ? n < kt.n_cross : j >= kt.n_first;
-          uint64_t& full_v = pp.v.expect(use, checked, kVBytes);
+          uint64_t& full_v = T::v_ring(sm).expect(use, checked, kVBytes);
           copy(p.tma_v.with(full_v), get<0>(tV)(_, jt), get<1>(tV)(_, s));
         }
       }

@@ -15,16 +15,19 @@
 //                       check) and the consumers' side of the check
 //   consumer.cuh        the consumers' wgmma rounds with the online softmax in between
 //   pipeline.cuh        the barrier pipelines (K/V ring, the V check's detour, hand-overs)
-//   softmax.cuh         the online softmax on the accumulators; mask application
+//   softmax.cuh         the online softmax on the accumulators; the score tile masks apply to
+//   score_mod.cuh       score mods policies: none, or softcap and ALiBi as the call asks
+//   seq_layout.cuh      sequence layout policies: dense, or the call's (packed, paged, seqused_k)
 //   nonfinite_v.cuh     the non-finite V check
 //   epilogue.cuh        O to global memory
 //   v_prepass.cuh       e4m3: V converted (accurate mode) or transposed (fast mode) before
-// and the mask policy (common/mask.cuh) it is templated on. Sequences of different lengths
-// (common/seqs.cuh: packed Q, K and V, a paged cache whose pages hold whole key tiles,
-// seqused_k) run on the band kernel: each role finds its work tile's sequence, skips tiles past
-// its queries, and rebases the band to its lengths; rows past a sequence's end that a tile's TMA
-// copy brings in (the next sequence's) are masked like any key the band hides, and the
-// non-finite V check ignores them. docs/design.md describes the tiles,
+// and the mask policy (common/mask.cuh) it is templated on, which applies itself to a tile of
+// scores. The band kernel is the general path: its score mods and sequence layout are the
+// call's (KernelTraits::Mods, Seqs); the plain kernels run dense sequences without mods. With
+// sequences of different lengths each role finds its work tile's sequence, skips tiles past its
+// queries, and rebases the band to its lengths; rows past a sequence's end that a tile's TMA copy
+// brings in (the next sequence's) are masked like any key the band hides, and the non-finite V
+// check ignores them. docs/design.md describes the tiles,
 // roles, register split, overlap and scheduling. Assumes validated arguments
 // (crates/sdpa/src/problem/mod.rs): head_dim == D, 16-byte aligned rows, strides in elements,
 // heads % kv_heads == 0, seq_q, seq_k >= 1; and what can_implement (below) checks: the device,
@@ -218,10 +221,10 @@ __device__ __forceinline__ void fwd_body(const typename K::Params& p) {
     const Seq<int> seq = Keys::seq_of_tile(p.mainloop, w);
     // On the feed the check runs ahead by up to a tile: its records of this tile are in the
     // slots of the tile's parity, complete once nf_ready says so, and free once read.
-    if constexpr (T::kTracked) T::pipes(sm).records.wait(qi);
+    if constexpr (T::kTracked) T::records(sm).wait(qi);
     VSide::add_masked_nonfinite(p.mainloop, w, sm, Keys::mask_of(p.mainloop, seq), m0, kt, tOrO,
                                 ctid, (qi & 1) * C::kTileSlots);
-    if constexpr (T::kTracked) T::pipes(sm).records.release(qi);
+    if constexpr (T::kTracked) T::records(sm).release(qi);
     Epi::store_lse(p.epilogue, softmax, ops.coords, seq, w.b, w.h, m0,
                    Consumer::step_scale(p.mainloop, sl2));
     softmax.normalize(O, o_scale);
@@ -233,7 +236,7 @@ __device__ __forceinline__ void fwd_body(const typename K::Params& p) {
       // O was staged in Q's buffer: Q is free once the staging is read, and the next Q's TMA
       // (async proxy) is ordered after these generic-proxy accesses.
       cutlass::arch::fence_view_async_shared();
-      T::pipes(sm).q.release(qi);
+      T::q_slot(sm).release(qi);
     }
     ++qi;
   });

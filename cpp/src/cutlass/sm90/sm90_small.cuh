@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(128, 1)
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
 
-    apply_mask(S, cSrc, mask, m0, k0, KN);
+    mask.apply(score_tile(S, cSrc), m0, 64, k0, KN);
     softmax.step(S, sl2);
     convert_p(rP, tSrS);
 

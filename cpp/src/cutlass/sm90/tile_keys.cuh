@@ -21,26 +21,16 @@ template <class E, int D, class Mask>
 struct TileKeys {
   using T = KernelTraits<E, D, Mask>;
   using Params = typename T::Params;
-  static constexpr int BN = T::BN, kLog2BN = T::kLog2BN;
+  using Seqs = typename T::Seqs;
+  static constexpr int BN = T::BN;
   static constexpr bool kBand = T::kBand;
 
-  // Work tile w's sequence: its rows in the packed tensors and its lengths (the call's for
-  // dense sequences, which every kernel but the band kernel runs). Read afresh (an opaque b)
-  // wherever it is needed rather than held in registers across the main loop.
+  // Work tile w's sequence and whether a tile from m0 lies past its queries (the layout's).
   __device__ __forceinline__ static Seq<int> seq_of_tile(const Params& p, const WorkTile& w) {
-    if constexpr (kBand) {
-      int b = w.b;
-      asm volatile("" : "+r"(b));
-      return seq_of<int>(p.seqs, b, p.seq_q, p.seq_k);
-    } else {
-      return {0, 0, p.seq_q, p.seq_k};
-    }
+    return Seqs::of(p, w);
   }
-
-  // Whether work tile w (rows from m0) lies past its sequence's queries, or is none
-  // (TileScheduler): every role of the CTA skips it (a grid covers the longest sequence).
   __device__ __forceinline__ static bool past_end(const Seq<int>& seq, int m0) {
-    return kBand && (m0 < 0 || m0 >= seq.seq_q);
+    return Seqs::past_end(seq, m0);
   }
 
   // The mask of one sequence (the band rebased to its lengths: the call's own for dense ones).
@@ -50,27 +40,6 @@ struct TileKeys {
                                                                                       seq.seq_k);
     else
       return Mask{seq.seq_q, seq.seq_k};
-  }
-
-  // Where key tile j of sequence b lies among the BN-row tiles of K's and V's TMA tensor from
-  // the sequence's first row: tile j itself, or for a paged cache the tile its page holds it
-  // as (pages hold whole tiles; the cache's rows and the table's entries fit an int:
-  // can_implement; the entry clamped into the cache like every metadata value, seqs.cuh).
-  // Recomputed per copy from an opaque b: the producer thread holds nothing of the block table
-  // across its loop.
-  __device__ __forceinline__ static int key_tile_at(const Params& p, int b, int j) {
-    if constexpr (kBand) {
-      if (p.seqs.paged()) {
-        asm volatile("" : "+r"(b));
-        const int shift = p.seqs.page_shift - kLog2BN;  // tiles a page: 1 << shift
-        const int last = int(p.seqs.kv_rows >> p.seqs.page_shift) - 1;
-        const int entry =
-            __ldg(p.seqs.block_table + (b * int(p.seqs.pages_per_seq) + (j >> shift)));
-        const int page = min(max(entry, 0), last);
-        return (page << shift) | (j & ((1 << shift) - 1));
-      }
-    }
-    return j;
   }
 
   // The key tiles of the query tile of `rows` rows from m0 of sequence `seq`.
@@ -83,9 +52,8 @@ struct TileKeys {
       int upper = max(begin, min(end, mask.first_partial_tile(m0, BN, end)));
       // A last tile that runs past the sequence's keys holds rows TMA does not zero where the K/V
       // tensors go on (packed, paged or seqused_k): it is partly masked, and checked, too.
-      const bool foreign_tail =
-          p.seqs.cu_k != nullptr || p.seqs.used_k != nullptr || p.seqs.paged();
-      if (foreign_tail && end > begin && end * BN > mask.seq_k) upper = min(upper, end - 1);
+      if (Seqs::foreign_tail(p) && end > begin && end * BN > mask.seq_k)
+        upper = min(upper, end - 1);
       const int lower = max(begin, min(upper, mask.lower_partial_end(m0, rows, BN)));
       return {end - begin, upper, begin, (end - upper) + (lower - begin), end - upper};
     } else {

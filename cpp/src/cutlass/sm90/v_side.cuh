@@ -21,7 +21,6 @@ struct VSide {
   using PV = typename E::PV;
   using Sched = typename T::Sched;
   using Params = typename T::Params;
-  using Pipes = typename T::Pipes;
   using Walk = typename T::Walk;
   static constexpr int BM = T::BM, BN = T::BN, S = T::S;
   static constexpr bool kBand = T::kBand, kTracked = T::kTracked;
@@ -42,7 +41,6 @@ struct VSide {
     // A thread keeps its 8 columns and steps over rows (no index division in the loop).
     constexpr int S8 = C::kV8Stages, kPerRow = D / 8, kStep = C::kConverters / kPerRow;
     static_assert(C::kConverters % kPerRow == 0);
-    const Pipes pp = T::pipes(sm);
     const int bm = 64 * sp.wgs;
     int it = 0;
     Walk::follow(sp, sm, [&](int t) __attribute__((always_inline)) {
@@ -52,8 +50,8 @@ struct VSide {
         const PipelineState<S> use{it};
         const PipelineState<S8> use8{it};
         const int s = use.stage(), s8 = use8.stage();
-        pp.v8.wait(use8);
-        pp.v.ring.acquire(use);
+        T::v8_ring(sm).wait(use8);
+        T::v_ring(sm).ring.acquire(use);
         bool nan8 = false;  // non-finite V: a NaN code among this thread's (no infinities)
         // Recomputed per tile from an opaque index: fewer registers held across the loop.
         int ci = ct;
@@ -71,8 +69,8 @@ struct VSide {
           settle_nonfinite<C>(sm, s, s, nan8, ct, kCheckBarrier);
         // These generic-proxy writes must be visible to the wgmmas (async proxy).
         cutlass::arch::fence_view_async_shared();
-        pp.v8.release(use8);
-        pp.v.ring.commit(use);
+        T::v8_ring(sm).release(use8);
+        T::v_ring(sm).ring.commit(use);
       }
     });
   }
@@ -94,7 +92,6 @@ struct VSide {
     int it = 0, nt = 0;  // ring uses and tiles with queries so far
     PhaseBits landed;    // kTracked: bit s, the phase of stage s's landed barrier
     Walk::follow(sp, sm, [&](int t) __attribute__((always_inline)) {
-      const Pipes pp = T::pipes(sm);
       asm volatile("" : "+r"(t));  // opaque: nothing shared with the TMA thread's registers
       const WorkTile w = Sched::decode(sp, t);
       const int m0 = w.m_block * bm;
@@ -103,11 +100,11 @@ struct VSide {
       const KeyTiles kt = K::key_tiles(p, seq, m0, bm);
       const int n_checked = K::checked_uses(kt);
       const int slot0 = kTracked ? (nt & 1) * C::kTileSlots : 0;
-      if constexpr (kTracked) pp.records.acquire(nt);
+      if constexpr (kTracked) T::records(sm).acquire(nt);
       for (int u = 0; u < n_checked; ++u) {
         const PipelineState<S> use{it + u};
         const int s = use.stage();
-        pp.v.wait_landed(use, landed);
+        T::v_ring(sm).wait_landed(use, landed);
         const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
         // Rows past the sequence's keys (packed K/V: the next sequence's) are zeroed unrecorded.
         const int real_keys = seq.seq_k - K::key_tile(u, kt) * BN;
@@ -115,9 +112,9 @@ struct VSide {
             sm, s, slot0 + u, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters), ct,
             kCheckBarrier, real_keys);
         if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
-        pp.v.commit_checked(use);
+        T::v_ring(sm).commit_checked(use);
       }
-      if constexpr (kTracked) pp.records.commit(nt);
+      if constexpr (kTracked) T::records(sm).commit(nt);
       it += kt.n_tiles;
       ++nt;
     });
