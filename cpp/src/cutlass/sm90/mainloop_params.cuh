@@ -43,6 +43,17 @@ struct MainloopParams {
   const uint32_t* nan_first;
 };
 
+// An operand in global memory as the TMA descriptors see it: (rows, D, heads, batch) with the
+// call's strides. Packed and paged tensors (batch stride 0) are one batch entry of all their rows;
+// the batch stride of a one-entry mode is never used, and TMA wants it a 16-byte multiple. The
+// main and the small-problem kernel both make theirs with it.
+template <int D, typename T>
+auto operand_tensor(T const* ptr, int64_t rows, int64_t heads, int64_t batch, const Strides& st) {
+  const int64_t bs = batch == 1 && st.batch == 0 ? rows * st.seq : st.batch;
+  return make_tensor(make_gmem_ptr(ptr), make_shape(int(rows), Int<D>{}, int(heads), int(batch)),
+                     make_stride(st.seq, _1{}, st.head, bs));
+}
+
 // The parameters: a TMA descriptor per operand (make_tma_copy encodes it on the host; it
 // travels in the __grid_constant__ parameter block) and the scalars. E4M3 with the pre-pass: V
 // is the pre-pass's f16 copy `v` with strides `vs`.
@@ -54,13 +65,9 @@ MainloopParams<E, D> make_mainloop_params(const FwdArgs& a, const void* v, const
   using PV = typename E::PV;
   constexpr int BM = C::kBM, BN = C::kBN;
   constexpr bool kBand = mask::kIsBand<Mask>;
-  // Packed and paged tensors (batch stride 0) are one batch entry of all their rows; the
-  // batch stride of a one-entry mode is never used, and TMA wants it a 16-byte multiple.
   const auto gmem = [&](auto const* ptr, int64_t rows, int64_t heads, int64_t batch,
                         const Strides& st) {
-    const int64_t bs = batch == 1 && st.batch == 0 ? rows * st.seq : st.batch;
-    return make_tensor(make_gmem_ptr(ptr), make_shape(int(rows), Int<D>{}, int(heads), int(batch)),
-                       make_stride(st.seq, _1{}, st.head, bs));
+    return operand_tensor<D>(ptr, rows, heads, batch, st);
   };
   const int64_t q_rows = a.total_q > 0 ? a.total_q : a.seq_q;
   const int64_t q_batch = a.total_q > 0 ? 1 : a.batch;

@@ -38,9 +38,7 @@ struct VSide {
     // shared-memory byte address (1024-aligned base), as done here in 32 bits.
     constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
     constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
-    // A thread keeps its 8 columns and steps over rows (no index division in the loop).
-    constexpr int S8 = C::kV8Stages, kPerRow = D / 8, kStep = C::kConverters / kPerRow;
-    static_assert(C::kConverters % kPerRow == 0);
+    constexpr int S8 = C::kV8Stages;
     const int bm = 64 * sp.wgs;
     int it = 0;
     Walk::follow(sp, sm, [&](int t) __attribute__((always_inline)) {
@@ -52,17 +50,14 @@ struct VSide {
         const int s = use.stage(), s8 = use8.stage();
         T::v8_ring(sm).wait(use8);
         T::v_ring(sm).ring.acquire(use);
-        bool nan8 = false;  // non-finite V: a NaN code among this thread's (no infinities)
-        // Recomputed per tile from an opaque index: fewer registers held across the loop.
+        // The thread's columns recomputed per tile from an opaque index: fewer registers held
+        // across the loop. nan8: non-finite V, a NaN code among this thread's.
         int ci = ct;
         asm volatile("" : "+r"(ci));
-        const int d = ci % kPerRow * 8, key0 = ci / kPerRow;
-        for (int key = key0; key < BN; key += kStep) {
-          const uint2 x = ld_shared_64(v8 + uint32_t(s8 * BN * D + key * D + d));
-          nan8 |= e4m3_nan8(x);
-          st_shared_128(kSwizzle(v16 + uint32_t(kFlatV(key, d, s) * sizeof(PV))),
-                        f16x8_of_e4m3x8(x));
-        }
+        const bool nan8 = convert_e4m3_tile<BN, D, C::kConverters, false, true>(
+            v8 + uint32_t(s8 * BN * D), ci, [&](int key, int d) __attribute__((always_inline)) {
+              return kSwizzle(v16 + uint32_t(kFlatV(key, d, s) * sizeof(PV)));
+            });
         // The check, on the converted tile (its barrier is also the one after which every
         // converted value is visible to all).
         if (K::key_tile(n, kt) >= kt.n_first)
