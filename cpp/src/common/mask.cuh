@@ -26,6 +26,12 @@
 // masked tiles end. The kernels that take it (scalar, cutlass-sm90, cutlass-sm80) mask with both
 // edges.
 //
+// A mask also applies itself to a tile of scores (`apply`): a kernel hands it a view of the tile
+// (ScoreTile below: each element's row and key within the tile, and a way to hide one), and the
+// mask hides the scores of keys their rows do not see, paying only on tiles its tile test says may
+// hold one. NoMask and CausalBottomRight hide by last_key alone (each row sees a prefix of the
+// block's key range); Band by both edges.
+//
 // Index is the kernel's row/key type: int where the kernel's 32-bit limits hold (its
 // can_implement), int64_t where the kernel computes in 64 bits.
 #pragma once
@@ -41,6 +47,25 @@
 #include "sdpa/sdpa.h"
 
 namespace sdpa::mask {
+
+// What `apply` asks of a kernel's tile of scores (Tile): kRows x kCols elements as the kernel's
+// threads hold them (compile-time counts), row(r) and col(r, c) each element's row and key
+// within the tile, hide(r, c) sets its score to -inf. One thread's part of a tile is a Tile too.
+//
+// Hides the scores of keys past a row's last key (prefix masks: NoMask, CausalBottomRight), for
+// the bn keys from n0 of the rows from m0, where the mask's tile test says some may be.
+template <class M, class Tile, typename Index>
+__device__ __forceinline__ void apply_prefix(const M& mask, const Tile& t, Index m0, Index n0,
+                                             Index bn) {
+  if (!mask.tile_masked(m0, n0, bn)) return;
+#pragma unroll
+  for (int r = 0; r < Tile::kRows; ++r) {
+    const Index last = mask.last_key(m0 + t.row(r));
+#pragma unroll
+    for (int c = 0; c < Tile::kCols; ++c)
+      if (n0 + t.col(r, c) > last) t.hide(r, c);
+  }
+}
 
 // Every key of the sequence, for every row.
 template <typename Index = int>
@@ -81,6 +106,12 @@ struct NoMask {
   }
   // The same mask for one sequence of a batch of different lengths.
   __host__ __device__ __forceinline__ NoMask rebased(Index sq, Index sk) const { return {sq, sk}; }
+  // Hides the scores past seq_k of the tile of bn keys from n0 (rows from m0; `rows` unused).
+  template <class Tile>
+  __device__ __forceinline__ void apply(const Tile& t, Index m0, Index /*rows*/, Index n0,
+                                        Index bn) const {
+    apply_prefix(*this, t, m0, n0, bn);
+  }
 };
 
 // Causal, aligned bottom-right: row i sees keys j <= i + seq_k - seq_q (the last query row sees
@@ -127,6 +158,12 @@ struct CausalBottomRight {
   }
   __host__ __device__ __forceinline__ CausalBottomRight rebased(Index sq, Index sk) const {
     return {sq, sk};
+  }
+  // Hides the scores past each row's diagonal (or seq_k) of the tile of bn keys from n0.
+  template <class Tile>
+  __device__ __forceinline__ void apply(const Tile& t, Index m0, Index /*rows*/, Index n0,
+                                        Index bn) const {
+    apply_prefix(*this, t, m0, n0, bn);
   }
 };
 
@@ -191,6 +228,23 @@ struct Band {
   // them (left and right were clamped to the longest lengths, unbounded for this one too).
   __host__ __device__ __forceinline__ Band rebased(Index sq, Index sk) const {
     return {sq, sk, top_left ? Index(0) : sk - sq, left, right, top_left};
+  }
+  // Hides the scores outside each row's [first_key, last_key] of the tile of bn keys from n0,
+  // for the `rows` rows from m0, where the tile test says some may be.
+  template <class Tile>
+  __device__ __forceinline__ void apply(const Tile& t, Index m0, Index rows, Index n0,
+                                        Index bn) const {
+    if (!tile_masked(m0, rows, n0, bn)) return;
+#pragma unroll
+    for (int r = 0; r < Tile::kRows; ++r) {
+      const Index row = m0 + t.row(r);
+      const Index first = first_key(row) - n0, last = last_key(row) - n0;
+#pragma unroll
+      for (int c = 0; c < Tile::kCols; ++c) {
+        const Index col = t.col(r, c);
+        if (col < first || col > last) t.hide(r, c);
+      }
+    }
   }
 };
 

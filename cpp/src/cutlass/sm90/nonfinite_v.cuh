@@ -143,4 +143,32 @@ __device__ __forceinline__ uint4 f16x8_of_e4m3x8(uint2 codes) {
                     f16x2_of_e4m3x2(codes.y), f16x2_of_e4m3x2(codes.y >> 16));
 }
 
+// E4m3 V's codes, one tile of BN keys x D (unswizzled rows of D bytes from shared address v8),
+// into f16 at the shared address dst(key, d) of key's columns d.. d + 7 in the tile the wgmmas
+// read (swizzled), exactly: thread i of kThreads keeps its 8 columns and steps over the keys (no
+// index division in the loop; 8-byte reads along the rows, 16-byte writes: both free of bank
+// conflicts). kNan: returns whether one of its codes was a NaN (e4m3 has no infinities), else
+// false. kUnroll: the loop unrolled (the small kernel, whose loads then overlap, and which checks
+// the f16 tile instead: a NaN test left to dead-code elimination changes how the loop unrolls;
+// the main kernel's converting warps run in 24 registers and keep it rolled).
+template <int BN, int D, int kThreads, bool kUnroll, bool kNan, class Dst>
+__device__ __forceinline__ bool convert_e4m3_tile(uint32_t v8, int i, const Dst& dst) {
+  constexpr int kPerRow = D / 8, kStep = kThreads / kPerRow;
+  static_assert(kThreads % kPerRow == 0);
+  const int d = i % kPerRow * 8;
+  bool nan8 = false;
+  const auto one = [&](int key) __attribute__((always_inline)) {
+    const uint2 x = ld_shared_64(v8 + uint32_t(key * D + d));
+    if constexpr (kNan) nan8 |= e4m3_nan8(x);
+    st_shared_128(dst(key, d), f16x8_of_e4m3x8(x));
+  };
+  if constexpr (kUnroll) {
+    CUTE_UNROLL
+    for (int key = i / kPerRow; key < BN; key += kStep) one(key);
+  } else {
+    for (int key = i / kPerRow; key < BN; key += kStep) one(key);
+  }
+  return nan8;
+}
+
 }  // namespace sdpa::cutlass_sm90

@@ -126,7 +126,7 @@ struct FastDiv {
 };
 
 // The sizes, the GQA group divisor and the log2-domain softmax scale every sm_90a parameter block
-// (the main kernel's Mainloop::Params, the small kernel's SmallParams) carries, from validated
+// (the main kernel's MainloopParams, the small kernel's SmallParams) carries, from validated
 // arguments (32-bit sizes: each kernel's can_implement).
 template <class P>
 void fill_sizes(P& p, const FwdArgs& a) {

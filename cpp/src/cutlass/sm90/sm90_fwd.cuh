@@ -4,20 +4,30 @@
 // (S on e4m3 wgmma; P·V on f16, or in fast mode on e4m3). The kernel is role dispatch over its
 // collectives:
 //   tile_config.cuh     element types, the per-head-dim tuning table, layouts, shared storage
-//   tile_scheduler.cuh  which work tiles a CTA runs, in what order; the grid size
+//   tile_scheduler.cuh  which work tiles a CTA runs, in what order (the walk every role
+//                       takes); the grid size
 //   tile_feed.cuh       the masked kernels' tiles handed to a persistent grid as CTAs free up
-//   mainloop.cuh        the producer's TMA loads, the spare warps' V work, the consumers' rounds
-//   pipeline.cuh        ring positions and barrier phases
-//   softmax.cuh         the online softmax on the accumulators; mask application
+//   kernel_traits.cuh   what the roles share: the constants that choose the paths, the pipelines
+//   mainloop_params.cuh the collectives' parameters, made on the host from FwdArgs
+//   tile_keys.cuh       a work tile's sequence, mask and key tiles (order, place, checked ones)
+//   producer.cuh        the producer's TMA loads (Q, the K/V ring)
+//   v_side.cuh          the spare producer warps' V work (e4m3 conversion, the non-finite V
+//                       check) and the consumers' side of the check
+//   consumer.cuh        the consumers' wgmma rounds with the online softmax in between
+//   pipeline.cuh        the barrier pipelines (K/V ring, the V check's detour, hand-overs)
+//   softmax.cuh         the online softmax on the accumulators; the score tile masks apply to
+//   score_mod.cuh       score mods policies: none, or softcap and ALiBi as the call asks
+//   seq_layout.cuh      sequence layout policies: dense, or the call's (packed, paged, seqused_k)
 //   nonfinite_v.cuh     the non-finite V check
 //   epilogue.cuh        O to global memory
 //   v_prepass.cuh       e4m3: V converted (accurate mode) or transposed (fast mode) before
-// and the mask policy (common/mask.cuh) it is templated on. Sequences of different lengths
-// (common/seqs.cuh: packed Q, K and V, a paged cache whose pages hold whole key tiles,
-// seqused_k) run on the band kernel: each role finds its work tile's sequence, skips tiles past
-// its queries, and rebases the band to its lengths; rows past a sequence's end that a tile's TMA
-// copy brings in (the next sequence's) are masked like any key the band hides, and the
-// non-finite V check ignores them. docs/design.md describes the tiles,
+// and the mask policy (common/mask.cuh) it is templated on, which applies itself to a tile of
+// scores. The band kernel is the general path: its score mods and sequence layout are the
+// call's (KernelTraits::Mods, Seqs); the plain kernels run dense sequences without mods. With
+// sequences of different lengths each role finds its work tile's sequence, skips tiles past its
+// queries, and rebases the band to its lengths; rows past a sequence's end that a tile's TMA copy
+// brings in (the next sequence's) are masked like any key the band hides, and the non-finite V
+// check ignores them. docs/design.md describes the tiles,
 // roles, register split, overlap and scheduling. Assumes validated arguments
 // (crates/sdpa/src/problem/mod.rs): head_dim == D, 16-byte aligned rows, strides in elements,
 // heads % kv_heads == 0, seq_q, seq_k >= 1; and what can_implement (below) checks: the device,
@@ -51,47 +61,63 @@
 #include "common/launch.cuh"
 #include "common/limits.cuh"
 #include "common/mask.cuh"
+#include "cutlass/sm90/consumer.cuh"
 #include "cutlass/sm90/epilogue.cuh"
-#include "cutlass/sm90/mainloop.cuh"
+#include "cutlass/sm90/kernel_traits.cuh"
+#include "cutlass/sm90/mainloop_params.cuh"
 #include "cutlass/sm90/nonfinite_v.cuh"
 #include "cutlass/sm90/primitives.cuh"
+#include "cutlass/sm90/producer.cuh"
 #include "cutlass/sm90/softmax.cuh"
 #include "cutlass/sm90/tile_config.cuh"
+#include "cutlass/sm90/tile_keys.cuh"
 #include "cutlass/sm90/tile_scheduler.cuh"
 #include "cutlass/sm90/v_prepass.cuh"
+#include "cutlass/sm90/v_side.cuh"
 
 namespace sdpa::cutlass_sm90 {
 
 template <class E, int D, class Mask>
 struct KernelParams {
-  typename Mainloop<E, D, Mask>::Params mainloop;
+  typename KernelTraits<E, D, Mask>::Params mainloop;
   typename TileScheduler<Mask::kMasksKeys>::Params sched;
   typename Epilogue<E, D>::Params epilogue;
 };
 
-// Registers of a producer and of a consumer thread (see the top of this file). Kernels on the
-// tile feed (masked, 16-bit, D <= 128) walk it in the producer's TMA thread: 48 and 224. The band
-// kernel's producer also reads a paged cache's block table: 40 at D >= 192, where its consumers
-// need 232 (more of O to hold).
-template <class E, int D, class Mask>
-constexpr int kProducerRegs = Mainloop<E, D, Mask>::kFeed ? 48
-                              : mask::kIsBand<Mask>       ? 40
-                                                          : 24;
-template <class E, int D, class Mask>
-constexpr int kConsumerRegs = Mainloop<E, D, Mask>::kFeed ? 224
-                              : mask::kIsBand<Mask>       ? 232
-                                                          : 240;
-template <class E, int D, class Mask>
-constexpr bool kRegsFit = 2 * (kConsumerRegs<E, D, Mask> - 168) <= 168 - kProducerRegs<E, D, Mask>;
+// The kernel's collectives for element types E, head dim D and mask Mask: the kernel body
+// (fwd_body) is written against these names alone.
+template <class E_, int D_, class Mask_>
+struct FwdCollectives {
+  using E = E_;
+  using Mask = Mask_;
+  static constexpr int D = D_;
+  using Traits = KernelTraits<E, D, Mask>;
+  using Keys = TileKeys<E, D, Mask>;
+  using Scheduler = TileScheduler<Mask::kMasksKeys>;
+  using Producer = cutlass_sm90::Producer<E, D, Mask>;
+  using VSide = cutlass_sm90::VSide<E, D, Mask>;
+  using Consumer = cutlass_sm90::Consumer<E, D, Mask>;
+  using Epilogue = cutlass_sm90::Epilogue<E, D>;
+  using Params = KernelParams<E, D, Mask>;
+
+  // Registers of a producer and of a consumer thread (see the top of this file). Kernels on the
+  // tile feed (masked, 16-bit, D <= 128) walk it in the producer's TMA thread: 48 and 224. The
+  // band kernel's producer also reads a paged cache's block table: 40 at D >= 192, where its
+  // consumers need 232 (more of O to hold).
+  static constexpr int kProducerRegs = Traits::kFeed ? 48 : Traits::kBand ? 40 : 24;
+  static constexpr int kConsumerRegs = Traits::kFeed ? 224 : Traits::kBand ? 232 : 240;
+  static_assert(2 * (kConsumerRegs - 168) <= 168 - kProducerRegs,
+                "the consumers' setmaxnreg would wait forever");
+};
 
 // What a thread of the producer warpgroup (threads 0-127) does.
 enum class ProducerRole { kLoad, kConvertV, kCheckV, kIdle };
 
-template <class E, int D, class Mask>
+template <class K>
 __device__ __forceinline__ ProducerRole producer_role(int tid) {
   if (tid == 0) return ProducerRole::kLoad;
-  if (tid >= 32 && E::kConvertV) return ProducerRole::kConvertV;
-  if (tid >= 32 && Mainloop<E, D, Mask>::kChecksV) return ProducerRole::kCheckV;
+  if (tid >= 32 && K::E::kConvertV) return ProducerRole::kConvertV;
+  if (tid >= 32 && K::Traits::kChecksV) return ProducerRole::kCheckV;
   return ProducerRole::kIdle;
 }
 
@@ -122,19 +148,24 @@ __device__ __forceinline__ void init_barriers(typename C::Smem& sm, int consumer
   cutlass::arch::fence_barrier_init();
 }
 
-template <class E, int D, class Mask>
-__global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
-    fwd_kernel(const __grid_constant__ KernelParams<E, D, Mask> p) {
-#ifdef SDPA_SM90_DEVICE
-  using C = TileConfig<E, D>;
-  using Main = Mainloop<E, D, Mask>;
-  using Sched = TileScheduler<Mask::kMasksKeys>;
-  static_assert(kRegsFit<E, D, Mask>, "the consumers' setmaxnreg would wait forever");
+// The kernel, generic over its collectives K (FwdCollectives): role dispatch, the producer
+// warpgroup's roles, and each consumer warpgroup's work tiles from the main loop to the epilogue.
+template <class K>
+__device__ __forceinline__ void fwd_body(const typename K::Params& p) {
+  using E = typename K::E;
+  using T = typename K::Traits;
+  using C = typename T::C;
+  using Sched = typename K::Scheduler;
+  using Keys = typename K::Keys;
+  using Consumer = typename K::Consumer;
+  using VSide = typename K::VSide;
+  using Epi = typename K::Epilogue;
+  constexpr int D = K::D;
   auto& sm = smem_storage<typename C::Smem>();
   const int tid = threadIdx.x;
 
   if (tid == 0) {
-    Main::prefetch_descriptors(p.mainloop);
+    K::Producer::prefetch_descriptors(p.mainloop);
     init_barriers<C>(sm, 128 * p.sched.wgs, E::kConvertV);
   }
   __syncthreads();  // the last CTA-wide barrier: the roles part here
@@ -147,16 +178,16 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
   pdl_launch_dependents();
 
   if (tid < 128) {
-    cutlass::arch::warpgroup_reg_dealloc<uint32_t(kProducerRegs<E, D, Mask>)>();
-    switch (producer_role<E, D, Mask>(tid)) {
+    cutlass::arch::warpgroup_reg_dealloc<uint32_t(K::kProducerRegs)>();
+    switch (producer_role<K>(tid)) {
       case ProducerRole::kLoad:
-        Main::load(p.mainloop, p.sched, sm);
+        K::Producer::load(p.mainloop, p.sched, sm);
         break;
       case ProducerRole::kConvertV:
-        if constexpr (E::kConvertV) Main::convert_v(p.mainloop, p.sched, sm, tid - 32);
+        if constexpr (E::kConvertV) VSide::convert_v(p.mainloop, p.sched, sm, tid - 32);
         break;
       case ProducerRole::kCheckV:
-        if constexpr (Main::kChecksV) Main::check_v(p.mainloop, p.sched, sm, tid - 32);
+        if constexpr (T::kChecksV) VSide::check_v(p.mainloop, p.sched, sm, tid - 32);
         break;
       case ProducerRole::kIdle:
         break;
@@ -164,55 +195,58 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
     return;
   }
 
-  // Consumer warpgroups: the CTA's work tiles as the producer walks them (Mainloop::reader_tile).
-  cutlass::arch::warpgroup_reg_alloc<uint32_t(kConsumerRegs<E, D, Mask>)>();
+  // Consumer warpgroups: the CTA's work tiles as the producer walks them (TileWalk::follow).
+  cutlass::arch::warpgroup_reg_alloc<uint32_t(K::kConsumerRegs)>();
   const int ctid = tid - 128;       // 0 .. consumers - 1
   const int wg = ctid / 128;        // this consumer warpgroup: rows [64 wg, 64 wg + 64)
   const int bm = 64 * p.sched.wgs;  // query rows per tile (the Q buffer always holds BM = 128)
   typename C::MmaPV mma_pv;
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<C::kBM>, Int<D>>{});
   Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
-  const auto ops = Main::consumer_operands(sm, ctid);
-  int it = 0, qi = 0;    // ring uses and tiles with queries so far
-  uint32_t v_phase = 0;  // kTracked kernels' V barrier phases (Mainloop::mma)
-  for (int k = 0;; ++k) {
-    const int t = Main::reader_tile(p.sched, sm, k);
-    if (t >= p.sched.tiles) break;
+  const auto ops = Consumer::consumer_operands(sm, ctid);
+  int it = 0, qi = 0;  // ring uses and tiles with queries so far
+  PhaseBits v_phase;   // kTracked kernels' V barrier phases (VRing)
+  T::Walk::follow(p.sched, sm, [&](int t) __attribute__((always_inline)) {
     const WorkTile w = Sched::decode(p.sched, t);
     const int m0 = w.m_block * bm;
-    if (Main::past_end(Main::seq_of_tile(p.mainloop, w), m0)) continue;
-    const KeyTiles kt = Main::key_tiles(p.mainloop, Main::seq_of_tile(p.mainloop, w), m0, bm);
+    if (Keys::past_end(Keys::seq_of_tile(p.mainloop, w), m0)) return;
+    const KeyTiles kt = Keys::key_tiles(p.mainloop, Keys::seq_of_tile(p.mainloop, w), m0, bm);
     float sl2, o_scale;
-    Main::scales(p.mainloop, w, sl2, o_scale);
+    Consumer::scales(p.mainloop, w, sl2, o_scale);
     OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop, E::kFp8PV ? 8 : 0, true>
         softmax;
     clear(tOrO);
-    Main::mma(p.mainloop, sm, ops, m0, kt, it, qi, tOrO, softmax, w, sl2, wg, v_phase);
+    Consumer::mma(p.mainloop, sm, ops, m0, kt, it, qi, tOrO, softmax, w, sl2, wg, v_phase);
     // The sequence and its mask again, not held across the main loop.
-    const Seq<int> seq = Main::seq_of_tile(p.mainloop, w);
+    const Seq<int> seq = Keys::seq_of_tile(p.mainloop, w);
     // On the feed the check runs ahead by up to a tile: its records of this tile are in the
     // slots of the tile's parity, complete once nf_ready says so, and free once read.
-    if constexpr (Main::kTracked) Main::Bar::wait(&sm.nf_ready[qi & 1], (qi >> 1) & 1);
-    Main::add_masked_nonfinite(p.mainloop, w, sm, Main::mask_of(p.mainloop, seq), m0, kt, tOrO,
-                               ctid, (qi & 1) * C::kTileSlots);
-    if constexpr (Main::kTracked) Main::Bar::arrive(&sm.nf_free[qi & 1]);
-    Epilogue<E, D>::store_lse(p.epilogue, softmax, ops.coords, seq, w.b, w.h, m0,
-                              Main::step_scale(p.mainloop, sl2));
+    if constexpr (T::kTracked) T::records(sm).wait(qi);
+    VSide::add_masked_nonfinite(p.mainloop, w, sm, Keys::mask_of(p.mainloop, seq), m0, kt, tOrO,
+                                ctid, (qi & 1) * C::kTileSlots);
+    if constexpr (T::kTracked) T::records(sm).release(qi);
+    Epi::store_lse(p.epilogue, softmax, ops.coords, seq, w.b, w.h, m0,
+                   Consumer::step_scale(p.mainloop, sl2));
     softmax.normalize(O, o_scale);
     // kAliasO: Q's buffer takes O once every consumer warpgroup's last S = Q·Kᵀ is done (a
     // warpgroup's Q rows are spread over the whole buffer).
     if constexpr (C::kAliasO) named_sync(kStagingBarrier, 128 * p.sched.wgs);
-    Epilogue<E, D>::store(p.epilogue, sm, tOrO, seq, w.b, w.h, m0, wg, ctid, qi,
-                          kEpilogueBarrier + wg);
+    Epi::store(p.epilogue, sm, tOrO, seq, w.b, w.h, m0, wg, ctid, qi, kEpilogueBarrier + wg);
     if constexpr (C::kAliasO) {
       // O was staged in Q's buffer: Q is free once the staging is read, and the next Q's TMA
       // (async proxy) is ordered after these generic-proxy accesses.
       cutlass::arch::fence_view_async_shared();
-      Main::Bar::arrive(&sm.empty_q);
+      T::q_slot(sm).release(qi);
     }
     ++qi;
-    if constexpr (Main::kOneTile) break;
-  }
+  });
+}
+
+template <class E, int D, class Mask>
+__global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
+    fwd_kernel(const __grid_constant__ KernelParams<E, D, Mask> p) {
+#ifdef SDPA_SM90_DEVICE
+  fwd_body<FwdCollectives<E, D, Mask>>(p);
 #endif
 }
 
@@ -256,7 +290,7 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   p.sched = Sched::make(a.dims.seq_q, a.dims.heads, a.dims.batch, sms, a.seqs.total_q,
                         device_ptr<const int32_t>(a.seqs.cu_seqlens_q));
   // A kernel on the feed is persistent where the caller gave a tile counter (tile_feed.cuh).
-  if constexpr (Mainloop<E, D, Mask>::kFeed)
+  if constexpr (KernelTraits<E, D, Mask>::kFeed)
     p.sched.counter = forced_ctas() < 0 ? nullptr : device_ptr<int32_t>(a.scratch.tile_counter);
   // Non-masked grids are persistent past one wave (Sched::grid_size), as are those on the feed
   // with a counter; turns only pay where every CTA runs a single tile.
@@ -265,7 +299,7 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   // E4M3 with the pre-pass: V is its copy in the workspace (v_prepass.cuh).
   const void* v = device_ptr<const void>(E::kPrepass ? a.scratch.workspace : a.ops.v);
   const Strides vs = E::kPrepass && !E::kFp8PV ? packed_v_strides(a) : a.ops.v_stride;
-  p.mainloop = Mainloop<E, D, Mask>::make(a, v, vs, turns);
+  p.mainloop = make_mainloop_params<E, D, Mask>(a, v, vs, turns);
   p.epilogue = {
       device_ptr<typename Epilogue<E, D>::Stored>(a.ops.o),   a.ops.o_stride,    int(a.dims.seq_q),
       a.out.has_lse ? device_ptr<float>(a.out.lse) : nullptr, int(a.dims.heads), a.seqs.total_q};

@@ -30,6 +30,12 @@
 // launch, loads and stores alone, plus the compute, plus the exchange), the exchange and the
 // chain of waits, not bandwidth, dominate the time (measured: docs/log/2026-11-notebook.md,
 // "mission problem: small-problem path for sm90").
+//
+// Built from the main kernel's pieces where the two do the same thing: the online softmax and
+// the score tile (softmax.cuh), the mask applying itself (common/mask.cuh), the non-finite V
+// check (nonfinite_v.cuh), e4m3 V's conversion (convert_e4m3_tile), the hand-overs
+// (pipeline.cuh) and the operands' TMA tensors (operand_tensor). Its tile shapes (one warpgroup,
+// one key slice, no stages: SmallCfg) and its parameters (the merge's) are its own.
 #pragma once
 
 #include "common/attributes.cuh"
@@ -150,24 +156,20 @@ struct SmallParams {
 };
 
 // E4m3: V's codes as they landed (LayoutV8, on bar_v) into the f16 V tile P·V reads (LayoutV),
-// exactly; 8 codes a thread and step (8-byte reads along the rows, 16-byte writes into the
-// swizzled tile: both free of bank conflicts). Then visible to every warp and to the wgmmas.
+// exactly, as the main kernel's converting warps do (convert_e4m3_tile); no NaN check (the
+// non-finite V check scans the f16 tile). Then visible to every warp and to the wgmmas.
 template <class C>
 __device__ __forceinline__ void convert_v_slice(typename C::Smem& sm, int tid) {
   constexpr int D = C::HD::value, KN = C::KNt::value;
   constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
   constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
-  constexpr int kPerRow = D / 8, kStep = C::kThreads / kPerRow;
   const uint32_t v8 = uint32_t(__cvta_generic_to_shared(sm.in.v8));
   const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.in.v));
-  cutlass::arch::ClusterTransactionBarrier::wait(&sm.bar_v, 0);
-  const int d = tid % kPerRow * 8;
-  CUTE_UNROLL
-  for (int key = tid / kPerRow; key < KN; key += kStep) {
-    const uint2 x = ld_shared_64(v8 + uint32_t(key * D + d));
-    st_shared_128(kSwizzle(v16 + uint32_t(kFlatV(key, d) * sizeof(typename C::PV))),
-                  f16x8_of_e4m3x8(x));
-  }
+  Handoff<1>{&sm.bar_v, nullptr}.wait(0);
+  convert_e4m3_tile<KN, D, C::kThreads, true, false>(
+      v8, tid, [&](int key, int d) __attribute__((always_inline)) {
+        return kSwizzle(v16 + uint32_t(kFlatV(key, d) * sizeof(typename C::PV)));
+      });
   cutlass::arch::fence_view_async_shared();
   __syncthreads();
 }
@@ -180,9 +182,11 @@ __global__ void __launch_bounds__(128, 1)
   using QK = typename C::QK;
   using PV = typename C::PV;
   using Out = typename C::Out;
-  using Bar = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kRow = C::kRow;
   auto& sm = smem_storage<typename C::Smem>();
+  // One hand-over each (pipeline.cuh), none reused: Q and K, V, and the peers' partials.
+  const Handoff<1> qk_slot{&sm.bar_qk, nullptr}, v_slot{&sm.bar_v, nullptr},
+      partials{&sm.bar_x, nullptr};
   const int tid = threadIdx.x;
   const int rank = blockIdx.x, nrank = gridDim.x;  // the cluster spans grid x
   const int R = p.rows;
@@ -195,7 +199,7 @@ __global__ void __launch_bounds__(128, 1)
     mbar_init(&sm.bar_qk, 1);
     mbar_init(&sm.bar_v, 1);
     mbar_init(&sm.bar_x, 1);
-    Bar::arrive_and_expect_tx(&sm.bar_x, uint32_t((nrank - 1) * mine * kRow * 4));
+    partials.expect(0, uint32_t((nrank - 1) * mine * kRow * 4));
     cutlass::arch::fence_barrier_init();
   }
   // Phase 1 of the cluster barrier: peers copy into this CTA only once it has initialized bar_x
@@ -244,11 +248,11 @@ __global__ void __launch_bounds__(128, 1)
       }
     }();
     // The copy engine counts the zero-filled bytes of partial boxes too.
-    Bar::arrive_and_expect_tx(&sm.bar_qk, uint32_t((64 + KN) * D * sizeof(QK)));
-    copy(p.tma_q.with(sm.bar_qk), get<0>(tQ), get<1>(tQ));
-    copy(p.tma_k.with(sm.bar_qk), get<0>(tK), get<1>(tK));
-    Bar::arrive_and_expect_tx(&sm.bar_v, uint32_t(KN * D * (E::kFp8 ? sizeof(QK) : sizeof(PV))));
-    copy(p.tma_v.with(sm.bar_v), get<0>(tV), get<1>(tV));
+    uint64_t& qk_full = qk_slot.expect(0, uint32_t((64 + KN) * D * sizeof(QK)));
+    copy(p.tma_q.with(qk_full), get<0>(tQ), get<1>(tQ));
+    copy(p.tma_k.with(qk_full), get<0>(tK), get<1>(tK));
+    uint64_t& v_full = v_slot.expect(0, uint32_t(KN * D * (E::kFp8 ? sizeof(QK) : sizeof(PV))));
+    copy(p.tma_v.with(v_full), get<0>(tV), get<1>(tV));
   }
 
   typename C::MmaQK mma_qk;
@@ -274,7 +278,7 @@ __global__ void __launch_bounds__(128, 1)
     Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<_64, Int<KN>>{}));
     Tensor cSrc = make_tensor(cS.data(), rowcol(cS.layout()));
 
-    Bar::wait(&sm.bar_qk, 0);
+    qk_slot.wait(0);
     warpgroup_fence_operand(tSrS);
     warpgroup_arrive();
     mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
@@ -288,11 +292,11 @@ __global__ void __launch_bounds__(128, 1)
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
 
-    apply_mask(S, cSrc, mask, m0, k0, KN);
+    mask.apply(score_tile(S, cSrc), m0, 64, k0, KN);
     softmax.step(S, sl2);
     convert_p(rP, tSrS);
 
-    if constexpr (!E::kFp8) Bar::wait(&sm.bar_v, 0);
+    if constexpr (!E::kFp8) v_slot.wait(0);
     const auto pv = [&] {
       warpgroup_fence_operand(tOrO);
       warpgroup_fence_operand(rP);
@@ -366,7 +370,7 @@ __global__ void __launch_bounds__(128, 1)
                  stage_s + uint32_t(tid * R * kRow * 4), uint32_t(rows_of(tid) * kRow * 4),
                  map_rank(bar_s, tid));
   }
-  Bar::wait(&sm.bar_x, 0);
+  partials.wait(0);
   // Phase 2: once every CTA has arrived, every copy out of this CTA's stage has landed, so it
   // may exit (its smem must outlive the copies that read it).
   cluster_arrive_relaxed();
@@ -438,9 +442,7 @@ template <class E, int D, int KN>
 SmallParams<E, D, KN> make_small_params(const FwdArgs& a, int cluster) {
   using C = SmallCfg<E, D, KN>;
   const auto gmem = [&](auto const* ptr, int64_t seq, int64_t heads, const Strides& st) {
-    return make_tensor(make_gmem_ptr(ptr),
-                       make_shape(int(seq), Int<D>{}, int(heads), int(a.dims.batch)),
-                       make_stride(st.seq, _1{}, st.head, st.batch));
+    return operand_tensor<D>(ptr, seq, heads, a.dims.batch, st);
   };
   using QK = typename C::QK;
   using VIn = std::conditional_t<E::kFp8, QK, typename C::PV>;  // V as the call holds it

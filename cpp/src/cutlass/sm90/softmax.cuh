@@ -1,6 +1,6 @@
-// The online softmax of the sm_90a kernels, on wgmma accumulators: masking a tile of scores,
-// the running row max and sum, O's rescaling and final normalization. The main kernel runs it
-// once per key tile; the small-problem kernel once per CTA.
+// The online softmax of the sm_90a kernels, on wgmma accumulators: a tile of scores as the masks
+// and score mods take it, the running row max and sum, O's rescaling and final normalization. The
+// main kernel runs it once per key tile; the small-problem kernel once per CTA.
 #pragma once
 
 #include "common/score_mods.cuh"
@@ -18,65 +18,26 @@ __device__ __forceinline__ constexpr auto rowcol(L const& l) {
                      make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
 }
 
-// Scores of keys a row does not see (past seq_k, or hidden by the mask policy) set to -inf, for
-// the bn keys from n0 of rows from m0 (S in the row/col view, cSrc each element's (row, col)
-// within the tile). Only tiles the policy says may be masked pay for it.
-template <class Mask, class TS, class TC>
-__device__ __forceinline__ void apply_mask(TS& S, TC const& cSrc, const Mask& mask, int m0, int n0,
-                                           int bn) {
-  if (!mask.tile_masked(m0, n0, bn)) return;
-  CUTE_UNROLL
-  for (int r = 0; r < decltype(size<0>(S))::value; ++r) {
-    const int last = mask.last_key(m0 + get<0>(cSrc(r, 0)));
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(S); ++c)
-      if (n0 + get<1>(cSrc(r, c)) > last) S(r, c) = -INFINITY;
-  }
-}
+// A thread's part of a tile of scores as the mask policies (common/mask.cuh: apply) and the score
+// mods (common/score_mods.cuh) take it: S in the row/col view, cS each element's (row, col) within
+// the tile.
+template <class TS, class TC>
+struct ScoreTile {
+  TS& s;
+  TC const& cs;
+  static constexpr int kRows = decltype(size<0>(std::declval<TS&>()))::value;
+  static constexpr int kCols = decltype(size<1>(std::declval<TS&>()))::value;
+  static constexpr int kSize = decltype(size(std::declval<TS&>()))::value;
 
-// Band kernels: the score mods (when on), then the band's mask on both edges, for the bn keys from
-// n0 of the `rows` rows from m0 (S in the row/col view, cSrc each element's (row, col)).
-template <class Mask, class TS, class TC>
-__device__ __forceinline__ void apply_band(TS& S, TC const& cSrc, const Mask& mask,
-                                           const ScoreMods& mods, int m0, int rows, int n0,
-                                           int bn) {
-  if (mods.on) {
-    if (mods.cap2 > 0.f) {
-      const float in = mods.sl2 / mods.cap2;
-      // With ALiBi the bias comes after the cap: the logits themselves; else tanh alone (the
-      // softmax scales by the cap: Mainloop::step_scale).
-      if (mods.alibi) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(S); ++i) S(i) = mods.cap2 * tanh_approx(S(i) * in);
-      } else {
-        CUTE_UNROLL
-        for (int i = 0; i < size(S); ++i) S(i) = tanh_approx(S(i) * in);
-      }
-    } else {
-      CUTE_UNROLL
-      for (int i = 0; i < size(S); ++i) S(i) *= mods.sl2;
-    }
-    if (mods.slope2 != 0.f) {
-      CUTE_UNROLL
-      for (int r = 0; r < decltype(size<0>(S))::value; ++r) {
-        const int d0 = m0 + get<0>(cSrc(r, 0)) + mods.alibi_diagonal - n0;  // distance at col 0
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(S); ++c)
-          S(r, c) -= mods.slope2 * fabsf(float(d0 - get<1>(cSrc(r, c))));
-      }
-    }
-  }
-  if (!mask.tile_masked(m0, rows, n0, bn)) return;
-  CUTE_UNROLL
-  for (int r = 0; r < decltype(size<0>(S))::value; ++r) {
-    const int row = m0 + get<0>(cSrc(r, 0));
-    const int first = mask.first_key(row) - n0, last = mask.last_key(row) - n0;
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(S); ++c) {
-      const int col = get<1>(cSrc(r, c));
-      if (col < first || col > last) S(r, c) = -INFINITY;
-    }
-  }
+  __device__ __forceinline__ int row(int r) const { return get<0>(cs(r, 0)); }
+  __device__ __forceinline__ int col(int r, int c) const { return get<1>(cs(r, c)); }
+  __device__ __forceinline__ void hide(int r, int c) const { s(r, c) = -INFINITY; }
+  __device__ __forceinline__ auto& x(int i) const { return s(i); }
+  __device__ __forceinline__ auto& x(int r, int c) const { return s(r, c); }
+};
+template <class TS, class TC>
+__device__ __forceinline__ ScoreTile<TS, TC> score_tile(TS& s, TC const& cs) {
+  return {s, cs};
 }
 
 // Row state of the online softmax for the kRows accumulator rows a thread holds: the running

@@ -266,7 +266,7 @@ struct TileConfig {
     // tile land on full_vd instead of full_v, are checked by the producer's spare warps, which
     // then arrive on checked_v, and the consumers wait for that (kConvertV: the converting warps
     // check, full_v as for every tile). These are the first ring uses of the CTA's one query tile
-    // (Mainloop::key_tile): at most two for causal (phase 0 of both barriers of stages 0 and 1),
+    // (TileKeys::key_tile): at most two for causal (phase 0 of both barriers of stages 0 and 1),
     // at most four for a band (its lower edge's too), and full_v's phases on those stages run
     // behind by as many. Per checked use (a slot): nf_any, whether its tile had any non-finite
     // value, nf the first key of each kind per column, and for a band nf_last the last.

@@ -14,10 +14,9 @@
 // and each CTA runs its own tile alone.
 #pragma once
 
-#include <cutlass/arch/barrier.h>
-
 #include <cstdint>
 
+#include "cutlass/sm90/pipeline.cuh"
 #include "cutlass/sm90/primitives.cuh"
 
 namespace sdpa::cutlass_sm90 {
@@ -25,8 +24,6 @@ namespace sdpa::cutlass_sm90 {
 struct TileFeed {
   int32_t* counter;  // null: one tile a CTA
   int tiles;
-
-  using Bar = cutlass::arch::ClusterTransactionBarrier;
 
   // The grid size, read where used (held across the producer's loop, it is what ptxas spills).
   __device__ __forceinline__ static int grid() {
@@ -56,26 +53,32 @@ struct TileFeed {
     }
   }
 
-  // The producer's TMA thread: fetches work tile k and publishes it in slot k % 2 once every
+  // The feed's two slots (tile k in slot k % 2): the producer's TMA thread writes, every other
+  // role of the CTA reads.
+  template <class Smem>
+  __device__ __forceinline__ static Handoff<2> slots(Smem& sm) {
+    return {sm.feed_full, sm.feed_empty};
+  }
+
+  // The producer's TMA thread: fetches work tile k and publishes it in its slot once every
   // reader has taken tile k - 2 from there. Returns it (`tiles`: none; the CTA is done).
   template <class Smem>
   __device__ __forceinline__ int publish(Smem& sm, int k) const {
     const int t = fetch(k);
-    const int slot = k & 1;
-    if (k >= 2) Bar::wait(&sm.feed_empty[slot], ((k >> 1) - 1) & 1);
-    st_shared(uint32_t(__cvta_generic_to_shared(&sm.feed_tile[slot])), uint32_t(t));
-    Bar::arrive(&sm.feed_full[slot]);  // release: the tile's value is visible to the waiters
+    slots(sm).acquire(k);
+    st_shared(uint32_t(__cvta_generic_to_shared(&sm.feed_tile[Handoff<2>::slot(k)])), uint32_t(t));
+    slots(sm).commit(k);  // release: the tile's value is visible to the waiters
     if (t >= tiles) finish();
     return t;
   }
 
-  // A reader (a consumer or checking thread): work tile k, from the producer's slot k % 2.
+  // A reader (a consumer or checking thread): work tile k, from the producer's slot.
   template <class Smem>
   __device__ __forceinline__ static int take(Smem& sm, int k) {
-    const int slot = k & 1;
-    Bar::wait(&sm.feed_full[slot], (k >> 1) & 1);
-    const int t = int(ld_shared_32(uint32_t(__cvta_generic_to_shared(&sm.feed_tile[slot]))));
-    Bar::arrive(&sm.feed_empty[slot]);
+    slots(sm).wait(k);
+    const int t =
+        int(ld_shared_32(uint32_t(__cvta_generic_to_shared(&sm.feed_tile[Handoff<2>::slot(k)]))));
+    slots(sm).release(k);
     return t;
   }
 };

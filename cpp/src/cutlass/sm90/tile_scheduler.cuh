@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "cutlass/sm90/primitives.cuh"
+#include "cutlass/sm90/tile_feed.cuh"
 
 namespace sdpa::cutlass_sm90 {
 
@@ -134,6 +135,70 @@ struct TileScheduler {
       start = end;
     }
     return {-1, h, 0};
+  }
+};
+
+// How the roles of a CTA walk its work tiles, all in the same order: f(t) for each work tile t
+// (a return from f goes on to the next). On the feed (kFeed: the masked kernels with a persistent
+// grid, tile_feed.cuh) the producer's TMA thread fetches each tile and publishes it, and every
+// other role takes it from there; otherwise each role walks the tiles statically, blockIdx.x,
+// blockIdx.x + gridDim.x, ... (kOneTile: the first alone). A role whose tile body was a loop body
+// passes it as a lambda marked __attribute__((always_inline)): inlined late, as an ordinary
+// lambda is, it is optimized apart from its surroundings, and the consumers' and the check's
+// code comes out otherwise than as a loop body (the producer's loads were a lambda already).
+template <bool kFeed, bool kOneTile>
+struct TileWalk {
+  // The producer's TMA thread, which issues the tiles. kGridEachTile: the grid size re-read at
+  // each step of the static walk (held in a register across the loop, it is the one value ptxas
+  // spills where the thread has 24 registers and e4m3 V to load into its own ring).
+  template <bool kGridEachTile, class SP, class Smem, class F>
+  __device__ __forceinline__ static void issue(const SP& sp, Smem& sm, F&& f) {
+    if constexpr (kFeed) {
+      // The feed's index lives in shared memory: in a register across the loop it is what
+      // ptxas spills first at D >= 192.
+      const uint32_t k_at = uint32_t(__cvta_generic_to_shared(&sm.feed_next));
+      st_shared(k_at, 0u);
+      for (;;) {
+        const int k = int(ld_shared_32(k_at));
+        st_shared(k_at, uint32_t(k + 1));
+        const int t = TileFeed{sp.counter, sp.tiles}.publish(sm, k);
+        if (t >= sp.tiles) break;
+        f(t);
+      }
+    } else {
+      const auto stride = [] {
+        uint32_t n = gridDim.x;
+        if constexpr (kGridEachTile) asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+        return int(n);
+      };
+      for (int t = blockIdx.x; t < sp.tiles; t += stride()) {
+        f(t);
+        if constexpr (kOneTile) break;
+      }
+    }
+  }
+
+  // Every other role: the tiles the TMA thread issues.
+  template <class SP, class Smem, class F>
+  __device__ __forceinline__ static void follow(const SP& sp, Smem& sm, F&& f) {
+    for (int k = 0;; ++k) {
+      const int t = tile(sp, sm, k);
+      if (t >= sp.tiles) break;
+      f(t);
+      if constexpr (kOneTile) break;
+    }
+  }
+
+ private:
+  // Work tile k of this CTA (sp.tiles: none left).
+  template <class SP, class Smem>
+  __device__ __forceinline__ static int tile(const SP& sp, Smem& sm, int k) {
+    if constexpr (kFeed) {
+      return TileFeed::take(sm, k);
+    } else {
+      const int t = int(blockIdx.x) + k * int(gridDim.x);
+      return (kOneTile && k > 0) || t >= sp.tiles ? sp.tiles : t;
+    }
   }
 };
 

@@ -53,7 +53,7 @@ __host__ __device__ constexpr int p_key_of(int L) {
 // Fast mode's masked kernels: per (batch, kv_head), the first key holding a NaN code in any
 // column (word 0), then in each column d (word 1 + d); all ones where none. transpose_v writes
 // those codes as zero (0 · NaN in the P·V would reach rows that do not see the key) and records
-// them here; the kernel sets O to NaN where a row sees that key (Mainloop::add_nan_columns).
+// them here; the kernel sets O to NaN where a row sees that key (VSide::add_nan_columns).
 __host__ __device__ constexpr int64_t nan_table_words(int64_t head_dim) { return 1 + head_dim; }
 
 // Fast mode: V^T into `out`, [batch][kv_head][D][keys_pad], keys_pad a multiple of 32, keys past

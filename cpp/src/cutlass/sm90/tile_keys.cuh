@@ -1,0 +1,92 @@
+// The key tiles of a work tile: its sequence, whether it lies past the sequence's queries, its
+// mask, which key tiles it sees in what order, where each lies in K's and V's TMA tensors, and
+// which of them the non-finite V check takes. Every role of the CTA computes them alike.
+#pragma once
+
+#include "common/mask.cuh"
+#include "common/seqs.cuh"
+#include "cutlass/sm90/kernel_traits.cuh"
+
+namespace sdpa::cutlass_sm90 {
+
+// The key tiles of one query tile: how many it sees, and from which on they are partly masked
+// (n_tiles where none is). A band's tiles start at `begin`, and its n_cross partly masked ones
+// (n_upper across the diagonal, the rest across the lower edge) are visited first.
+struct KeyTiles {
+  int n_tiles, n_first;
+  int begin, n_cross, n_upper;
+};
+
+template <class E, int D, class Mask>
+struct TileKeys {
+  using T = KernelTraits<E, D, Mask>;
+  using Params = typename T::Params;
+  using Seqs = typename T::Seqs;
+  static constexpr int BN = T::BN;
+  static constexpr bool kBand = T::kBand;
+
+  // Work tile w's sequence and whether a tile from m0 lies past its queries (the layout's).
+  __device__ __forceinline__ static Seq<int> seq_of_tile(const Params& p, const WorkTile& w) {
+    return Seqs::of(p, w);
+  }
+  __device__ __forceinline__ static bool past_end(const Seq<int>& seq, int m0) {
+    return Seqs::past_end(seq, m0);
+  }
+
+  // The mask of one sequence (the band rebased to its lengths: the call's own for dense ones).
+  __device__ __forceinline__ static Mask mask_of(const Params& p, const Seq<int>& seq) {
+    if constexpr (kBand)
+      return Mask{p.seq_q, p.seq_k, p.diag, p.left, p.right, p.top_left != 0}.rebased(seq.seq_q,
+                                                                                      seq.seq_k);
+    else
+      return Mask{seq.seq_q, seq.seq_k};
+  }
+
+  // The key tiles of the query tile of `rows` rows from m0 of sequence `seq`.
+  __device__ __forceinline__ static KeyTiles key_tiles(const Params& p, const Seq<int>& seq, int m0,
+                                                       int rows) {
+    const Mask mask = mask_of(p, seq);
+    if constexpr (kBand) {
+      const int begin = mask.key_begin(m0, rows) / BN;
+      const int end = max(begin, (mask.key_end(m0, rows) + BN - 1) / BN);
+      int upper = max(begin, min(end, mask.first_partial_tile(m0, BN, end)));
+      // A last tile that runs past the sequence's keys holds rows TMA does not zero where the K/V
+      // tensors go on (packed, paged or seqused_k): it is partly masked, and checked, too.
+      if (Seqs::foreign_tail(p) && end > begin && end * BN > mask.seq_k)
+        upper = min(upper, end - 1);
+      const int lower = max(begin, min(upper, mask.lower_partial_end(m0, rows, BN)));
+      return {end - begin, upper, begin, (end - upper) + (lower - begin), end - upper};
+    } else {
+      const int n_tiles = (mask.key_end(m0, rows) + BN - 1) / BN;
+      return {n_tiles, mask.first_partial_tile(m0, BN, n_tiles), 0, 0, 0};
+    }
+  }
+
+  // The key tile of a query tile's i-th ring use. Masked query tiles walk their keys from the
+  // last: the (at most two) partly masked tiles, which the non-finite V check holds back, come
+  // first, and their check runs while the consumers compute the first S = Q·Kᵀ and softmax
+  // instead of sitting between the last V load and the last P·V. (The online softmax does not
+  // depend on the order; rows that see nothing of the first tiles keep m = -inf and p = 0 until
+  // they do.) A band visits its upper partly masked tiles from the last, then its lower ones,
+  // then the rest from the last.
+  __device__ __forceinline__ static int key_tile(int i, const KeyTiles& kt) {
+    if constexpr (kBand) {
+      const int end = kt.begin + kt.n_tiles;
+      if (i < kt.n_upper) return end - 1 - i;
+      if (i < kt.n_cross) return kt.begin + (i - kt.n_upper);
+      return end - 1 - kt.n_upper - (i - kt.n_cross);
+    } else {
+      return Mask::kMasksKeys ? kt.n_tiles - 1 - i : i;
+    }
+  }
+
+  // How many of a query tile's first ring uses the non-finite V check takes (partly masked).
+  __device__ __forceinline__ static int checked_uses(const KeyTiles& kt) {
+    if constexpr (kBand)
+      return kt.n_cross;
+    else
+      return max(0, kt.n_tiles - kt.n_first);
+  }
+};
+
+}  // namespace sdpa::cutlass_sm90
