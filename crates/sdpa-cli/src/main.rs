@@ -299,3 +299,25 @@ fn short_kernel_name(k: &str) -> String {
     let end = k.find('(').unwrap_or(k.len());
     k[..end].to_string()
 }
+
+#[cfg(test)]
+mod help_tests {
+    use super::Cli;
+    use clap::CommandFactory;
+
+    /// `bench --help` and `validate --help` name every named problem the harness knows.
+    #[test]
+    fn help_lists_every_named_problem() {
+        for sub in ["bench", "validate"] {
+            let mut cmd = Cli::command();
+            let help = cmd
+                .find_subcommand_mut(sub)
+                .unwrap()
+                .render_help()
+                .to_string();
+            for p in sdpa_harness::NAMED_PROBLEMS {
+                assert!(help.contains(p.name), "{sub} --help lacks {}", p.name);
+            }
+        }
+    }
+}

@@ -9,12 +9,21 @@ use sdpa_harness::check::{
 use sdpa_harness::inputs::{Inputs, fresh_seed, named_inputs};
 use std::process::ExitCode;
 
+/// `--problem`'s help: every named problem (sdpa_harness::NAMED_PROBLEMS), so the list cannot
+/// fall behind the table.
+fn named_problems_help() -> String {
+    let names: Vec<&str> = sdpa_harness::NAMED_PROBLEMS
+        .iter()
+        .map(|p| p.name)
+        .collect();
+    format!("Named problems (comma-separated): {}", names.join(", "))
+}
+
 /// Arguments shared by `validate` and `bench`: which problems.
 #[derive(clap::Args, Clone)]
 pub struct ProblemArgs {
-    /// Named problems (comma-separated): mission, mission-causal, s1k-d64, s2k-d128,
-    /// s4k-d128-causal, s8k-d128, s16k-d128-causal.
-    #[arg(long, value_delimiter = ',')]
+    /// Named problems (comma-separated; the help lists every one).
+    #[arg(long, value_delimiter = ',', help = named_problems_help())]
     pub problem: Vec<String>,
     /// Extra shapes, BATCH,HEADS,SEQ_Q,SEQ_K,HEAD_DIM (repeatable).
     #[arg(long)]

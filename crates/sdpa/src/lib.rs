@@ -80,6 +80,10 @@ pub use plan::{Operands, Plan, Tensors};
 pub use tensor::{Element, Tensor};
 pub use view::{View, ViewMut, Views};
 
+/// The cudarc this crate is built against, so that a caller names its types (`CudaSlice<i32>`
+/// for sequence metadata, `CudaStream` for `Device::from_stream`) without matching its version.
+pub use cudarc;
+
 /// Runs attention for `p` on `dev`'s stream once: [`Plan::new`] then [`Plan::run`], for scripts
 /// and one-off calls (a loop plans once and runs each step). `ops` are [`Tensors`], [`Views`] or
 /// [`Fp8Views`]; `extras` the ALiBi slopes, log-sum-exp output and sequence metadata the problem
