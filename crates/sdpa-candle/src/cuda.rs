@@ -1,10 +1,12 @@
-//! The GPU side of the op: candle's buffers as sdpa views, on candle's stream.
+//! The GPU side of the ops: candle's buffers as sdpa views, on candle's stream.
 
+use crate::call::Call;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
-use candle_core::{Layout, Result, Shape, Storage, bail};
-use cudarc::driver::{CudaStream, CudaView, DeviceRepr, ValidAsZeroBits};
-use sdpa::{Backend, Extras, Problem, View, ViewMut, Views};
+use candle_core::{DType, Layout, Result, Storage, StorageRef, Tensor, bail};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtrMut, ValidAsZeroBits};
+use half::{bf16, f16};
+use sdpa::{Backend, Extras, View, ViewMut, Views};
 use std::sync::{Arc, Mutex};
 
 /// One sdpa handle per candle stream, made on first use: it keeps the cuBLAS state and scratch
@@ -23,86 +25,153 @@ fn handle(stream: &Arc<CudaStream>) -> Result<sdpa::Device> {
     Ok(dev)
 }
 
-/// `p` on candle's buffers: Q, K and V read in place at their strides, the output a new
-/// contiguous buffer of Q's shape, all on candle's stream; `extras` holds what `p` takes beyond
-/// them (the sequence offsets of a packed batch).
-pub(crate) fn forward<T: sdpa::Element + CudaDType + ValidAsZeroBits>(
-    p: &Problem,
-    (q, q_l): (&CudaStorage, &Layout),
-    (k, k_l): (&CudaStorage, &Layout),
-    (v, v_l): (&CudaStorage, &Layout),
-    extras: Extras<'_>,
-) -> Result<(CudaStorage, Shape)> {
-    let cdev = q.device().clone();
-    let stream = cdev.cuda_stream();
-    let dev = handle(&stream)?;
-    let shape = q_l.shape().clone();
-    let out_l = Layout::contiguous(&shape);
-    let mut out = cdev.alloc_zeros::<T>(shape.elem_count())?;
-    let (qs, ks, vs) = (
-        q.as_cuda_slice::<T>()?,
-        k.as_cuda_slice::<T>()?,
-        v.as_cuda_slice::<T>()?,
-    );
-    let views = Views {
-        q: View::new(qs.slice(q_l.start_offset()..), strides(q_l)),
-        k: View::new(ks.slice(k_l.start_offset()..), strides(k_l)),
-        v: View::new(vs.slice(v_l.start_offset()..), strides(v_l)),
-        out: ViewMut::new(out.as_view_mut(), strides(&out_l)),
-    };
-    sdpa::forward(&dev, p, Backend::Auto, views, extras).map_err(candle_core::Error::wrap)?;
-    Ok((CudaStorage::wrap_cuda_slice(out, cdev), shape))
-}
-
-/// A zero-filled contiguous buffer of `shape` on `like`'s device: the output of a packed batch
-/// with no queries or no keys, where no kernel runs.
-pub(crate) fn zeros<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
-    like: &CudaStorage,
-    shape: &Shape,
-) -> Result<(CudaStorage, Shape)> {
-    let cdev = like.device().clone();
-    let out = cdev.alloc_zeros::<T>(shape.elem_count())?;
-    Ok((CudaStorage::wrap_cuda_slice(out, cdev), shape.clone()))
-}
-
-/// The strides of a `(batch, seq, heads, head_dim)` layout as sdpa names them; a packed
-/// `(total, heads, head_dim)` one is a single batch entry of `total` rows (its batch stride,
-/// never stepped, the one a leading dimension of size 1 would have).
-fn strides(l: &Layout) -> sdpa::Strides {
-    match (l.dims(), l.stride()) {
-        (&[_, _, _, _], &[b, s, h, _]) => sdpa::Strides {
-            batch: b,
-            seq: s,
-            head: h,
-        },
-        (&[total, _, _], &[s, h, _]) => sdpa::Strides {
-            batch: total * s,
-            seq: s,
-            head: h,
-        },
-        _ => unreachable!("the op checked the rank of {:?}", l.shape()),
+/// `call` on candle's buffers: Q, K and V read in place at their strides, the output a new
+/// contiguous buffer of Q's shape (and the log-sum-exp a new f32 one when asked), all on
+/// candle's stream.
+pub(crate) fn run(
+    call: &Call<'_>,
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    with_lse: bool,
+) -> Result<(CudaStorage, Option<CudaStorage>)> {
+    match q.0.dtype() {
+        DType::F16 => run_t::<f16>(call, q, k, v, with_lse),
+        DType::BF16 => run_t::<bf16>(call, q, k, v, with_lse),
+        other => bail!("sdpa-candle: {other:?} tensors are not supported (f16 or bf16)"),
     }
 }
 
-/// A u32 offsets tensor (`seqlens_q` or `seqlens_k`, contiguous) as the i32 device view sdpa
-/// reads, without a copy: the same bytes, read as i32. Offsets below 2^31 read as themselves; the
-/// host cannot see the device values without a copy, so larger ones are not caught here (they read
-/// as negative; `FlashAttnVarLen::checked` catches them).
-pub(crate) fn offsets_as_i32<'a>(
+fn run_t<T: sdpa::Element + CudaDType + ValidAsZeroBits>(
+    call: &Call<'_>,
+    (q, q_l): (&CudaStorage, &Layout),
+    (k, k_l): (&CudaStorage, &Layout),
+    (v, v_l): (&CudaStorage, &Layout),
+    with_lse: bool,
+) -> Result<(CudaStorage, Option<CudaStorage>)> {
+    let cdev = q.device().clone();
+    let stream = cdev.cuda_stream();
+    let mut out = cdev.alloc_zeros::<T>(q_l.shape().elem_count())?;
+    let mut lse = if with_lse {
+        Some(neg_inf(&stream, call.lse_shape.elem_count())?)
+    } else {
+        None
+    };
+    if let Some(p) = &call.problem {
+        let dev = handle(&stream)?;
+        let p = p.with_lse(with_lse);
+        // The metadata's and the slopes' storage stays read-locked until the call is queued.
+        let seqused = match (call.meta.paged, call.meta.cu_seqlens_k) {
+            (true, Some(cu)) => Some(lengths(cu)?),
+            _ => None,
+        };
+        let cu_q = storage(call.meta.cu_seqlens_q);
+        let cu_k = storage(call.meta.cu_seqlens_k.filter(|_| !call.meta.paged));
+        let used = storage(seqused.as_ref());
+        let table = storage(call.meta.block_table);
+        let alibi = storage(call.alibi);
+        let extras = Extras {
+            alibi_slopes: view_f32("alibi_slopes", &alibi)?,
+            lse: lse.as_mut().map(|l| l.as_view_mut()),
+            cu_seqlens_q: view_i32("seqlens_q", &cu_q)?,
+            cu_seqlens_k: view_i32("seqlens_k", &cu_k)?,
+            seqused_k: view_i32("seqlens_k", &used)?,
+            block_table: view_i32("block_table", &table)?,
+        };
+        let (qs, ks, vs) = (
+            q.as_cuda_slice::<T>()?,
+            k.as_cuda_slice::<T>()?,
+            v.as_cuda_slice::<T>()?,
+        );
+        let [q_s, k_s, v_s] = call.strides;
+        let views = Views {
+            q: View::new(qs.slice(q_l.start_offset()..), q_s),
+            k: View::new(ks.slice(k_l.start_offset()..), k_s),
+            v: View::new(vs.slice(v_l.start_offset()..), v_s),
+            out: ViewMut::new(out.as_view_mut(), call.out_strides),
+        };
+        sdpa::forward(&dev, &p, Backend::Auto, views, extras).map_err(candle_core::Error::wrap)?;
+    }
+    let lse = lse.map(|l| CudaStorage::wrap_cuda_slice(l, cdev.clone()));
+    Ok((CudaStorage::wrap_cuda_slice(out, cdev), lse))
+}
+
+/// `n` f32 of -inf (the log-sum-exp of a row that sees no key, which no kernel writes), on
+/// `stream`.
+fn neg_inf(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<f32>> {
+    // SAFETY: every element is written by the memset below before the slice is read.
+    let mut lse = unsafe { stream.alloc::<f32>(n) }.map_err(candle_core::Error::wrap)?;
+    if n > 0 {
+        let (ptr, _guard) = lse.device_ptr_mut(stream);
+        // SAFETY: `ptr` addresses the n f32 of `lse`, live on this stream; the fill is queued
+        // on it.
+        unsafe {
+            cudarc::driver::sys::cuMemsetD32Async(
+                ptr,
+                f32::NEG_INFINITY.to_bits(),
+                n,
+                stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(candle_core::Error::wrap)?;
+    }
+    Ok(lse)
+}
+
+/// Each sequence's keys from its u32 offsets: `cu[b + 1] − cu[b]`, on the device (offsets that
+/// decrease wrap to lengths past 2^31, which read as negative i32 and are clamped to 0 keys).
+fn lengths(cu: &Tensor) -> Result<Tensor> {
+    let n = cu.dim(0)?;
+    cu.narrow(0, 1, n - 1)?.sub(&cu.narrow(0, 0, n - 1)?)
+}
+
+/// The read-locked storage of an optional tensor, with its layout.
+fn storage(t: Option<&Tensor>) -> Option<(StorageRef<'_>, &Layout)> {
+    t.map(|t| t.storage_and_layout())
+}
+
+/// The contiguous elements of a tensor's CUDA storage.
+fn contiguous<'a, E: CudaDType>(
     name: &str,
-    storage: &'a Storage,
-    l: &Layout,
-) -> Result<CudaView<'a, i32>> {
-    let Storage::Cuda(c) = storage else {
+    (s, l): &'a (StorageRef<'_>, &Layout),
+) -> Result<CudaView<'a, E>> {
+    let Storage::Cuda(c) = &**s else {
         bail!("sdpa-candle: {name} must be on the GPU with q, k and v");
     };
     let Some((start, end)) = l.contiguous_offsets() else {
         bail!("sdpa-candle: {name} must be contiguous");
     };
-    let offsets = c.as_cuda_slice::<u32>()?.slice(start..end);
+    Ok(c.as_cuda_slice::<E>()?.slice(start..end))
+}
+
+/// f32 ALiBi slopes as sdpa reads them.
+fn view_f32<'a>(
+    name: &str,
+    t: &'a Option<(StorageRef<'_>, &Layout)>,
+) -> Result<Option<CudaView<'a, f32>>> {
+    t.as_ref().map(|t| contiguous::<f32>(name, t)).transpose()
+}
+
+/// u32 or i32 metadata as the i32 view sdpa reads, without a copy: u32 values below 2^31 read as
+/// themselves; the host cannot see the device values without a copy, so larger ones are not
+/// caught here (they read as negative and are clamped; checked mode catches them).
+fn view_i32<'a>(
+    name: &str,
+    t: &'a Option<(StorageRef<'_>, &Layout)>,
+) -> Result<Option<CudaView<'a, i32>>> {
+    let Some(t) = t else { return Ok(None) };
+    let Storage::Cuda(c) = &*t.0 else {
+        bail!("sdpa-candle: {name} must be on the GPU with q, k and v");
+    };
+    if c.dtype() == DType::I32 {
+        return contiguous::<i32>(name, t).map(Some);
+    }
+    let view = contiguous::<u32>(name, t)?;
+    let n = view.len();
     // SAFETY: u32 and i32 have one size and alignment, and every bit pattern is a valid i32.
-    match unsafe { offsets.transmute::<i32>(end - start) } {
-        Some(view) => Ok(view),
+    match unsafe { view.transmute::<i32>(n) } {
+        Some(view) => Ok(Some(view)),
         None => bail!("sdpa-candle: {name} could not be viewed as i32"),
     }
 }

@@ -1,11 +1,13 @@
-//! Batches of sequences of different lengths, packed without padding: candle-flash-attn's
-//! `flash_attn_varlen` functions on sdpa's packed Q and K/V (`Problem::with_packed_q` and
-//! `with_packed_kv`), each sequence attended on its own.
+//! Batches of sequences of different lengths, packed without padding, and paged K/V caches:
+//! candle-flash-attn's `flash_attn_varlen` functions on sdpa's packed Q and K/V
+//! (`Problem::with_packed_q`, `with_packed_kv`) or paged cache (`with_paged_kv`), each sequence
+//! attended on its own.
 
-use crate::{cpu_storage, host_values, last_dim_contiguous, same_dtype, same_shape_kv, sdpa_dtype};
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Error, Layout, Result, Shape, Tensor, bail};
-use sdpa::{Problem, SeqMeta};
+use crate::call::{self, Call, Meta, Resolve};
+use crate::dense::{cap, window_mask};
+use crate::host;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
+use sdpa::Problem;
 
 /// Attention over a packed batch of sequences of different lengths, as candle-flash-attn's
 /// `flash_attn_varlen`: Q is `(total_q, heads, head_dim)`, K and V `(total_k, kv_heads,
@@ -23,7 +25,8 @@ use sdpa::{Problem, SeqMeta};
 /// On the CPU the offsets are checked (starting at 0, never decreasing, inside Q and K/V, no
 /// sequence longer than its maximum). On the GPU they are read where they lie, unchecked, as
 /// FlashAttention reads them: only their count is checked on the host, and each u32 is read as
-/// an i32 (offsets must be below 2^31). [`FlashAttnVarLen::checked`] checks them there too.
+/// an i32 (offsets must be below 2^31); bad values give wrong rows, never a read outside the
+/// tensors. [`FlashAttnVarLen::checked`] checks them there too.
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor};
@@ -54,23 +57,19 @@ pub fn flash_attn_varlen(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<Tensor> {
-    let window_size_right = causal.then_some(0);
-    flash_attn_varlen_windowed(
-        q,
-        k,
-        v,
+    FlashAttnVarLen::new(
         seqlens_q,
         seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
         softmax_scale,
-        None,
-        window_size_right,
     )
+    .window(None, causal.then_some(0))
+    .forward(q, k, v)
 }
 
 /// [`flash_attn_varlen`] with candle-flash-attn's window arguments, per sequence: its query row
-/// i sees keys j with `i + len_k - len_q - left <= j <= i + len_k - len_q + right`, `None`
+/// i sees keys j with `i + len_k − len_q − left ≤ j ≤ i + len_k − len_q + right`, `None`
 /// meaning no bound on that side (`None, Some(0)` is causal; Mistral's sliding window is
 /// `Some(w), Some(0)`).
 #[allow(clippy::too_many_arguments)]
@@ -86,58 +85,158 @@ pub fn flash_attn_varlen_windowed(
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    flash_attn_varlen_windowed_softcap(
-        q,
-        k,
-        v,
+    FlashAttnVarLen::new(
         seqlens_q,
         seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
         softmax_scale,
-        None,
-        window_size_left,
-        window_size_right,
     )
+    .window(window_size_left, window_size_right)
+    .forward(q, k, v)
 }
 
-/// [`flash_attn_varlen_windowed`] with Gemma 2's logit cap: scores become `softcap ·
-/// tanh(scores / softcap)` before the softmax (`None`: no cap).
+/// [`flash_attn_varlen_windowed`] on a paged K/V cache, for prefill or decode: K and V are
+/// `(pages, page_block_size, kv_heads, head_dim)`, key j of sequence b lies at row
+/// `j % page_block_size` of page `block_table[b][j / page_block_size]` (`block_table` u32 or
+/// i32, `(batch, pages_per_seq)`, contiguous), and sequence b has `seqlens_k[b + 1] −
+/// seqlens_k[b]` keys (its offsets count keys; where they lie is the block table's).
+/// `page_block_size` is a power of two from 16 to 256 (FlashAttention takes multiples of 32;
+/// 96, 160, 192 and 224 are refused here). `mm_prefix_ranges` (bidirectional spans inside a
+/// causal mask) is not supported: `Some` is an error. Softcap as
+/// [`flash_attn_varlen_alibi_windowed_softcap`].
 #[allow(clippy::too_many_arguments)]
-pub fn flash_attn_varlen_windowed_softcap(
+pub fn flash_attn_varlen_paged_windowed(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     seqlens_q: &Tensor,
     seqlens_k: &Tensor,
+    block_table: &Tensor,
+    mm_prefix_ranges: Option<&Tensor>,
     max_seqlen_q: usize,
     max_seqlen_k: usize,
     softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+    page_block_size: usize,
     softcap: Option<f32>,
+) -> Result<Tensor> {
+    if mm_prefix_ranges.is_some() {
+        bail!("sdpa-candle: mm_prefix_ranges are not supported (pass None)");
+    }
+    FlashAttnVarLen {
+        block_table: Some(block_table.clone()),
+        page_block_size: Some(page_block_size),
+        softcap,
+        ..FlashAttnVarLen::new(
+            seqlens_q,
+            seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+        )
+        .window(window_size_left, window_size_right)
+    }
+    .forward(q, k, v)
+}
+
+/// [`flash_attn_varlen`] with ALiBi: `alibi_slopes`, f32 `(heads)` (or `(batch, heads)`), add
+/// `−slope · |i + len_k − len_q − j|` to the score of query row i and key j of each sequence.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_alibi(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    causal: bool,
+) -> Result<Tensor> {
+    FlashAttnVarLen {
+        alibi_slopes: Some(alibi_slopes.clone()),
+        ..FlashAttnVarLen::new(
+            seqlens_q,
+            seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+        )
+        .window(None, causal.then_some(0))
+    }
+    .forward(q, k, v)
+}
+
+/// [`flash_attn_varlen_alibi`] with [`flash_attn_varlen_windowed`]'s window.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_alibi_windowed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    let mask = sdpa::Mask::Window {
-        left: window_size_left,
-        right: window_size_right,
+    FlashAttnVarLen {
+        alibi_slopes: Some(alibi_slopes.clone()),
+        ..FlashAttnVarLen::new(
+            seqlens_q,
+            seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+        )
+        .window(window_size_left, window_size_right)
     }
-    .canonical();
-    let op = FlashAttnVarLen {
-        softmax_scale,
-        max_seqlen_q,
-        max_seqlen_k,
-        seqlens_q: seqlens_q.clone(),
-        seqlens_k: seqlens_k.clone(),
-        mask,
-        softcap,
-        checked: false,
-    };
-    q.apply_op3_no_bwd(k, v, &op)
+    .forward(q, k, v)
 }
 
-/// The op behind [`flash_attn_varlen`]: one call of [`sdpa::forward`] on views on the GPU,
-/// the offsets in [`sdpa::Extras`]; [`sdpa::reference_seqs`] on the CPU. It holds the offsets
-/// tensors and reads their storage when it runs, as candle-flash-attn's op does.
+/// [`flash_attn_varlen_alibi_windowed`] with optional slopes and Gemma 2's logit cap: scores
+/// become `softcap · tanh(scores / softcap)` before the softmax (`0.0`: no cap, as
+/// FlashAttention).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_alibi_windowed_softcap(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: Option<&Tensor>,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+    softcap: f32,
+) -> Result<Tensor> {
+    FlashAttnVarLen {
+        alibi_slopes: alibi_slopes.cloned(),
+        softcap: Some(softcap),
+        ..FlashAttnVarLen::new(
+            seqlens_q,
+            seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+        )
+        .window(window_size_left, window_size_right)
+    }
+    .forward(q, k, v)
+}
+
+/// The op behind the varlen functions, with candle-flash-attn's field names (its op is private
+/// there): apply it with [`FlashAttnVarLen::forward`] (or candle's `apply_op3`), or take the
+/// log-sum-exp too with [`FlashAttnVarLen::forward_with_lse`]. It holds the metadata tensors and
+/// reads their storage when it runs. On the GPU one call of [`sdpa::forward`] on views, the
+/// metadata in [`sdpa::Extras`]; on the CPU [`sdpa::reference_seqs`].
 #[derive(Debug, Clone)]
 pub struct FlashAttnVarLen {
     /// The factor of Q·Kᵀ before the softmax (usually `1 / sqrt(head_dim)`).
@@ -149,64 +248,92 @@ pub struct FlashAttnVarLen {
     /// u32 `(batch + 1,)`, contiguous, on Q's device: where each sequence's queries start in Q,
     /// then where the last one ends.
     pub seqlens_q: Tensor,
-    /// As `seqlens_q`, for each sequence's keys in K and V.
+    /// As `seqlens_q`, for each sequence's keys in K and V (for a paged cache, only the
+    /// differences count: each sequence's keys).
     pub seqlens_k: Tensor,
-    /// Which keys each query row sees, aligned to its own sequence's lengths.
-    pub mask: sdpa::Mask,
-    /// The logit cap, if any.
+    /// A paged cache's pages of each sequence: u32 or i32 `(batch, pages_per_seq)`, contiguous.
+    pub block_table: Option<Tensor>,
+    /// A paged cache's page size (its K's second dimension): required with `block_table`.
+    pub page_block_size: Option<usize>,
+    /// f32 ALiBi slopes, `(heads)` or `(batch, heads)`, on Q's device.
+    pub alibi_slopes: Option<Tensor>,
+    /// The keys before a query row's diagonal it sees (`None`: all).
+    pub window_size_left: Option<usize>,
+    /// The keys after a query row's diagonal it sees (`None`: all; `Some(0)`: causal).
+    pub window_size_right: Option<usize>,
+    /// The logit cap, if any (`Some(0.0)` is none).
     pub softcap: Option<f32>,
-    /// Whether the GPU op first copies the offsets to the host and checks them (sdpa's
+    /// Whether the GPU op first copies the metadata to the host and checks it (sdpa's
     /// `Seqs::checked`: a synchronization each call, for debugging). The CPU op always checks
-    /// them.
+    /// it.
     pub checked: bool,
 }
 
-/// The sizes of a packed batch, checked against each other.
-#[derive(Debug, Clone, Copy)]
-struct Packed {
-    batch: usize,
-    total_q: usize,
-    total_k: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-}
+impl FlashAttnVarLen {
+    /// The op over packed Q and K/V, no mask, no bias, unchecked on the GPU.
+    pub fn new(
+        seqlens_q: &Tensor,
+        seqlens_k: &Tensor,
+        max_seqlen_q: usize,
+        max_seqlen_k: usize,
+        softmax_scale: f32,
+    ) -> Self {
+        FlashAttnVarLen {
+            softmax_scale,
+            max_seqlen_q,
+            max_seqlen_k,
+            seqlens_q: seqlens_q.clone(),
+            seqlens_k: seqlens_k.clone(),
+            block_table: None,
+            page_block_size: None,
+            alibi_slopes: None,
+            window_size_left: None,
+            window_size_right: None,
+            softcap: None,
+            checked: false,
+        }
+    }
 
-impl Packed {
-    /// Whether the batch has no query rows or no keys: its output is all zeros (or empty), and
-    /// no attention runs.
-    fn is_empty(&self) -> bool {
-        self.total_q == 0 || self.total_k == 0
+    /// The op with this window (candle-flash-attn's arguments).
+    pub fn window(self, left: Option<usize>, right: Option<usize>) -> Self {
+        FlashAttnVarLen {
+            window_size_left: left,
+            window_size_right: right,
+            ..self
+        }
+    }
+
+    /// The op on Q, K and V, recorded in candle's graph (a backward through it is
+    /// `BackwardNotSupported`).
+    pub fn forward(self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        q.apply_op3(k, v, self)
+    }
+
+    /// The op's output and each query row's log-sum-exp (f32 `(heads, total_q)`, natural log;
+    /// -inf for a row that sees no key or belongs to no sequence), outside candle's graph.
+    pub fn forward_with_lse(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        call::forward_with_lse(self, q, k, v)
     }
 }
 
+/// Sizes of a packed batch.
+struct Packed {
+    batch: usize,
+    total_q: usize,
+    heads: usize,
+    head_dim: usize,
+    kv_heads: usize,
+}
+
 impl FlashAttnVarLen {
-    /// The sizes Q, K, V and the offsets tensors give, each checked on the host (what needs no
-    /// offset's value).
-    fn packed(&self, dtype: DType, q: &Layout, k: &Layout, v: &Layout) -> Result<Packed> {
-        sdpa_dtype(dtype)?;
+    /// The sizes of packed Q and of the metadata, checked against each other.
+    fn packed(&self, q: &Layout) -> Result<Packed> {
         let (total_q, heads, head_dim) = q
             .shape()
             .dims3()
             .map_err(|e| e.context("sdpa-candle: q must be (total_q, heads, head_dim)"))?;
-        let (total_k, kv_heads, dk) = k
-            .shape()
-            .dims3()
-            .map_err(|e| e.context("sdpa-candle: k and v must be (total_k, kv_heads, head_dim)"))?;
-        same_shape_kv(k, v)?;
-        if dk != head_dim {
-            bail!(
-                "sdpa-candle: q is {:?} and k is {:?}: head_dim must match",
-                q.shape(),
-                k.shape()
-            );
-        }
-        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            bail!("sdpa-candle: k and v have {kv_heads} heads, which must divide q's {heads}");
-        }
-        last_dim_contiguous([("q", q), ("k", k), ("v", v)])?;
-        let offsets_q = offsets_count("seqlens_q", &self.seqlens_q)?;
-        let offsets_k = offsets_count("seqlens_k", &self.seqlens_k)?;
+        let offsets_q = host::offsets_count("seqlens_q", &self.seqlens_q)?;
+        let offsets_k = host::offsets_count("seqlens_k", &self.seqlens_k)?;
         if offsets_q != offsets_k {
             bail!(
                 "sdpa-candle: seqlens_q holds {offsets_q} offsets and seqlens_k {offsets_k}; \
@@ -222,86 +349,118 @@ impl FlashAttnVarLen {
         Ok(Packed {
             batch: offsets_q - 1,
             total_q,
-            total_k,
             heads,
-            kv_heads,
             head_dim,
+            kv_heads: 0,
         })
     }
 
-    /// The sdpa problem of a packed batch: `batch` sequences of at most `max_seqlen_q` queries
-    /// and `max_seqlen_k` keys, Q and K/V packed.
-    fn problem(&self, dtype: DType, s: &Packed) -> Result<Problem> {
-        let mut p = Problem::new(
+    /// The problem's K/V rows from K's layout: packed `(total_k, kv_heads, head_dim)`, or a
+    /// paged cache; `None` for packed K/V of no rows.
+    fn kv_rows(&self, s: &mut Packed, k: &Layout, p: Problem) -> Result<Option<Problem>> {
+        let Some(table) = &self.block_table else {
+            let (total_k, kv_heads, d) = k.shape().dims3().map_err(|e| {
+                e.context("sdpa-candle: k and v must be (total_k, kv_heads, head_dim)")
+            })?;
+            check_head_dim(s.head_dim, d)?;
+            s.kv_heads = kv_heads;
+            return Ok((total_k > 0).then(|| p.with_packed_kv(total_k)));
+        };
+        let (pages, page_size, kv_heads, d) = k.shape().dims4().map_err(|e| {
+            e.context("sdpa-candle: a paged k and v must be (pages, page_size, kv_heads, head_dim)")
+        })?;
+        check_head_dim(s.head_dim, d)?;
+        match self.page_block_size {
+            Some(n) if n == page_size => {}
+            other => bail!(
+                "sdpa-candle: page_block_size is {other:?}; the paged k is {:?}, pages of \
+                 {page_size}",
+                k.shape()
+            ),
+        }
+        let pages_per_seq = host::block_table_columns(table, s.batch)?;
+        s.kv_heads = kv_heads;
+        Ok(Some(p.with_paged_kv(pages, page_size, pages_per_seq)))
+    }
+}
+
+fn check_head_dim(q: usize, k: usize) -> Result<()> {
+    if q != k {
+        bail!("sdpa-candle: q's head_dim is {q} and k's {k}: they must match");
+    }
+    Ok(())
+}
+
+impl Resolve for FlashAttnVarLen {
+    fn resolve(&self, dtype: DType, q: &Layout, k: &Layout, v: &Layout) -> Result<Call<'_>> {
+        let dtype = host::sdpa_dtype(dtype)?;
+        let mut s = self.packed(q)?;
+        host::same_shape_kv(k, v)?;
+        host::last_dim_contiguous([("q", q), ("k", k), ("v", v)])?;
+        let paged = self.block_table.is_some();
+        let base = Problem::new(
             s.batch,
             s.heads,
             self.max_seqlen_q,
             self.max_seqlen_k,
             s.head_dim,
         )
-        .with_kv_heads(s.kv_heads)
-        .with_scale(self.softmax_scale)
-        .with_mask(self.mask)
-        .with_dtype(sdpa_dtype(dtype)?)
-        .with_layout(sdpa::Layout::Bshd)
-        .with_packed_q(s.total_q)
-        .with_packed_kv(s.total_k);
-        p.seqs = p.seqs.with_checked(self.checked);
-        if let Some(c) = self.softcap {
-            p = p.with_softcap(c);
+        .with_packed_q(s.total_q);
+        let p = self.kv_rows(&mut s, k, base)?;
+        if s.kv_heads == 0 || !s.heads.is_multiple_of(s.kv_heads) {
+            bail!(
+                "sdpa-candle: k and v have {} heads, which must divide q's {}",
+                s.kv_heads,
+                s.heads
+            );
         }
-        p.validate().map_err(Error::wrap)?;
-        Ok(p)
-    }
-
-    /// Host copies of the offsets, as sdpa's i32 metadata.
-    fn host_metadata(&self) -> Result<SeqMeta> {
-        Ok(SeqMeta {
-            cu_seqlens_q: Some(host_offsets("seqlens_q", &self.seqlens_q)?),
-            cu_seqlens_k: Some(host_offsets("seqlens_k", &self.seqlens_k)?),
-            ..SeqMeta::default()
-        })
-    }
-}
-
-/// How many offsets a `seqlens` tensor holds, having checked it is a contiguous u32 vector.
-fn offsets_count(name: &'static str, t: &Tensor) -> Result<usize> {
-    if t.dtype() != DType::U32 {
-        return Err(Error::UnexpectedDType {
-            msg: match name {
-                "seqlens_q" => "sdpa-candle: seqlens_q holds u32 offsets",
-                _ => "sdpa-candle: seqlens_k holds u32 offsets",
+        let kv_strides = |l: &Layout, name| {
+            if paged {
+                host::strides_paged(name, l)
+            } else {
+                Ok(host::strides_packed(l))
+            }
+        };
+        let strides = [
+            host::strides_packed(q),
+            kv_strides(k, "k")?,
+            kv_strides(v, "v")?,
+        ];
+        let problem = match p {
+            Some(p) if s.total_q > 0 => {
+                let mut p = p
+                    .with_kv_heads(s.kv_heads)
+                    .with_scale(self.softmax_scale)
+                    .with_mask(window_mask(self.window_size_left, self.window_size_right))
+                    .with_dtype(dtype)
+                    .with_layout(sdpa::Layout::Bshd);
+                p.seqs = p.seqs.with_checked(self.checked);
+                if let Some(c) = cap(self.softcap) {
+                    p = p.with_softcap(c);
+                }
+                if let Some(a) = &self.alibi_slopes {
+                    p = p.with_alibi(call::alibi_layout(a, s.batch, s.heads)?);
+                }
+                p.validate().map_err(candle_core::Error::wrap)?;
+                Some(p)
+            }
+            // No query rows, or no keys: nothing to attend.
+            _ => None,
+        };
+        Ok(Call {
+            problem,
+            strides,
+            out_strides: host::strides_packed(&Layout::contiguous(q.shape())),
+            lse_shape: Shape::from((s.heads, s.total_q)),
+            meta: Meta {
+                cu_seqlens_q: Some(&self.seqlens_q),
+                cu_seqlens_k: Some(&self.seqlens_k),
+                paged,
+                block_table: self.block_table.as_ref(),
             },
-            expected: DType::U32,
-            got: t.dtype(),
-        }
-        .bt());
-    }
-    let n = t
-        .dims1()
-        .map_err(|e| e.context(format!("sdpa-candle: {name} must be (batch + 1,)")))?;
-    if !t.is_contiguous() {
-        bail!("sdpa-candle: {name} must be contiguous");
-    }
-    Ok(n)
-}
-
-/// The offsets of a CPU `seqlens` tensor as i32, each checked to fit.
-fn host_offsets(name: &str, t: &Tensor) -> Result<Vec<i32>> {
-    if !t.device().is_cpu() {
-        bail!("sdpa-candle: {name} must be on the CPU with q, k and v");
-    }
-    t.to_vec1::<u32>()?
-        .into_iter()
-        .enumerate()
-        .map(|(i, x)| {
-            i32::try_from(x).map_err(|_| {
-                Error::msg(format!(
-                    "sdpa-candle: {name}[{i}] = {x} does not fit i32 (offsets are below 2^31)"
-                ))
-            })
+            alibi: self.alibi_slopes.as_ref(),
         })
-        .collect()
+    }
 }
 
 impl CustomOp3 for FlashAttnVarLen {
@@ -318,24 +477,7 @@ impl CustomOp3 for FlashAttnVarLen {
         v: &CpuStorage,
         v_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        same_dtype(q.dtype(), k.dtype(), v.dtype())?;
-        let shape = q_l.shape().clone();
-        let packed = self.packed(q.dtype(), q_l, k_l, v_l)?;
-        if packed.is_empty() {
-            return Ok((
-                cpu_storage(q.dtype(), &vec![0.0; shape.elem_count()]),
-                shape,
-            ));
-        }
-        let p = self.problem(q.dtype(), &packed)?;
-        let meta = self.host_metadata()?;
-        let (qv, kv, vv) = (
-            host_values(q, q_l)?,
-            host_values(k, k_l)?,
-            host_values(v, v_l)?,
-        );
-        let out = sdpa::reference_seqs(&p, &qv, &kv, &vv, None, &meta).map_err(Error::wrap)?;
-        Ok((cpu_storage(q.dtype(), &out.out), shape))
+        call::cpu_fwd(self, (q, q_l), (k, k_l), (v, v_l))
     }
 
     #[cfg(feature = "cuda")]
@@ -348,31 +490,17 @@ impl CustomOp3 for FlashAttnVarLen {
         v: &candle_core::CudaStorage,
         v_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use crate::cuda;
-        use half::{bf16, f16};
-        same_dtype(q.dtype(), k.dtype(), v.dtype())?;
-        let packed = self.packed(q.dtype(), q_l, k_l, v_l)?;
-        let is_f16 = q.dtype() == DType::F16;
-        if packed.is_empty() {
-            return if is_f16 {
-                cuda::zeros::<f16>(q, q_l.shape())
-            } else {
-                cuda::zeros::<bf16>(q, q_l.shape())
-            };
-        }
-        let p = self.problem(q.dtype(), &packed)?;
-        // The offsets' storage stays read-locked until the call is queued.
-        let (cu_q, cu_q_l) = self.seqlens_q.storage_and_layout();
-        let (cu_k, cu_k_l) = self.seqlens_k.storage_and_layout();
-        let extras = sdpa::Extras {
-            cu_seqlens_q: Some(cuda::offsets_as_i32("seqlens_q", &cu_q, cu_q_l)?),
-            cu_seqlens_k: Some(cuda::offsets_as_i32("seqlens_k", &cu_k, cu_k_l)?),
-            ..sdpa::Extras::default()
-        };
-        if is_f16 {
-            cuda::forward::<f16>(&p, (q, q_l), (k, k_l), (v, v_l), extras)
-        } else {
-            cuda::forward::<bf16>(&p, (q, q_l), (k, k_l), (v, v_l), extras)
-        }
+        call::cuda_fwd(self, (q, q_l), (k, k_l), (v, v_l))
+    }
+
+    fn bwd(
+        &self,
+        _q: &Tensor,
+        _k: &Tensor,
+        _v: &Tensor,
+        _out: &Tensor,
+        _grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        call::no_backward(self)
     }
 }

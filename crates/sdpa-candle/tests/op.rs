@@ -4,7 +4,7 @@
 //! at non-contiguous strides.
 
 use candle_core::{DType, Device, Result, Tensor};
-use sdpa_candle::{attention_unfused_windowed, flash_attn, flash_attn_windowed_softcap};
+use sdpa_candle::{FlashAttn, attention_unfused_windowed, flash_attn};
 
 /// ‖a − b‖ / ‖b‖ in f32.
 fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
@@ -45,7 +45,14 @@ fn matches_candles_attention(dev: &Device) -> Result<usize> {
                 let (q, k, v) = inputs(dev, dtype, dims)?;
                 assert!(!q.is_contiguous(), "the test means to pass a strided Q");
                 let scale = 1.0 / (dims.5 as f32).sqrt();
-                let ours = flash_attn_windowed_softcap(&q, &k, &v, scale, cap, left, right)?;
+                let ours = FlashAttn {
+                    softmax_scale: scale,
+                    alibi_slopes: None,
+                    window_size_left: left,
+                    window_size_right: right,
+                    softcap: cap,
+                }
+                .forward(&q, &k, &v)?;
                 let theirs = attention_unfused_windowed(&q, &k, &v, scale, cap, left, right)?;
                 assert_eq!(ours.dims(), q.dims());
                 assert_eq!(ours.dtype(), dtype);

@@ -6,8 +6,7 @@
 
 use candle_core::{DType, Device, Error, Result, Tensor};
 use sdpa_candle::{
-    FlashAttnVarLen, flash_attn_varlen, flash_attn_varlen_windowed_softcap,
-    flash_attn_windowed_softcap,
+    FlashAttn, FlashAttnVarLen, flash_attn_varlen, flash_attn_varlen_alibi_windowed_softcap,
 };
 
 /// Queries and keys of each sequence: one with no queries, one with no keys, one with more
@@ -94,18 +93,19 @@ const VARIANTS: [Variant; 4] = [
 fn matches_dense_per_sequence(b: &Batch, (left, right, cap): Variant, tol: f32) -> Result<usize> {
     let (max_q, max_k) = (b.q_lens.iter().max(), b.k_lens.iter().max());
     let scale = 1.0 / (b.q.dim(2)? as f32).sqrt();
-    let packed = flash_attn_varlen_windowed_softcap(
+    let packed = flash_attn_varlen_alibi_windowed_softcap(
         &b.q,
         &b.k,
         &b.v,
+        None,
         &b.seqlens_q,
         &b.seqlens_k,
         *max_q.unwrap(),
         *max_k.unwrap(),
         scale,
-        cap,
         left,
         right,
+        cap.unwrap_or(0.0),
     )?;
     assert_eq!(packed.dims(), b.q.dims());
     assert_eq!(packed.dtype(), b.q.dtype());
@@ -122,14 +122,17 @@ fn matches_dense_per_sequence(b: &Batch, (left, right, cap): Variant, tol: f32) 
             continue;
         }
         let one = |t: &Tensor, at: &[usize], len: usize| t.narrow(0, at[s], len)?.unsqueeze(0);
-        let dense = flash_attn_windowed_softcap(
+        let dense = FlashAttn {
+            softmax_scale: scale,
+            alibi_slopes: None,
+            window_size_left: left,
+            window_size_right: right,
+            softcap: cap,
+        }
+        .forward(
             &one(&b.q, &q_at, lq)?,
             &one(&b.k, &k_at, lk)?,
             &one(&b.v, &k_at, lk)?,
-            scale,
-            cap,
-            left,
-            right,
         )?
         .squeeze(0)?;
         assert!(
@@ -315,7 +318,7 @@ fn bad_inputs_are_errors() -> Result<()> {
         (run(q, k, &v.narrow(0, 0, 9)?, sq, sk, 5), "they must match"),
         (
             run(q, &narrow_d(k)?, &narrow_d(v)?, sq, sk, 5),
-            "head_dim must match",
+            "q's head_dim is 64 and k's 32",
         ),
         (
             run(
@@ -384,14 +387,8 @@ fn the_op_can_be_applied_directly() -> Result<()> {
     let dev = Device::Cpu;
     let b = batch(&dev, DType::BF16, (4, 1, 64), &[3, 5], &[4, 6])?;
     let op = FlashAttnVarLen {
-        softmax_scale: 0.1,
-        max_seqlen_q: 5,
-        max_seqlen_k: 6,
-        seqlens_q: b.seqlens_q.clone(),
-        seqlens_k: b.seqlens_k.clone(),
-        mask: sdpa::Mask::CausalBottomRight,
-        softcap: None,
         checked: true,
+        ..FlashAttnVarLen::new(&b.seqlens_q, &b.seqlens_k, 5, 6, 0.1).window(None, Some(0))
     };
     let direct = b.q.apply_op3_no_bwd(&b.k, &b.v, &op)?;
     let via_fn = flash_attn_varlen(
@@ -474,15 +471,10 @@ fn gpu_varlen_matches_dense_and_the_cpu_op() -> Result<()> {
     );
     let mut huge: Vec<u32> = offsets(&q_lens).iter().map(|&x| x as u32).collect();
     huge[5] = 1 << 31;
+    let huge = Tensor::new(huge.as_slice(), &dev)?;
     let op = FlashAttnVarLen {
-        softmax_scale: 0.08,
-        max_seqlen_q: 512,
-        max_seqlen_k: 1000,
-        seqlens_q: Tensor::new(huge.as_slice(), &dev)?,
-        seqlens_k: b.seqlens_k.clone(),
-        mask: sdpa::Mask::None,
-        softcap: None,
         checked: true,
+        ..FlashAttnVarLen::new(&huge, &b.seqlens_k, 512, 1000, 0.08)
     };
     let e = b.q.apply_op3_no_bwd(&b.k, &b.v, &op).unwrap_err();
     assert!(

@@ -1,0 +1,214 @@
+//! One attention call on candle storage, whichever op resolved it: the sdpa problem, how each
+//! operand is laid out, the tensors it reads beyond Q, K and V; and its run on the CPU (sdpa's
+//! float64 reference) or on the GPU (`cuda`). Both ops and their `forward_with_lse` go through
+//! here.
+
+use crate::host;
+use candle_core::backend::BackendStorage;
+use candle_core::op::BackpropOp;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, bail};
+use sdpa::{Alibi, Problem, SeqMeta, Strides};
+
+/// What an op makes of the layouts it is called with.
+pub(crate) trait Resolve {
+    /// The call on Q, K and V of `dtype` laid out as `q`, `k`, `v`, every shape checked.
+    fn resolve(&self, dtype: DType, q: &Layout, k: &Layout, v: &Layout) -> Result<Call<'_>>;
+}
+
+/// A resolved call.
+pub(crate) struct Call<'t> {
+    /// `None`: a packed batch with no query rows or no keys, where no attention runs (the output
+    /// is zeros, the log-sum-exp -inf).
+    pub problem: Option<Problem>,
+    /// The sdpa strides of Q, K and V, as the GPU reads them (the CPU gathers by layout).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub strides: [Strides; 3],
+    /// The strides of the contiguous output.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub out_strides: Strides,
+    /// The shape of the log-sum-exp: `(batch, heads, seq_q)`, or `(heads, total_q)` for packed Q.
+    pub lse_shape: Shape,
+    /// The sequence metadata.
+    pub meta: Meta<'t>,
+    /// f32 ALiBi slopes in `problem.alibi`'s layout, contiguous.
+    pub alibi: Option<&'t Tensor>,
+}
+
+/// The metadata tensors of a packed or paged batch, on Q's device.
+#[derive(Default)]
+pub(crate) struct Meta<'t> {
+    /// u32 `(batch + 1)` offsets of each sequence's queries.
+    pub cu_seqlens_q: Option<&'t Tensor>,
+    /// u32 `(batch + 1)` offsets of each sequence's keys: for a paged cache, only their
+    /// differences count (each sequence's keys), which become sdpa's `seqused_k`.
+    pub cu_seqlens_k: Option<&'t Tensor>,
+    /// Whether `cu_seqlens_k` gives `seqused_k` (a paged cache) rather than packed K/V rows.
+    pub paged: bool,
+    /// u32 or i32 `(batch, pages_per_seq)` pages of each sequence, contiguous.
+    pub block_table: Option<&'t Tensor>,
+}
+
+impl Call<'_> {
+    /// The call on the CPU: the output in Q's dtype and shape, and the log-sum-exp if asked.
+    pub fn cpu(
+        &self,
+        (q, q_l): (&CpuStorage, &Layout),
+        (k, k_l): (&CpuStorage, &Layout),
+        (v, v_l): (&CpuStorage, &Layout),
+        with_lse: bool,
+    ) -> Result<(CpuStorage, Option<CpuStorage>)> {
+        let out_len = q_l.shape().elem_count();
+        let Some(p) = &self.problem else {
+            let lse = with_lse
+                .then(|| CpuStorage::F32(vec![f32::NEG_INFINITY; self.lse_shape.elem_count()]));
+            return Ok((host::storage(q.dtype(), &vec![0.0; out_len]), lse));
+        };
+        let meta = self.host_meta()?;
+        let slopes = match self.alibi {
+            Some(t) => Some(
+                host::on_cpu("alibi_slopes", t)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?,
+            ),
+            None => None,
+        };
+        let (qv, kv, vv) = (
+            host::values(q, q_l)?,
+            host::values(k, k_l)?,
+            host::values(v, v_l)?,
+        );
+        let r = sdpa::reference_seqs(p, &qv, &kv, &vv, slopes.as_deref(), &meta)
+            .map_err(candle_core::Error::wrap)?;
+        let lse = with_lse.then(|| CpuStorage::F32(r.lse.iter().map(|&x| x as f32).collect()));
+        Ok((host::storage(q.dtype(), &r.out), lse))
+    }
+
+    /// Host copies of the metadata, as sdpa's i32 values.
+    fn host_meta(&self) -> Result<SeqMeta> {
+        let m = &self.meta;
+        let cu_q = m
+            .cu_seqlens_q
+            .map(|t| host::offsets("seqlens_q", t))
+            .transpose()?;
+        let cu_k = m
+            .cu_seqlens_k
+            .map(|t| host::offsets("seqlens_k", t))
+            .transpose()?;
+        let block_table = m.block_table.map(host::block_table).transpose()?;
+        let (cu_k, seqused_k) = match (m.paged, cu_k) {
+            (true, Some(cu)) => (None, Some(host::lengths("seqlens_k", &cu)?)),
+            (_, cu) => (cu, None),
+        };
+        Ok(SeqMeta {
+            cu_seqlens_q: cu_q,
+            cu_seqlens_k: cu_k,
+            seqused_k,
+            block_table,
+        })
+    }
+}
+
+/// The layout of ALiBi slopes for `heads` query heads of `batch` sequences: f32, `(heads)` or
+/// `(batch, heads)`, contiguous, on `q`'s device.
+pub(crate) fn alibi_layout(slopes: &Tensor, batch: usize, heads: usize) -> Result<Alibi> {
+    if slopes.dtype() != DType::F32 {
+        bail!(
+            "sdpa-candle: alibi_slopes are {:?}; they must be f32",
+            slopes.dtype()
+        );
+    }
+    if !slopes.is_contiguous() {
+        bail!("sdpa-candle: alibi_slopes must be contiguous");
+    }
+    match slopes.dims() {
+        [h] if *h == heads => Ok(Alibi::PerHead),
+        [b, h] if (*b, *h) == (batch, heads) => Ok(Alibi::PerBatchHead),
+        _ => bail!(
+            "sdpa-candle: alibi_slopes are {:?}; they must be ({heads}) or ({batch}, {heads}), one \
+             per query head",
+            slopes.shape()
+        ),
+    }
+}
+
+/// The op's forward on the CPU (its `CustomOp3::cpu_fwd`).
+pub(crate) fn cpu_fwd(
+    op: &impl Resolve,
+    q: (&CpuStorage, &Layout),
+    k: (&CpuStorage, &Layout),
+    v: (&CpuStorage, &Layout),
+) -> Result<(CpuStorage, Shape)> {
+    host::same_dtype(q.0.dtype(), k.0.dtype(), v.0.dtype())?;
+    let call = op.resolve(q.0.dtype(), q.1, k.1, v.1)?;
+    Ok((call.cpu(q, k, v, false)?.0, q.1.shape().clone()))
+}
+
+/// The op's forward on the GPU (its `CustomOp3::cuda_fwd`).
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_fwd(
+    op: &impl Resolve,
+    q: (&candle_core::CudaStorage, &Layout),
+    k: (&candle_core::CudaStorage, &Layout),
+    v: (&candle_core::CudaStorage, &Layout),
+) -> Result<(candle_core::CudaStorage, Shape)> {
+    host::same_dtype(q.0.dtype(), k.0.dtype(), v.0.dtype())?;
+    let call = op.resolve(q.0.dtype(), q.1, k.1, v.1)?;
+    Ok((
+        crate::cuda::run(&call, q, k, v, false)?.0,
+        q.1.shape().clone(),
+    ))
+}
+
+/// The backward an op does not have yet.
+pub(crate) fn no_backward(
+    op: &impl CustomOp3,
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    Err(candle_core::Error::BackwardNotSupported { op: op.name() }.bt())
+}
+
+/// The output and the log-sum-exp of `op` on Q, K and V, outside candle's graph (no backward).
+pub(crate) fn forward_with_lse(
+    op: &impl Resolve,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    for (name, t) in [("k", k), ("v", v)] {
+        if !t.device().same_device(q.device()) {
+            bail!(
+                "sdpa-candle: q is on {:?} and {name} on {:?}; they must share a device",
+                q.device().location(),
+                t.device().location()
+            );
+        }
+    }
+    host::same_dtype(q.dtype(), k.dtype(), v.dtype())?;
+    let ((qs, q_l), (ks, k_l), (vs, v_l)) = (
+        q.storage_and_layout(),
+        k.storage_and_layout(),
+        v.storage_and_layout(),
+    );
+    let call = op.resolve(q.dtype(), q_l, k_l, v_l)?;
+    let (out, lse) = match (&*qs, &*ks, &*vs) {
+        (Storage::Cpu(q), Storage::Cpu(k), Storage::Cpu(v)) => {
+            let (out, lse) = call.cpu((q, q_l), (k, k_l), (v, v_l), true)?;
+            (Storage::Cpu(out), lse.map(Storage::Cpu))
+        }
+        #[cfg(feature = "cuda")]
+        (Storage::Cuda(q), Storage::Cuda(k), Storage::Cuda(v)) => {
+            let (out, lse) = crate::cuda::run(&call, (q, q_l), (k, k_l), (v, v_l), true)?;
+            (Storage::Cuda(out), lse.map(Storage::Cuda))
+        }
+        _ => bail!(
+            "sdpa-candle: {:?} tensors are not supported (the CPU, or CUDA with the `cuda` feature)",
+            q.device().location()
+        ),
+    };
+    let Some(lse) = lse else {
+        bail!("sdpa-candle: the log-sum-exp was not computed");
+    };
+    Ok((
+        Tensor::from_storage(out, q_l.shape().clone(), BackpropOp::none(), false),
+        Tensor::from_storage(lse, call.lse_shape.clone(), BackpropOp::none(), false),
+    ))
+}

@@ -1,0 +1,233 @@
+//! A batch of sequences of one length: candle-flash-attn's `FlashAttn` op and its five functions,
+//! on `(batch, seq, heads, head_dim)` tensors.
+
+use crate::call::{self, Call, Meta, Resolve};
+use crate::host;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
+use sdpa::Problem;
+
+/// Attention over `(batch, seq, heads, head_dim)` tensors: `softmax(softmax_scale · Q·Kᵀ +
+/// mask) · V`, with the causal mask aligned bottom-right when `causal` (query row i sees keys
+/// j ≤ i + seq_k − seq_q, as FlashAttention 2 and later). K and V have `heads / g` heads for
+/// grouped-query attention. Returns a contiguous tensor of Q's shape and dtype.
+pub fn flash_attn(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f32,
+    causal: bool,
+) -> Result<Tensor> {
+    flash_attn_windowed(q, k, v, softmax_scale, None, causal.then_some(0))
+}
+
+/// [`flash_attn`] with a window: query row i sees keys j with `i + seq_k − seq_q − left ≤ j ≤ i +
+/// seq_k − seq_q + right`, `None` meaning no bound on that side (`None, Some(0)` is causal;
+/// Mistral's sliding window is `Some(w), Some(0)`).
+pub fn flash_attn_windowed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+) -> Result<Tensor> {
+    FlashAttn {
+        softmax_scale,
+        alibi_slopes: None,
+        window_size_left,
+        window_size_right,
+        softcap: None,
+    }
+    .forward(q, k, v)
+}
+
+/// [`flash_attn`] with ALiBi: `alibi_slopes`, f32 `(heads)` (or `(batch, heads)`), add
+/// `−slope · |i + seq_k − seq_q − j|` to the score of query row i and key j.
+pub fn flash_attn_alibi(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: &Tensor,
+    softmax_scale: f32,
+    causal: bool,
+) -> Result<Tensor> {
+    flash_attn_alibi_windowed(
+        q,
+        k,
+        v,
+        alibi_slopes,
+        softmax_scale,
+        None,
+        causal.then_some(0),
+    )
+}
+
+/// [`flash_attn_alibi`] with [`flash_attn_windowed`]'s window.
+pub fn flash_attn_alibi_windowed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: &Tensor,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+) -> Result<Tensor> {
+    FlashAttn {
+        softmax_scale,
+        alibi_slopes: Some(alibi_slopes.clone()),
+        window_size_left,
+        window_size_right,
+        softcap: None,
+    }
+    .forward(q, k, v)
+}
+
+/// [`flash_attn_alibi_windowed`] with optional slopes and Gemma 2's logit cap: scores become
+/// `softcap · tanh(scores / softcap)` before the softmax (`0.0`: no cap, as FlashAttention).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_alibi_windowed_softcap(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: Option<&Tensor>,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+    softcap: f32,
+) -> Result<Tensor> {
+    FlashAttn {
+        softmax_scale,
+        alibi_slopes: alibi_slopes.cloned(),
+        window_size_left,
+        window_size_right,
+        softcap: Some(softcap),
+    }
+    .forward(q, k, v)
+}
+
+/// The op behind the functions, candle-flash-attn's `FlashAttn` field for field: apply it with
+/// [`FlashAttn::forward`] (or candle's `apply_op3`), or take the log-sum-exp too with
+/// [`FlashAttn::forward_with_lse`]. On the GPU one call of [`sdpa::forward`] on views (backend
+/// `Auto`); on the CPU [`sdpa::reference_seqs`].
+#[derive(Debug, Clone)]
+pub struct FlashAttn {
+    /// The factor of Q·Kᵀ before the softmax (usually `1 / sqrt(head_dim)`).
+    pub softmax_scale: f32,
+    /// f32 ALiBi slopes, `(heads)` or `(batch, heads)`, on Q's device.
+    pub alibi_slopes: Option<Tensor>,
+    /// The keys before a query row's diagonal it sees (`None`: all).
+    pub window_size_left: Option<usize>,
+    /// The keys after a query row's diagonal it sees (`None`: all; `Some(0)`: causal).
+    pub window_size_right: Option<usize>,
+    /// The logit cap, if any (`Some(0.0)` is none).
+    pub softcap: Option<f32>,
+}
+
+impl FlashAttn {
+    /// The op on Q, K and V, recorded in candle's graph (a backward through it is
+    /// `BackwardNotSupported`).
+    pub fn forward(self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        q.apply_op3(k, v, self)
+    }
+
+    /// The op's output and each query row's log-sum-exp (f32 `(batch, heads, seq_q)`, natural
+    /// log; -inf for a row that sees no key), outside candle's graph.
+    pub fn forward_with_lse(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        call::forward_with_lse(self, q, k, v)
+    }
+}
+
+/// The sdpa mask of candle-flash-attn's window arguments.
+pub(crate) fn window_mask(left: Option<usize>, right: Option<usize>) -> sdpa::Mask {
+    sdpa::Mask::Window { left, right }.canonical()
+}
+
+/// The cap of candle-flash-attn's `softcap` (0 is none, as FlashAttention reads it).
+pub(crate) fn cap(softcap: Option<f32>) -> Option<f32> {
+    softcap.filter(|&c| c != 0.0)
+}
+
+impl Resolve for FlashAttn {
+    fn resolve(&self, dtype: DType, q: &Layout, k: &Layout, v: &Layout) -> Result<Call<'_>> {
+        let dtype = host::sdpa_dtype(dtype)?;
+        let (b, sq, h, d) = q
+            .shape()
+            .dims4()
+            .map_err(|e| e.context("sdpa-candle: q must be (batch, seq_q, heads, head_dim)"))?;
+        let (bk, sk, hk, dk) = k.shape().dims4().map_err(|e| {
+            e.context("sdpa-candle: k and v must be (batch, seq_k, kv_heads, head_dim)")
+        })?;
+        host::same_shape_kv(k, v)?;
+        if (bk, dk) != (b, d) {
+            bail!(
+                "sdpa-candle: q is {:?} and k is {:?}: batch and head_dim must match",
+                q.shape(),
+                k.shape()
+            );
+        }
+        host::last_dim_contiguous([("q", q), ("k", k), ("v", v)])?;
+        let mut p = Problem::new(b, h, sq, sk, d)
+            .with_kv_heads(hk)
+            .with_scale(self.softmax_scale)
+            .with_mask(window_mask(self.window_size_left, self.window_size_right))
+            .with_dtype(dtype)
+            .with_layout(sdpa::Layout::Bshd);
+        if let Some(c) = cap(self.softcap) {
+            p = p.with_softcap(c);
+        }
+        if let Some(s) = &self.alibi_slopes {
+            p = p.with_alibi(call::alibi_layout(s, b, h)?);
+        }
+        p.validate().map_err(candle_core::Error::wrap)?;
+        Ok(Call {
+            problem: Some(p),
+            strides: [q, k, v].map(host::strides_bshd),
+            out_strides: host::strides_bshd(&Layout::contiguous(q.shape())),
+            lse_shape: Shape::from((b, h, sq)),
+            meta: Meta::default(),
+            alibi: self.alibi_slopes.as_ref(),
+        })
+    }
+}
+
+impl CustomOp3 for FlashAttn {
+    fn name(&self) -> &'static str {
+        "sdpa-flash-attn"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        q_l: &Layout,
+        k: &CpuStorage,
+        k_l: &Layout,
+        v: &CpuStorage,
+        v_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        call::cpu_fwd(self, (q, q_l), (k, k_l), (v, v_l))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        q_l: &Layout,
+        k: &candle_core::CudaStorage,
+        k_l: &Layout,
+        v: &candle_core::CudaStorage,
+        v_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        call::cuda_fwd(self, (q, q_l), (k, k_l), (v, v_l))
+    }
+
+    fn bwd(
+        &self,
+        _q: &Tensor,
+        _k: &Tensor,
+        _v: &Tensor,
+        _out: &Tensor,
+        _grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        call::no_backward(self)
+    }
+}

@@ -1,0 +1,228 @@
+//! What the ops check and convert on the host: dtypes, shapes and strides of candle layouts, as
+//! sdpa names them; CPU storage to and from the f64 the reference takes; metadata as sdpa's i32.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Error, Layout, Result, Tensor, bail};
+use half::{bf16, f16};
+
+/// The sdpa element type of a candle dtype: f16 and bf16 only.
+pub(crate) fn sdpa_dtype(dtype: DType) -> Result<sdpa::DType> {
+    match dtype {
+        DType::F16 => Ok(sdpa::DType::F16),
+        DType::BF16 => Ok(sdpa::DType::Bf16),
+        other => bail!("sdpa-candle: {other:?} tensors are not supported (f16 or bf16)"),
+    }
+}
+
+/// That Q, K and V share one dtype.
+pub(crate) fn same_dtype(q: DType, k: DType, v: DType) -> Result<()> {
+    if q != k || q != v {
+        bail!("sdpa-candle: q, k and v are {q:?}, {k:?} and {v:?}; they must match");
+    }
+    Ok(())
+}
+
+/// That K and V have one shape.
+pub(crate) fn same_shape_kv(k: &Layout, v: &Layout) -> Result<()> {
+    if k.shape() != v.shape() {
+        bail!(
+            "sdpa-candle: k is {:?} and v is {:?}; they must match",
+            k.shape(),
+            v.shape()
+        );
+    }
+    Ok(())
+}
+
+/// That each named layout has a contiguous last dimension (head_dim), as the kernels read rows.
+pub(crate) fn last_dim_contiguous<'a>(
+    layouts: impl IntoIterator<Item = (&'a str, &'a Layout)>,
+) -> Result<()> {
+    for (name, l) in layouts {
+        if l.stride().last() != Some(&1) {
+            bail!(
+                "sdpa-candle: the last dimension of {name} must be contiguous (strides {:?})",
+                l.stride()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The strides of a `(batch, seq, heads, head_dim)` layout as sdpa names them.
+pub(crate) fn strides_bshd(l: &Layout) -> Strides {
+    let s = l.stride();
+    Strides {
+        batch: s[0],
+        seq: s[1],
+        head: s[2],
+    }
+}
+
+/// The strides of a packed `(total, heads, head_dim)` layout: one batch entry of `total` rows
+/// (its batch stride, never stepped, the one a leading dimension of size 1 would have).
+pub(crate) fn strides_packed(l: &Layout) -> Strides {
+    let (d, s) = (l.dims(), l.stride());
+    Strides {
+        batch: d[0] * s[0],
+        seq: s[0],
+        head: s[1],
+    }
+}
+
+/// The strides of a paged cache `(pages, page_size, kv_heads, head_dim)` as sdpa reads it: one
+/// sequence of `pages · page_size` rows, which needs each page's rows to follow the last's.
+pub(crate) fn strides_paged(name: &str, l: &Layout) -> Result<Strides> {
+    let (d, s) = (l.dims(), l.stride());
+    if s[0] != d[1] * s[1] {
+        bail!(
+            "sdpa-candle: {name}'s pages must follow each other row after row (strides {s:?} of \
+             shape {:?})",
+            l.shape()
+        );
+    }
+    Ok(Strides {
+        batch: d[0] * s[0],
+        seq: s[1],
+        head: s[2],
+    })
+}
+
+pub(crate) use sdpa::Strides;
+
+/// `t`, which must be on the CPU with Q, K and V.
+pub(crate) fn on_cpu<'t>(name: &str, t: &'t Tensor) -> Result<&'t Tensor> {
+    if !t.device().is_cpu() {
+        bail!("sdpa-candle: {name} must be on the CPU with q, k and v");
+    }
+    Ok(t)
+}
+
+/// The f16 or bf16 elements `l` addresses in `s`, in row-major order, as f64 (the reference's
+/// input).
+pub(crate) fn values(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
+    Ok(match s {
+        CpuStorage::F16(x) => gather(x, l, |e| f64::from(e.to_f32())),
+        CpuStorage::BF16(x) => gather(x, l, |e| f64::from(e.to_f32())),
+        other => bail!("sdpa-candle: {:?} storage", other.dtype()),
+    })
+}
+
+/// The reference's f64 output as CPU storage of `dtype` (f16, else bf16).
+pub(crate) fn storage(dtype: DType, out: &[f64]) -> CpuStorage {
+    match dtype {
+        DType::F16 => CpuStorage::F16(out.iter().map(|&x| f16::from_f64(x)).collect()),
+        _ => CpuStorage::BF16(out.iter().map(|&x| bf16::from_f64(x)).collect()),
+    }
+}
+
+/// The elements a layout addresses in `data`, in row-major order, converted by `f`: each row (the
+/// last dimension, contiguous) copied whole.
+fn gather<T: Copy>(data: &[T], l: &Layout, f: impl Fn(T) -> f64) -> Vec<f64> {
+    let (dims, strides) = (l.dims(), l.stride());
+    let (leading, row_len) = (&dims[..dims.len() - 1], dims[dims.len() - 1]);
+    let rows: usize = leading.iter().product();
+    let mut out = Vec::with_capacity(l.shape().elem_count());
+    for r in 0..rows {
+        // Row r's index in each leading dimension, innermost first, gives its offset.
+        let (mut rest, mut at) = (r, l.start_offset());
+        for (&n, &stride) in leading.iter().zip(strides).rev() {
+            at += (rest % n) * stride;
+            rest /= n;
+        }
+        out.extend(data[at..at + row_len].iter().map(|&x| f(x)));
+    }
+    out
+}
+
+/// How many offsets a `seqlens` tensor holds, having checked it is a contiguous u32 vector.
+pub(crate) fn offsets_count(name: &'static str, t: &Tensor) -> Result<usize> {
+    if t.dtype() != DType::U32 {
+        return Err(Error::UnexpectedDType {
+            msg: match name {
+                "seqlens_q" => "sdpa-candle: seqlens_q holds u32 offsets",
+                _ => "sdpa-candle: seqlens_k holds u32 offsets",
+            },
+            expected: DType::U32,
+            got: t.dtype(),
+        }
+        .bt());
+    }
+    let n = t
+        .dims1()
+        .map_err(|e| e.context(format!("sdpa-candle: {name} must be (batch + 1,)")))?;
+    if !t.is_contiguous() {
+        bail!("sdpa-candle: {name} must be contiguous");
+    }
+    Ok(n)
+}
+
+/// The offsets of a CPU `seqlens` tensor as i32, each checked to fit.
+pub(crate) fn offsets(name: &str, t: &Tensor) -> Result<Vec<i32>> {
+    on_cpu(name, t)?
+        .to_vec1::<u32>()?
+        .into_iter()
+        .enumerate()
+        .map(|(i, x)| {
+            i32::try_from(x).map_err(|_| {
+                Error::msg(format!(
+                    "sdpa-candle: {name}[{i}] = {x} does not fit i32 (offsets are below 2^31)"
+                ))
+            })
+        })
+        .collect()
+}
+
+/// Each sequence's length from its offsets, which must not decrease.
+pub(crate) fn lengths(name: &str, offsets: &[i32]) -> Result<Vec<i32>> {
+    offsets
+        .windows(2)
+        .enumerate()
+        .map(|(b, w)| {
+            if w[1] < w[0] {
+                bail!(
+                    "sdpa-candle: {name} decreases from {} to {} at sequence {b}",
+                    w[0],
+                    w[1]
+                );
+            }
+            Ok(w[1] - w[0])
+        })
+        .collect()
+}
+
+/// That a block table is a contiguous `(batch, pages_per_seq)` matrix of u32 or i32 page
+/// indices; its column count.
+pub(crate) fn block_table_columns(t: &Tensor, batch: usize) -> Result<usize> {
+    if !matches!(t.dtype(), DType::U32 | DType::I32) {
+        bail!(
+            "sdpa-candle: block_table holds {:?}; it must hold u32 or i32 page indices",
+            t.dtype()
+        );
+    }
+    let (rows, cols) = t
+        .dims2()
+        .map_err(|e| e.context("sdpa-candle: block_table must be (batch, pages_per_seq)"))?;
+    if rows != batch {
+        bail!("sdpa-candle: block_table has {rows} rows for {batch} sequences");
+    }
+    if !t.is_contiguous() {
+        bail!("sdpa-candle: block_table must be contiguous");
+    }
+    Ok(cols)
+}
+
+/// A CPU block table's entries as i32, each checked to fit.
+pub(crate) fn block_table(t: &Tensor) -> Result<Vec<i32>> {
+    let t = on_cpu("block_table", t)?.flatten_all()?;
+    if t.dtype() == DType::I32 {
+        return t.to_vec1::<i32>();
+    }
+    t.to_vec1::<u32>()?
+        .into_iter()
+        .map(|x| {
+            i32::try_from(x)
+                .map_err(|_| Error::msg(format!("sdpa-candle: block_table entry {x} is past 2^31")))
+        })
+        .collect()
+}

@@ -1,0 +1,522 @@
+//! candle-flash-attn's ALiBi and paged forms, the log-sum-exp the ops also give, and the
+//! backward they do not have yet: on the CPU against candle's own ops (or the packed form the
+//! paged one must equal), and on GPU 0 with the `cuda` feature against the CPU op (sdpa's
+//! float64 reference) on the same inputs.
+
+mod common;
+
+use candle_core::{D, DType, Device, Error, IndexOp, Result, Tensor, Var};
+use common::{cpu, gpu, max_abs, offsets, randn, rel_diff, seqlens};
+use sdpa_candle::{
+    FlashAttn, FlashAttnVarLen, flash_attn, flash_attn_alibi, flash_attn_alibi_windowed_softcap,
+    flash_attn_varlen, flash_attn_varlen_alibi, flash_attn_varlen_paged_windowed,
+    flash_attn_varlen_windowed,
+};
+
+/// Slopes of `heads` heads as ALiBi's paper gives them (2^(−8h/heads)), f32 `(heads)`.
+fn slopes(heads: usize, dev: &Device) -> Result<Tensor> {
+    let s: Vec<f32> = (1..=heads)
+        .map(|h| 2f32.powf(-8.0 * h as f32 / heads as f32))
+        .collect();
+    Tensor::new(s.as_slice(), dev)
+}
+
+/// Attention with ALiBi from candle's ops in f32 on `(batch, seq, heads, head_dim)` tensors:
+/// scores plus `−slope · |i + sk − sq − j|`, causal bottom-right when asked; and each row's
+/// log-sum-exp `(batch, heads, seq_q)`.
+fn unfused_alibi(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    slopes: Option<&Tensor>,
+    scale: f32,
+    causal: bool,
+) -> Result<(Tensor, Tensor)> {
+    let (_, sq, h, _) = q.dims4()?;
+    let (_, sk, hk, _) = k.dims4()?;
+    let heads_first = |t: &Tensor, g: usize| -> Result<Tensor> {
+        let t = t.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?;
+        let (b, n, s, d) = t.dims4()?;
+        t.unsqueeze(2)?
+            .broadcast_as((b, n, g, s, d))?
+            .reshape((b, n * g, s, d))
+    };
+    let (q, k, v) = (
+        heads_first(q, 1)?,
+        heads_first(k, h / hk)?,
+        heads_first(v, h / hk)?,
+    );
+    let mut scores = (q.matmul(&k.t()?)? * f64::from(scale))?;
+    let diag = sk as i64 - sq as i64;
+    if let Some(s) = slopes {
+        let dist: Vec<f32> = (0..sq as i64)
+            .flat_map(|i| (0..sk as i64).map(move |j| (i + diag - j).abs() as f32))
+            .collect();
+        let dist = Tensor::from_vec(dist, (1, 1, sq, sk), q.device())?;
+        let bias = dist.broadcast_mul(&s.reshape((1, h, 1, 1))?)?.neg()?;
+        scores = scores.broadcast_add(&bias)?;
+    }
+    if causal {
+        let mask: Vec<f32> = (0..sq as i64)
+            .flat_map(|i| {
+                (0..sk as i64).map(move |j| {
+                    if j <= i + diag {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
+        scores = scores.broadcast_add(&Tensor::from_vec(mask, (sq, sk), q.device())?)?;
+    }
+    let max = scores.max_keepdim(D::Minus1)?;
+    let e = scores.broadcast_sub(&max)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    let lse = (sum.log()? + &max)?.squeeze(D::Minus1)?;
+    let out = e.broadcast_div(&sum)?.matmul(&v)?.transpose(1, 2)?;
+    Ok((out, lse))
+}
+
+/// The tolerance of a dtype's rounding against f32 or f64 math.
+fn tol(dtype: DType) -> f32 {
+    if dtype == DType::F16 { 2e-3 } else { 1.5e-2 }
+}
+
+#[test]
+fn alibi_is_flash_attentions_bias() -> Result<()> {
+    let dev = Device::Cpu;
+    for dtype in [DType::F16, DType::BF16] {
+        for causal in [false, true] {
+            // Q strided (transposed), grouped-query, more keys than queries.
+            let q = randn((2, 6, 24, 64), dtype, &dev)?.transpose(1, 2)?;
+            let (k, v) = (
+                randn((2, 40, 2, 64), dtype, &dev)?,
+                randn((2, 40, 2, 64), dtype, &dev)?,
+            );
+            let s = slopes(6, &dev)?;
+            let ours = flash_attn_alibi(&q, &k, &v, &s, 0.125, causal)?;
+            let (theirs, _) = unfused_alibi(&q, &k, &v, Some(&s), 0.125, causal)?;
+            let rel = rel_diff(&ours, &theirs)?;
+            assert!(rel < tol(dtype), "{dtype:?} causal {causal}: {rel:e}");
+            // The bias changes the result.
+            let plain = flash_attn(&q, &k, &v, 0.125, causal)?;
+            assert!(
+                rel_diff(&plain, &theirs)? > 0.05,
+                "the slopes changed nothing"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Two sequences of (queries, keys): one prefill-like, one with more keys than queries.
+const LENS: [(usize, usize); 2] = [(9, 9), (5, 30)];
+
+/// A packed batch of LENS: Q `(total_q, heads, d)`, K and V `(total_k, kv_heads, d)`.
+fn packed(dev: &Device, dtype: DType) -> Result<(Tensor, Tensor, Tensor, Tensor, Tensor)> {
+    let (lq, lk): (Vec<usize>, Vec<usize>) = LENS.iter().copied().unzip();
+    let (tq, tk) = (lq.iter().sum::<usize>(), lk.iter().sum::<usize>());
+    Ok((
+        randn((tq, 4, 64), dtype, dev)?,
+        randn((tk, 2, 64), dtype, dev)?,
+        randn((tk, 2, 64), dtype, dev)?,
+        seqlens(&lq, dev)?,
+        seqlens(&lk, dev)?,
+    ))
+}
+
+#[test]
+fn varlen_alibi_is_dense_alibi_per_sequence() -> Result<()> {
+    let dev = Device::Cpu;
+    let (q, k, v, sq, sk) = packed(&dev, DType::BF16)?;
+    let s = slopes(4, &dev)?;
+    let ours = flash_attn_varlen_alibi(&q, &k, &v, &s, &sq, &sk, 9, 30, 0.125, true)?;
+    let (lq, lk): (Vec<usize>, Vec<usize>) = LENS.iter().copied().unzip();
+    let (qa, ka) = (offsets(&lq), offsets(&lk));
+    for b in 0..LENS.len() {
+        let one = |t: &Tensor, at: &[usize], n| t.narrow(0, at[b], n)?.unsqueeze(0);
+        let dense = flash_attn_alibi(
+            &one(&q, &qa, lq[b])?,
+            &one(&k, &ka, lk[b])?,
+            &one(&v, &ka, lk[b])?,
+            &s,
+            0.125,
+            true,
+        )?;
+        let mine = ours.narrow(0, qa[b], lq[b])?.unsqueeze(0)?;
+        assert_eq!(rel_diff(&mine, &dense)?, 0.0, "sequence {b}");
+    }
+    Ok(())
+}
+
+/// Packed K or V `(total_k, kv_heads, d)` of LENS as a paged cache of `pages` pages of
+/// `page_size` rows, each sequence's pages in a scrambled order; the block table of `dtype`.
+fn paged(
+    kv: &Tensor,
+    page_size: usize,
+    table_dtype: DType,
+) -> Result<(Tensor, Tensor, Tensor, usize)> {
+    let lk: Vec<usize> = LENS.iter().map(|l| l.1).collect();
+    let per_seq = lk.iter().max().unwrap().div_ceil(page_size);
+    let pages = per_seq * LENS.len() + 1;
+    let (_, h, d) = kv.dims3()?;
+    // Sequence b's page i is page (pages - 1 - (b * per_seq + i)): reversed, page 0 unused.
+    let page_of = |b: usize, i: usize| pages - 1 - (b * per_seq + i);
+    let mut cache = Tensor::zeros((pages, page_size, h, d), kv.dtype(), kv.device())?;
+    let at = offsets(&lk);
+    let mut table = vec![0u32; LENS.len() * per_seq];
+    for (b, &n) in lk.iter().enumerate() {
+        for i in 0..per_seq {
+            table[b * per_seq + i] = page_of(b, i) as u32;
+            let rows = n.saturating_sub(i * page_size).min(page_size);
+            if rows > 0 {
+                let src = kv.narrow(0, at[b] + i * page_size, rows)?.unsqueeze(0)?;
+                cache = cache.slice_assign(
+                    &[page_of(b, i)..page_of(b, i) + 1, 0..rows, 0..h, 0..d],
+                    &src,
+                )?;
+            }
+        }
+    }
+    let table =
+        Tensor::from_vec(table, (LENS.len(), per_seq), kv.device())?.to_dtype(table_dtype)?;
+    let cache_v = cache.clone();
+    Ok((cache, cache_v, table, page_size))
+}
+
+#[test]
+fn paged_is_packed() -> Result<()> {
+    let dev = Device::Cpu;
+    let (q, k, v, sq, sk) = packed(&dev, DType::F16)?;
+    let want = flash_attn_varlen_windowed(&q, &k, &v, &sq, &sk, 9, 30, 0.125, Some(7), Some(0))?;
+    for (page_size, table_dtype) in [(16, DType::U32), (32, DType::I32)] {
+        let (kc, _, table, ps) = paged(&k, page_size, table_dtype)?;
+        let (vc, _, _, _) = paged(&v, page_size, table_dtype)?;
+        let got = flash_attn_varlen_paged_windowed(
+            &q,
+            &kc,
+            &vc,
+            &sq,
+            &sk,
+            &table,
+            None,
+            9,
+            30,
+            0.125,
+            Some(7),
+            Some(0),
+            ps,
+            None,
+        )?;
+        assert_eq!(rel_diff(&got, &want)?, 0.0, "pages of {page_size}");
+    }
+    Ok(())
+}
+
+#[test]
+fn lse_is_each_rows_log_sum_exp() -> Result<()> {
+    let dev = Device::Cpu;
+    let q = randn((2, 12, 4, 64), DType::BF16, &dev)?;
+    let (k, v) = (
+        randn((2, 20, 4, 64), DType::BF16, &dev)?,
+        randn((2, 20, 4, 64), DType::BF16, &dev)?,
+    );
+    let op = FlashAttn {
+        softmax_scale: 0.125,
+        alibi_slopes: None,
+        window_size_left: None,
+        window_size_right: Some(0),
+        softcap: None,
+    };
+    let (out, lse) = op.forward_with_lse(&q, &k, &v)?;
+    assert_eq!(lse.dims(), &[2, 4, 12]);
+    assert_eq!(lse.dtype(), DType::F32);
+    assert_eq!(rel_diff(&out, &op.clone().forward(&q, &k, &v)?)?, 0.0);
+    let (_, want) = unfused_alibi(&q, &k, &v, None, 0.125, true)?;
+    assert!(max_abs(&(&lse - &want)?)? < 1e-3, "{lse} vs {want}");
+
+    // Packed Q: (heads, total_q), each sequence's rows where its queries are.
+    let (q, k, v, sq, sk) = packed(&dev, DType::F16)?;
+    let op = FlashAttnVarLen::new(&sq, &sk, 9, 30, 0.125).window(None, Some(0));
+    let (out, lse) = op.forward_with_lse(&q, &k, &v)?;
+    assert_eq!(lse.dims(), &[4, 14]);
+    assert_eq!(
+        rel_diff(
+            &out,
+            &flash_attn_varlen(&q, &k, &v, &sq, &sk, 9, 30, 0.125, true)?
+        )?,
+        0.0
+    );
+    let (_, second) = unfused_alibi(
+        &q.narrow(0, 9, 5)?.unsqueeze(0)?,
+        &k.narrow(0, 9, 30)?.unsqueeze(0)?,
+        &v.narrow(0, 9, 30)?.unsqueeze(0)?,
+        None,
+        0.125,
+        true,
+    )?;
+    let rows = lse.narrow(1, 9, 5)?;
+    assert!(max_abs(&(&rows - &second.squeeze(0)?)?)? < 1e-3);
+    Ok(())
+}
+
+#[test]
+fn a_softcap_of_zero_is_none() -> Result<()> {
+    let dev = Device::Cpu;
+    let q = randn((1, 8, 2, 64), DType::F16, &dev)?;
+    let capped = flash_attn_alibi_windowed_softcap(&q, &q, &q, None, 0.5, None, Some(0), 0.0)?;
+    assert_eq!(rel_diff(&capped, &flash_attn(&q, &q, &q, 0.5, true)?)?, 0.0);
+    let capped = flash_attn_alibi_windowed_softcap(&q, &q, &q, None, 0.5, None, Some(0), 2.0)?;
+    assert!(rel_diff(&capped, &flash_attn(&q, &q, &q, 0.5, true)?)? > 1e-2);
+    Ok(())
+}
+
+#[test]
+fn backward_is_not_supported_yet() -> Result<()> {
+    let dev = Device::Cpu;
+    let q = Var::from_tensor(&randn((1, 8, 2, 64), DType::F16, &dev)?)?;
+    let out = flash_attn(q.as_tensor(), q.as_tensor(), q.as_tensor(), 0.125, true)?;
+    match out.sum_all()?.backward() {
+        Err(Error::BackwardNotSupported { op }) => assert_eq!(op, "sdpa-flash-attn"),
+        Err(e) => match e {
+            Error::WithBacktrace { inner, .. } => {
+                assert!(matches!(
+                    *inner,
+                    Error::BackwardNotSupported {
+                        op: "sdpa-flash-attn"
+                    }
+                ))
+            }
+            e => panic!("{e}"),
+        },
+        Ok(_) => panic!("a backward through the op gave gradients"),
+    }
+    Ok(())
+}
+
+#[test]
+fn unsupported_forms_are_errors() -> Result<()> {
+    let dev = Device::Cpu;
+    let (q, k, v, sq, sk) = packed(&dev, DType::F16)?;
+    let (kc, _, table, ps) = paged(&k, 16, DType::U32)?;
+    let (vc, _, _, _) = paged(&v, 16, DType::U32)?;
+    let ranges = Tensor::new(&[[[0i64, 2]], [[0, 2]]], &dev)?;
+    let s = slopes(4, &dev)?;
+    // The same cache stored heads-first within each page (HND), viewed as NHD.
+    let hnd = |t: &Tensor| t.transpose(1, 2)?.contiguous()?.transpose(1, 2);
+    let paged = |ranges, ps| {
+        flash_attn_varlen_paged_windowed(
+            &q,
+            &kc,
+            &vc,
+            &sq,
+            &sk,
+            &table,
+            ranges,
+            9,
+            30,
+            0.125,
+            None,
+            Some(0),
+            ps,
+            None,
+        )
+    };
+    let cases = [
+        (
+            paged(Some(&ranges), ps),
+            "mm_prefix_ranges are not supported",
+        ),
+        (
+            paged(None, 32),
+            "page_block_size is Some(32); the paged k is",
+        ),
+        (
+            flash_attn_varlen_alibi(
+                &q,
+                &k,
+                &v,
+                &s.to_dtype(DType::F16)?,
+                &sq,
+                &sk,
+                9,
+                30,
+                0.1,
+                true,
+            ),
+            "alibi_slopes are F16; they must be f32",
+        ),
+        (
+            flash_attn_varlen_alibi(&q, &k, &v, &s.i(..3)?, &sq, &sk, 9, 30, 0.1, true),
+            "they must be (4) or (2, 4)",
+        ),
+        (
+            flash_attn_varlen_paged_windowed(
+                &q,
+                &hnd(&kc)?,
+                &hnd(&vc)?,
+                &sq,
+                &sk,
+                &table,
+                None,
+                9,
+                30,
+                0.125,
+                None,
+                Some(0),
+                ps,
+                None,
+            ),
+            "pages must follow each other row after row",
+        ),
+    ];
+    for (i, (got, fragment)) in cases.into_iter().enumerate() {
+        let e = got.expect_err("a bad input was accepted");
+        assert!(e.to_string().contains(fragment), "case {i}: {e}");
+    }
+    Ok(())
+}
+
+/// Every form on `dev` against the same call on the CPU (sdpa's float64 reference). Returns the
+/// calls compared.
+fn matches_the_cpu_op(dev: &Device) -> Result<usize> {
+    let mut ran = 0;
+    let mut check = |name: &str, gpu: &Tensor, want: &Tensor, tol: f32| -> Result<()> {
+        assert_eq!(gpu.dims(), want.dims(), "{name}");
+        let rel = rel_diff(&cpu(gpu)?, want)?;
+        assert!(rel < tol, "{name}: GPU vs the float64 reference: {rel:e}");
+        ran += 1;
+        Ok(())
+    };
+    for dtype in [DType::F16, DType::BF16] {
+        let t = tol(dtype) / 2.0;
+        // ALiBi, dense.
+        let q = randn((2, 300, 8, 128), dtype, dev)?;
+        let (k, v) = (
+            randn((2, 400, 2, 128), dtype, dev)?,
+            randn((2, 400, 2, 128), dtype, dev)?,
+        );
+        let s = slopes(8, dev)?;
+        for causal in [false, true] {
+            let gpu = flash_attn_alibi(&q, &k, &v, &s, 0.09, causal)?;
+            let want = flash_attn_alibi(&cpu(&q)?, &cpu(&k)?, &cpu(&v)?, &cpu(&s)?, 0.09, causal)?;
+            check("alibi", &gpu, &want, t)?;
+        }
+        // ALiBi over a packed batch, and with a cap.
+        let (q, k, v, sq, sk) = packed(dev, dtype)?;
+        let s = slopes(4, dev)?;
+        let on_cpu = [&q, &k, &v, &sq, &sk, &s].map(|t| cpu(t).unwrap());
+        let gpu = flash_attn_varlen_alibi(&q, &k, &v, &s, &sq, &sk, 9, 30, 0.125, true)?;
+        let [cq, ck, cv, csq, csk, cs] = &on_cpu;
+        let want = flash_attn_varlen_alibi(cq, ck, cv, cs, csq, csk, 9, 30, 0.125, true)?;
+        check("varlen alibi", &gpu, &want, t)?;
+        // Paged, prefill and decode (one query a sequence), pages the kernels take whole.
+        for page_size in [16, 64, 256] {
+            let (kc, _, table, ps) = paged(&k, page_size, DType::U32)?;
+            let (vc, _, _, _) = paged(&v, page_size, DType::U32)?;
+            let (ckc, cvc, ctable) = (cpu(&kc)?, cpu(&vc)?, cpu(&table)?);
+            let gpu = flash_attn_varlen_paged_windowed(
+                &q,
+                &kc,
+                &vc,
+                &sq,
+                &sk,
+                &table,
+                None,
+                9,
+                30,
+                0.125,
+                None,
+                Some(0),
+                ps,
+                Some(20.0),
+            )?;
+            let want = flash_attn_varlen_paged_windowed(
+                cq,
+                &ckc,
+                &cvc,
+                csq,
+                csk,
+                &ctable,
+                None,
+                9,
+                30,
+                0.125,
+                None,
+                Some(0),
+                ps,
+                Some(20.0),
+            )?;
+            check("paged prefill", &gpu, &want, t)?;
+            let one = seqlens(&[1, 1], dev)?;
+            let q1 = randn((2, 4, 64), dtype, dev)?;
+            let gpu = flash_attn_varlen_paged_windowed(
+                &q1,
+                &kc,
+                &vc,
+                &one,
+                &sk,
+                &table,
+                None,
+                1,
+                30,
+                0.125,
+                None,
+                Some(0),
+                ps,
+                None,
+            )?;
+            let want = flash_attn_varlen_paged_windowed(
+                &cpu(&q1)?,
+                &ckc,
+                &cvc,
+                &cpu(&one)?,
+                csk,
+                &ctable,
+                None,
+                1,
+                30,
+                0.125,
+                None,
+                Some(0),
+                ps,
+                None,
+            )?;
+            check("paged decode", &gpu, &want, t)?;
+        }
+        // The log-sum-exp, dense and packed.
+        let op = FlashAttnVarLen::new(&sq, &sk, 9, 30, 0.125).window(None, Some(0));
+        let (out, lse) = op.forward_with_lse(&q, &k, &v)?;
+        let cop = FlashAttnVarLen::new(csq, csk, 9, 30, 0.125).window(None, Some(0));
+        let (want, want_lse) = cop.forward_with_lse(cq, ck, cv)?;
+        check("varlen with lse", &out, &want, t)?;
+        assert!(max_abs(&(cpu(&lse)? - &want_lse)?)? < 1e-2, "varlen lse");
+        let q = randn((2, 100, 4, 64), dtype, dev)?;
+        let op = FlashAttn {
+            softmax_scale: 0.125,
+            alibi_slopes: Some(slopes(4, dev)?),
+            window_size_left: Some(30),
+            window_size_right: Some(0),
+            softcap: None,
+        };
+        let (out, lse) = op.forward_with_lse(&q, &q, &q)?;
+        let cop = FlashAttn {
+            alibi_slopes: Some(slopes(4, &Device::Cpu)?),
+            ..op.clone()
+        };
+        let (want, want_lse) = cop.forward_with_lse(&cpu(&q)?, &cpu(&q)?, &cpu(&q)?)?;
+        check("dense with lse", &out, &want, t)?;
+        assert!(max_abs(&(cpu(&lse)? - &want_lse)?)? < 1e-2, "dense lse");
+    }
+    Ok(ran)
+}
+
+#[test]
+fn gpu_forms_match_the_cpu_op() -> Result<()> {
+    let Some(dev) = gpu("gpu forms") else {
+        return Ok(());
+    };
+    assert_eq!(matches_the_cpu_op(&dev)?, 2 * (2 + 1 + 6 + 2));
+    Ok(())
+}
