@@ -772,3 +772,268 @@ fn appends_with_lying_metadata_stay_in_the_cache() {
         "{e}"
     );
 }
+
+/// New rows `[rows, kv_heads, head_dim]` of K and V, `row` elements a row.
+fn new_rows<'a, T>(
+    k: &'a cudarc::driver::CudaSlice<T>,
+    v: &'a cudarc::driver::CudaSlice<T>,
+    row: usize,
+    head_dim: usize,
+) -> sdpa::NewRows<'a, T> {
+    sdpa::NewRows {
+        k: k.as_view(),
+        v: v.as_view(),
+        rows: k.len() / row,
+        row_stride: row,
+        head_stride: head_dim,
+    }
+}
+
+/// The cache a paged problem `p` reads, in K and V.
+fn paged_cache<'a, T>(
+    k: cudarc::driver::CudaViewMut<'a, T>,
+    v: cudarc::driver::CudaViewMut<'a, T>,
+    p: &Problem,
+) -> sdpa::PagedCache<'a, T> {
+    let sdpa::KvRows::Paged {
+        pages, page_size, ..
+    } = p.seqs.kv
+    else {
+        unreachable!("a paged problem")
+    };
+    sdpa::PagedCache {
+        k,
+        v,
+        pages,
+        page_size,
+        kv_heads: p.kv_heads,
+        head_dim: p.head_dim,
+        layout: p.seqs.page_layout,
+    }
+}
+
+/// `write_kv` fills NHD and HND caches, part by slot (with padding slots that write nothing)
+/// and part by per-sequence appends (different counts, one of none, across page boundaries);
+/// every row lands where its slot or its sequence's block table says, the lengths advance, and
+/// attention over the written cache, as a problem of that page layout, matches the reference of
+/// the same keys in the original NHD cache: through owned tensors on each backend, and through
+/// views of the written buffers.
+#[test]
+fn caches_written_by_slot_and_by_append_in_both_page_layouts() {
+    let Some(dev) = common::device("kv write") else {
+        return;
+    };
+    // Pages smaller than cutlass's key tile (which refuses them) and pages that hold whole ones.
+    let ran: Vec<_> = [32, 128]
+        .into_iter()
+        .flat_map(|page_size| write_and_attend(&dev, page_size))
+        .collect();
+    assert!(
+        ran.iter()
+            .any(|(b, p)| *b == Backend::Cutlass && p.seqs.page_layout == sdpa::PageLayout::Hnd)
+            || !common::expected_backends(&dev).contains(&Backend::Cutlass),
+        "cutlass ran no HND cache"
+    );
+    common::assert_ran("kv write", &ran);
+}
+
+/// The writes and the attention of `caches_written_by_slot_and_by_append_in_both_page_layouts`
+/// in pages of `page_size`: the backends that ran, and their problems.
+fn write_and_attend(dev: &sdpa::Device, page_size: usize) -> Vec<(Backend, Problem)> {
+    use half::bf16;
+    use sdpa::{PageLayout, Placement};
+    let dev = dev.clone();
+    let stream = dev.stream();
+    let k_lens: &[usize] = &[70, 0, 33, 129];
+    let appended: &[usize] = &[3, 0, 5, 64];
+    let base = Problem::new(1, 4, 5, 1, 64)
+        .with_kv_heads(2)
+        .with_dtype(DType::Bf16)
+        .with_causal(true);
+    let (p, meta) = paged(base, k_lens, page_size, fresh_seed());
+    let x = inputs(&p, meta.clone());
+    let want = x.reference(&p).unwrap();
+    let sdpa::KvRows::Paged { pages_per_seq, .. } = p.seqs.kv else {
+        unreachable!("a paged problem")
+    };
+    let (heads, d) = (p.kv_heads, p.head_dim);
+    let table = meta.block_table.clone().unwrap();
+    // Key j of sequence b: its page and offset, and its row of the original NHD cache.
+    let place = |b: usize, j: usize| {
+        (
+            table[b * pages_per_seq + j / page_size] as usize,
+            j % page_size,
+        )
+    };
+    let nhd_row = |b: usize, j: usize| {
+        let (page, off) = place(b, j);
+        (page * page_size + off) * heads * d
+    };
+    let row = heads * d;
+    let gather = |t: usize, rows: &[(usize, usize)]| -> Vec<bf16> {
+        rows.iter()
+            .flat_map(|&(b, j)| {
+                x.bits[t][nhd_row(b, j)..][..row]
+                    .iter()
+                    .map(|&w| bf16::from_bits(w))
+            })
+            .collect()
+    };
+    // By slot: each sequence's first keys, and a padding row (slot -1) after every tenth.
+    let (mut slot_rows, mut slots) = (Vec::new(), Vec::new());
+    for (b, (&l, &a)) in k_lens.iter().zip(appended).enumerate() {
+        for j in 0..l - a {
+            let (page, off) = place(b, j);
+            slot_rows.push((b, j));
+            slots.push((page * page_size + off) as i64);
+            if j % 10 == 9 {
+                slot_rows.push((b, j));
+                slots.push(-1);
+            }
+        }
+    }
+    // By append: each sequence's last `appended` keys, after its first.
+    let append_rows: Vec<(usize, usize)> = k_lens
+        .iter()
+        .zip(appended)
+        .enumerate()
+        .flat_map(|(b, (&l, &a))| (l - a..l).map(move |j| (b, j)))
+        .collect();
+    let mut cu_new = vec![0i32];
+    for &a in appended {
+        cu_new.push(cu_new.last().unwrap() + a as i32);
+    }
+    let before: Vec<i32> = k_lens
+        .iter()
+        .zip(appended)
+        .map(|(&l, &a)| (l - a) as i32)
+        .collect();
+
+    let mut ran = Vec::new();
+    for layout in [PageLayout::Nhd, PageLayout::Hnd] {
+        let pl = p.with_page_layout(layout);
+        let len = pl.kv_len().unwrap();
+        let (mut kc, mut vc) = (
+            stream.alloc_zeros::<bf16>(len).unwrap(),
+            stream.alloc_zeros::<bf16>(len).unwrap(),
+        );
+        let (sk, sv) = (
+            stream.clone_htod(&gather(1, &slot_rows)).unwrap(),
+            stream.clone_htod(&gather(2, &slot_rows)).unwrap(),
+        );
+        let slots_d = stream.clone_htod(&slots).unwrap();
+        sdpa::write_kv(
+            &dev,
+            paged_cache(kc.as_view_mut(), vc.as_view_mut(), &pl),
+            new_rows(&sk, &sv, row, d),
+            Placement::Slots(slots_d.as_view()),
+        )
+        .unwrap();
+        let (ak, av) = (
+            stream.clone_htod(&gather(1, &append_rows)).unwrap(),
+            stream.clone_htod(&gather(2, &append_rows)).unwrap(),
+        );
+        let (cu_d, table_d) = (
+            stream.clone_htod(&cu_new).unwrap(),
+            stream.clone_htod(&table).unwrap(),
+        );
+        let mut used = stream.clone_htod(&before).unwrap();
+        sdpa::write_kv(
+            &dev,
+            paged_cache(kc.as_view_mut(), vc.as_view_mut(), &pl),
+            new_rows(&ak, &av, row, d),
+            Placement::Append {
+                cu_new: cu_d.as_view(),
+                block_table: table_d.as_view(),
+                pages_per_seq,
+                seqused_k: used.as_view_mut(),
+            },
+        )
+        .unwrap();
+        let lens: Vec<i32> = k_lens.iter().map(|&l| l as i32).collect();
+        assert_eq!(
+            stream.clone_dtoh(&used).unwrap(),
+            lens,
+            "{layout:?} lengths"
+        );
+        // Every key where its page layout puts it.
+        let (kh, vh) = (
+            stream.clone_dtoh(&kc).unwrap(),
+            stream.clone_dtoh(&vc).unwrap(),
+        );
+        for (b, &l) in k_lens.iter().enumerate() {
+            for j in 0..l {
+                let (page, off) = place(b, j);
+                for h in 0..heads {
+                    let at = match layout {
+                        PageLayout::Nhd => ((page * page_size + off) * heads + h) * d,
+                        PageLayout::Hnd => ((page * heads + h) * page_size + off) * d,
+                    };
+                    let src = nhd_row(b, j) + h * d;
+                    for (t, got) in [(1, &kh), (2, &vh)] {
+                        let got: Vec<u16> = got[at..][..d].iter().map(|e| e.to_bits()).collect();
+                        assert_eq!(got, x.bits[t][src..][..d], "{layout:?} {b} {j} {h}");
+                    }
+                }
+            }
+        }
+        // Attention over the written cache, as owned tensors on each backend.
+        let f32s = |v: &[bf16]| v.iter().map(|e| e.to_f32()).collect::<Vec<_>>();
+        let q32: Vec<f32> = x.values[0].iter().map(|&e| e as f32).collect();
+        let written =
+            Inputs::from_f32(DType::Bf16, &q32, &f32s(&kh), &f32s(&vh)).with_meta(meta.clone());
+        assert_eq!(
+            written.reference(&pl).unwrap().out,
+            want.out,
+            "{layout:?} reference"
+        );
+        for b in seq_backends(&dev) {
+            if refuses_as_documented(&dev, &pl, b) {
+                continue;
+            }
+            ran.push((b, pl));
+            assert_eq!(
+                check(&dev, &pl, b, &written).unwrap(),
+                None,
+                "{layout:?} {b}"
+            );
+        }
+        // Through views of the written buffers.
+        let qd = stream
+            .clone_htod(
+                &x.bits[0]
+                    .iter()
+                    .map(|&w| bf16::from_bits(w))
+                    .collect::<Vec<_>>(),
+            )
+            .unwrap();
+        let mut out = stream.alloc_zeros::<bf16>(pl.q_len().unwrap()).unwrap();
+        let used_d = stream.clone_htod(&lens).unwrap();
+        sdpa::forward(
+            &dev,
+            &pl,
+            Backend::Auto,
+            sdpa::Views {
+                q: sdpa::View::new(qd.as_view(), pl.q_strides()),
+                k: sdpa::View::new(kc.as_view(), pl.kv_strides()),
+                v: sdpa::View::new(vc.as_view(), pl.kv_strides()),
+                out: sdpa::ViewMut::new(out.as_view_mut(), pl.q_strides()),
+            },
+            sdpa::Extras {
+                seqused_k: Some(used_d.as_view()),
+                block_table: Some(table_d.as_view()),
+                ..sdpa::Extras::default()
+            },
+        )
+        .unwrap();
+        let got: Vec<f64> = stream
+            .clone_dtoh(&out)
+            .unwrap()
+            .iter()
+            .map(|e| f64::from(e.to_f32()))
+            .collect();
+        let r = compare(&got, &want.out, DType::Bf16, 0);
+        assert!(r.pass(), "{layout:?} views: {r:?}");
+    }
+    ran
+}

@@ -73,13 +73,16 @@ KernelPlan plan(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
 // pointers the problem asks for) is checked again, and refused with the kernel's reason.
 void forward(const KernelPlan& plan, const FwdArgs& args, const DeviceInfo& dev, void* stream);
 
-// Appends n_new new key and value rows of each sequence into a paged cache (FlashAttention's
-// flash_attn_with_kvcache append): row i of sequence b goes to position seqused_k[b] + i, key j
-// living at row j % page_size of page block_table[b * pages_per_seq + j / page_size]; then
-// seqused_k[b] grows by n_new, up to pages_per_seq · page_size. Positions outside the table's
-// pages_per_seq · page_size are dropped, and entries outside [0, pages) clamped into it. Two
-// launches on `stream`, nothing on the host: capturable in a CUDA graph.
-void kv_append(const KvAppendArgs& args, void* stream);
+// Writes new key and value rows into a paged cache, at the cache's strides (NHD or HND pages):
+// row i to slot slots[i] (page slot / page_size, offset slot % page_size; vLLM's slot_mapping),
+// or, without slots, to its sequence's next positions (FlashAttention's flash_attn_with_kvcache
+// append; FlashInfer's append_paged_kv_cache with cu_new): row i of sequence b goes to position
+// seqused_k[b] + (i - first row of b), key j living at offset j % page_size of page
+// block_table[b * pages_per_seq + j / page_size]; then seqused_k[b] grows by its rows, up to
+// pages_per_seq · page_size. Slots outside the cache and positions outside a sequence's pages
+// are dropped, table entries outside [0, pages) clamped into it. One or two launches on
+// `stream`, nothing on the host: capturable in a CUDA graph.
+void kv_write(const KvWriteArgs& args, void* stream);
 
 // y[i] = E4M3(x[i] * inv_scale), saturating to +-448, round to nearest even (the GPU's own
 // conversion). x: f32 device buffer, y: byte device buffer, both n long.

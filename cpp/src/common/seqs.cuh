@@ -24,17 +24,23 @@ namespace sdpa {
 struct SeqParams {
   const int32_t *cu_q, *cu_k, *used_k, *block_table;  // null: none
   int64_t pages_per_seq;
-  int page_shift;   // log2 page_size (a paged cache)
-  int64_t total_q;  // rows of packed Q (0: dense): the LSE's head stride
-  int64_t kv_rows;  // rows of packed K/V, or of a paged cache (pages << page_shift)
+  int page_shift;     // log2 page_size (a paged cache)
+  int64_t page_rows;  // a paged cache: rows of K/V from one page's first to the next's
+  int64_t pages;      // a paged cache: its pages
+  int64_t total_q;    // rows of packed Q (0: dense): the LSE's head stride
+  int64_t kv_rows;  // rows of packed K/V, or of a paged cache ((pages - 1) · page_rows + page_size)
 
   static SeqParams of(const FwdArgs& a) {
+    const bool paged = a.seqs.page_size > 0;
+    const int64_t page_rows = a.seqs.page_rows > 0 ? a.seqs.page_rows : a.seqs.page_size;
     SeqParams s{device_ptr<const int32_t>(a.seqs.cu_seqlens_q),
                 device_ptr<const int32_t>(a.seqs.cu_seqlens_k),
                 a.seqs.has_seqused_k ? device_ptr<const int32_t>(a.seqs.seqused_k) : nullptr,
-                a.seqs.page_size > 0 ? device_ptr<const int32_t>(a.seqs.block_table) : nullptr,
+                paged ? device_ptr<const int32_t>(a.seqs.block_table) : nullptr,
                 a.seqs.pages_per_seq,
                 0,
+                page_rows,
+                paged ? (a.seqs.kv_rows - a.seqs.page_size) / page_rows + 1 : 0,
                 a.seqs.total_q,
                 a.seqs.kv_rows};
     while ((int64_t(1) << s.page_shift) < a.seqs.page_size) ++s.page_shift;
@@ -46,14 +52,13 @@ struct SeqParams {
   // Block-table entry `i` (of sequence b's row, i < pages_per_seq), clamped into the cache's
   // pages.
   __device__ __forceinline__ int64_t page(int64_t b, int64_t i) const {
-    const int64_t last = (kv_rows >> page_shift) - 1;
-    return min(max(int64_t(__ldg(block_table + b * pages_per_seq + i)), int64_t(0)), last);
+    return min(max(int64_t(__ldg(block_table + b * pages_per_seq + i)), int64_t(0)), pages - 1);
   }
 
   // The row of a paged cache holding key j of sequence b (j below the sequence's keys, which
   // seq_of keeps within its pages_per_seq pages), in K's (and V's) sequence dimension.
   __device__ __forceinline__ int64_t paged_row(int64_t b, int64_t j) const {
-    return (page(b, j >> page_shift) << page_shift) | (j & ((int64_t(1) << page_shift) - 1));
+    return page(b, j >> page_shift) * page_rows + (j & ((int64_t(1) << page_shift) - 1));
   }
 };
 

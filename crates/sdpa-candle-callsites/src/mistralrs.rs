@@ -105,8 +105,9 @@ pub fn flash_attn_v2(
     }
 }
 
-/// Its paged layer: `query` `(b, heads, seq, head_dim)`, the caches `(num_blocks, block_size,
-/// kv_heads, head_dim)`, each sequence's pages in `block_tables` `(b, max_blocks)`.
+/// Its paged layer: `query` `(b, heads, seq, head_dim)`, the caches `(num_blocks, kv_heads,
+/// block_size, head_dim)` (each head's rows of a block together), each sequence's blocks in
+/// `block_tables` `(b, max_blocks)`.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     query: &Tensor,
@@ -132,10 +133,12 @@ pub fn paged_attention(
     let max_q = *query_lens.iter().max().unwrap() as usize;
     let max_k = *kv_lens.iter().max().unwrap() as usize;
     let causal = s > 1;
+    let k_paged = key_cache.transpose(1, 2)?;
+    let v_paged = value_cache.transpose(1, 2)?;
     candle_flash_attn::flash_attn_varlen_paged_windowed(
         &q_flat,
-        key_cache,
-        value_cache,
+        &k_paged,
+        &v_paged,
         &cu_q,
         &cu_kv,
         block_tables,

@@ -168,11 +168,14 @@ fn call_sites(dev: &Device, against_cpu: bool) -> Result<usize> {
     check("gemma2 dense", &dense, &want, DType::BF16)?;
     check("gemma2 varlen", &varlen, &want, DType::BF16)?;
 
-    // The paged layer: the same K and V in pages of 16 rows, each sequence padded to two
-    // pages, the pages stored in reverse order.
+    // The paged layer: the same K and V in blocks of 16 rows, each sequence padded to two
+    // blocks, the blocks stored in reverse order, each head's rows of a block together.
     let pages = |t: &Tensor| -> Result<Tensor> {
         let padded = t.pad_with_zeros(1, 0, 8)?.reshape((4, 16, 4, 64))?;
-        padded.index_select(&Tensor::new(&[3u32, 2, 1, 0], dev)?, 0)
+        padded
+            .index_select(&Tensor::new(&[3u32, 2, 1, 0], dev)?, 0)?
+            .transpose(1, 2)?
+            .contiguous()
     };
     let (kc, vc) = (pages(&k)?, pages(&v)?);
     let table = Tensor::new(&[[3u32, 2], [1, 0]], dev)?;

@@ -70,22 +70,34 @@ pub(crate) fn strides_packed(l: &Layout) -> Strides {
     }
 }
 
-/// The strides of a paged cache `(pages, page_size, kv_heads, head_dim)` as sdpa reads it: one
-/// sequence of `pages · page_size` rows, which needs each page's rows to follow the last's.
-pub(crate) fn strides_paged(name: &str, l: &Layout) -> Result<Strides> {
+/// How a paged cache `(pages, page_size, kv_heads, head_dim)` is stored, and its strides as sdpa
+/// reads it (the row space of `Problem::kv_shape`): pages whose rows follow each other (NHD, any
+/// row and head strides), or pages stored head after head, each head's rows contiguous (HND,
+/// such as a `(pages, kv_heads, page_size, head_dim)` cache transposed to this shape).
+pub(crate) fn paged_layout(name: &str, l: &Layout) -> Result<(sdpa::PageLayout, Strides)> {
     let (d, s) = (l.dims(), l.stride());
-    if s[0] != d[1] * s[1] {
-        bail!(
-            "sdpa-candle: {name}'s pages must follow each other row after row (strides {s:?} of \
-             shape {:?})",
-            l.shape()
-        );
+    let (page_size, heads, head_dim) = (d[1], d[2], d[3]);
+    if s[0] == page_size * s[1] {
+        let strides = Strides {
+            batch: d[0] * s[0],
+            seq: s[1],
+            head: s[2],
+        };
+        return Ok((sdpa::PageLayout::Nhd, strides));
     }
-    Ok(Strides {
-        batch: d[0] * s[0],
-        seq: s[1],
-        head: s[2],
-    })
+    if (s[1], s[2], s[0]) == (head_dim, page_size * head_dim, heads * page_size * head_dim) {
+        let strides = Strides {
+            batch: d[0] * s[0],
+            seq: s[1],
+            head: s[2],
+        };
+        return Ok((sdpa::PageLayout::Hnd, strides));
+    }
+    bail!(
+        "sdpa-candle: {name}'s pages must be stored row after row (NHD) or head after head with \
+         contiguous rows (HND); strides {s:?} of shape {:?} are neither",
+        l.shape()
+    )
 }
 
 pub(crate) use sdpa::Strides;

@@ -102,7 +102,8 @@ pub fn flash_attn_varlen_windowed(
 /// i32, `(batch, pages_per_seq)`, contiguous), and sequence b has `seqlens_k[b + 1] −
 /// seqlens_k[b]` keys (its offsets count keys; where they lie is the block table's).
 /// `page_block_size` is a power of two from 16 to 256 (FlashAttention takes multiples of 32;
-/// 96, 160, 192 and 224 are refused here). `mm_prefix_ranges` (bidirectional spans inside a
+/// 96, 160, 192 and 224 are refused here). The cache may also be stored head after head (HND,
+/// `(pages, kv_heads, page_size, head_dim)`) and passed transposed to this shape. `mm_prefix_ranges` (bidirectional spans inside a
 /// causal mask) is not supported: `Some` is an error. Softcap as
 /// [`flash_attn_varlen_alibi_windowed_softcap`].
 #[allow(clippy::too_many_arguments)]
@@ -414,21 +415,22 @@ impl Resolve for FlashAttnVarLen {
                 s.heads
             );
         }
-        let kv_strides = |l: &Layout, name| {
-            if paged {
-                host::strides_paged(name, l)
-            } else {
-                Ok(host::strides_packed(l))
+        let (layout, k_strides, v_strides) = if paged {
+            let (kl, ks) = host::paged_layout("k", k)?;
+            let (vl, vs) = host::paged_layout("v", v)?;
+            if kl != vl {
+                bail!("sdpa-candle: k's pages are {kl:?} and v's {vl:?}; they must match");
             }
+            (kl, ks, vs)
+        } else {
+            let packed = (host::strides_packed(k), host::strides_packed(v));
+            (sdpa::PageLayout::Nhd, packed.0, packed.1)
         };
-        let strides = [
-            host::strides_packed(q),
-            kv_strides(k, "k")?,
-            kv_strides(v, "v")?,
-        ];
+        let strides = [host::strides_packed(q), k_strides, v_strides];
         let problem = match p {
             Some(p) if s.total_q > 0 => {
                 let mut p = p
+                    .with_page_layout(layout)
                     .with_kv_heads(s.kv_heads)
                     .with_scale(self.softmax_scale)
                     .with_mask(window_mask(self.window_size_left, self.window_size_right))

@@ -78,6 +78,13 @@ fn unfused_alibi(
     Ok((out, lse))
 }
 
+/// The same cache stored head after head within each page (HND), viewed in the
+/// `(pages, page_size, kv_heads, head_dim)` shape, as a `(pages, kv_heads, page_size, head_dim)`
+/// cache transposed.
+fn hnd(t: &Tensor) -> Result<Tensor> {
+    t.transpose(1, 2)?.contiguous()?.transpose(1, 2)
+}
+
 /// The tolerance of a dtype's rounding against f32 or f64 math.
 fn tol(dtype: DType) -> f32 {
     if dtype == DType::F16 { 2e-3 } else { 1.5e-2 }
@@ -195,6 +202,23 @@ fn paged_is_packed() -> Result<()> {
         let (vc, _, _, _) = paged(&v, page_size, table_dtype)?;
         let got = flash_attn_varlen_paged_windowed(
             &q,
+            &hnd(&kc)?,
+            &hnd(&vc)?,
+            &sq,
+            &sk,
+            &table,
+            None,
+            9,
+            30,
+            0.125,
+            Some(7),
+            Some(0),
+            ps,
+            None,
+        )?;
+        assert_eq!(rel_diff(&got, &want)?, 0.0, "HND pages of {page_size}");
+        let got = flash_attn_varlen_paged_windowed(
+            &q,
             &kc,
             &vc,
             &sq,
@@ -303,8 +327,6 @@ fn unsupported_forms_are_errors() -> Result<()> {
     let (vc, _, _, _) = paged(&v, 16, DType::U32)?;
     let ranges = Tensor::new(&[[[0i64, 2]], [[0, 2]]], &dev)?;
     let s = slopes(4, &dev)?;
-    // The same cache stored heads-first within each page (HND), viewed as NHD.
-    let hnd = |t: &Tensor| t.transpose(1, 2)?.contiguous()?.transpose(1, 2);
     let paged = |ranges, ps| {
         flash_attn_varlen_paged_windowed(
             &q,
@@ -354,8 +376,8 @@ fn unsupported_forms_are_errors() -> Result<()> {
         (
             flash_attn_varlen_paged_windowed(
                 &q,
-                &hnd(&kc)?,
-                &hnd(&vc)?,
+                &kc.narrow(1, 0, 8)?,
+                &vc.narrow(1, 0, 8)?,
                 &sq,
                 &sk,
                 &table,
@@ -368,7 +390,7 @@ fn unsupported_forms_are_errors() -> Result<()> {
                 ps,
                 None,
             ),
-            "pages must follow each other row after row",
+            "pages must be stored row after row (NHD) or head after head",
         ),
     ];
     for (i, (got, fragment)) in cases.into_iter().enumerate() {
@@ -411,10 +433,21 @@ fn matches_the_cpu_op(dev: &Device) -> Result<usize> {
         let [cq, ck, cv, csq, csk, cs] = &on_cpu;
         let want = flash_attn_varlen_alibi(cq, ck, cv, cs, csq, csk, 9, 30, 0.125, true)?;
         check("varlen alibi", &gpu, &want, t)?;
-        // Paged, prefill and decode (one query a sequence), pages the kernels take whole.
-        for page_size in [16, 64, 256] {
+        // Paged, prefill and decode (one query a sequence), NHD and HND pages, pages smaller
+        // than some kernels' key tiles and pages that hold whole ones.
+        for (page_size, heads_first) in [
+            (16, false),
+            (64, true),
+            (128, true),
+            (256, false),
+            (256, true),
+        ] {
             let (kc, _, table, ps) = paged(&k, page_size, DType::U32)?;
             let (vc, _, _, _) = paged(&v, page_size, DType::U32)?;
+            let (kc, vc) = match heads_first {
+                true => (hnd(&kc)?, hnd(&vc)?),
+                false => (kc, vc),
+            };
             let (ckc, cvc, ctable) = (cpu(&kc)?, cpu(&vc)?, cpu(&table)?);
             let gpu = flash_attn_varlen_paged_windowed(
                 &q,
@@ -517,6 +550,6 @@ fn gpu_forms_match_the_cpu_op() -> Result<()> {
     let Some(dev) = gpu("gpu forms") else {
         return Ok(());
     };
-    assert_eq!(matches_the_cpu_op(&dev)?, 2 * (2 + 1 + 6 + 2));
+    assert_eq!(matches_the_cpu_op(&dev)?, 2 * (2 + 1 + 10 + 2));
     Ok(())
 }

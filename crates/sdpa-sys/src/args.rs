@@ -100,14 +100,19 @@ mod blocks {
     /// page_size of page block_table[b * pages_per_seq + j / page_size] of a paged cache
     /// (page_size > 0, a power of two), else its batch entry's seq_k; with has_seqused_k only
     /// the first seqused_k[b] of them. The log-sum-exp of packed Q is [heads][total_q]. kv_rows:
-    /// the rows of packed K/V (total_k) or of a paged cache (pages x page_size), 0 for dense
-    /// ones. The metadata is device i32 (0 in a question asked before the buffers exist).
+    /// the rows of packed K/V (total_k) or of a paged cache ((pages - 1) x page_rows +
+    /// page_size), 0 for dense ones. page_rows: rows of K's and V's sequence dimension from one
+    /// page's first row to the next's: page_size for pages stored row after row (NHD), kv_heads x
+    /// page_size for pages stored head after head (HND: the operands' seq stride head_dim, head
+    /// stride page_size x head_dim). The metadata is device i32 (0 in a question asked before
+    /// the buffers exist).
     #[derive(Debug, Clone, Copy, Default)]
     struct FwdSeqs {
         total_q: i64,
         packed_kv: bool,
         kv_rows: i64,
         page_size: i64,
+        page_rows: i64,
         pages_per_seq: i64,
         has_seqused_k: bool,
         cu_seqlens_q: u64,
@@ -243,26 +248,37 @@ mod blocks {
         dtype: Dtype,
     }
 
-    /// New K/V rows appended into a paged cache (FlashAttention's flash_attn_with_kvcache
-    /// append): k_new, v_new [batch][n_new][kv_heads][head_dim] contiguous; k_cache, v_cache
-    /// [pages][page_size][kv_heads][head_dim] contiguous; block_table [batch][pages_per_seq];
-    /// seqused_k [batch], in and out. dtype: F16 or BF16.
+    /// New K/V rows written into a paged cache (sdpa.h, kv_write). k_new, v_new: `rows` rows of
+    /// [kv_heads][head_dim] at element strides new_row_stride, new_head_stride; k_cache,
+    /// v_cache: `pages` pages of page_size rows, element (page, offset, head, d) at page *
+    /// page_stride + offset * row_stride + head * head_stride + d (NHD or HND). Where rows go:
+    /// slots (device i64 [rows]) when not 0; else the appends of `batch` sequences, cu_new
+    /// (device i32 [batch + 1]: sequence b's rows in k_new) or, when 0, n_new rows each, through
+    /// block_table [batch][pages_per_seq] at seqused_k [batch] (in and out). Every stride and
+    /// base a multiple of 8 elements. dtype: F16 or BF16.
     #[derive(Debug, Clone, Copy)]
-    struct KvAppendArgs {
+    struct KvWriteArgs {
         k_new: u64,
         v_new: u64,
+        new_row_stride: i64,
+        new_head_stride: i64,
+        rows: i64,
         k_cache: u64,
         v_cache: u64,
-        block_table: u64,
-        seqused_k: u64,
-        batch: i64,
-        n_new: i64,
+        pages: i64,
+        page_size: i64,
+        page_stride: i64,
+        row_stride: i64,
+        head_stride: i64,
         kv_heads: i64,
         head_dim: i64,
-        page_size: i64,
+        slots: u64,
+        batch: i64,
+        cu_new: u64,
+        n_new: i64,
+        block_table: u64,
         pages_per_seq: i64,
-        /// Pages of the cache.
-        pages: i64,
+        seqused_k: u64,
         dtype: Dtype,
     }
 

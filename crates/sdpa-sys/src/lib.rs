@@ -41,7 +41,7 @@ pub mod ffi {
         type DeviceInfo = crate::args::DeviceInfo;
         type SoftmaxArgs = crate::args::SoftmaxArgs;
         type NonFiniteVArgs = crate::args::NonFiniteVArgs;
-        type KvAppendArgs = crate::args::KvAppendArgs;
+        type KvWriteArgs = crate::args::KvWriteArgs;
         type MergeArgs = crate::args::MergeArgs;
         type MergeFinishArgs = crate::args::MergeFinishArgs;
         type ScaleMap = crate::args::ScaleMap;
@@ -78,7 +78,7 @@ pub mod ffi {
         /// # Safety
         /// The buffers of `args` must be live device buffers of the sizes sdpa.h gives, on the
         /// current context; `stream` a valid stream there.
-        unsafe fn kv_append(args: &KvAppendArgs, stream: usize) -> Result<()>;
+        unsafe fn kv_write(args: &KvWriteArgs, stream: usize) -> Result<()>;
         /// # Safety
         /// `args.v` must hold what its shape and strides address, `args.v_finite` and
         /// `args.first_keys` the elements their comments give; all live device buffers of the

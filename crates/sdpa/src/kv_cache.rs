@@ -1,12 +1,322 @@
-//! Appending new keys and values to a paged K/V cache, on the device: the other half of a decode
-//! step (FlashAttention's `flash_attn_with_kvcache` appends `k`, `v` before attending).
+//! Writing new keys and values into a paged K/V cache, on the device: the other half of a
+//! decode step. [`write_kv`] takes the caller's cache (NHD or HND pages) and new rows, and
+//! places them by slot (vLLM's `slot_mapping`) or after each sequence's keys with per-sequence
+//! counts (FlashInfer's `append_paged_kv_cache`); [`append_kv`] appends the same count to every
+//! sequence of a paged problem's own tensors (FlashAttention's `flash_attn_with_kvcache`).
 
 use crate::device::Device;
 use crate::error::{Result, invalid};
 use crate::problem::{DType, Problem};
-use crate::seqs::KvRows;
-use crate::tensor::Tensor;
-use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
+use crate::seqs::{KvRows, PAGE_SIZES, PageLayout};
+use crate::tensor::{Element, Tensor};
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
+use sdpa_sys::args::KvWriteArgs;
+use std::sync::Arc;
+
+/// A paged K/V cache in the caller's device memory: `pages` pages of `page_size` rows of
+/// `kv_heads` heads of `head_dim` values, each page `[page_size, kv_heads, head_dim]` (NHD) or
+/// `[kv_heads, page_size, head_dim]` (HND), pages one after another, K and V alike. Attention
+/// reads it through a problem `with_paged_kv(pages, page_size, pages_per_seq)` and
+/// `with_page_layout(layout)`, K and V as views at [`Problem::kv_strides`].
+#[derive(Debug)]
+pub struct PagedCache<'a, T> {
+    /// The key cache.
+    pub k: CudaViewMut<'a, T>,
+    /// The value cache.
+    pub v: CudaViewMut<'a, T>,
+    /// Pages of the cache.
+    pub pages: usize,
+    /// Rows a page holds: a power of two from 16 to 256.
+    pub page_size: usize,
+    /// Heads of a row.
+    pub kv_heads: usize,
+    /// Values of a head: a multiple of 8.
+    pub head_dim: usize,
+    /// The order of a page's elements.
+    pub layout: PageLayout,
+}
+
+impl<T> PagedCache<'_, T> {
+    /// Elements of K (and of V): `None` on overflow.
+    pub fn len(&self) -> Option<usize> {
+        self.pages
+            .checked_mul(self.page_size)?
+            .checked_mul(self.kv_heads)?
+            .checked_mul(self.head_dim)
+    }
+    /// Whether the cache holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == Some(0)
+    }
+    /// Element strides of (page, row in the page, head).
+    pub fn strides(&self) -> [usize; 3] {
+        Self::layout_strides(self.layout, self.page_size, self.kv_heads, self.head_dim)
+    }
+    fn layout_strides(layout: PageLayout, p: usize, h: usize, d: usize) -> [usize; 3] {
+        match layout {
+            PageLayout::Nhd => [p * h * d, h * d, d],
+            PageLayout::Hnd => [p * h * d, d, p * d],
+        }
+    }
+}
+
+/// New K and V rows: `rows` rows of `kv_heads` heads of the cache's head_dim, head h of row r at
+/// element `r · row_stride + h · head_stride` (a contiguous `[rows, kv_heads, head_dim]`
+/// tensor: `kv_heads · head_dim` and `head_dim`). Strides are multiples of 8 elements.
+#[derive(Debug)]
+pub struct NewRows<'a, T> {
+    /// New keys.
+    pub k: CudaView<'a, T>,
+    /// New values, at the same strides.
+    pub v: CudaView<'a, T>,
+    /// Rows to write.
+    pub rows: usize,
+    /// Elements between rows.
+    pub row_stride: usize,
+    /// Elements between heads of a row.
+    pub head_stride: usize,
+}
+
+/// Where each new row goes.
+#[derive(Debug)]
+pub enum Placement<'a> {
+    /// Row i to slot `slots[i]` (`[rows]`), page `slot / page_size`, offset `slot % page_size`
+    /// (vLLM's `slot_mapping`); a negative slot (a padding row) writes nothing.
+    Slots(CudaView<'a, i64>),
+    /// After each sequence's keys: sequence b's rows `cu_new[b]..cu_new[b + 1]` (`[batch + 1]`)
+    /// go to its positions `seqused_k[b]..` (`[batch]`), key j at offset `j % page_size` of page
+    /// `block_table[b][j / page_size]` (`[batch, pages_per_seq]`); then `seqused_k[b]` grows by
+    /// its rows (FlashInfer's `append_paged_kv_cache`).
+    Append {
+        /// `[batch + 1]` offsets of each sequence's rows in the new rows.
+        cu_new: CudaView<'a, i32>,
+        /// `[batch, pages_per_seq]` pages of each sequence.
+        block_table: CudaView<'a, i32>,
+        /// Columns of the block table.
+        pages_per_seq: usize,
+        /// `[batch]` keys of each sequence in the cache, advanced by the write.
+        seqused_k: CudaViewMut<'a, i32>,
+    },
+}
+
+/// Writes `new`'s rows into `cache` where `at` places them, on `dev`'s stream with no host
+/// synchronization (capturable in a CUDA graph with the attention that reads the cache).
+///
+/// Shapes, strides, lengths, alignment and devices are checked on the host. The placement's
+/// values live on the device, where they are not trusted: a slot outside the cache, or a
+/// position outside its sequence's `pages_per_seq · page_size` keys, drops the row; a
+/// block-table entry outside the cache's pages is clamped into them (the row lands in a wrong
+/// page of this cache, never outside it); and `seqused_k[b]` stays within `0..=pages_per_seq ·
+/// page_size`. Each row lands at most once (with offsets that overlap, in one of its
+/// sequences).
+pub fn write_kv<T: Element>(
+    dev: &Device,
+    cache: PagedCache<'_, T>,
+    new: NewRows<'_, T>,
+    at: Placement<'_>,
+) -> Result<()> {
+    if !matches!(T::DTYPE, DType::F16 | DType::Bf16) {
+        return Err(invalid!(
+            "write_kv writes f16 or bf16 caches, not {}",
+            T::DTYPE
+        ));
+    }
+    let (pages, page_size, heads, d) =
+        (cache.pages, cache.page_size, cache.kv_heads, cache.head_dim);
+    if pages == 0 || heads == 0 || d == 0 || !d.is_multiple_of(8) {
+        return Err(invalid!(
+            "write_kv: a cache of {pages} pages, {heads} kv heads of head_dim {d}; each must be \
+             at least 1, head_dim a multiple of 8"
+        ));
+    }
+    if !page_size.is_power_of_two() || !PAGE_SIZES.contains(&page_size) {
+        return Err(invalid!(
+            "write_kv: page_size must be a power of two from 16 to 256, got {page_size}"
+        ));
+    }
+    if heads > 65535 || new.rows > i32::MAX as usize {
+        return Err(invalid!(
+            "write_kv: {heads} kv heads and {} rows; at most 65535 heads and 2^31 - 1 rows",
+            new.rows
+        ));
+    }
+    let cache_len = cache
+        .len()
+        .ok_or_else(|| invalid!("write_kv: the cache's size overflows"))?;
+    let new_len = match new.rows {
+        0 => Some(0),
+        n => (n - 1)
+            .checked_mul(new.row_stride)
+            .and_then(|r| r.checked_add((heads - 1).checked_mul(new.head_stride)?))
+            .and_then(|r| r.checked_add(d)),
+    }
+    .ok_or_else(|| invalid!("write_kv: the new rows' extent overflows"))?;
+    if !new.row_stride.is_multiple_of(8) || !new.head_stride.is_multiple_of(8) {
+        return Err(invalid!(
+            "write_kv: the new rows' strides {} and {} must be multiples of 8 elements (16 \
+             bytes): rows are copied 16 bytes at a time",
+            new.row_stride,
+            new.head_stride
+        ));
+    }
+    let stream = dev.stream();
+    let mut ptrs = Vec::new();
+    for (name, len, need, s, ptr) in [
+        (
+            "k_new",
+            new.k.len(),
+            new_len,
+            new.k.stream(),
+            new.k.device_ptr(stream).0,
+        ),
+        (
+            "v_new",
+            new.v.len(),
+            new_len,
+            new.v.stream(),
+            new.v.device_ptr(stream).0,
+        ),
+        (
+            "k_cache",
+            cache.k.len(),
+            cache_len,
+            cache.k.stream(),
+            cache.k.device_ptr(stream).0,
+        ),
+        (
+            "v_cache",
+            cache.v.len(),
+            cache_len,
+            cache.v.stream(),
+            cache.v.device_ptr(stream).0,
+        ),
+    ] {
+        check_buffer(dev, name, len, need, s)?;
+        if !ptr.is_multiple_of(16) {
+            return Err(invalid!(
+                "write_kv: {name} starts at {ptr:#x}, not a multiple of 16 bytes"
+            ));
+        }
+        ptrs.push(ptr);
+    }
+    let [page_stride, row_stride, head_stride] = cache.strides();
+    let mut args = KvWriteArgs {
+        k_new: ptrs[0],
+        v_new: ptrs[1],
+        new_row_stride: new.row_stride as i64,
+        new_head_stride: new.head_stride as i64,
+        rows: new.rows as i64,
+        k_cache: ptrs[2],
+        v_cache: ptrs[3],
+        pages: pages as i64,
+        page_size: page_size as i64,
+        page_stride: page_stride as i64,
+        row_stride: row_stride as i64,
+        head_stride: head_stride as i64,
+        kv_heads: heads as i64,
+        head_dim: d as i64,
+        slots: 0,
+        batch: 0,
+        cu_new: 0,
+        n_new: 0,
+        block_table: 0,
+        pages_per_seq: 0,
+        seqused_k: 0,
+        dtype: crate::ffi::dtype(T::DTYPE),
+    };
+    let mut streams = vec![
+        new.k.stream().clone(),
+        new.v.stream().clone(),
+        cache.k.stream().clone(),
+        cache.v.stream().clone(),
+    ];
+    match at {
+        Placement::Slots(slots) => {
+            check_buffer(dev, "slots", slots.len(), new.rows, slots.stream())?;
+            streams.push(slots.stream().clone());
+            args.slots = slots.device_ptr(stream).0;
+            launch(dev, &args, &streams)
+        }
+        Placement::Append {
+            cu_new,
+            block_table,
+            pages_per_seq,
+            mut seqused_k,
+        } => {
+            let batch = cu_new.len().saturating_sub(1);
+            if batch == 0 {
+                return Err(invalid!(
+                    "write_kv: cu_new holds {} offsets; batch + 1 is at least 2",
+                    cu_new.len()
+                ));
+            }
+            if pages_per_seq == 0
+                || pages_per_seq
+                    .checked_mul(page_size)
+                    .is_none_or(|n| n > i32::MAX as usize)
+            {
+                return Err(invalid!(
+                    "write_kv: {pages_per_seq} pages a sequence of {page_size} rows; at least \
+                     one, and fewer than 2^31 rows"
+                ));
+            }
+            check_buffer(dev, "cu_new", cu_new.len(), batch + 1, cu_new.stream())?;
+            let table_len = batch
+                .checked_mul(pages_per_seq)
+                .ok_or_else(|| invalid!("write_kv: the block table's size overflows"))?;
+            check_buffer(
+                dev,
+                "block_table",
+                block_table.len(),
+                table_len,
+                block_table.stream(),
+            )?;
+            check_buffer(dev, "seqused_k", seqused_k.len(), batch, seqused_k.stream())?;
+            streams.extend([
+                cu_new.stream().clone(),
+                block_table.stream().clone(),
+                seqused_k.stream().clone(),
+            ]);
+            args.batch = batch as i64;
+            args.cu_new = cu_new.device_ptr(stream).0;
+            args.block_table = block_table.device_ptr(stream).0;
+            args.pages_per_seq = pages_per_seq as i64;
+            args.seqused_k = seqused_k.device_ptr_mut(stream).0;
+            launch(dev, &args, &streams)
+        }
+    }
+}
+
+/// That a buffer of `len` elements holds `need`, on `dev`'s GPU.
+fn check_buffer(
+    dev: &Device,
+    name: &str,
+    len: usize,
+    need: usize,
+    s: &Arc<CudaStream>,
+) -> Result<()> {
+    if s.context() != dev.ctx() {
+        return Err(invalid!(
+            "{name} lives on another GPU than the device handle"
+        ));
+    }
+    if len < need {
+        return Err(invalid!(
+            "write_kv: {name} holds {len} elements, the write needs {need}"
+        ));
+    }
+    Ok(())
+}
+
+/// The write of `args` on `dev`'s stream, after the work already queued on `streams`.
+fn launch(dev: &Device, args: &KvWriteArgs, streams: &[Arc<CudaStream>]) -> Result<()> {
+    let order = dev.order_after(streams)?;
+    let raw = dev.raw_stream()?;
+    // SAFETY: every buffer of `args` was checked for its length, alignment and context; the
+    // kernel drops or clamps whatever the device-side metadata would place outside them.
+    let ran = unsafe { sdpa_sys::ffi::kv_write(args, raw) }.map_err(Into::into);
+    order.finish(ran)
+}
 
 /// One append: `n_new` new rows of each sequence into the cache a paged problem reads.
 #[derive(Debug)]
@@ -151,30 +461,37 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
         .chain([a.block_table.stream(), a.seqused_k.stream()])
         .cloned()
         .collect();
-    let order = dev.order_after(&streams)?;
     let stream = dev.stream();
     let (table, _tg) = a.block_table.device_ptr(stream);
     let mut used = a.seqused_k;
     let (seqused, _ug) = used.device_ptr_mut(stream);
-    let args = sdpa_sys::args::KvAppendArgs {
+    let (heads, d) = (p.kv_heads as i64, p.head_dim as i64);
+    // The problem's own cache, in its page layout.
+    let [_, row_stride, head_stride] =
+        PagedCache::<()>::layout_strides(p.seqs.page_layout, page_size, p.kv_heads, p.head_dim);
+    let args = KvWriteArgs {
         k_new: a.k_new.ptr(dev),
         v_new: a.v_new.ptr(dev),
+        new_row_stride: heads * d,
+        new_head_stride: d,
+        rows: (p.batch * a.n_new) as i64, // below new_len: no overflow
         k_cache: a.k_cache.ptr_mut(dev),
         v_cache: a.v_cache.ptr_mut(dev),
-        block_table: table,
-        seqused_k: seqused,
-        batch: p.batch as i64,
-        n_new: a.n_new as i64,
-        kv_heads: p.kv_heads as i64,
-        head_dim: p.head_dim as i64,
-        page_size: page_size as i64,
-        pages_per_seq: pages_per_seq as i64,
         pages: pages as i64,
+        page_size: page_size as i64,
+        page_stride: page_size as i64 * heads * d,
+        row_stride: row_stride as i64,
+        head_stride: head_stride as i64,
+        kv_heads: heads,
+        head_dim: d,
+        slots: 0,
+        batch: p.batch as i64,
+        cu_new: 0,
+        n_new: a.n_new as i64,
+        block_table: table,
+        pages_per_seq: pages_per_seq as i64,
+        seqused_k: seqused,
         dtype: crate::ffi::dtype(p.dtype),
     };
-    let raw = dev.raw_stream()?;
-    // SAFETY: every buffer was checked above for its dtype, length and context against `p`;
-    // positions past a sequence's pages are dropped by the kernel.
-    let ran = unsafe { sdpa_sys::ffi::kv_append(&args, raw) }.map_err(Into::into);
-    order.finish(ran)
+    launch(dev, &args, &streams)
 }

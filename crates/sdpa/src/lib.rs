@@ -26,6 +26,18 @@
 //! on any operands ([`Tensors`], the caller's memory as [`Views`], e4m3 codes as [`Fp8Views`])
 //! with the [`Extras`] the problem asks for; [`forward`] is both in one call.
 //!
+//! | to | start at |
+//! |---|---|
+//! | run one attention call | [`forward`] on [`Tensors`] (above) |
+//! | read and write your own device memory | [`Views`] of [`View`]s, at any strides |
+//! | masks, windows, softcap, ALiBi, the log-sum-exp | [`Problem::with_mask`], [`Problem::with_softcap`], [`Problem::with_alibi`], [`Problem::with_lse`], [`Extras`] |
+//! | serve: packed batches, paged caches, decode | [`seqs`], [`Problem::with_packed_q`], [`Problem::with_paged_kv`], [`write_kv`] and [`append_kv`] for the cache |
+//! | plan once, run many (CUDA graphs) | [`Plan`] |
+//! | FP8 (e4m3) inputs | [`Fp8Views`], [`fp8`] |
+//! | candle tensors | the `sdpa-candle` crate (candle-flash-attn's functions) |
+//! | several GPUs | `distributed` (feature `distributed`: ring attention over NCCL) |
+//! | check a result | [`reference`](fn@reference), [`reference_seqs`] (float64, no GPU) |
+//!
 //! The float64 reference needs no GPU:
 //!
 //! ```
@@ -71,9 +83,9 @@ pub use codec::{decode, encode};
 pub use device::{Device, driver_present};
 pub use error::{CudaError, Error, MemoryKind, Result};
 pub use extras::Extras;
-pub use kv_cache::{KvAppend, append_kv};
+pub use kv_cache::{KvAppend, NewRows, PagedCache, Placement, append_kv, write_kv};
 pub use problem::{Alibi, DType, Fp8Mode, Layout, Mask, Problem, Scaling, Strides, TensorShape};
-pub use seqs::{KvRows, SeqMeta, SeqSpan, Seqs, check_metadata};
+pub use seqs::{KvRows, PageLayout, SeqMeta, SeqSpan, Seqs, check_metadata};
 
 pub use fp8_view::{Fp8View, Fp8Views};
 pub use plan::{Operands, Plan, Tensors};

@@ -31,9 +31,9 @@ pub enum KvRows {
         /// Rows of K and V.
         total: usize,
     },
-    /// A paged cache: `[pages, page_size, kv_heads, D]`; key j of sequence b is row
-    /// `j % page_size` of page `block_table[b][j / page_size]`, and sequence b has
-    /// `seqused_k[b]` keys.
+    /// A paged cache: `[pages, page_size, kv_heads, D]` (or `[pages, kv_heads, page_size, D]`:
+    /// [`Seqs::page_layout`]); key j of sequence b is row `j % page_size` of page
+    /// `block_table[b][j / page_size]`, and sequence b has `seqused_k[b]` keys.
     Paged {
         /// Pages of the cache.
         pages: usize,
@@ -58,6 +58,31 @@ pub struct Seqs {
     /// Whether each call first copies the metadata to the host and checks its values
     /// ([`check_metadata`]): a host synchronization per call, for debugging.
     pub checked: bool,
+    /// How a paged cache orders each page's elements (ignored for other K/V rows).
+    pub page_layout: PageLayout,
+}
+
+/// How a paged cache orders the elements of each page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum PageLayout {
+    /// `[page_size, kv_heads, D]`: a page's rows one after another, each with every head
+    /// (FlashAttention's and vLLM's paged caches).
+    #[default]
+    Nhd,
+    /// `[kv_heads, page_size, D]`: each head's rows of the page together (FlashInfer's HND).
+    Hnd,
+}
+
+impl PageLayout {
+    /// Rows of the kernels' row space from one page's first row to the next's: a page's rows
+    /// (NHD), or every head's rows of a page (HND, read at a row stride of head_dim and a head
+    /// stride of `page_size · head_dim`).
+    pub(crate) fn page_rows(self, page_size: usize, kv_heads: usize) -> usize {
+        match self {
+            PageLayout::Nhd => page_size,
+            PageLayout::Hnd => page_size.saturating_mul(kv_heads),
+        }
+    }
 }
 
 /// Page sizes a paged cache may have.
@@ -144,6 +169,9 @@ impl fmt::Display for Seqs {
             KvRows::Paged {
                 pages, page_size, ..
             } => write!(f, " paged {pages}x{page_size}")?,
+        }
+        if self.takes_block_table() && self.page_layout == PageLayout::Hnd {
+            f.write_str(" hnd")?;
         }
         if self.seqused_k {
             f.write_str(" seqused-k")?;

@@ -66,18 +66,18 @@ struct VarSeqs {
     return p.seqs.cu_k != nullptr || p.seqs.paged() ? 0 : b;
   }
   // Key tile j itself, or for a paged cache the tile its page holds it as (pages hold whole
-  // tiles; the cache's rows and the table's entries fit an int: can_implement; the entry clamped
-  // into the cache like every metadata value, seqs.cuh). Recomputed per copy from an opaque b:
-  // the producer thread holds nothing of the block table across its loop.
+  // tiles, and lie page_rows rows apart: a multiple of the tile; the cache's rows and the
+  // table's entries fit an int: can_implement; the entry clamped into the cache like every
+  // metadata value, seqs.cuh). Recomputed per copy from an opaque b: the producer thread holds
+  // nothing of the block table across its loop.
   template <class P>
   __device__ __forceinline__ static int key_tile_at(const P& p, int b, int j) {
     if (p.seqs.paged()) {
       asm volatile("" : "+r"(b));
       const int shift = p.seqs.page_shift - kLog2BN;  // tiles a page: 1 << shift
-      const int last = int(p.seqs.kv_rows >> p.seqs.page_shift) - 1;
       const int entry = __ldg(p.seqs.block_table + (b * int(p.seqs.pages_per_seq) + (j >> shift)));
-      const int page = min(max(entry, 0), last);
-      return (page << shift) | (j & ((1 << shift) - 1));
+      const int page = min(max(entry, 0), int(p.seqs.pages) - 1);
+      return page * int(p.seqs.page_rows >> kLog2BN) + (j & ((1 << shift) - 1));
     }
     return j;
   }

@@ -242,7 +242,8 @@ pub fn reference_seqs(
         } => {
             let table = meta.block_table.as_deref().unwrap_or(&[]);
             let page = table[b * pages_per_seq + j / page_size] as usize;
-            ks.offset(0, hk, page * page_size + j % page_size, 0)
+            let page_rows = p.seqs.page_layout.page_rows(page_size, p.kv_heads);
+            ks.offset(0, hk, page * page_rows + j % page_size, 0)
         }
     };
     let mut out = vec![0.0; ql];

@@ -180,14 +180,22 @@ fn problem_args(p: &Problem) -> FwdArgs {
     let (qs, ks) = (p.q_strides().as_i64(), p.kv_strides().as_i64());
     let fp8 = p.dtype == DType::E4m3;
     let (kind, window_left, window_right) = ffi::mask(p.mask);
-    let (total_k, page_size, pages_per_seq) = match p.seqs.kv {
-        KvRows::Dense => (0, 0, 0),
-        KvRows::Packed { total } => (total, 0, 0),
+    let (page_size, page_rows, pages_per_seq) = match p.seqs.kv {
         KvRows::Paged {
-            pages,
             page_size,
             pages_per_seq,
-        } => (pages * page_size, page_size, pages_per_seq),
+            ..
+        } => (
+            page_size,
+            p.seqs.page_layout.page_rows(page_size, p.kv_heads),
+            pages_per_seq,
+        ),
+        _ => (0, 0, 0),
+    };
+    // The rows of packed or paged K/V the kernels address (kv_shape's).
+    let kv_rows = match p.seqs.kv {
+        KvRows::Dense => 0,
+        _ => p.kv_shape().seq,
     };
     FwdArgs {
         ops: FwdOperands {
@@ -227,8 +235,9 @@ fn problem_args(p: &Problem) -> FwdArgs {
         seqs: FwdSeqs {
             total_q: p.seqs.packed_q.unwrap_or(0) as i64,
             packed_kv: matches!(p.seqs.kv, KvRows::Packed { .. }),
-            kv_rows: total_k as i64,
+            kv_rows: kv_rows as i64,
             page_size: page_size as i64,
+            page_rows: page_rows as i64,
             pages_per_seq: pages_per_seq as i64,
             has_seqused_k: p.seqs.seqused_k,
             ..FwdSeqs::default()

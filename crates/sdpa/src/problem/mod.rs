@@ -5,7 +5,7 @@ mod dtype;
 mod mask;
 mod shape;
 
-pub use crate::seqs::{KvRows, Seqs};
+pub use crate::seqs::{KvRows, PageLayout, Seqs};
 pub use dtype::{DType, Fp8Mode, Scaling};
 pub use mask::{Alibi, Mask};
 pub use shape::{Layout, Strides, TensorShape};
@@ -117,6 +117,11 @@ impl Problem {
             pages_per_seq,
         };
         self.seqs.seqused_k = true;
+        self
+    }
+    /// Sets how a paged cache orders each page's elements (NHD unless set).
+    pub fn with_page_layout(mut self, layout: PageLayout) -> Self {
+        self.seqs.page_layout = layout;
         self
     }
     /// Whether `seqused_k` caps each sequence's keys.
@@ -255,14 +260,23 @@ impl Problem {
         }
     }
     /// Shape of K (and of V): packed K/V is one sequence of total_k rows, a paged cache one of
-    /// pages · page_size rows, BSHD.
+    /// pages · page_size rows, BSHD. An HND cache is one sequence of the rows its kernels
+    /// address, `(pages - 1) · kv_heads · page_size + page_size` of them, read at
+    /// [`Problem::kv_strides`] (a row stride of head_dim).
     pub fn kv_shape(&self) -> TensorShape {
         let (batch, seq, layout) = match self.seqs.kv {
             KvRows::Dense => (self.batch, self.seq_k, self.layout),
             KvRows::Packed { total } => (1, total, Layout::Bshd),
             KvRows::Paged {
                 pages, page_size, ..
-            } => (1, pages.saturating_mul(page_size), Layout::Bshd),
+            } => {
+                let page_rows = self.seqs.page_layout.page_rows(page_size, self.kv_heads);
+                let rows = pages
+                    .saturating_sub(1)
+                    .saturating_mul(page_rows)
+                    .saturating_add(page_size);
+                (1, rows, Layout::Bshd)
+            }
         };
         TensorShape {
             batch,
@@ -270,6 +284,15 @@ impl Problem {
             seq,
             head_dim: self.head_dim,
             layout,
+        }
+    }
+    /// Whether K and V are a paged cache of HND pages.
+    fn hnd_pages(&self) -> Option<usize> {
+        match self.seqs.kv {
+            KvRows::Paged {
+                pages, page_size, ..
+            } if self.seqs.page_layout == PageLayout::Hnd => Some(pages.saturating_mul(page_size)),
+            _ => None,
         }
     }
     /// Sets the memory layout.
@@ -405,16 +428,30 @@ impl Problem {
     }
     /// Elements of K (and of V); `None` on overflow.
     pub fn kv_len(&self) -> Option<usize> {
-        self.kv_shape().len()
+        match self.hnd_pages() {
+            // Every page's rows of every head.
+            Some(rows) => rows.checked_mul(self.kv_heads)?.checked_mul(self.head_dim),
+            None => self.kv_shape().len(),
+        }
     }
 
     /// Strides of Q and of the output.
     pub fn q_strides(&self) -> Strides {
         self.q_shape().strides()
     }
-    /// Strides of K and of V.
+    /// Strides of K and of V (an HND cache's: its heads `page_size · head_dim` apart, its rows
+    /// head_dim apart, in the row space of [`Problem::kv_shape`]).
     pub fn kv_strides(&self) -> Strides {
-        self.kv_shape().strides()
+        match (self.seqs.kv, self.hnd_pages()) {
+            (KvRows::Paged { page_size, .. }, Some(rows)) => Strides {
+                batch: rows
+                    .saturating_mul(self.kv_heads)
+                    .saturating_mul(self.head_dim),
+                head: page_size * self.head_dim,
+                seq: self.head_dim,
+            },
+            _ => self.kv_shape().strides(),
+        }
     }
 
     /// The keys `[first, end)` query row `i` attends to (empty for rows that see none).
