@@ -77,7 +77,10 @@ impl Call<'_> {
             host::values(k, k_l)?,
             host::values(v, v_l)?,
         );
-        let r = sdpa::reference_seqs(p, &qv, &kv, &vv, slopes.as_deref(), &meta)
+        // The values are gathered in each operand's logical row-major order: a paged cache's
+        // in NHD order, however it is stored.
+        let p = p.with_page_layout(sdpa::PageLayout::Nhd);
+        let r = sdpa::reference_seqs(&p, &qv, &kv, &vv, slopes.as_deref(), &meta)
             .map_err(candle_core::Error::wrap)?;
         let lse = with_lse.then(|| CpuStorage::F32(r.lse.iter().map(|&x| x as f32).collect()));
         Ok((host::storage(q.dtype(), &r.out), lse))

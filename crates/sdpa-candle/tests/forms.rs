@@ -387,7 +387,7 @@ fn unsupported_forms_are_errors() -> Result<()> {
                 0.125,
                 None,
                 Some(0),
-                ps,
+                8,
                 None,
             ),
             "pages must be stored row after row (NHD) or head after head",
