@@ -17,8 +17,8 @@ pub fn attention_unfused(
     attention_unfused_windowed(q, k, v, softmax_scale, None, None, right)
 }
 
-/// [`crate::flash_attn_windowed_softcap`] computed with candle's ops in f32. Every query row
-/// must see at least one key (a row that sees none is NaN here, zeros in the fused op).
+/// [`crate::FlashAttn`] (a window and a softcap) computed with candle's ops in f32. Every query
+/// row must see at least one key (a row that sees none is NaN here, zeros in the fused op).
 pub fn attention_unfused_windowed(
     q: &Tensor,
     k: &Tensor,
