@@ -31,12 +31,11 @@ fn main() {
         println!("cargo:rerun-if-env-changed={var}");
     }
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
-    let repo = manifest.join("../..").canonicalize().unwrap();
-    let cpp = repo.join("cpp");
-    let pins = repo.join("third_party/toolchain.txt");
+    let cpp = manifest.join("cpp");
+    let pins = manifest.join("third_party/toolchain.txt");
     for p in [
         cpp.clone(),
-        repo.join("cmake"),
+        manifest.join("cmake"),
         pins.clone(),
         manifest.join("src/bridge.cc"),
         manifest.join("src/bridge.h"),
@@ -77,16 +76,23 @@ fn main() {
     // CMake's build tree lives in cargo's target folder, not in OUT_DIR: `cargo test`, `cargo
     // clippy` and release builds run this script with different OUT_DIRs, and with a tree of
     // their own each the whole CUDA core compiled again (minutes on 2 cores; CMake builds it in
-    // its Release configuration whatever cargo's profile). One tree per (toolchain, CUTLASS,
-    // archs) lets every later run find the objects up to date. Cargo's lock on the target
-    // folder keeps two builds from sharing it at once.
+    // its Release configuration whatever cargo's profile). One tree per (source folder,
+    // toolchain, CUTLASS, archs) lets every later run find the objects up to date. The source
+    // folder is in the key because CMake refuses a tree configured from another one, and the
+    // same target folder builds other copies of cpp/: `cargo package` verifies the packaged
+    // copy there, and checkouts may share a CARGO_TARGET_DIR.
     // Cargo locks each profile's folder, not the target folder: a debug and a release build may
     // run at once, so the tree has a lock of its own.
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let mut _tree_lock = None;
     let mut tree = out.clone();
     if let Some(target_dir) = out.ancestors().nth(4) {
-        let key = format!("{}\n{:?}\n{archs}", nvcc.display(), tc.cutlass_include);
+        let key = format!(
+            "{}\n{}\n{:?}\n{archs}",
+            cpp.display(),
+            nvcc.display(),
+            tc.cutlass_include
+        );
         tree = target_dir.join(format!("sdpa-core-{:016x}", fnv1a(key.as_bytes())));
         _tree_lock = Some(lock_tree(&tree));
         cfg.out_dir(&tree);
