@@ -20,9 +20,12 @@ cd "$(dirname "$0")/.."
 target=target/package-check
 # Cargo takes a registry package of a given version as immutable: a copy it unpacked (under
 # $CARGO_HOME/registry/src/, in a folder named after the local registry's path) or compiled in
-# an earlier run is reused as it was, though this run's package differs. Remove both first.
+# an earlier run is reused as it was, though this run's package differs. Remove both first,
+# and the CUDA core's CMake trees: the unpacked copy's files carry the package's fixed old
+# timestamps, so make would take an earlier run's objects for up to date.
 rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/sdpa{,-sys,-candle}-[0-9]*
 cargo clean --target-dir "$target" -p sdpa-sys -p sdpa -p sdpa-candle
+rm -rf "$target"/sdpa-core-*
 if [ "${FULL:-0}" = 1 ]; then
   cargo publish --dry-run --target-dir "$target" -p sdpa-sys -p sdpa -p sdpa-candle
 else
