@@ -39,7 +39,7 @@ for tool in $tools; do
     fi
   done
 done
-# Head dims only some backends have (cpp/kernels.txt): cutlass-sm80 at 96.
+# Head dims only some backends have (crates/sdpa-sys/cpp/kernels.txt): cutlass-sm80 at 96.
 if has_backend cutlass-sm80; then
   for tool in $tools; do
     echo "== $tool cutlass-sm80 (head_dim 96)"

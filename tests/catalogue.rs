@@ -509,8 +509,8 @@ fn tensor_errors_launch_nothing_and_leave_the_output_alone() {
         let mut short_out = Tensor::poisoned(&dev, DType::F16, n - 1).unwrap();
         let e = common::forward(&dev, &pr, backend, [&q, &k, &v], &mut short_out).unwrap_err();
         assert!(e.to_string().contains("out holds 1023"), "{backend}: {e}");
-        // A fused kernel refuses a head dim cpp/kernels.txt does not instantiate for it (cublas
-        // takes any head_dim).
+        // A fused kernel refuses a head dim sdpa-sys/cpp/kernels.txt does not instantiate for it
+        // (cublas takes any head_dim).
         let kernels: Vec<_> = sdpa::backend::instances()
             .filter(|i| i.backend == backend)
             .collect();

@@ -293,8 +293,8 @@ fn simulated_path_refuses_what_f16_cannot_hold() {
 }
 
 /// V with a non-zero mean over thousands of keys, where FP8 tensor-core accumulation of P·V drifts
-/// most (a kernel with P in two e4m3 terms drifted there: docs/log/): each native e4m3 kernel
-/// (the e4m3 lines of cpp/kernels.txt) must stay within the e4m3 tolerance at 3072 keys. Prints
+/// most (a kernel with P in two e4m3 terms drifted there: docs/log/): each native e4m3 kernel (the
+/// e4m3 lines of sdpa-sys/cpp/kernels.txt) must stay within the e4m3 tolerance at 3072 keys. Prints
 /// the error, so the GPU log records it.
 #[test]
 fn e4m3_native_long_rows_with_biased_v() {
@@ -330,7 +330,8 @@ fn e4m3_native_long_rows_with_biased_v() {
         assert!(r.pass(), "{kernel}: {r:?}");
         ran.push((backend, p));
     }
-    // With nothing skipped, nothing ran only if cpp/kernels.txt lists no native e4m3 kernel.
+    // With nothing skipped, nothing ran only if sdpa-sys/cpp/kernels.txt lists no native e4m3
+    // kernel.
     if skipped == 0 {
         common::assert_ran("fp8 long rows", &ran);
     }

@@ -3,7 +3,7 @@
 //! seed is printed with any failure).
 //!
 //! A custom harness (libtest-mimic), so that the kernels are enumerated, not written out: each
-//! instantiation in cpp/kernels.txt ([`sdpa::backend::instances`]) is its own trial, named
+//! instantiation in sdpa-sys/cpp/kernels.txt ([`sdpa::backend::instances`]) is its own trial, named
 //! `<backend>_<dtype>_d<head_dim>` with `-` as `_` (`cutlass_sm80_f16_d64`). A line added there
 //! is tested with no edit here, `cargo test --test fused cutlass_sm80_f16_d64` runs one kernel,
 //! and a failure names it. `fused_kernels_are_deterministic` and `auto_runs_on_the_gpu` are

@@ -27,16 +27,16 @@ fn main() {
         "CMAKE",
         "SDPA_TOOLCHAIN_DIR",
         "SDPA_CUDA_ARCHS",
+        "SDPA_BACKENDS",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
-    let repo = manifest.join("../..").canonicalize().unwrap();
-    let cpp = repo.join("cpp");
-    let pins = repo.join("third_party/toolchain.txt");
+    let cpp = manifest.join("cpp");
+    let pins = manifest.join("third_party/toolchain.txt");
     for p in [
         cpp.clone(),
-        repo.join("cmake"),
+        manifest.join("cmake"),
         pins.clone(),
         manifest.join("src/bridge.cc"),
         manifest.join("src/bridge.h"),
@@ -51,7 +51,8 @@ fn main() {
         // kernel list and an empty build report.
         fs::write(out_dir.join("ptxas.txt"), "").unwrap();
         let list = read_kernel_list(&cpp.join("kernels.txt"));
-        write_instances(&list, &out_dir);
+        let built = built_backends(&list);
+        write_instances(&list, &built, &out_dir);
         write_if_changed(&out_dir.join("kernels.rs"), &kernel_enum_rust(&list));
         println!("cargo:rustc-env=SDPA_CUDA_ARCHS=none (documentation build)");
         println!("cargo:rustc-env=SDPA_DEFAULT_CUDA_ARCHS={DEFAULT_ARCHS}");
@@ -59,6 +60,8 @@ fn main() {
     }
     let tc = locate(&pins).unwrap_or_else(|msg| fail(&msg));
     let archs = env::var("SDPA_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.to_string());
+    let list = read_kernel_list(&cpp.join("kernels.txt"));
+    let built = built_backends(&list);
     let nvcc = tc.cuda.join("bin/nvcc");
 
     if let Some(cmake) = &tc.cmake {
@@ -67,6 +70,7 @@ fn main() {
     }
     let mut cfg = cmake::Config::new(&cpp);
     cfg.profile("Release")
+        .define("SDPA_BACKENDS", built.join(";"))
         .define("CMAKE_CUDA_COMPILER", &nvcc)
         .define("CUDAToolkit_ROOT", &tc.cuda)
         .define("CMAKE_CUDA_ARCHITECTURES", &archs)
@@ -77,16 +81,24 @@ fn main() {
     // CMake's build tree lives in cargo's target folder, not in OUT_DIR: `cargo test`, `cargo
     // clippy` and release builds run this script with different OUT_DIRs, and with a tree of
     // their own each the whole CUDA core compiled again (minutes on 2 cores; CMake builds it in
-    // its Release configuration whatever cargo's profile). One tree per (toolchain, CUTLASS,
-    // archs) lets every later run find the objects up to date. Cargo's lock on the target
-    // folder keeps two builds from sharing it at once.
+    // its Release configuration whatever cargo's profile). One tree per (source folder,
+    // toolchain, CUTLASS, archs) lets every later run find the objects up to date. The source
+    // folder is in the key because CMake refuses a tree configured from another one, and the
+    // same target folder builds other copies of cpp/: `cargo package` verifies the packaged
+    // copy there, and checkouts may share a CARGO_TARGET_DIR.
     // Cargo locks each profile's folder, not the target folder: a debug and a release build may
     // run at once, so the tree has a lock of its own.
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let mut _tree_lock = None;
     let mut tree = out.clone();
     if let Some(target_dir) = out.ancestors().nth(4) {
-        let key = format!("{}\n{:?}\n{archs}", nvcc.display(), tc.cutlass_include);
+        let key = format!(
+            "{}\n{}\n{:?}\n{archs}\n{}",
+            cpp.display(),
+            nvcc.display(),
+            tc.cutlass_include,
+            built.join(",")
+        );
         tree = target_dir.join(format!("sdpa-core-{:016x}", fnv1a(key.as_bytes())));
         _tree_lock = Some(lock_tree(&tree));
         cfg.out_dir(&tree);
@@ -96,7 +108,6 @@ fn main() {
     // cxx) and of the kernel list (cpp/kernels.txt), where the CUDA core and the bridge both
     // include them as sdpa/args.h and sdpa/kernels.h. Rewritten only when their text changes,
     // so that a build of another cargo profile rebuilds nothing.
-    let list = read_kernel_list(&cpp.join("kernels.txt"));
     let mut bridge = cxx_build::bridges(["src/args.rs", "src/lib.rs"]);
     let generated = tree.join("include");
     let args_h = out.join("cxxbridge/include/sdpa-sys/src/args.rs.h");
@@ -111,7 +122,7 @@ fn main() {
     let build = dst.join("build");
 
     write_ptxas_report(&build, &cpp, &out_dir);
-    write_instances(&list, &out_dir);
+    write_instances(&list, &built, &out_dir);
 
     bridge
         .file("src/bridge.cc")
@@ -469,6 +480,36 @@ fn kernel_enum_rust(list: &[KernelLine]) -> String {
     s
 }
 
+/// The fused backends to compile: those SDPA_BACKENDS names (comma-separated, as `sdpa` names
+/// them), else every backend of the list. A build that needs fewer kernels compiles in a
+/// fraction of the time; the `Kernel` enum keeps every backend either way, so the Rust code is
+/// the same in every build and only the instance table shrinks.
+fn built_backends(list: &[KernelLine]) -> Vec<String> {
+    let all: Vec<String> = kernels(list).into_iter().map(|(name, _)| name).collect();
+    let Ok(value) = env::var("SDPA_BACKENDS") else {
+        return all;
+    };
+    let mut built = Vec::new();
+    for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        if !all.iter().any(|a| a == name) {
+            fail(&format!(
+                "SDPA_BACKENDS names '{name}', which cpp/kernels.txt does not list (it has {})",
+                all.join(", ")
+            ));
+        }
+        if !built.iter().any(|b| b == name) {
+            built.push(name.to_string());
+        }
+    }
+    if built.is_empty() {
+        fail(&format!(
+            "SDPA_BACKENDS is set but names no backend (cpp/kernels.txt has {})",
+            all.join(", ")
+        ));
+    }
+    built
+}
+
 fn write_if_changed(path: &Path, text: &str) {
     if fs::read_to_string(path).is_ok_and(|old| old == text) {
         return;
@@ -479,11 +520,12 @@ fn write_if_changed(path: &Path, text: &str) {
     fs::write(path, text).unwrap_or_else(|e| fail(&format!("{}: {e}", path.display())));
 }
 
-/// `$OUT_DIR/instances.rs`: cpp/kernels.txt (the fused-kernel instantiations) as a Rust table,
-/// so the safe layer knows which (backend, dtype, head_dim) exist without a second list.
-fn write_instances(list: &[KernelLine], out_dir: &Path) {
+/// `$OUT_DIR/instances.rs`: the instantiations of cpp/kernels.txt this build compiles (those of
+/// the `built` backends) as a Rust table, so the safe layer knows which (backend, dtype,
+/// head_dim) exist without a second list.
+fn write_instances(list: &[KernelLine], built: &[String], out_dir: &Path) {
     let mut rust = String::from("&[\n");
-    for l in list {
+    for l in list.iter().filter(|l| built.contains(&l.backend)) {
         rust.push_str(&format!(
             "    Instance {{ backend: {:?}, dtype: {:?}, head_dim: {} }},\n",
             l.backend, l.dtype, l.head_dim

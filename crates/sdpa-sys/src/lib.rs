@@ -181,8 +181,9 @@ pub struct Instance {
     pub head_dim: usize,
 }
 
-/// Every instantiation the core was generated with (cpp/kernels.txt; the CUTLASS ones exist
-/// only when `ffi::built_with_cutlass()`).
+/// Every instantiation the core was generated with: the lines of cpp/kernels.txt whose backend
+/// this build compiles (all, unless SDPA_BACKENDS named fewer; the CUTLASS ones exist only when
+/// `ffi::built_with_cutlass()`).
 pub const INSTANCES: &[Instance] = include!(concat!(env!("OUT_DIR"), "/instances.rs"));
 
 /// CUDA architectures the core was compiled for, as CMake names them (e.g. "80;90a-real").

@@ -142,7 +142,7 @@ fn fp8_simulated(
         }
     }
     // The fused kernels dequantize into the device's scratch in one launch (C++ side,
-    // cpp/src/fp8/simulated.cu); cublas and cpu take dequantized tensors.
+    // sdpa-sys/cpp/src/fp8/simulated.cu); cublas and cpu take dequantized tensors.
     if let Some(kernel) = kernel {
         return fused_forward(kernel, dev, p, t, extras);
     }

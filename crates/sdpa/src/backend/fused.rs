@@ -1,9 +1,10 @@
-//! The fused kernels of the C++ core (cpp/src/scalar, cpp/src/wmma, cpp/src/cutlass): one launch
-//! computes the whole attention with an online softmax. They share one argument block and one
-//! dispatch; `instances` lists which exist (cpp/kernels.txt). What a kernel takes beyond its
-//! instantiation (its device, its shared memory, its 32-bit and grid limits, TMA addressing) it
-//! states itself, next to its tile constants (`can_implement` in its header under cpp/src/),
-//! and `can_implement` here asks it through the bridge.
+//! The fused kernels of the C++ core (sdpa-sys/cpp/src/scalar, sdpa-sys/cpp/src/wmma,
+//! sdpa-sys/cpp/src/cutlass): one launch computes the whole attention with an online softmax. They
+//! share one argument block and one dispatch; `instances` lists which exist
+//! (sdpa-sys/cpp/kernels.txt). What a kernel takes beyond its instantiation (its device, its shared
+//! memory, its 32-bit and grid limits, TMA addressing) it states itself, next to its tile constants
+//! (`can_implement` in its header under sdpa-sys/cpp/src/), and `can_implement` here asks it
+//! through the bridge.
 
 use super::Backend;
 use crate::buffers::Buffers;
@@ -21,8 +22,9 @@ use sdpa_sys::args::{
 use std::fmt;
 use std::sync::MutexGuard;
 
-/// One fused-kernel instantiation of this build: a line of cpp/kernels.txt. A fused backend
-/// runs a problem natively only where it has an instance of the problem's dtype and head dim.
+/// One fused-kernel instantiation of this build: a line of sdpa-sys/cpp/kernels.txt. A fused
+/// backend runs a problem natively only where it has an instance of the problem's dtype and head
+/// dim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Instance {
     /// The fused backend the kernel belongs to.
@@ -39,13 +41,13 @@ impl fmt::Display for Instance {
     }
 }
 
-/// Every fused-kernel instantiation of this build, in the order of cpp/kernels.txt: what a
+/// Every fused-kernel instantiation of this build, in the order of sdpa-sys/cpp/kernels.txt: what a
 /// test or tool enumerates so that a line added there is covered without a second list. The
 /// CUTLASS ones run only in a build with CUTLASS headers ([`Backend::supports`] says so).
 ///
 /// # Panics
 ///
-/// If cpp/kernels.txt names a backend without a fused kernel or a dtype [`DType`] does not
+/// If sdpa-sys/cpp/kernels.txt names a backend without a fused kernel or a dtype [`DType`] does not
 /// know: the build is inconsistent (this crate's unit tests fail on it too).
 pub fn instances() -> impl Iterator<Item = Instance> {
     INSTANCES.iter().map(|i| {
@@ -54,11 +56,18 @@ pub fn instances() -> impl Iterator<Item = Instance> {
             .parse::<Backend>()
             .ok()
             .filter(|b| b.fused_kernel().is_some())
-            .unwrap_or_else(|| panic!("cpp/kernels.txt: {:?} is not a fused backend", i.backend));
-        let dtype = i
-            .dtype
-            .parse::<DType>()
-            .unwrap_or_else(|e| panic!("cpp/kernels.txt: {:?} is not a dtype: {e}", i.dtype));
+            .unwrap_or_else(|| {
+                panic!(
+                    "sdpa-sys/cpp/kernels.txt: {:?} is not a fused backend",
+                    i.backend
+                )
+            });
+        let dtype = i.dtype.parse::<DType>().unwrap_or_else(|e| {
+            panic!(
+                "sdpa-sys/cpp/kernels.txt: {:?} is not a dtype: {e}",
+                i.dtype
+            )
+        });
         Instance {
             backend,
             dtype,
@@ -67,8 +76,8 @@ pub fn instances() -> impl Iterator<Item = Instance> {
     })
 }
 
-/// Whether cpp/kernels.txt instantiates backend `name` for `p`'s dtype and head dim; the reason
-/// names the head dims it has.
+/// Whether sdpa-sys/cpp/kernels.txt instantiates backend `name` for `p`'s dtype and head dim; the
+/// reason names the head dims it has.
 pub(crate) fn instantiated(name: &str, p: &Problem) -> std::result::Result<(), String> {
     let dtype = p.dtype.name();
     if INSTANCES
@@ -77,13 +86,20 @@ pub(crate) fn instantiated(name: &str, p: &Problem) -> std::result::Result<(), S
     {
         return Ok(());
     }
+    // sdpa-sys/cpp/kernels.txt gives every fused backend an instance: one without any was left out
+    // of the build of sdpa-sys (its SDPA_BACKENDS).
+    if !INSTANCES.iter().any(|i| i.backend == name) {
+        return Err(format!(
+            "{name} is not in this build (sdpa-sys was built with SDPA_BACKENDS naming others)"
+        ));
+    }
     let dims: Vec<String> = INSTANCES
         .iter()
         .filter(|i| i.backend == name && i.dtype == dtype)
         .map(|i| i.head_dim.to_string())
         .collect();
     Err(format!(
-        "head_dim {} is not instantiated for {dtype} (instantiated: {}; cpp/kernels.txt)",
+        "head_dim {} is not instantiated for {dtype} (instantiated: {}; sdpa-sys/cpp/kernels.txt)",
         p.head_dim,
         if dims.is_empty() {
             "none".to_string()
@@ -600,10 +616,10 @@ mod tests {
         );
     }
 
-    /// Each line of cpp/kernels.txt names a fused backend and a dtype this crate knows, each
-    /// line once, and each kernel built takes a small problem of its own. The e4m3 lines say
-    /// which backends have FP8 math: cutlass alone (the others run e4m3 problems on the
-    /// simulated path).
+    /// Each line of sdpa-sys/cpp/kernels.txt names a fused backend and a dtype this crate knows,
+    /// each line once, and each kernel built takes a small problem of its own. The e4m3 lines say
+    /// which backends have FP8 math: cutlass alone (the others run e4m3 problems on the simulated
+    /// path).
     #[test]
     fn kernel_list_is_consistent_with_the_backends() {
         let all: Vec<Instance> = instances().collect();
@@ -613,7 +629,7 @@ mod tests {
             .filter(|b| b.native_fp8())
             .collect();
         assert_eq!(fp8, [Backend::Cutlass]);
-        assert!(!all.is_empty(), "cpp/kernels.txt lists no kernel");
+        assert!(!all.is_empty(), "sdpa-sys/cpp/kernels.txt lists no kernel");
         for (n, k) in all.iter().enumerate() {
             assert!(!all[..n].contains(k), "{k} is listed twice");
             let p = Problem::new(1, 1, 8, 8, k.head_dim).with_dtype(k.dtype);

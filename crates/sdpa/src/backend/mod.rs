@@ -25,12 +25,12 @@ pub enum Backend {
     Wmma,
     /// Unfused: cuBLAS GEMM for S = Q·Kᵀ (f32), masked softmax kernel, cuBLAS GEMM for P·V.
     Cublas,
-    /// CuTe on sm_90a (Hopper): TMA loads, wgmma, a producer warpgroup and two consumer
-    /// warpgroups (cpp/src/cutlass/sm90); e4m3 inputs natively, Q·Kᵀ on FP8 wgmma and P·V on
-    /// f16 wgmma (the same kernel).
+    /// CuTe on sm_90a (Hopper): TMA loads, wgmma, a producer warpgroup and two consumer warpgroups
+    /// (sdpa-sys/cpp/src/cutlass/sm90); e4m3 inputs natively, Q·Kᵀ on FP8 wgmma and P·V on f16
+    /// wgmma (the same kernel).
     Cutlass,
     /// CuTe on sm_80+ (A100, L4, ...): mma.sync, ldmatrix, cp.async pipeline
-    /// (cpp/src/cutlass/sm80); on Hopper a fallback and a comparison point.
+    /// (sdpa-sys/cpp/src/cutlass/sm80); on Hopper a fallback and a comparison point.
     CutlassSm80,
     /// The fastest supported GPU backend for the device and problem.
     Auto,
@@ -82,9 +82,9 @@ impl Backend {
         }
     }
 
-    /// Whether this backend takes e4m3 inputs natively (FP8 tensor-core math: cpp/kernels.txt
-    /// lists e4m3 instantiations of it). The others run e4m3 problems on the simulated path:
-    /// inputs dequantized to the output dtype first.
+    /// Whether this backend takes e4m3 inputs natively (FP8 tensor-core math:
+    /// sdpa-sys/cpp/kernels.txt lists e4m3 instantiations of it). The others run e4m3 problems on
+    /// the simulated path: inputs dequantized to the output dtype first.
     pub fn native_fp8(self) -> bool {
         sdpa_sys::INSTANCES
             .iter()
@@ -129,10 +129,10 @@ impl Backend {
         }
     }
 
-    /// `supports` for a fused backend: its instantiations (cpp/kernels.txt), whether this build
-    /// holds its code, and what the kernel itself takes (its `can_implement` in the C++ core).
-    /// The limits of the problem come before the build and the device (with no device they are
-    /// all that is checked), so a caller without a GPU still learns them.
+    /// `supports` for a fused backend: its instantiations (sdpa-sys/cpp/kernels.txt), whether this
+    /// build holds its code, and what the kernel itself takes (its `can_implement` in the C++
+    /// core). The limits of the problem come before the build and the device (with no device they
+    /// are all that is checked), so a caller without a GPU still learns them.
     fn fused_supports(
         self,
         kernel: sdpa_sys::Kernel,

@@ -1,8 +1,8 @@
-//! The running result of one rank's queries across ring steps: f32 output and log-sum-exp on
-//! the device, each step's partial result folded in through the LSE (cpp/src/merge/merge.cu,
-//! sdpa/merge.h has the formula), rounded into the caller's output once at the end. Partial
-//! results in f32 (where the kernel writes them so) and an f32 running result round the output
-//! once, as one GPU does; 16-bit partial results add one rounding each.
+//! The running result of one rank's queries across ring steps: f32 output and log-sum-exp on the
+//! device, each step's partial result folded in through the LSE (sdpa-sys/cpp/src/merge/merge.cu,
+//! sdpa/merge.h has the formula), rounded into the caller's output once at the end. Partial results
+//! in f32 (where the kernel writes them so) and an f32 running result round the output once, as one
+//! GPU does; 16-bit partial results add one rounding each.
 
 use crate::device::Device;
 use crate::error::Result;

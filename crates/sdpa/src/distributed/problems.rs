@@ -191,7 +191,7 @@ pub(crate) const ATTENTION_ALIGN: Align = Align {
     bytes: 16,
     reason: "the attention kernels read rows 16 bytes at a time",
 };
-/// The output: `merge_finish` (cpp/src/merge/merge.cu) stores it a pair of 16-bit elements
+/// The output: `merge_finish` (sdpa-sys/cpp/src/merge/merge.cu) stores it a pair of 16-bit elements
 /// (32 bits) at a time.
 pub(crate) const MERGE_ALIGN: Align = Align {
     bytes: 4,

@@ -1,12 +1,12 @@
 //! The unfused cuBLAS backend: S = scale·Q·Kᵀ (one tensor-op GEMM per batch group, f32
-//! scores), P = masked row softmax of S (our kernel, cpp/src/cublas/softmax.cu), O = P·V
+//! scores), P = masked row softmax of S (our kernel, sdpa-sys/cpp/src/cublas/softmax.cu), O = P·V
 //! (second GEMM, written straight into the output's layout).
 //!
 //! Causal problems (the non-finite V check): the P·V GEMM spans every key with P = 0 at masked
 //! ones, and 0 · NaN = 0 · Inf = NaN, so it reads a finite copy of V instead (one extra read and
 //! write of V, which also records where V's NaN and Inf were), and a last kernel adds their
 //! reference terms to the rows that see them, near-free when V is finite
-//! (cpp/src/cublas/nonfinite_v.cu).
+//! (sdpa-sys/cpp/src/cublas/nonfinite_v.cu).
 //!
 //! Scores are f32, not f16: a score of 40 in f16 carries an absolute error of 0.02, which
 //! becomes a 2% error in exp(); f32 costs 2 bytes more per score and nothing in GEMM speed

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The published crates (sdpa-sys, sdpa, sdpa-candle) package, and each builds from its package
+# alone, as crates.io would build it: `cargo publish --dry-run` packages the three together,
+# resolves their path dependencies among the fresh packages (a local registry in the target
+# folder), and builds each package unpacked, in a target folder of its own
+# (target/package-check).
+#
+# The CUDA core is built there with the scalar backend for sm_80 only (SDPA_BACKENDS,
+# SDPA_CUDA_ARCHS): that proves the package holds the build (build.rs, the CMake project and
+# modules, the toolchain pins, the bridge, the shared headers). That it holds the other
+# backends' sources too is the list check at the end; CI's workspace build compiles every
+# backend from those same files. FULL=1 verifies with every backend and architecture instead
+# (the core compiled twice: once from sdpa-sys's package, once from the copy sdpa's build
+# unpacks).
+#
+#   bash scripts/package-check.sh          # what CI runs
+#   FULL=1 bash scripts/package-check.sh   # every kernel, from the packages
+set -euo pipefail
+cd "$(dirname "$0")/.."
+target=target/package-check
+# Cargo takes a registry package of a given version as immutable: a copy it unpacked (under
+# $CARGO_HOME/registry/src/, in a folder named after the local registry's path) or compiled in
+# an earlier run is reused as it was, though this run's package differs. Remove both first,
+# and the CUDA core's CMake trees: the unpacked copy's files carry the package's fixed old
+# timestamps, so make would take an earlier run's objects for up to date.
+rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/sdpa{,-sys,-candle}-[0-9]*
+cargo clean --target-dir "$target" -p sdpa-sys -p sdpa -p sdpa-candle
+rm -rf "$target"/sdpa-core-*
+if [ "${FULL:-0}" = 1 ]; then
+  cargo publish --dry-run --target-dir "$target" -p sdpa-sys -p sdpa -p sdpa-candle
+else
+  SDPA_BACKENDS=scalar SDPA_CUDA_ARCHS=80 \
+    cargo publish --dry-run --target-dir "$target" -p sdpa-sys -p sdpa -p sdpa-candle
+fi
+# Every tracked file of the core is in sdpa-sys's package.
+diff <(git ls-files crates/sdpa-sys/cpp crates/sdpa-sys/cmake crates/sdpa-sys/third_party |
+  sed 's|^crates/sdpa-sys/||' | sort) \
+  <(cargo package -p sdpa-sys --list | grep -E '^(cpp|cmake|third_party)/' | sort)
+echo "package-check: sdpa-sys, sdpa and sdpa-candle package and build from their packages"
