@@ -192,8 +192,9 @@ fn locate(pins: &Path) -> Result<Toolchain, String> {
             .filter(|home| toolkit_is_recent(home)),
     };
     if let Some(home) = &cuda {
-        println!(
-            "cargo:warning=sdpa-sys: CUDA toolkit: {} (the machine's own)",
+        // Shown with `cargo build -vv`: a dependency's build says nothing while all is well.
+        eprintln!(
+            "sdpa-sys: CUDA toolkit: {} (the machine's own)",
             home.display()
         );
     }
@@ -297,15 +298,20 @@ fn ensure_pypi_toolchain(pins_file: &Path) -> Result<PathBuf, String> {
         "toolchain-{:016x}",
         fnv1a(pins.join("\n").as_bytes())
     ));
-    // Printed on every build (cargo replays it when the build script is fresh, too).
-    println!(
-        "cargo:warning=sdpa-sys: CUDA toolchain: the pinned PyPI install in {} (made once by \
-         the first build; set CUDA_HOME, CUTLASS_DIR and CMAKE to use your own)",
+    eprintln!(
+        "sdpa-sys: CUDA toolchain: the pinned PyPI install in {} (set CUDA_HOME, CUTLASS_DIR \
+         and CMAKE to use your own)",
         root.display()
     );
     if root.join(".complete").exists() {
         return Ok(root);
     }
+    // Said once, by the build that downloads it.
+    println!(
+        "cargo:warning=sdpa-sys: installing the pinned CUDA toolchain from PyPI into {} (about \
+         900 MB, once; set CUDA_HOME, CUTLASS_DIR and CMAKE to use your own)",
+        root.display()
+    );
     fs::create_dir_all(&cache).map_err(|e| format!("cannot create {}: {e}", cache.display()))?;
     let tmp = cache.join(format!(".tmp-{}", std::process::id()));
     let _ = fs::remove_dir_all(&tmp);

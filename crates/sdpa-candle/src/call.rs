@@ -169,6 +169,59 @@ pub(crate) fn no_backward(
     Err(candle_core::Error::BackwardNotSupported { op: op.name() }.bt())
 }
 
+/// `CustomOp3` for an op that resolves its calls ([`Resolve`]): forward on the CPU and the GPU
+/// through this module, and a backward hook that says there is none yet.
+macro_rules! custom_op3 {
+    ($op:ty, $name:literal) => {
+        impl candle_core::CustomOp3 for $op {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn cpu_fwd(
+                &self,
+                q: &candle_core::CpuStorage,
+                q_l: &candle_core::Layout,
+                k: &candle_core::CpuStorage,
+                k_l: &candle_core::Layout,
+                v: &candle_core::CpuStorage,
+                v_l: &candle_core::Layout,
+            ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+                $crate::call::cpu_fwd(self, (q, q_l), (k, k_l), (v, v_l))
+            }
+
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                q: &candle_core::CudaStorage,
+                q_l: &candle_core::Layout,
+                k: &candle_core::CudaStorage,
+                k_l: &candle_core::Layout,
+                v: &candle_core::CudaStorage,
+                v_l: &candle_core::Layout,
+            ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+                $crate::call::cuda_fwd(self, (q, q_l), (k, k_l), (v, v_l))
+            }
+
+            fn bwd(
+                &self,
+                _q: &candle_core::Tensor,
+                _k: &candle_core::Tensor,
+                _v: &candle_core::Tensor,
+                _out: &candle_core::Tensor,
+                _grad_out: &candle_core::Tensor,
+            ) -> candle_core::Result<(
+                Option<candle_core::Tensor>,
+                Option<candle_core::Tensor>,
+                Option<candle_core::Tensor>,
+            )> {
+                $crate::call::no_backward(self)
+            }
+        }
+    };
+}
+pub(crate) use custom_op3;
+
 /// The output and the log-sum-exp of `op` on Q, K and V, outside candle's graph (no backward).
 pub(crate) fn forward_with_lse(
     op: &impl Resolve,

@@ -3,7 +3,7 @@
 
 use crate::call::{self, Call, Meta, Resolve};
 use crate::host;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
+use candle_core::{DType, Layout, Result, Shape, Tensor, bail};
 use sdpa::Problem;
 
 /// Attention over `(batch, seq, heads, head_dim)` tensors: `softmax(softmax_scale · Q·Kᵀ +
@@ -190,44 +190,4 @@ impl Resolve for FlashAttn {
     }
 }
 
-impl CustomOp3 for FlashAttn {
-    fn name(&self) -> &'static str {
-        "sdpa-flash-attn"
-    }
-
-    fn cpu_fwd(
-        &self,
-        q: &CpuStorage,
-        q_l: &Layout,
-        k: &CpuStorage,
-        k_l: &Layout,
-        v: &CpuStorage,
-        v_l: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        call::cpu_fwd(self, (q, q_l), (k, k_l), (v, v_l))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        q: &candle_core::CudaStorage,
-        q_l: &Layout,
-        k: &candle_core::CudaStorage,
-        k_l: &Layout,
-        v: &candle_core::CudaStorage,
-        v_l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        call::cuda_fwd(self, (q, q_l), (k, k_l), (v, v_l))
-    }
-
-    fn bwd(
-        &self,
-        _q: &Tensor,
-        _k: &Tensor,
-        _v: &Tensor,
-        _out: &Tensor,
-        _grad_out: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        call::no_backward(self)
-    }
-}
+crate::call::custom_op3!(FlashAttn, "sdpa-flash-attn");

@@ -119,6 +119,12 @@ impl Problem {
         self.seqs.seqused_k = true;
         self
     }
+    /// Asks each call to copy its sequence metadata to the host and check the values first
+    /// ([`Seqs::checked`]: a host synchronization per call, for debugging).
+    pub fn with_checked_metadata(mut self, checked: bool) -> Self {
+        self.seqs.checked = checked;
+        self
+    }
     /// Sets how a paged cache orders each page's elements (NHD unless set).
     pub fn with_page_layout(mut self, layout: PageLayout) -> Self {
         self.seqs.page_layout = layout;
