@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 /// of that stream, and reads the GPU's attributes once.
 static HANDLES: Mutex<Vec<(Arc<CudaStream>, sdpa::Device)>> = Mutex::new(Vec::new());
 
-fn handle(stream: &Arc<CudaStream>) -> Result<sdpa::Device> {
+pub(crate) fn handle(stream: &Arc<CudaStream>) -> Result<sdpa::Device> {
     let mut handles = HANDLES
         .lock()
         .map_err(|_| candle_core::Error::Msg("sdpa-candle: handle cache poisoned".into()))?;

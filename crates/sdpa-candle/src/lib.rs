@@ -19,6 +19,7 @@
 //! | ALiBi (JinaBERT, MPT, Bloom) | [`flash_attn_alibi`], [`flash_attn_alibi_windowed`], [`flash_attn_alibi_windowed_softcap`] | slopes f32 `(heads)` |
 //! | sequences of different lengths, packed | [`flash_attn_varlen`], [`flash_attn_varlen_windowed`], [`flash_attn_varlen_alibi`], [`flash_attn_varlen_alibi_windowed`], [`flash_attn_varlen_alibi_windowed_softcap`] | `(total, heads, head_dim)` and u32 offsets |
 //! | a paged K/V cache (prefill or decode) | [`flash_attn_varlen_paged_windowed`] | `(pages, page_size, kv_heads, head_dim)` and a block table |
+//! | new K/V rows into a paged cache, by slot (vLLM's `reshape_and_cache_flash`) | [`write_kv`] | `(rows, kv_heads, head_dim)` and i64 slots |
 //! | the log-sum-exp of each row too | [`FlashAttn::forward_with_lse`], [`FlashAttnVarLen::forward_with_lse`] | f32 `(batch, heads, seq_q)` or `(heads, total_q)` |
 //! | every option at once | [`FlashAttn`], [`FlashAttnVarLen`]: the ops, one field per option | |
 //!
@@ -36,6 +37,7 @@
 //! is an error. The ops have no backward yet: they record themselves like candle-flash-attn's,
 //! and a backward pass through them is `Error::BackwardNotSupported`.
 
+mod cache;
 mod call;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -44,6 +46,7 @@ mod host;
 mod unfused;
 mod varlen;
 
+pub use cache::write_kv;
 pub use dense::{
     FlashAttn, flash_attn, flash_attn_alibi, flash_attn_alibi_windowed,
     flash_attn_alibi_windowed_softcap, flash_attn_windowed,
