@@ -5,7 +5,11 @@
 # so that scripts/gpu-check.sh runs them on the GPU machine (its `candle` step). Run after stage
 # (which empties .gpu/). candle's CUDA backend needs a toolkit: scripts/candle-cuda-env.sh makes one.
 #
-#   bash scripts/stage-candle.sh
+#   bash scripts/stage-candle.sh                   # every test executable
+#   bash scripts/stage-candle.sh forms cache       # only these (test target names)
+#
+# Every executable carries the CUDA core: more than five of them no longer fit one carry
+# (64 MiB), so stage a subset for a call and the rest for the next.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 rm -rf .gpu/candle && mkdir -p .gpu/candle
@@ -17,9 +21,12 @@ import json, sys
 for line in sys.stdin:
     try: m = json.loads(line)
     except ValueError: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        print(m["executable"])
-' | while read -r exe; do
+    # The integration tests (tests/*.rs): the libraries hold no GPU test of their own.
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"] \
+            and "test" in m["target"]["kind"]:
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do
+  if [ $# -gt 0 ] && [[ " $* " != *" $name "* ]]; then continue; fi
   cp "$exe" .gpu/candle/
   strip --strip-debug ".gpu/candle/$(basename "$exe")"
 done
