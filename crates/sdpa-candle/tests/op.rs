@@ -3,15 +3,11 @@
 //! `cuda` feature. f16 and bf16, causal or not, sliding windows, softcap, grouped-query, inputs
 //! at non-contiguous strides.
 
-use candle_core::{DType, Device, Result, Tensor};
-use sdpa_candle::{FlashAttn, attention_unfused_windowed, flash_attn};
+mod common;
 
-/// ‖a − b‖ / ‖b‖ in f32.
-fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
-    let num = (&a - &b)?.sqr()?.sum_all()?.sqrt()?;
-    (num / b.sqr()?.sum_all()?.sqrt()?)?.to_scalar::<f32>()
-}
+use candle_core::{DType, Device, Result, Tensor};
+use common::rel_diff;
+use sdpa_candle::{FlashAttn, attention_unfused_windowed, flash_attn};
 
 /// Q as a transposed `(batch, heads, seq, head_dim)` tensor (strided, head_dim contiguous), K
 /// and V contiguous with `kv_heads` heads.
@@ -150,13 +146,8 @@ fn bad_inputs_are_errors() -> Result<()> {
 #[cfg(feature = "cuda")]
 #[test]
 fn gpu_op_matches_candles_attention() -> Result<()> {
-    let dev = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) if std::env::var("SDPA_REQUIRE_GPU").as_deref() != Ok("1") => {
-            eprintln!("gpu op: skipped (no CUDA device: {e})");
-            return Ok(());
-        }
-        Err(e) => panic!("SDPA_REQUIRE_GPU=1 but candle has no CUDA device: {e}"),
+    let Some(dev) = common::gpu("gpu op") else {
+        return Ok(());
     };
     assert_eq!(matches_candles_attention(&dev)?, 16);
     // The GPU op and the CPU op (sdpa's float64 reference) on the same inputs.

@@ -4,7 +4,10 @@
 //! mixed lengths (with no queries, with no keys, more queries than keys), causal or not, sliding
 //! windows, softcap, grouped-query, a strided Q; and the errors bad inputs give.
 
+mod common;
+
 use candle_core::{DType, Device, Error, Result, Tensor};
+use common::{max_abs, offsets, rel_diff, seqlens};
 use sdpa_candle::{
     FlashAttn, FlashAttnVarLen, flash_attn_varlen, flash_attn_varlen_alibi_windowed_softcap,
 };
@@ -24,22 +27,6 @@ struct Batch {
     seqlens_k: Tensor,
     q_lens: Vec<usize>,
     k_lens: Vec<usize>,
-}
-
-/// `0, l0, l0 + l1, ..` of `lens`.
-fn offsets(lens: &[usize]) -> Vec<usize> {
-    std::iter::once(0)
-        .chain(lens.iter().scan(0, |end, &l| {
-            *end += l;
-            Some(*end)
-        }))
-        .collect()
-}
-
-/// The offsets of `lens` as the u32 tensor the op takes.
-fn seqlens(lens: &[usize], dev: &Device) -> Result<Tensor> {
-    let o: Vec<u32> = offsets(lens).iter().map(|&x| x as u32).collect();
-    Tensor::new(o.as_slice(), dev)
 }
 
 fn batch(
@@ -64,18 +51,6 @@ fn batch(
         q_lens: q_lens.to_vec(),
         k_lens: k_lens.to_vec(),
     })
-}
-
-/// ‖a − b‖ / ‖b‖ in f32.
-fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
-    let num = (&a - &b)?.sqr()?.sum_all()?.sqrt()?;
-    (num / b.sqr()?.sum_all()?.sqrt()?)?.to_scalar::<f32>()
-}
-
-/// The largest |x| of `t`.
-fn max_abs(t: &Tensor) -> Result<f32> {
-    t.to_dtype(DType::F32)?.abs()?.max_all()?.to_scalar::<f32>()
 }
 
 /// Mask and cap variants: (window left, window right, softcap).
@@ -410,13 +385,8 @@ fn the_op_can_be_applied_directly() -> Result<()> {
 #[cfg(feature = "cuda")]
 #[test]
 fn gpu_varlen_matches_dense_and_the_cpu_op() -> Result<()> {
-    let dev = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) if std::env::var("SDPA_REQUIRE_GPU").as_deref() != Ok("1") => {
-            eprintln!("gpu varlen: skipped (no CUDA device: {e})");
-            return Ok(());
-        }
-        Err(e) => panic!("SDPA_REQUIRE_GPU=1 but candle has no CUDA device: {e}"),
+    let Some(dev) = common::gpu("gpu varlen") else {
+        return Ok(());
     };
     let tol = |dtype| if dtype == DType::F16 { 2e-3 } else { 1.5e-2 };
     assert_eq!(varlen_cases(&dev, tol)?, 4 * 16);
