@@ -109,6 +109,38 @@ pub enum Placement<'a> {
 /// page of this cache, never outside it); and `seqused_k[b]` stays within `0..=pages_per_seq ·
 /// page_size`. Each row lands at most once (with offsets that overlap, in one of its
 /// sequences).
+///
+/// A decode step of two requests, one new token each, into an HND cache of 16-row pages, then
+/// attention over it:
+///
+/// ```no_run
+/// use half::bf16;
+/// use sdpa::{Backend, Extras, NewRows, PageLayout, PagedCache, Placement, Problem, View};
+/// # fn main() -> sdpa::Result<()> {
+/// let dev = sdpa::Device::new(0)?;
+/// let s = dev.stream();
+/// let (pages, page_size, kv_heads, d) = (64, 16, 8, 128);
+/// let len = pages * page_size * kv_heads * d;
+/// let (mut kc, mut vc) = (s.alloc_zeros::<bf16>(len)?, s.alloc_zeros::<bf16>(len)?);
+/// let (kn, vn) = (s.alloc_zeros::<bf16>(2 * kv_heads * d)?, s.alloc_zeros::<bf16>(2 * kv_heads * d)?);
+/// let slots = s.clone_htod(&[3 * 16 + 5i64, 7 * 16])?; // (page 3, row 5) and (page 7, row 0)
+/// sdpa::write_kv(
+///     &dev,
+///     PagedCache { k: kc.as_view_mut(), v: vc.as_view_mut(), pages, page_size, kv_heads,
+///                  head_dim: d, layout: PageLayout::Hnd },
+///     NewRows { k: kn.as_view(), v: vn.as_view(), rows: 2, row_stride: kv_heads * d,
+///               head_stride: d },
+///     Placement::Slots(slots.as_view()),
+/// )?;
+/// // The same buffers as attention's K and V.
+/// let p = Problem::new(2, 32, 1, 1024, d).with_kv_heads(kv_heads)
+///     .with_layout(sdpa::Layout::Bshd)
+///     .with_paged_kv(pages, page_size, 64).with_page_layout(PageLayout::Hnd);
+/// let (k, v) = (View::new(kc.as_view(), p.kv_strides()), View::new(vc.as_view(), p.kv_strides()));
+/// # let _ = (k, v, Backend::Auto, Extras::default());
+/// # Ok(())
+/// # }
+/// ```
 pub fn write_kv<T: Element>(
     dev: &Device,
     cache: PagedCache<'_, T>,
