@@ -155,7 +155,7 @@ impl Geometry {
         if cache_layout("v_cache", v_cache.layout())? != layout {
             bail!("sdpa-candle: k_cache and v_cache must store their pages alike (NHD or HND)");
         }
-        if !page_size.is_power_of_two() || !(16..=256).contains(&page_size) {
+        if !page_size.is_power_of_two() || !sdpa::seqs::PAGE_SIZES.contains(&page_size) {
             bail!("sdpa-candle: page_size must be a power of two from 16 to 256, got {page_size}");
         }
         if pages == 0 || kv_heads == 0 || head_dim == 0 || !head_dim.is_multiple_of(8) {
@@ -219,33 +219,26 @@ impl Geometry {
 
     /// Element strides of (page, row of a page, head) in a cache.
     fn cache_strides(&self) -> [usize; 3] {
-        let (p, h, d) = (self.page_size, self.kv_heads, self.head_dim);
-        match self.layout {
-            PageLayout::Nhd => [p * h * d, h * d, d],
-            PageLayout::Hnd => [p * h * d, d, p * d],
-        }
+        self.layout
+            .strides(self.page_size, self.kv_heads, self.head_dim)
     }
 }
 
-/// How a `(pages, page_size, kv_heads, head_dim)` cache lays out its pages: contiguous (NHD), or
-/// a contiguous `(pages, kv_heads, page_size, head_dim)` transposed (HND). Both are whole pages
-/// one after another, as `sdpa::PagedCache` takes them.
+/// How a `(pages, page_size, kv_heads, head_dim)` cache lays out its pages (`host::paged_layout`),
+/// which must also follow each other with no gap: contiguous (NHD), or a contiguous `(pages,
+/// kv_heads, page_size, head_dim)` transposed (HND), as `sdpa::PagedCache` takes them.
 fn cache_layout(name: &str, l: &Layout) -> Result<PageLayout> {
+    let (layout, _) = host::paged_layout(name, l)?;
     let (d, s) = (l.dims(), l.stride());
-    let (page_size, heads, head_dim) = (d[1], d[2], d[3]);
-    let page = page_size * heads * head_dim;
-    if s == [page, heads * head_dim, head_dim, 1] {
-        return Ok(PageLayout::Nhd);
+    if s[..3] != layout.strides(d[1], d[2], d[3]) {
+        bail!(
+            "sdpa-candle: {name} must be a contiguous (pages, page_size, kv_heads, head_dim) \
+             cache, or a contiguous (pages, kv_heads, page_size, head_dim) one transposed to \
+             that shape; strides {s:?} of shape {:?} are neither",
+            l.shape()
+        );
     }
-    if s == [page, head_dim, page_size * head_dim, 1] {
-        return Ok(PageLayout::Hnd);
-    }
-    bail!(
-        "sdpa-candle: {name} must be a contiguous (pages, page_size, kv_heads, head_dim) cache, \
-         or a contiguous (pages, kv_heads, page_size, head_dim) one transposed to that shape; \
-         strides {s:?} of shape {:?} are neither",
-        l.shape()
-    )
+    Ok(layout)
 }
 
 /// Where the value cache lies.

@@ -77,20 +77,15 @@ pub(crate) fn strides_packed(l: &Layout) -> Strides {
 pub(crate) fn paged_layout(name: &str, l: &Layout) -> Result<(sdpa::PageLayout, Strides)> {
     let (d, s) = (l.dims(), l.stride());
     let (page_size, heads, head_dim) = (d[1], d[2], d[3]);
+    let strides = Strides {
+        batch: d[0] * s[0],
+        seq: s[1],
+        head: s[2],
+    };
     if s[0] == page_size * s[1] {
-        let strides = Strides {
-            batch: d[0] * s[0],
-            seq: s[1],
-            head: s[2],
-        };
         return Ok((sdpa::PageLayout::Nhd, strides));
     }
     if (s[1], s[2], s[0]) == (head_dim, page_size * head_dim, heads * page_size * head_dim) {
-        let strides = Strides {
-            batch: d[0] * s[0],
-            seq: s[1],
-            head: s[2],
-        };
         return Ok((sdpa::PageLayout::Hnd, strides));
     }
     bail!(

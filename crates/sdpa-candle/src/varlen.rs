@@ -103,8 +103,9 @@ pub fn flash_attn_varlen_windowed(
 /// seqlens_k[b]` keys (its offsets count keys; where they lie is the block table's).
 /// `page_block_size` is a power of two from 16 to 256 (FlashAttention takes multiples of 32;
 /// 96, 160, 192 and 224 are refused here). The cache may also be stored head after head (HND,
-/// `(pages, kv_heads, page_size, head_dim)`) and passed transposed to this shape. `mm_prefix_ranges` (bidirectional spans inside a
-/// causal mask) is not supported: `Some` is an error. Softcap as
+/// `(pages, kv_heads, page_size, head_dim)`) and passed transposed to this shape.
+/// `mm_prefix_ranges` (bidirectional spans inside a causal mask) is not supported: `Some` is an
+/// error. Softcap as
 /// [`flash_attn_varlen_alibi_windowed_softcap`].
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_paged_windowed(
@@ -323,7 +324,6 @@ struct Packed {
     total_q: usize,
     heads: usize,
     head_dim: usize,
-    kv_heads: usize,
 }
 
 impl FlashAttnVarLen {
@@ -352,20 +352,18 @@ impl FlashAttnVarLen {
             total_q,
             heads,
             head_dim,
-            kv_heads: 0,
         })
     }
 
-    /// The problem's K/V rows from K's layout: packed `(total_k, kv_heads, head_dim)`, or a
-    /// paged cache; `None` for packed K/V of no rows.
-    fn kv_rows(&self, s: &mut Packed, k: &Layout, p: Problem) -> Result<Option<Problem>> {
+    /// K's heads, and the problem's K/V rows from K's layout: packed `(total_k, kv_heads,
+    /// head_dim)`, or a paged cache; `None` for packed K/V of no rows.
+    fn kv_rows(&self, s: &Packed, k: &Layout, p: Problem) -> Result<(usize, Option<Problem>)> {
         let Some(table) = &self.block_table else {
             let (total_k, kv_heads, d) = k.shape().dims3().map_err(|e| {
                 e.context("sdpa-candle: k and v must be (total_k, kv_heads, head_dim)")
             })?;
             check_head_dim(s.head_dim, d)?;
-            s.kv_heads = kv_heads;
-            return Ok((total_k > 0).then(|| p.with_packed_kv(total_k)));
+            return Ok((kv_heads, (total_k > 0).then(|| p.with_packed_kv(total_k))));
         };
         let (pages, page_size, kv_heads, d) = k.shape().dims4().map_err(|e| {
             e.context("sdpa-candle: a paged k and v must be (pages, page_size, kv_heads, head_dim)")
@@ -380,8 +378,10 @@ impl FlashAttnVarLen {
             ),
         }
         let pages_per_seq = host::block_table_columns(table, s.batch)?;
-        s.kv_heads = kv_heads;
-        Ok(Some(p.with_paged_kv(pages, page_size, pages_per_seq)))
+        Ok((
+            kv_heads,
+            Some(p.with_paged_kv(pages, page_size, pages_per_seq)),
+        ))
     }
 }
 
@@ -395,7 +395,7 @@ fn check_head_dim(q: usize, k: usize) -> Result<()> {
 impl Resolve for FlashAttnVarLen {
     fn resolve(&self, dtype: DType, q: &Layout, k: &Layout, v: &Layout) -> Result<Call<'_>> {
         let dtype = host::sdpa_dtype(dtype)?;
-        let mut s = self.packed(q)?;
+        let s = self.packed(q)?;
         host::same_shape_kv(k, v)?;
         host::last_dim_contiguous([("q", q), ("k", k), ("v", v)])?;
         let paged = self.block_table.is_some();
@@ -407,11 +407,10 @@ impl Resolve for FlashAttnVarLen {
             s.head_dim,
         )
         .with_packed_q(s.total_q);
-        let p = self.kv_rows(&mut s, k, base)?;
-        if s.kv_heads == 0 || !s.heads.is_multiple_of(s.kv_heads) {
+        let (kv_heads, p) = self.kv_rows(&s, k, base)?;
+        if kv_heads == 0 || !s.heads.is_multiple_of(kv_heads) {
             bail!(
-                "sdpa-candle: k and v have {} heads, which must divide q's {}",
-                s.kv_heads,
+                "sdpa-candle: k and v have {kv_heads} heads, which must divide q's {}",
                 s.heads
             );
         }
@@ -431,7 +430,7 @@ impl Resolve for FlashAttnVarLen {
             Some(p) if s.total_q > 0 => {
                 let mut p = p
                     .with_page_layout(layout)
-                    .with_kv_heads(s.kv_heads)
+                    .with_kv_heads(kv_heads)
                     .with_scale(self.softmax_scale)
                     .with_mask(window_mask(self.window_size_left, self.window_size_right))
                     .with_dtype(dtype)

@@ -50,13 +50,8 @@ impl<T> PagedCache<'_, T> {
     }
     /// Element strides of (page, row in the page, head).
     pub fn strides(&self) -> [usize; 3] {
-        Self::layout_strides(self.layout, self.page_size, self.kv_heads, self.head_dim)
-    }
-    fn layout_strides(layout: PageLayout, p: usize, h: usize, d: usize) -> [usize; 3] {
-        match layout {
-            PageLayout::Nhd => [p * h * d, h * d, d],
-            PageLayout::Hnd => [p * h * d, d, p * d],
-        }
+        self.layout
+            .strides(self.page_size, self.kv_heads, self.head_dim)
     }
 }
 
@@ -499,8 +494,10 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
     let (seqused, _ug) = used.device_ptr_mut(stream);
     let (heads, d) = (p.kv_heads as i64, p.head_dim as i64);
     // The problem's own cache, in its page layout.
-    let [_, row_stride, head_stride] =
-        PagedCache::<()>::layout_strides(p.seqs.page_layout, page_size, p.kv_heads, p.head_dim);
+    let [_, row_stride, head_stride] = p
+        .seqs
+        .page_layout
+        .strides(page_size, p.kv_heads, p.head_dim);
     let args = KvWriteArgs {
         k_new: a.k_new.ptr(dev),
         v_new: a.v_new.ptr(dev),

@@ -77,6 +77,15 @@ impl PageLayout {
     /// Rows of the kernels' row space from one page's first row to the next's: a page's rows
     /// (NHD), or every head's rows of a page (HND, read at a row stride of head_dim and a head
     /// stride of `page_size · head_dim`).
+    /// Element strides of (page, row of a page, head) in a cache of this layout whose pages
+    /// follow each other: `[page_size · kv_heads · head_dim, ..]`.
+    pub fn strides(self, page_size: usize, kv_heads: usize, head_dim: usize) -> [usize; 3] {
+        let (p, h, d) = (page_size, kv_heads, head_dim);
+        match self {
+            PageLayout::Nhd => [p * h * d, h * d, d],
+            PageLayout::Hnd => [p * h * d, d, p * d],
+        }
+    }
     pub(crate) fn page_rows(self, page_size: usize, kv_heads: usize) -> usize {
         match self {
             PageLayout::Nhd => page_size,
