@@ -247,6 +247,8 @@ fn problem_args(p: &Problem) -> FwdArgs {
                 Some(Alibi::PerBatchHead) => p.heads as i64,
                 _ => 0,
             },
+            sinks: p.sinks,
+            sink_logits: 0,
         },
         seqs: FwdSeqs {
             total_q: p.seqs.packed_q.unwrap_or(0) as i64,
@@ -300,6 +302,7 @@ fn fwd_args(p: &Problem, b: &Buffers) -> FwdArgs {
         ..args.ops
     };
     args.mods.alibi_slopes = b.alibi_slopes;
+    args.mods.sink_logits = b.sinks;
     args.seqs = FwdSeqs {
         cu_seqlens_q,
         cu_seqlens_k,
@@ -561,6 +564,7 @@ mod tests {
             scales: [0; 3],
             strides: [qs, ks, ks, qs],
             alibi_slopes: 0,
+            sinks: 0,
             lse: 0,
             seqs: [0; 4],
         };
