@@ -406,6 +406,30 @@ mod tests {
         }
     }
 
+    /// Sinks run where the kernel folds them in (scalar, cutlass-sm80 and its decode kernel,
+    /// cutlass), prefill and decode alike; wmma refuses them by name.
+    #[test]
+    fn sinks_are_taken_or_refused_by_name() {
+        let prefill = Problem::new(2, 8, 1000, 1100, 64)
+            .with_causal(true)
+            .with_sinks(true);
+        let decode = Problem::new(4, 64, 1, 8192, 64)
+            .with_kv_heads(8)
+            .with_sinks(true);
+        let has = |b: Backend| sdpa_sys::INSTANCES.iter().any(|i| i.backend == b.name());
+        for b in [Backend::Scalar, Backend::CutlassSm80, Backend::Cutlass] {
+            if !built(b) || !has(b) {
+                continue;
+            }
+            for p in [prefill, decode] {
+                assert_eq!(can_implement_on(kernel(b), &H100, &p), Ok(()), "{b} {p}");
+            }
+        }
+        if has(Backend::Wmma) {
+            refuses(Backend::Wmma, &H100, &prefill, "wmma has no sinks");
+        }
+    }
+
     #[test]
     fn an_sm80_device_refuses_the_sm90_kernel() {
         if !built(Backend::Cutlass) {
