@@ -214,7 +214,16 @@ fn run_takes_sinks() {
     let run = || {
         sdpa()
             .args(["run", "--backend", "cpu", "--causal", "--sinks", &arg(4)])
-            .args(["--lse", &arg(5), "--q", &arg(0), "--k", &arg(1), "--v", &arg(2)])
+            .args([
+                "--lse",
+                &arg(5),
+                "--q",
+                &arg(0),
+                "--k",
+                &arg(1),
+                "--v",
+                &arg(2),
+            ])
             .args(["--out", &arg(3)])
             .output()
             .unwrap()
@@ -235,9 +244,15 @@ fn run_takes_sinks() {
         assert!((f64::from(*g) - w).abs() < 1e-3, "{g} vs {w}");
     }
     let lse = read(&paths[5]);
-    assert_eq!(lse[0], 0.5, "a row without keys has its sink as log-sum-exp");
+    assert_eq!(
+        lse[0], 0.5,
+        "a row without keys has its sink as log-sum-exp"
+    );
     for (g, w) in lse.iter().zip(&want.lse) {
-        assert!((f64::from(*g) - w).abs() < 1e-5 || f64::from(*g) == *w, "lse {g} vs {w}");
+        assert!(
+            (f64::from(*g) - w).abs() < 1e-5 || f64::from(*g) == *w,
+            "lse {g} vs {w}"
+        );
     }
     for (bad, shape, says) in [
         (vec![0.5f32, 1.0], vec![2u64], "expected [3]"),
