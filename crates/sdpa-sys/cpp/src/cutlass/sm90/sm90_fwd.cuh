@@ -215,6 +215,10 @@ __device__ __forceinline__ void fwd_body(const typename K::Params& p) {
     Consumer::scales(p.mainloop, w, sl2, o_scale);
     OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop, E::kFp8PV ? 8 : 0, true>
         softmax;
+    // The head's sink logit, loaded before the main loop, which hides its latency (one register);
+    // loaded after it, the load stood on each tile's path to the epilogue, measurably so on the
+    // short rows of a 128-key window (docs/log/2026-11-notebook.md, session 23).
+    const float sink = p.epilogue.sinks != nullptr ? __ldg(p.epilogue.sinks + w.h) : -INFINITY;
     clear(tOrO);
     Consumer::mma(p.mainloop, sm, ops, m0, kt, it, qi, tOrO, softmax, w, sl2, wg, v_phase);
     // The sequence and its mask again, not held across the main loop.
@@ -225,8 +229,7 @@ __device__ __forceinline__ void fwd_body(const typename K::Params& p) {
     VSide::add_masked_nonfinite(p.mainloop, w, sm, Keys::mask_of(p.mainloop, seq), m0, kt, tOrO,
                                 ctid, (qi & 1) * C::kTileSlots);
     if constexpr (T::kTracked) T::records(sm).release(qi);
-    if (p.epilogue.sinks != nullptr)
-      softmax.fold_sink(O, p.epilogue.sinks[w.h], Consumer::step_scale(p.mainloop, sl2));
+    softmax.fold_sink(O, sink, Consumer::step_scale(p.mainloop, sl2));  // none: -inf
     Epi::store_lse(p.epilogue, softmax, ops.coords, seq, w.b, w.h, m0,
                    Consumer::step_scale(p.mainloop, sl2));
     softmax.normalize(O, o_scale);
