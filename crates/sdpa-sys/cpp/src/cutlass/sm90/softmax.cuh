@@ -169,18 +169,24 @@ struct OnlineSoftmax {
   }
 
   // Folds the sink logit `sink` (natural log, raw; common/sinks.cuh) into every row once its
-  // last key tile is done, before lse() and normalize(): m and the quad's row sum become those
-  // over the row and the sink, O is rescaled to the new m. The steps' exponentials are
-  // 2^(x·sl2 - m·sl2 + kLog2P): in log2 units the row's maximum is m·sl2 - kLog2P. Each lane of
-  // the quad then holds a quarter of the row sum, which its four lanes add back exactly. Every
-  // lane of the quad calls it.
+  // last key tile is done, before lse() and normalize(). The steps' exponentials are
+  // 2^(x·sl2 - m·sl2 + kLog2P): in log2 units the row's maximum is m·sl2 - kLog2P. A sink less
+  // than 2^64 above it joins the row sum alone (m and O stay: the cheap, common case); a row
+  // without keys, a sink far above the row and a NaN or +inf sink take the general fold, which
+  // moves m and rescales O. Each lane of the quad then holds a quarter of the row sum, which its
+  // four lanes add back exactly. Every lane of the quad calls it.
   template <class TO>
   __device__ __forceinline__ void fold_sink(TO& O, float sink, float sl2) {
     if (sink == -INFINITY) return;  // no sink: the rows as they are
+    const float s2 = sink * kLog2e;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float sum = row_sum(r);
       float m2 = m[r] * sl2 - float(kLog2P);
+      if (s2 - m2 < 64.f) {  // false for m = -inf and for a NaN or +inf sink
+        l[r] = 0.25f * (sum + exp2f(s2 - m2));
+        continue;
+      }
       const float a = sdpa::fold_sink(m2, sum, sink);
       m[r] = (m2 + float(kLog2P)) / sl2;
       l[r] = 0.25f * sum;
