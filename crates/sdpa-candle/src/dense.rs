@@ -60,6 +60,26 @@ pub fn flash_attn_windowed(
 
 /// [`flash_attn`] with ALiBi: `alibi_slopes`, f32 `(heads)` (or `(batch, heads)`), add
 /// `−slope · |i + seq_k − seq_q − j|` to the score of query row i and key j.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// // One query against two keys whose values are 0 and 1; Q is zero, so only ALiBi weighs them:
+/// // key 0 is one position back, exp(−ln 3) = 1/3 of key 1's weight.
+/// let q = Tensor::zeros((1, 1, 1, 64), DType::F16, &Device::Cpu)?;
+/// let v = Tensor::new(&[0f32, 1.0], &Device::Cpu)?
+///     .reshape((1, 2, 1, 1))?
+///     .broadcast_as((1, 2, 1, 64))?
+///     .to_dtype(DType::F16)?
+///     .contiguous()?;
+/// let slopes = Tensor::new(&[3f32.ln()], &Device::Cpu)?;
+/// let out = sdpa_candle::flash_attn_alibi(&q, &v, &v, &slopes, 0.125, true)?;
+/// // (1/3 · 0 + 1 · 1) / (1/3 + 1)
+/// let out = out.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+/// assert!(out.iter().all(|&x| x == 0.75));
+/// # Ok(())
+/// # }
+/// ```
 pub fn flash_attn_alibi(
     q: &Tensor,
     k: &Tensor,

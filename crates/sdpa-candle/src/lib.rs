@@ -19,7 +19,7 @@
 //! | what | functions | tensors | example |
 //! |---|---|---|---|
 //! | one batch of equal lengths | [`flash_attn`], [`flash_attn_windowed`] | `(batch, seq, heads, head_dim)` | [`flash_attn`] (GQA, against candle's own attention); `examples/llama_attention.rs` |
-//! | ALiBi (JinaBERT, MPT, Bloom) | [`flash_attn_alibi`], [`flash_attn_alibi_windowed`], [`flash_attn_alibi_windowed_softcap`] | slopes f32 `(heads)` | as [`flash_attn`], with the slopes |
+//! | ALiBi (JinaBERT, MPT, Bloom) | [`flash_attn_alibi`], [`flash_attn_alibi_windowed`], [`flash_attn_alibi_windowed_softcap`] | slopes f32 `(heads)` | [`flash_attn_alibi`] |
 //! | sequences of different lengths, packed | [`flash_attn_varlen`], [`flash_attn_varlen_windowed`], [`flash_attn_varlen_alibi`], [`flash_attn_varlen_alibi_windowed`], [`flash_attn_varlen_alibi_windowed_softcap`] | `(total, heads, head_dim)` and u32 offsets | [`flash_attn_varlen`] |
 //! | a paged K/V cache (prefill or decode) | [`flash_attn_varlen_paged_windowed`] | `(pages, page_size, kv_heads, head_dim)` and a block table | [`flash_attn_varlen_paged_windowed`] (a decode step) |
 //! | new K/V rows into a paged cache, by slot (vLLM's `reshape_and_cache_flash`) | [`write_kv`] | `(rows, kv_heads, head_dim)` and i64 slots | [`write_kv`]; `examples/serve_decoder.rs` (varlen prefill, paged decode, a CUDA graph) |
