@@ -47,9 +47,10 @@ use std::sync::Arc;
 pub struct Extras<'a> {
     /// ALiBi slopes, `p.alibi`'s layout: `[heads]` or `[batch, heads]`.
     pub alibi_slopes: Option<CudaView<'a, f32>>,
-    /// Out: each query row's log-sum-exp, `[batch, heads, seq_q]` (natural log of the sum of
-    /// the exponentials of its logits; -inf for a row that sees no key). Written only on
-    /// success.
+    /// Out: each query row's log-sum-exp, `[batch, heads, seq_q]`, or `[heads, total_q]` for
+    /// packed Q (FlashAttention's varlen layout); [`Problem::lse_len`] entries. The natural log
+    /// of the sum of the exponentials of its logits; -inf for a row that sees no key. Written
+    /// only on success.
     pub lse: Option<CudaViewMut<'a, f32>>,
     /// `[batch + 1]` offsets of each sequence's queries in packed Q (`Seqs::packed_q`).
     pub cu_seqlens_q: Option<CudaView<'a, i32>>,
