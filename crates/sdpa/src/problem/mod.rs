@@ -21,7 +21,30 @@ use std::fmt;
 /// order `layout` says), the output has Q's shape. `kv_heads < heads` is grouped-query attention:
 /// query head `h` reads K/V head `h / (heads / kv_heads)`.
 ///
-/// A plain value (`Copy`, `Send`, `Sync`), like every enum of this crate.
+/// A plain value (`Copy`, `Send`, `Sync`), like every enum of this crate. [`Problem::new`] sets
+/// the shape; each `with_` builder one option; [`Problem::validate`] (which every call runs
+/// first) says what is wrong with it, without a GPU:
+///
+/// ```
+/// use sdpa::{DType, Layout, Mask, Problem, Strides};
+///
+/// // A Llama-style prefill: 32 query heads over 8 K/V heads, bf16, BSHD, causal.
+/// let p = Problem::new(2, 32, 512, 512, 128)
+///     .with_kv_heads(8)
+///     .with_dtype(DType::Bf16)
+///     .with_layout(Layout::Bshd)
+///     .with_causal(true);
+/// p.validate()?;
+/// assert_eq!(p.mask, Mask::CausalBottomRight);
+/// assert_eq!(p.scale(), 1.0 / 128f32.sqrt());
+/// assert_eq!(p.q_len(), Some(2 * 512 * 32 * 128));
+/// assert_eq!(p.kv_len(), Some(2 * 512 * 8 * 128));
+/// // BSHD: a head's consecutive rows are heads · head_dim elements apart.
+/// assert_eq!(p.q_strides(), Strides { batch: 512 * 32 * 128, head: 128, seq: 32 * 128 });
+/// // 32 query heads cannot share 5 K/V heads.
+/// assert!(p.with_kv_heads(5).validate().is_err());
+/// # Ok::<(), sdpa::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Problem {
     /// Batch size.
