@@ -355,6 +355,11 @@ impl Problem {
         if self.batch > MAX_ELEMENTS {
             return Err(invalid!("batch {} is more than 2^40 sequences", self.batch));
         }
+        if self.mask == (Mask::Chunked { size: 0 }) {
+            return Err(invalid!(
+                "a chunked mask needs chunks of at least 1 key, got 0"
+            ));
+        }
         if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(invalid!(
                 "heads ({}) must be a multiple of kv_heads ({})",
@@ -633,6 +638,27 @@ mod tests {
     }
 
     #[test]
+    fn chunks_see_their_own_keys_causally() {
+        let vis = |m: Mask, sq, sk| (0..sq).map(|i| m.visible(i, sq, sk)).collect::<Vec<_>>();
+        let c = |size| Mask::Chunked { size };
+        assert_eq!(vis(c(2), 5, 5), [0..1, 0..2, 2..3, 2..4, 4..5]);
+        // Diagonal of row i at i + 3 (sq 3, sk 6): chunks [0, 4), [4, 8).
+        assert_eq!(vis(c(4), 3, 6), [0..4, 4..5, 4..6]);
+        // seq_q > seq_k: rows before the diagonal see nothing.
+        assert_eq!(vis(c(2), 4, 3), [0..0, 0..1, 0..2, 2..3]);
+        // A chunk as long as the keys is causal.
+        assert_eq!(vis(c(6), 3, 6), vis(Mask::CausalBottomRight, 3, 6));
+        let p = Problem::new(1, 2, 5, 5, 8).with_mask(c(2));
+        assert_eq!(p.flops(), 4.0 * 2.0 * 8.0 * 8.0);
+        let e = Problem::new(1, 1, 4, 4, 8)
+            .with_mask(c(0))
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("chunks of at least 1 key"), "{e}");
+    }
+
+    #[test]
     fn masks_parse_as_they_print() {
         for m in [
             Mask::None,
@@ -646,8 +672,13 @@ mod tests {
                 left: None,
                 right: Some(3),
             },
+            Mask::Chunked { size: 8192 },
         ] {
             assert_eq!(m.name().parse::<Mask>().unwrap(), m);
+        }
+        for bad in ["chunked(0)", "chunked(-1)", "chunked(x)"] {
+            let e = bad.parse::<Mask>().unwrap_err().to_string();
+            assert!(e.contains("chunk size"), "{bad}: {e}");
         }
         assert_eq!(
             "1024,0".parse::<Mask>().unwrap(),
