@@ -649,7 +649,7 @@ mod tests {
         // A chunk as long as the keys is causal.
         assert_eq!(vis(c(6), 3, 6), vis(Mask::CausalBottomRight, 3, 6));
         let p = Problem::new(1, 2, 5, 5, 8).with_mask(c(2));
-        assert_eq!(p.flops(), 4.0 * 2.0 * 8.0 * 8.0);
+        assert_eq!(p.flops(), 4.0 * 2.0 * 7.0 * 8.0); // 7 visible scores a head
         let e = Problem::new(1, 1, 4, 4, 8)
             .with_mask(c(0))
             .validate()
