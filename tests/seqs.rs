@@ -219,7 +219,7 @@ fn metadata_errors_are_typed() {
     let run = |p: &Problem, meta: Option<&SeqMeta>| {
         let [q, k, v] = x.upload(&dev, p.dtype).unwrap();
         let mut out = sdpa::Tensor::poisoned(&dev, p.dtype, p.q_len().unwrap()).unwrap();
-        let mut bufs = sdpa_harness::check::ExtraBuffers::new(&dev, p, None).unwrap();
+        let mut bufs = sdpa_harness::check::ExtraBuffers::new(&dev, p, None, None).unwrap();
         if let Some(m) = meta {
             bufs = bufs.with_meta(&dev, m).unwrap();
         }
@@ -324,6 +324,75 @@ fn decode_matches_the_reference() {
         .with_lse(true);
     run(long, random_inputs(&long, fresh_seed()).unwrap());
     common::assert_ran("decode", &ran);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Sinks on sequences of different lengths: packed Q and K/V with a sequence without keys (its
+/// rows: output 0, log-sum-exp the sink) under causal, a 128-key window and no mask; queries
+/// against a paged cache; decode steps whose keys split across CTAs, where the sink must join
+/// each row once (in the combine), not once per split: gpt-oss's 64/8 heads at D = 64 and a
+/// speculative step at D = 128, dense, paged and packed, and one group over 32k keys (more
+/// splits than a warp has lanes).
+#[test]
+fn sinks_on_sequences_and_decode() {
+    let Some(dev) = common::device("sinks on sequences") else {
+        return;
+    };
+    let backends = seq_backends(&dev);
+    let (mut ran, mut failures) = (Vec::new(), Vec::new());
+    let mut run = |p: Problem, x: Inputs| {
+        for &b in &backends {
+            ran.push((b, p));
+            if let Some(f) = check(&dev, &p, b, &x).unwrap() {
+                failures.push(f);
+            }
+        }
+    };
+    let window = Mask::Window {
+        left: Some(128),
+        right: Some(0),
+    };
+    for (n, mask) in [Mask::CausalBottomRight, window, Mask::None]
+        .into_iter()
+        .enumerate()
+    {
+        let base = Problem::new(1, 8, 1, 1, 64)
+            .with_kv_heads(2)
+            .with_mask(mask)
+            .with_dtype(DType::ALL[n % 2])
+            .with_sinks(true)
+            .with_lse(true);
+        let (p, meta) = varlen(base, &[300, 5, 0, 77], &[300, 0, 10, 500]);
+        run(p, inputs(&p, meta));
+        let base = Problem::new(3, 8, 200, 1, 128)
+            .with_kv_heads(4)
+            .with_mask(mask)
+            .with_dtype(DType::ALL[(n + 1) % 2])
+            .with_sinks(true)
+            .with_lse(true);
+        let (p, meta) = paged(base, &[900, 200, 0], 128, fresh_seed());
+        run(p, inputs(&p, meta));
+    }
+    for (n, &(seq_q, d)) in [(1, 64), (4, 128)].iter().enumerate() {
+        let base = Problem::new(4, 64, seq_q, 8192, d)
+            .with_kv_heads(8)
+            .with_causal(true)
+            .with_dtype(DType::ALL[n % 2])
+            .with_layout([sdpa::Layout::Bshd, sdpa::Layout::Bhsd][n % 2])
+            .with_sinks(true)
+            .with_lse(true);
+        run(base, random_inputs(&base, fresh_seed()).unwrap());
+        let (p, meta) = paged(base, &[8192, 3000, 0, 100], 128, fresh_seed());
+        run(p, inputs(&p, meta));
+        let (p, meta) = varlen(base, &[seq_q; 4], &[5000, 0, 700, 8192]);
+        run(p, inputs(&p, meta));
+    }
+    let long = Problem::new(1, 4, 1, 32768, 64)
+        .with_kv_heads(1)
+        .with_sinks(true)
+        .with_lse(true);
+    run(long, random_inputs(&long, fresh_seed()).unwrap());
+    common::assert_ran("sinks on sequences", &ran);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

@@ -1,5 +1,5 @@
 //! The attention variants on the GPU against the float64 reference: sliding windows, chunks,
-//! top-left causal, softcap, ALiBi and the log-sum-exp, on the backends that run them (scalar and
+//! top-left causal, softcap, ALiBi, sinks and the log-sum-exp, on the backends that run them (scalar and
 //! cutlass-sm80 everywhere, cutlass on Hopper), and the typed refusals of the others. Fresh inputs
 //! every run.
 
@@ -328,4 +328,165 @@ fn softcap_with_a_zero_alibi_slope() {
         );
     }
     common::assert_ran("softcap with a zero slope", &ran);
+}
+
+/// Sinks (one logit a query head, FlashAttention-4's learnable_sink) under every mask kind, with
+/// rows that see no key (causal and windows with seq_q > seq_k: output 0, log-sum-exp the sink),
+/// GQA, softcap and ALiBi beside them, D = 64 to 256, f16, bf16 and e4m3, the log-sum-exp on
+/// most. The drawn sinks (sdpa_harness::inputs::sink_logits) take from a tenth to most of a
+/// row's weight, and every fourth head has none (-inf).
+#[test]
+fn sinks_match_the_reference() {
+    let Some(dev) = common::device("sinks") else {
+        return;
+    };
+    let masks = [
+        Mask::None,
+        Mask::CausalBottomRight,
+        window(Some(128), Some(0)),
+        Mask::CausalTopLeft,
+        window(Some(200), Some(64)),
+    ];
+    // (heads, kv_heads, seq_q, seq_k, head_dim)
+    let shapes = [
+        (8, 2, 300, 300, 64),
+        (4, 4, 129, 700, 128),
+        (4, 1, 500, 200, 64),
+        (4, 2, 100, 333, 256),
+        (8, 8, 64, 1000, 192),
+    ];
+    let backends = variant_backends(&dev);
+    let (mut ran, mut failures) = (Vec::new(), Vec::new());
+    for (i, &mask) in masks.iter().enumerate() {
+        for (j, &(h, hk, sq, sk, d)) in shapes.iter().enumerate() {
+            let n = i * shapes.len() + j;
+            let mut p = Problem::new(2, h, sq, sk, d)
+                .with_kv_heads(hk)
+                .with_mask(mask)
+                .with_dtype(DType::ALL[n % 2])
+                .with_sinks(true)
+                .with_lse(n % 4 != 3);
+            match n % 6 {
+                0 => p = p.with_softcap(20.0),
+                1 => p = p.with_alibi(Alibi::PerHead),
+                _ => {}
+            }
+            // e4m3 (cutlass natively, the others dequantized) where the kernels take it: no
+            // mask but causal, no softcap or ALiBi.
+            let fp8 = (mask == Mask::CausalBottomRight || mask == Mask::None) && d <= 128;
+            let e4m3 = Problem {
+                softcap: None,
+                alibi: None,
+                ..p.with_dtype(DType::E4m3).with_lse(false)
+            };
+            let problems = match fp8 {
+                true => vec![p, e4m3],
+                false => vec![p],
+            };
+            for p in problems {
+                for &b in &backends {
+                    if let Err(e) = b.supports(Some(&dev), &p) {
+                        failures.push(format!("{b} refused {p}: {e}"));
+                        continue;
+                    }
+                    let rep = check_backend(Some(&dev), &p, b, fresh_seed()).unwrap();
+                    ran.push((b, p));
+                    if !rep.pass() {
+                        failures.push(format!("{b} {p}: {rep:?}"));
+                    }
+                }
+            }
+        }
+    }
+    common::assert_ran("sinks", &ran);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Hostile sinks: a NaN (and a +inf) sink makes its own head's rows NaN, output and log-sum-exp,
+/// and leaves the other heads exact; NaN past the problem's heads in a longer buffer is never
+/// read. Backends without sinks (wmma, cublas) refuse them with a typed error, and a call's
+/// sinks must be given, long enough, exactly where the problem has them.
+#[test]
+fn nan_sinks_stay_in_their_head_and_refusals_are_typed() {
+    let Some(dev) = common::device("hostile sinks") else {
+        return;
+    };
+    let p = Problem::new(2, 4, 200, 300, 64)
+        .with_kv_heads(2)
+        .with_causal(true)
+        .with_sinks(true)
+        .with_lse(true);
+    let mut inputs = random_inputs(&p, fresh_seed()).unwrap();
+    inputs.sinks = Some(vec![0.5, f32::NAN, f32::NEG_INFINITY, f32::INFINITY]);
+    let want = inputs.reference(&p).unwrap();
+    let head_rows =
+        |h: usize| (0..2).flat_map(move |b| ((b * 4 + h) * 200)..((b * 4 + h + 1) * 200));
+    assert!(head_rows(1).all(|i| want.lse[i].is_nan()));
+    assert!(head_rows(0).all(|i| want.lse[i].is_finite()));
+    let mut ran = Vec::new();
+    for b in variant_backends(&dev) {
+        let (got, lse) =
+            sdpa_harness::check::run_backend_with_lse(Some(&dev), &p, b, &inputs, Some(&want))
+                .unwrap();
+        let rep = compare(&got, &want.out, p.dtype, 0);
+        assert!(rep.pass(), "{b} {p}: {rep:?}");
+        let (err, bad) = sdpa_harness::check::compare_lse(&lse.unwrap(), &want.lse);
+        assert!(
+            bad == 0 && err < sdpa_harness::check::LSE_TOLERANCE,
+            "{b}: lse {err}, {bad}"
+        );
+        ran.push(b);
+    }
+    common::assert_ran("hostile sinks", &ran);
+
+    // A buffer longer than the heads, NaN past them: the output is the four sinks' alone.
+    let mut inputs = random_inputs(&p, fresh_seed()).unwrap();
+    let want = inputs.reference(&p).unwrap();
+    let mut long = inputs.sinks.clone().unwrap();
+    long.extend([f32::NAN; 4]);
+    inputs.sinks = Some(long);
+    for b in variant_backends(&dev) {
+        // The harness uploads what `inputs.sinks` holds; the reference had the first four.
+        let (got, _) =
+            sdpa_harness::check::run_backend_with_lse(Some(&dev), &p, b, &inputs, Some(&want))
+                .unwrap();
+        let rep = compare(&got, &want.out, p.dtype, 0);
+        assert!(rep.pass(), "{b} {p} with NaN past the heads: {rep:?}");
+    }
+
+    let plain = Problem::new(1, 2, 64, 64, 64).with_sinks(true);
+    for b in [Backend::Wmma, Backend::Cublas] {
+        let e = b.supports(Some(&dev), &plain).unwrap_err();
+        assert!(
+            matches!(e, sdpa::Error::Unsupported { .. }) && e.to_string().contains("sinks"),
+            "{b} {plain}: {e:?}"
+        );
+    }
+    // The call's sinks: missing, too short, or given to a problem without sinks.
+    let x = random_inputs(&plain, fresh_seed()).unwrap();
+    let [q, k, v] = x.upload(&dev, DType::F16).unwrap();
+    let short = dev.stream().clone_htod(&[0.0f32]).unwrap();
+    let two = dev.stream().clone_htod(&[0.0f32, 1.0]).unwrap();
+    for (p, sinks, says) in [
+        (plain, None, "pass sinks"),
+        (plain, Some(&short), "one per query head"),
+        (plain.with_sinks(false), Some(&two), "without sinks"),
+    ] {
+        let mut out = sdpa::Tensor::poisoned(&dev, DType::F16, p.q_len().unwrap()).unwrap();
+        let t = sdpa::Tensors {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &mut out,
+        };
+        let extras = sdpa::Extras {
+            sinks: sinks.map(|s| s.as_view()),
+            ..sdpa::Extras::default()
+        };
+        let e = sdpa::forward(&dev, &p, Backend::Scalar, t, extras).unwrap_err();
+        assert!(
+            matches!(e, sdpa::Error::InvalidArgument(_)) && e.to_string().contains(says),
+            "{p}: {e:?}"
+        );
+    }
 }

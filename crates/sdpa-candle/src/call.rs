@@ -32,6 +32,8 @@ pub(crate) struct Call<'t> {
     pub meta: Meta<'t>,
     /// f32 ALiBi slopes in `problem.alibi`'s layout, contiguous.
     pub alibi: Option<&'t Tensor>,
+    /// f32 sink logits `(heads)`, contiguous, where `problem.sinks`.
+    pub sinks: Option<&'t Tensor>,
 }
 
 /// The metadata tensors of a packed or paged batch, on Q's device.
@@ -72,6 +74,10 @@ impl Call<'_> {
             ),
             None => None,
         };
+        let sinks = match self.sinks {
+            Some(t) => Some(host::on_cpu("sinks", t)?.flatten_all()?.to_vec1::<f32>()?),
+            None => None,
+        };
         let (qv, kv, vv) = (
             host::values(q, q_l)?,
             host::values(k, k_l)?,
@@ -80,8 +86,16 @@ impl Call<'_> {
         // The values are gathered in each operand's logical row-major order: a paged cache's
         // in NHD order, however it is stored.
         let p = p.with_page_layout(sdpa::PageLayout::Nhd);
-        let r = sdpa::reference_seqs(&p, &qv, &kv, &vv, slopes.as_deref(), &meta)
-            .map_err(candle_core::Error::wrap)?;
+        let r = sdpa::reference_seqs(
+            &p,
+            &qv,
+            &kv,
+            &vv,
+            slopes.as_deref(),
+            sinks.as_deref(),
+            &meta,
+        )
+        .map_err(candle_core::Error::wrap)?;
         let lse = with_lse.then(|| CpuStorage::F32(r.lse.iter().map(|&x| x as f32).collect()));
         Ok((host::storage(q.dtype(), &r.out), lse))
     }
@@ -132,6 +146,27 @@ pub(crate) fn alibi_layout(slopes: &Tensor, batch: usize, heads: usize) -> Resul
             slopes.shape()
         ),
     }
+}
+
+/// Checks sink logits for `heads` query heads: f32 `(heads)`, contiguous (on Q's device: the
+/// call checks where they live).
+pub(crate) fn check_sinks(sinks: &Tensor, heads: usize) -> Result<()> {
+    if sinks.dtype() != DType::F32 {
+        bail!(
+            "sdpa-candle: sinks are {:?}; they must be f32",
+            sinks.dtype()
+        );
+    }
+    if !sinks.is_contiguous() {
+        bail!("sdpa-candle: sinks must be contiguous");
+    }
+    if sinks.dims() != [heads] {
+        bail!(
+            "sdpa-candle: sinks are {:?}; they must be ({heads}), one per query head",
+            sinks.shape()
+        );
+    }
+    Ok(())
 }
 
 /// The op's forward on the CPU (its `CustomOp3::cpu_fwd`).

@@ -70,8 +70,10 @@ fn run_t<T: sdpa::Element + CudaDType + ValidAsZeroBits>(
         let used = storage(seqused.as_ref());
         let table = storage(call.meta.block_table);
         let alibi = storage(call.alibi);
+        let sinks = storage(call.sinks);
         let extras = Extras {
             alibi_slopes: view_f32("alibi_slopes", &alibi)?,
+            sinks: view_f32("sinks", &sinks)?,
             lse: lse.as_mut().map(|l| l.as_view_mut()),
             cu_seqlens_q: view_i32("seqlens_q", &cu_q)?,
             cu_seqlens_k: view_i32("seqlens_k", &cu_k)?,

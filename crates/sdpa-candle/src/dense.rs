@@ -247,6 +247,9 @@ impl Resolve for FlashAttn {
             lse_shape: Shape::from((b, h, sq)),
             meta: Meta::default(),
             alibi: self.alibi_slopes.as_ref(),
+            // Field for field candle-flash-attn's op, which has none: sinks go through
+            // FlashAttnVarLen.
+            sinks: None,
         })
     }
 }

@@ -294,6 +294,14 @@ pub struct FlashAttnVarLen {
     pub page_block_size: Option<usize>,
     /// f32 ALiBi slopes, `(heads)` or `(batch, heads)`, on Q's device.
     pub alibi_slopes: Option<Tensor>,
+    /// f32 attention sinks `(heads)` on Q's device (gpt-oss; FlashAttention-4's
+    /// `learnable_sink`): one logit per query head that joins each row's softmax and weights no
+    /// value, taken raw (not scaled or capped); [`sdpa::Problem::with_sinks`] says what a row
+    /// then computes. A batch with query rows but no keys at all is refused with sinks (its rows
+    /// would be the sinks alone, which no kernel runs). ([`crate::FlashAttn`] stays field for
+    /// field candle-flash-attn's, which has no sinks: a dense batch with sinks is this op over
+    /// sequences of equal lengths.)
+    pub sinks: Option<Tensor>,
     /// The keys before a query row's diagonal it sees (`None`: all).
     pub window_size_left: Option<usize>,
     /// The keys after a query row's diagonal it sees (`None`: all; `Some(0)`: causal).
@@ -324,6 +332,7 @@ impl FlashAttnVarLen {
             block_table: None,
             page_block_size: None,
             alibi_slopes: None,
+            sinks: None,
             window_size_left: None,
             window_size_right: None,
             softcap: None,
@@ -477,11 +486,22 @@ impl Resolve for FlashAttnVarLen {
                 if let Some(a) = &self.alibi_slopes {
                     p = p.with_alibi(call::alibi_layout(a, s.batch, s.heads)?);
                 }
+                if let Some(t) = &self.sinks {
+                    call::check_sinks(t, s.heads)?;
+                    p = p.with_sinks(true);
+                }
                 p.validate().map_err(candle_core::Error::wrap)?;
                 Some(p)
             }
-            // No query rows, or no keys: nothing to attend.
-            _ => None,
+            Some(_) => None, // no query rows: nothing to attend
+            // No keys: each row is zeros with log-sum-exp -inf, or with sinks its head's sink.
+            None if s.total_q > 0 && self.sinks.is_some() => {
+                bail!(
+                    "sdpa-candle: a batch with query rows and no keys has nothing to attend but \
+                     its sinks; sinks need at least one key in the batch"
+                )
+            }
+            None => None,
         };
         Ok(Call {
             problem,
@@ -495,6 +515,7 @@ impl Resolve for FlashAttnVarLen {
                 block_table: self.block_table.as_ref(),
             },
             alibi: self.alibi_slopes.as_ref(),
+            sinks: self.sinks.as_ref(),
         })
     }
 }

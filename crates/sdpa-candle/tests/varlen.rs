@@ -2,7 +2,7 @@
 //! and of K/V each): on the CPU, where both run sdpa's float64 reference, to the bit; on GPU 0
 //! with the `cuda` feature, to within the dtype's rounding, and against the CPU op. Sequences of
 //! mixed lengths (with no queries, with no keys, more queries than keys), causal or not, sliding
-//! windows, softcap, grouped-query, a strided Q; and the errors bad inputs give.
+//! windows, softcap, grouped-query, a strided Q, sinks; and the errors bad inputs give.
 
 mod common;
 
@@ -453,4 +453,80 @@ fn gpu_varlen_matches_dense_and_the_cpu_op() -> Result<()> {
         "{e}"
     );
     Ok(())
+}
+
+/// Sinks by their definition: with a sink s of its head a row's log-sum-exp is ln(e^lse + e^s)
+/// and its output the one without sinks times e^(lse − lse_with); a row that sees no key gets
+/// output 0 and log-sum-exp s; a -inf sink changes nothing. Wrong sinks are errors.
+fn sinks_match_their_definition(dev: &Device, tol: f32) -> Result<()> {
+    let b = batch(dev, DType::F16, (4, 2, 32), &Q_LENS, &K_LENS)?;
+    let sinks = [0.5f32, 2.0, f32::NEG_INFINITY, -1.0];
+    let plain = FlashAttnVarLen::new(&b.seqlens_q, &b.seqlens_k, 17, 17, 0.2).window(None, Some(0));
+    let with = FlashAttnVarLen {
+        sinks: Some(Tensor::new(&sinks, dev)?),
+        ..plain.clone()
+    };
+    let (o0, l0) = plain.forward_with_lse(&b.q, &b.k, &b.v)?;
+    let (o1, l1) = with.forward_with_lse(&b.q, &b.k, &b.v)?;
+    let flat = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+    let (o0, o1, l0, l1) = (flat(&o0)?, flat(&o1)?, flat(&l0)?, flat(&l1)?);
+    let (heads, total_q, d) = (4, Q_LENS.iter().sum::<usize>(), 32);
+    let mut checked = 0;
+    for h in 0..heads {
+        for i in 0..total_q {
+            let (a, w, s) = (l0[h * total_q + i], l1[h * total_q + i], sinks[h]);
+            let want = f64::from(a).exp() + f64::from(s).exp();
+            let want = if want == 0.0 {
+                f64::NEG_INFINITY
+            } else {
+                want.ln()
+            };
+            assert!(
+                (f64::from(w) - want).abs() <= 2e-3 * want.abs().max(1.0) || f64::from(w) == want,
+                "head {h} row {i}: lse {w}, want {want}"
+            );
+            let f = if w == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (a - w).exp()
+            };
+            for c in 0..d {
+                let at = (i * heads + h) * d + c;
+                let (x, y) = (o0[at], o1[at]);
+                assert!(
+                    (y - x * f).abs() <= tol,
+                    "head {h} row {i}: {y} vs {x} · {f}"
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, heads * total_q);
+    // Sinks of another shape or type are errors.
+    for bad in [
+        Tensor::new(&[0f32; 3], dev)?,
+        Tensor::new(&[0f32; 4], dev)?.to_dtype(DType::F16)?,
+        Tensor::new(&[[0f32; 4]], dev)?,
+    ] {
+        let op = FlashAttnVarLen {
+            sinks: Some(bad),
+            ..plain.clone()
+        };
+        let e = b.q.apply_op3_no_bwd(&b.k, &b.v, &op).unwrap_err();
+        assert!(e.to_string().contains("sinks"), "{e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn cpu_sinks_match_their_definition() -> Result<()> {
+    sinks_match_their_definition(&Device::Cpu, 5e-3)
+}
+
+#[test]
+fn gpu_sinks_match_their_definition() -> Result<()> {
+    let Some(dev) = common::gpu("gpu sinks") else {
+        return Ok(());
+    };
+    sinks_match_their_definition(&dev, 1e-2)
 }

@@ -38,6 +38,10 @@ pub struct Args {
     /// ALiBi slopes as .npy: [H] or [B, H].
     #[arg(long)]
     alibi: Option<PathBuf>,
+    /// Attention sinks as .npy: float32 [H], one logit per query head that joins each row's
+    /// softmax and weights no value (gpt-oss, FlashAttention-4's learnable_sink); -inf: none.
+    #[arg(long)]
+    sinks: Option<PathBuf>,
     /// Also write each row's log-sum-exp here (.npy, float32 [B, H, Sq]).
     #[arg(long)]
     lse: Option<PathBuf>,
@@ -83,6 +87,7 @@ fn dims4(shape: &[usize], what: &str) -> Result<[usize; 4]> {
 fn check_outputs(a: &Args) -> Result<()> {
     let mut inputs: Vec<output::Named> = vec![("--q", &a.q), ("--k", &a.k), ("--v", &a.v)];
     inputs.extend(a.alibi.as_deref().map(|p| ("--alibi", p)));
+    inputs.extend(a.sinks.as_deref().map(|p| ("--sinks", p)));
     let mut outputs: Vec<output::Named> = vec![("--out", &a.out)];
     outputs.extend(a.lse.as_deref().map(|p| ("--lse", p)));
     output::check(&outputs, &inputs)
@@ -117,6 +122,19 @@ fn check_fits(flag: &str, path: &Path, x: &[f32], dtype: DType) -> Result<()> {
         "{flag} {at}: element {i} is {v}, which overflows {dtype} (largest finite {max}); \
          scale the inputs, or pass --dtype {other}"
     )))
+}
+
+/// Sink logits must be below +inf and not NaN (-inf is no sink): either makes every row of its
+/// head NaN.
+fn check_sinks(path: &Path, sinks: &[f32]) -> Result<()> {
+    match sinks.iter().position(|s| s.is_nan() || *s == f32::INFINITY) {
+        Some(i) => Err(Error::InvalidArgument(format!(
+            "--sinks {}: sink {i} is {}; sinks must be finite or -inf (no sink)",
+            path.display(),
+            sinks[i]
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// ALiBi slopes must be finite: a NaN or infinite slope makes its head's output NaN.
@@ -254,6 +272,22 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         }
         None => None,
     };
+    let sinks = match &a.sinks {
+        Some(path) => {
+            let (s, shape) = npy::read(path)?;
+            if shape[..] != [h] {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: sinks of shape {shape:?}; expected [{h}] (one per query head)",
+                    path.display()
+                ))
+                .into());
+            }
+            check_sinks(path, &s)?;
+            p = p.with_sinks(true);
+            Some(s)
+        }
+        None => None,
+    };
     if dtype == DType::E4m3 {
         p = p.with_fp8_scaling(scaling);
     }
@@ -283,7 +317,12 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
             };
             let (qt, kt, vt) = (up(&q, 0)?, up(&k, 1)?, up(&v, 2)?);
             let mut ot = Tensor::poisoned(dev, od, q_len)?;
-            let mut bufs = sdpa_harness::check::ExtraBuffers::new(dev, &p, slopes.as_deref())?;
+            let mut bufs = sdpa_harness::check::ExtraBuffers::new(
+                dev,
+                &p,
+                slopes.as_deref(),
+                sinks.as_deref(),
+            )?;
             let t = sdpa::Tensors {
                 q: &qt,
                 k: &kt,
@@ -317,6 +356,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                 &round(&k, 1)?,
                 &round(&v, 2)?,
                 slopes.as_deref(),
+                sinks.as_deref(),
             )?;
             (
                 try_map(&r.out, |x| x as f32)?,

@@ -359,8 +359,8 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         let e2e_want = match &inputs.fp8 {
             Some(f) => {
                 let [q, k, v] = &f.unquantized;
-                let slopes = inputs.alibi_slopes.as_deref();
-                Some(sdpa::reference_with(p, q, k, v, slopes)?.out)
+                let (slopes, sinks) = (inputs.alibi_slopes.as_deref(), inputs.sinks.as_deref());
+                Some(sdpa::reference_with(p, q, k, v, slopes, sinks)?.out)
             }
             None => None,
         };

@@ -150,7 +150,8 @@ fn run_takes_windows_softcap_alibi_and_writes_the_lse() {
         .with_softcap(3.0)
         .with_alibi(sdpa::Alibi::PerHead);
     let round = |x: &[f32]| sdpa::decode(sdpa::DType::Bf16, &sdpa::encode(sdpa::DType::Bf16, x));
-    let want = sdpa::reference_with(&p, &round(&q), &round(&k), &round(&v), Some(&slopes)).unwrap();
+    let want =
+        sdpa::reference_with(&p, &round(&q), &round(&k), &round(&v), Some(&slopes), None).unwrap();
     let (shape, got) = read(&paths[3]);
     assert_eq!(shape, [2, 3, 6, 8]);
     for (g, w) in got.iter().zip(&want.out) {
@@ -183,6 +184,87 @@ fn run_takes_windows_softcap_alibi_and_writes_the_lse() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// `run --sinks`: one logit per query head from a file, what the library's reference gives with
+/// those sinks (output and log-sum-exp, a row that sees no key included); sinks of the wrong
+/// shape, NaN or +inf are errors before anything runs.
+#[test]
+fn run_takes_sinks() {
+    let (b, h, sq, sk, d) = (1, 3, 7, 5, 8);
+    let (q, k, v) = (
+        values(b * h * sq * d, 7),
+        values(b * h * sk * d, 8),
+        values(b * h * sk * d, 9),
+    );
+    let sinks = [0.5f32, f32::NEG_INFINITY, 2.0];
+    let paths = [
+        tmp("sq.npy"),
+        tmp("sk.npy"),
+        tmp("sv.npy"),
+        tmp("so.npy"),
+        tmp("ssinks.npy"),
+        tmp("slse.npy"),
+    ];
+    write_npy(&paths[0], &q, &[b as u64, h as u64, sq as u64, d as u64]);
+    write_npy(&paths[1], &k, &[b as u64, h as u64, sk as u64, d as u64]);
+    write_npy(&paths[2], &v, &[b as u64, h as u64, sk as u64, d as u64]);
+    write_npy(&paths[4], &sinks, &[h as u64]);
+    let arg = |i: usize| paths[i].to_str().unwrap().to_string();
+    let run = || {
+        sdpa()
+            .args(["run", "--backend", "cpu", "--causal", "--sinks", &arg(4)])
+            .args([
+                "--lse",
+                &arg(5),
+                "--q",
+                &arg(0),
+                "--k",
+                &arg(1),
+                "--v",
+                &arg(2),
+            ])
+            .args(["--out", &arg(3)])
+            .output()
+            .unwrap()
+    };
+    assert_success(&run());
+    let read = |path: &Path| -> Vec<f32> {
+        let bytes = std::fs::read(path).unwrap();
+        npyz::NpyFile::new(&bytes[..]).unwrap().into_vec().unwrap()
+    };
+    // Causal with seq_q 7 > seq_k 5: rows 0 and 1 see no key.
+    let p = sdpa::Problem::new(b, h, sq, sk, d)
+        .with_causal(true)
+        .with_sinks(true);
+    let round = |x: &[f32]| sdpa::decode(sdpa::DType::F16, &sdpa::encode(sdpa::DType::F16, x));
+    let want =
+        sdpa::reference_with(&p, &round(&q), &round(&k), &round(&v), None, Some(&sinks)).unwrap();
+    for (g, w) in read(&paths[3]).iter().zip(&want.out) {
+        assert!((f64::from(*g) - w).abs() < 1e-3, "{g} vs {w}");
+    }
+    let lse = read(&paths[5]);
+    assert_eq!(
+        lse[0], 0.5,
+        "a row without keys has its sink as log-sum-exp"
+    );
+    for (g, w) in lse.iter().zip(&want.lse) {
+        assert!(
+            (f64::from(*g) - w).abs() < 1e-5 || f64::from(*g) == *w,
+            "lse {g} vs {w}"
+        );
+    }
+    for (bad, shape, says) in [
+        (vec![0.5f32, 1.0], vec![2u64], "expected [3]"),
+        (vec![0.5, f32::NAN, 1.0], vec![3], "sink 1 is NaN"),
+        (vec![0.5, 1.0, f32::INFINITY], vec![3], "sink 2 is inf"),
+    ] {
+        write_npy(&paths[4], &bad, &shape);
+        let out = run();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{err}");
+    }
 }
 
 /// `run --dtype e4m3`: the CPU reference on the inputs quantized exactly as the library does

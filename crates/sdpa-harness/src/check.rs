@@ -276,30 +276,36 @@ pub fn flops(p: &Problem, meta: Option<&SeqMeta>) -> f64 {
     }
 }
 
-/// The device buffers of a problem's extras: its ALiBi slopes uploaded, its log-sum-exp output
-/// (NaN until a call writes it), its sequence metadata; empty for a problem that has none.
+/// The device buffers of a problem's extras: its ALiBi slopes and sink logits uploaded, its
+/// log-sum-exp output (NaN until a call writes it), its sequence metadata; empty for a problem
+/// that has none.
 pub struct ExtraBuffers {
     alibi_slopes: Option<cudarc::driver::CudaSlice<f32>>,
+    sinks: Option<cudarc::driver::CudaSlice<f32>>,
     lse: Option<cudarc::driver::CudaSlice<f32>>,
     /// cu_seqlens_q, cu_seqlens_k, seqused_k, block_table.
     meta: [Option<cudarc::driver::CudaSlice<i32>>; 4],
 }
 
 impl ExtraBuffers {
-    /// The buffers `p` asks for, on `dev`: `slopes` uploaded (where `p` has ALiBi), the
-    /// log-sum-exp output.
-    pub fn new(dev: &Device, p: &Problem, slopes: Option<&[f32]>) -> Result<ExtraBuffers> {
+    /// The buffers `p` asks for, on `dev`: `slopes` and `sinks` uploaded (where `p` has ALiBi,
+    /// sinks), the log-sum-exp output.
+    pub fn new(
+        dev: &Device,
+        p: &Problem,
+        slopes: Option<&[f32]>,
+        sinks: Option<&[f32]>,
+    ) -> Result<ExtraBuffers> {
         let stream = dev.stream();
-        let alibi_slopes = match slopes {
-            Some(s) => Some(stream.clone_htod(s)?),
-            None => None,
-        };
+        let up = |x: Option<&[f32]>| x.map(|x| stream.clone_htod(x)).transpose();
+        let (alibi_slopes, sinks) = (up(slopes)?, up(sinks)?);
         let lse = match p.lse {
             true => Some(stream.clone_htod(&vec![f32::NAN; p.lse_len()])?),
             false => None,
         };
         Ok(ExtraBuffers {
             alibi_slopes,
+            sinks,
             lse,
             meta: Default::default(),
         })
@@ -330,6 +336,7 @@ impl ExtraBuffers {
             .map(|m| m.as_ref().map(|m| m.as_view()));
         sdpa::Extras {
             alibi_slopes: self.alibi_slopes.as_ref().map(|s| s.as_view()),
+            sinks: self.sinks.as_ref().map(|s| s.as_view()),
             lse: self.lse.as_mut().map(|l| l.as_view_mut()),
             cu_seqlens_q: cu_q,
             cu_seqlens_k: cu_k,
@@ -403,7 +410,12 @@ pub fn run_backend_with_lse(
         (_, Some(dev)) => {
             let [q, k, v] = inputs.upload(dev, p.dtype)?;
             let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
-            let mut bufs = ExtraBuffers::new(dev, p, inputs.alibi_slopes.as_deref())?;
+            let mut bufs = ExtraBuffers::new(
+                dev,
+                p,
+                inputs.alibi_slopes.as_deref(),
+                inputs.sinks.as_deref(),
+            )?;
             if let Some(m) = &inputs.seq_meta {
                 bufs = bufs.with_meta(dev, m)?;
             }

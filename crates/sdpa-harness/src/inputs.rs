@@ -29,6 +29,22 @@ pub fn alibi_slopes(p: &Problem) -> Option<Vec<f32>> {
     )
 }
 
+/// Sink logits for `p` (None without sinks), one per query head, spread around the log-sum-exp
+/// of N(0, 1) inputs (about ln seq_k + scale²·head_dim / 2 = ln seq_k + 1/2) so that each
+/// takes from a tenth to most of its rows' weight: ln seq_k + (h % 4) − 1.5, except every fourth
+/// head's, which is -inf (no sink: the path that must leave its rows untouched).
+pub fn sink_logits(p: &Problem) -> Option<Vec<f32>> {
+    p.sinks.then(|| {
+        let base = (p.seq_k.max(1) as f32).ln();
+        (0..p.heads)
+            .map(|h| match h % 4 {
+                3 => f32::NEG_INFINITY,
+                r => base + r as f32 - 1.5,
+            })
+            .collect()
+    })
+}
+
 /// Random inputs for one problem: standard normal values rounded to the dtype.
 pub struct Inputs {
     /// Bit patterns of Q, K, V in the dtype (e4m3: the codes).
@@ -39,6 +55,8 @@ pub struct Inputs {
     pub fp8: Option<Fp8Inputs>,
     /// The ALiBi slopes of problems with ALiBi ([`alibi_slopes`]).
     pub alibi_slopes: Option<Vec<f32>>,
+    /// The sink logits of problems with sinks ([`sink_logits`]).
+    pub sinks: Option<Vec<f32>>,
     /// The sequence metadata of packed or paged problems (host copies).
     pub seq_meta: Option<SeqMeta>,
     /// The distribution the values were drawn from (the fast FP8 mode's bar depends on it):
@@ -93,6 +111,7 @@ impl Inputs {
             values,
             fp8: None,
             alibi_slopes: None,
+            sinks: None,
             seq_meta: None,
             family: Family::Normal,
         }
@@ -120,15 +139,26 @@ impl Inputs {
             )));
         }
         let [q, k, v] = &self.values;
-        sdpa::reference_fp8_fast(p, q, k, v, self.alibi_slopes.as_deref())
+        sdpa::reference_fp8_fast(
+            p,
+            q,
+            k,
+            v,
+            self.alibi_slopes.as_deref(),
+            self.sinks.as_deref(),
+        )
+    }
+
+    fn alibi(&self) -> Option<&[f32]> {
+        self.alibi_slopes.as_deref()
     }
 
     /// The float64 reference of `p` on these inputs (output and log-sum-exp).
     pub fn reference(&self, p: &Problem) -> Result<sdpa::Reference> {
         let [q, k, v] = &self.values;
         match &self.seq_meta {
-            Some(m) => sdpa::reference_seqs(p, q, k, v, self.alibi_slopes.as_deref(), m),
-            None => sdpa::reference_with(p, q, k, v, self.alibi_slopes.as_deref()),
+            Some(m) => sdpa::reference_seqs(p, q, k, v, self.alibi(), self.sinks.as_deref(), m),
+            None => sdpa::reference_with(p, q, k, v, self.alibi(), self.sinks.as_deref()),
         }
     }
 
@@ -158,6 +188,7 @@ impl Inputs {
                 unquantized,
             }),
             alibi_slopes: alibi_slopes(p),
+            sinks: sink_logits(p),
             seq_meta: None,
             family: Family::Normal,
         })
@@ -227,6 +258,7 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
         values,
         fp8: None,
         alibi_slopes: alibi_slopes(p),
+        sinks: sink_logits(p),
         seq_meta,
         family: Family::Normal,
     })
@@ -361,6 +393,7 @@ pub fn family_inputs(p: &Problem, family: Family, seed: u64) -> Result<Inputs> {
         dtype => {
             let mut i = Inputs::from_f32(dtype, &q, &k, &v);
             i.alibi_slopes = alibi_slopes(p);
+            i.sinks = sink_logits(p);
             i
         }
     };

@@ -5,8 +5,8 @@
 use crate::seqs::{paged, varlen};
 use sdpa::{Error, Mask, Problem, Result, SeqMeta};
 
-/// One named problem: [batch, heads, kv_heads, seq_q, seq_k, head_dim], its mask, its softcap and
-/// how its sequences are stored.
+/// One named problem: [batch, heads, kv_heads, seq_q, seq_k, head_dim], its mask, its softcap,
+/// whether it has sinks and how its sequences are stored.
 #[derive(Debug, Clone, Copy)]
 pub struct Named {
     /// The name, as the anchor script spells it.
@@ -17,6 +17,9 @@ pub struct Named {
     pub mask: Mask,
     /// The logit cap, if any.
     pub softcap: Option<f32>,
+    /// Learnable sinks, one logit a query head (the anchor's `sink`: FlashAttention-4's
+    /// `learnable_sink`).
+    pub sinks: bool,
     /// Dense, packed or paged.
     pub seqs: NamedSeqs,
 }
@@ -44,6 +47,7 @@ impl Named {
                 Mask::None
             },
             softcap: None,
+            sinks: false,
             seqs: NamedSeqs::Dense,
         }
     }
@@ -59,7 +63,8 @@ impl Named {
         let [b, h, hkv, sq, sk, d] = self.dims;
         let p = Problem::new(b, h, sq, sk, d)
             .with_kv_heads(hkv)
-            .with_mask(self.mask);
+            .with_mask(self.mask)
+            .with_sinks(self.sinks);
         match self.softcap {
             Some(c) => p.with_softcap(c),
             None => p,
@@ -113,6 +118,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
             right: Some(0),
         },
         softcap: None,
+        sinks: false,
         seqs: NamedSeqs::Dense,
     },
     // Llama 4's local layers: causal within chunks of 8192 keys, 40 query heads on 8 KV heads.
@@ -121,6 +127,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         dims: [1, 40, 8, 32768, 32768, 128],
         mask: Mask::Chunked { size: 8192 },
         softcap: None,
+        sinks: false,
         seqs: NamedSeqs::Dense,
     },
     Named {
@@ -128,6 +135,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         dims: [1, 16, 16, 8192, 8192, 128],
         mask: Mask::CausalBottomRight,
         softcap: Some(30.0),
+        sinks: false,
         seqs: NamedSeqs::Dense,
     },
     Named {
@@ -135,6 +143,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         dims: [1, 32, 8, 8192, 8192, 128],
         mask: Mask::CausalBottomRight,
         softcap: None,
+        sinks: false,
         seqs: NamedSeqs::Dense,
     },
     Named {
@@ -149,6 +158,27 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         ..Named::decode("decode-b16-k8k-paged", [16, 1, 8192], false)
     },
     Named::decode("spec-b16-q8-k8k", [16, 8, 8192], true),
+    // gpt-oss: learnable sinks, head_dim 64, 64 query and 8 K/V heads, a 128-key window on
+    // alternate layers.
+    Named {
+        dims: [1, 64, 8, 8192, 8192, 64],
+        sinks: true,
+        ..Named::dense("gptoss-s8k-sink", [1, 64, 8192, 64], true)
+    },
+    Named {
+        dims: [1, 64, 8, 8192, 8192, 64],
+        mask: Mask::Window {
+            left: Some(128),
+            right: Some(0),
+        },
+        sinks: true,
+        ..Named::dense("gptoss-s8k-win128-sink", [1, 64, 8192, 64], true)
+    },
+    Named {
+        dims: [32, 64, 8, 1, 8192, 64],
+        sinks: true,
+        ..Named::dense("gptoss-decode-b32-k8k-sink", [32, 64, 8192, 64], false)
+    },
 ];
 
 /// The metadata of named problem `name` (None for dense ones and unknown names), a paged cache's
@@ -215,6 +245,33 @@ mod tests {
         let l = named_problem("llama4-chunk8k-s32k").unwrap();
         assert_eq!(l.visible_range(8191), 0..8192);
         assert_eq!(l.visible_range(8192 + 5), 8192..8198);
+    }
+
+    #[test]
+    fn the_gptoss_problems_are_the_anchor_scripts() {
+        // VARIANTS: h 64, kv 8, d 64, sink; s8k causal, win128 window (128, 0) with causal,
+        // decode b32 one query over 8k keys, no mask.
+        for (name, b, sq) in [
+            ("gptoss-s8k-sink", 1, 8192),
+            ("gptoss-s8k-win128-sink", 1, 8192),
+            ("gptoss-decode-b32-k8k-sink", 32, 1),
+        ] {
+            let p = named_problem(name).unwrap();
+            assert_eq!(
+                (p.batch, p.heads, p.kv_heads, p.seq_q, p.seq_k, p.head_dim),
+                (b, 64, 8, sq, 8192, 64),
+                "{name}"
+            );
+            assert!(p.sinks, "{name}");
+        }
+        assert!(named_problem("gptoss-s8k-sink").unwrap().is_causal());
+        let w = named_problem("gptoss-s8k-win128-sink").unwrap();
+        assert_eq!(w.visible_range(5000), 4872..5001);
+        assert_eq!(
+            named_problem("gptoss-decode-b32-k8k-sink").unwrap().mask,
+            Mask::None
+        );
+        assert!(!named_problem("s8k-d128-gqa").unwrap().sinks);
     }
 
     #[test]

@@ -264,7 +264,12 @@ pub fn time_backend(
     let dev = dev.expect("supports() requires a device for GPU backends");
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
-    let mut bufs = crate::check::ExtraBuffers::new(dev, p, inputs.alibi_slopes.as_deref())?;
+    let mut bufs = crate::check::ExtraBuffers::new(
+        dev,
+        p,
+        inputs.alibi_slopes.as_deref(),
+        inputs.sinks.as_deref(),
+    )?;
     // Planned once, as a caller who runs a problem repeatedly does.
     let plan = sdpa::Plan::new(dev, p, backend)?;
     time_gpu(dev, budget_ms, || {

@@ -87,7 +87,11 @@ mod blocks {
     /// What happens to a score before the softmax: the scale, then with softcap > 0
     /// softcap * tanh(score / softcap) (0: off), then with ALiBi -slope * |i + seq_k - seq_q -
     /// j| added to row i, key j, slope = alibi_slopes[b * alibi_batch_stride + h] (stride 0:
-    /// one slope per head; device f32).
+    /// one slope per head; device f32). With sinks every row of query head h counts one more
+    /// logit, sink_logits[h] (device f32, natural log, taken raw: no scale, softcap or ALiBi),
+    /// in its maximum, its denominator and its log-sum-exp, and weights no value: a row that
+    /// sees no key has output 0 and log-sum-exp sink_logits[h]; -inf is no sink; a NaN (or
+    /// +inf) makes the head's rows NaN.
     #[derive(Debug, Clone, Copy)]
     struct FwdScoreMods {
         scale: f32,
@@ -95,6 +99,8 @@ mod blocks {
         alibi: bool,
         alibi_slopes: u64,
         alibi_batch_stride: i64,
+        sinks: bool,
+        sink_logits: u64,
     }
 
     /// Sequences of different lengths (FlashAttention's varlen and paged cache); all 0 / false
@@ -163,8 +169,8 @@ mod blocks {
     }
 
     /// One attention forward call: the argument block every fused kernel takes. Pointers may
-    /// be 0 in a question asked before any buffer exists (`alibi` and `has_lse` then say what
-    /// the call will pass).
+    /// be 0 in a question asked before any buffer exists (`alibi`, `sinks` and `has_lse` then
+    /// say what the call will pass).
     #[derive(Debug, Clone, Copy)]
     struct FwdArgs {
         ops: FwdOperands,

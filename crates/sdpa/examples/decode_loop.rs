@@ -100,7 +100,7 @@ fn main() -> sdpa::Result<()> {
         ..SeqMeta::default()
     };
     let [qr, kr, vr] = [&q, &k, &v].map(|t| t.to_f64(&dev));
-    let want = sdpa::reference_seqs(&prefill, &qr?, &kr?, &vr?, None, &meta)?;
+    let want = sdpa::reference_seqs(&prefill, &qr?, &kr?, &vr?, None, None, &meta)?;
     let err = rel_err(&out.to_f64(&dev)?, &want.out);
     println!("prefill: {batch} prompts, {total} tokens on {used}: rel_err {err:.2e}");
     assert!(err < 2e-2, "prefill rel_err {err}");
@@ -217,6 +217,7 @@ fn main() -> sdpa::Result<()> {
             &q_new.to_f64(&dev)?,
             &k_cache.to_f64(&dev)?,
             &v_cache.to_f64(&dev)?,
+            None,
             None,
             &meta,
         )?;

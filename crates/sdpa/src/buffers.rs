@@ -19,9 +19,10 @@ pub(crate) struct Buffers {
     pub(crate) scales: [u64; 3],
     /// Of Q, K, V and the output, in that order.
     pub(crate) strides: [Strides; 4],
-    /// Device addresses of the ALiBi slopes and the log-sum-exp output (0: none), checked
-    /// against the problem's sizes.
+    /// Device addresses of the ALiBi slopes, the sink logits and the log-sum-exp output (0:
+    /// none), checked against the problem's sizes.
     pub(crate) alibi_slopes: u64,
+    pub(crate) sinks: u64,
     pub(crate) lse: u64,
     /// Device addresses of the sequence metadata (0: none): cu_seqlens_q, cu_seqlens_k,
     /// seqused_k, block_table.
@@ -47,15 +48,17 @@ impl Buffers {
             scales: [q.scales_ptr(dev), k.scales_ptr(dev), v.scales_ptr(dev)],
             strides: [qs, ks, ks, qs],
             alibi_slopes: 0,
+            sinks: 0,
             lse: 0,
             seqs: [0; 4],
         }
     }
 
-    /// The same buffers with the call's extras (ALiBi slopes, log-sum-exp).
+    /// The same buffers with the call's extras (ALiBi slopes, sinks, log-sum-exp).
     pub(crate) fn with_extras(self, e: &crate::extras::ExtraPtrs<'_>) -> Buffers {
         Buffers {
             alibi_slopes: e.alibi_slopes,
+            sinks: e.sinks,
             lse: e.lse,
             seqs: e.seqs,
             ..self

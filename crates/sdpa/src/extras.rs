@@ -1,5 +1,5 @@
-//! The optional operands of a call beyond Q, K, V and the output: the ALiBi slopes it reads, the
-//! log-sum-exp it writes (f32) and the sequence metadata of packed or paged batches (i32),
+//! The optional operands of a call beyond Q, K, V and the output: the ALiBi slopes and sink
+//! logits it reads, the log-sum-exp it writes (f32) and the sequence metadata of packed or paged batches (i32),
 //! buffers on the device owned by the caller.
 
 use crate::device::Device;
@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 /// What a call takes beyond Q, K, V and the output; each is required exactly when the problem
-/// asks for it (`Problem::alibi`, `Problem::lse`, `Problem::seqs`).
+/// asks for it (`Problem::alibi`, `Problem::sinks`, `Problem::lse`, `Problem::seqs`).
 ///
 /// Three prompts of 100, 7 and 300 tokens in one call, packed as FlashAttention's varlen packs
 /// them, with each row's log-sum-exp (`[heads, total_q]` for packed Q):
@@ -47,6 +47,9 @@ use std::sync::Arc;
 pub struct Extras<'a> {
     /// ALiBi slopes, `p.alibi`'s layout: `[heads]` or `[batch, heads]`.
     pub alibi_slopes: Option<CudaView<'a, f32>>,
+    /// The sink logit of each query head, `[heads]` (natural-log units, taken raw: see
+    /// [`Problem::with_sinks`]); entries past `heads` are not read.
+    pub sinks: Option<CudaView<'a, f32>>,
     /// Out: each query row's log-sum-exp, `[batch, heads, seq_q]`, or `[heads, total_q]` for
     /// packed Q (FlashAttention's varlen layout); [`Problem::lse_len`] entries. The natural log
     /// of the sum of the exponentials of its logits; -inf for a row that sees no key. Written
@@ -66,6 +69,7 @@ pub struct Extras<'a> {
 /// cudarc's read/write events where tracking is on).
 pub(crate) struct ExtraPtrs<'g> {
     pub(crate) alibi_slopes: u64,
+    pub(crate) sinks: u64,
     pub(crate) lse: u64,
     /// cu_seqlens_q, cu_seqlens_k, seqused_k, block_table.
     pub(crate) seqs: [u64; 4],
@@ -98,6 +102,25 @@ impl Extras<'_> {
             (None, Some(_)) => {
                 return Err(invalid!(
                     "alibi_slopes given for a problem without ALiBi (Problem::with_alibi)"
+                ));
+            }
+        }
+        match (p.sinks, &self.sinks) {
+            (false, None) => {}
+            (true, Some(s)) => {
+                on_device("sinks", dev, s.stream())?;
+                if s.len() < p.heads {
+                    return Err(invalid!(
+                        "sinks holds {} values, {p} needs one per query head ({})",
+                        s.len(),
+                        p.heads
+                    ));
+                }
+            }
+            (true, None) => return Err(invalid!("the problem has sinks; pass sinks")),
+            (false, Some(_)) => {
+                return Err(invalid!(
+                    "sinks given for a problem without sinks (Problem::with_sinks)"
                 ));
             }
         }
@@ -187,9 +210,10 @@ impl Extras<'_> {
     /// The streams the extras' buffers were made on (for ordering the call after them).
     pub(crate) fn streams(&self) -> impl Iterator<Item = &Arc<CudaStream>> {
         let a = self.alibi_slopes.as_ref().map(|s| s.stream());
+        let s = self.sinks.as_ref().map(|s| s.stream());
         let l = self.lse.as_ref().map(|s| s.stream());
         let m = self.metadata().into_iter().flatten().map(|b| b.stream());
-        a.into_iter().chain(l).chain(m)
+        a.into_iter().chain(s).chain(l).chain(m)
     }
 
     fn metadata(&self) -> [&Option<CudaView<'_, i32>>; 4] {
@@ -212,6 +236,7 @@ impl Extras<'_> {
             None => 0,
         };
         let alibi_slopes = keep(self.alibi_slopes.as_ref().map(|s| s.device_ptr(stream)));
+        let sinks = keep(self.sinks.as_ref().map(|s| s.device_ptr(stream)));
         let lse = keep(self.lse.as_mut().map(|s| s.device_ptr_mut(stream)));
         let seqs = [
             &self.cu_seqlens_q,
@@ -222,6 +247,7 @@ impl Extras<'_> {
         .map(|b| keep(b.as_ref().map(|b| b.device_ptr(stream))));
         ExtraPtrs {
             alibi_slopes,
+            sinks,
             lse,
             seqs,
             _guards: guards,

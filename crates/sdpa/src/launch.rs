@@ -86,6 +86,7 @@ pub(crate) fn launch(plan: &Plan, call: Call<'_>, mut extras: Extras<'_>) -> Res
                 scales: [q, k, v].map(|b| b.scales.as_ref().map_or(0, |s| s.0)),
                 strides,
                 alibi_slopes: 0,
+                sinks: 0,
                 lse: 0,
                 seqs: [0; 4],
             }

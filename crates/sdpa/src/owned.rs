@@ -67,12 +67,17 @@ pub(crate) fn run(
                 Some(s) => Some(stream.clone_dtoh(s)?),
                 None => None,
             };
+            // The first `heads` logits (the buffer may be longer).
+            let sinks = match &extras.sinks {
+                Some(s) => Some(stream.clone_dtoh(&s.slice(..p.heads))?),
+                None => None,
+            };
             let (q, k, v) = (q.to_f64(dev)?, k.to_f64(dev)?, v.to_f64(dev)?);
             let r = if p.seqs.is_dense() {
-                reference_with(p, &q, &k, &v, slopes.as_deref())?
+                reference_with(p, &q, &k, &v, slopes.as_deref(), sinks.as_deref())?
             } else {
                 let meta = extras.metadata_on_host()?;
-                reference_seqs(p, &q, &k, &v, slopes.as_deref(), &meta)?
+                reference_seqs(p, &q, &k, &v, slopes.as_deref(), sinks.as_deref(), &meta)?
             };
             if let Some(lse) = extras.lse.as_mut() {
                 let l32: Vec<f32> = r.lse.iter().map(|&x| x as f32).collect();

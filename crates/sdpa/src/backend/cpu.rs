@@ -1,6 +1,6 @@
 //! The float64 reference: the truth every other backend is checked against. Any shape, both
-//! layouts, GQA, every mask, softcap, ALiBi, and the log-sum-exp of each row; a row with no
-//! visible key is all zeros (its log-sum-exp -inf).
+//! layouts, GQA, every mask, softcap, ALiBi, sinks, and the log-sum-exp of each row; a row with
+//! no visible key is all zeros (its log-sum-exp -inf, or its head's sink logit).
 
 use crate::error::{Result, invalid};
 use crate::problem::{Alibi, KvRows, Problem, Seqs};
@@ -13,24 +13,26 @@ use rayon::prelude::*;
 pub struct Reference {
     /// The attention output.
     pub out: Vec<f64>,
-    /// ln Σ_j exp(logit_ij) over the keys row i sees (-inf where it sees none).
+    /// ln Σ_j exp(logit_ij) over the keys row i sees, its head's sink exp(s_h) added where the
+    /// problem has sinks (-inf where it sees none and has no sink).
     pub lse: Vec<f64>,
 }
 
 /// Computes attention in f64 on the host. `q`, `k`, `v` and the result are in the problem's
-/// layout; their lengths must match the problem exactly. A problem with ALiBi needs its slopes:
-/// [`reference_with`].
+/// layout; their lengths must match the problem exactly. A problem with ALiBi or sinks needs
+/// them: [`reference_with`].
 pub fn reference(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Result<Vec<f64>> {
-    Ok(reference_with(p, q, k, v, None)?.out)
+    Ok(reference_with(p, q, k, v, None, None)?.out)
 }
 
-/// [`reference`](fn@reference) with the ALiBi slopes (`p.alibi`'s layout) and the log-sum-exp.
+/// [`reference`](fn@reference) with the ALiBi slopes (`p.alibi`'s layout), the sink logits
+/// (`[heads]`, where `p.sinks`; [`Problem::with_sinks`] says what they do) and the log-sum-exp.
 ///
 /// ```
 /// // 2 queries, 3 keys, causal from the end: row 0 sees keys 0 and 1, row 1 all three.
 /// let p = sdpa::Problem::new(1, 1, 2, 3, 1).with_causal(true);
 /// let (q, k, v) = ([0.0, 0.0], [1.0, 2.0, 3.0], [10.0, 20.0, 30.0]);
-/// let r = sdpa::reference_with(&p, &q, &k, &v, None)?;
+/// let r = sdpa::reference_with(&p, &q, &k, &v, None, None)?;
 /// // Q is zero, so every key a row sees weighs the same.
 /// assert_eq!(r.out, [15.0, 20.0]);
 /// assert!((r.lse[0] - 2f64.ln()).abs() < 1e-15 && (r.lse[1] - 3f64.ln()).abs() < 1e-15);
@@ -42,8 +44,9 @@ pub fn reference_with(
     k: &[f64],
     v: &[f64],
     alibi_slopes: Option<&[f32]>,
+    sinks: Option<&[f32]>,
 ) -> Result<Reference> {
-    attend(p, q, k, v, alibi_slopes, Weights::Exact)
+    attend(p, q, k, v, alibi_slopes, sinks, Weights::Exact)
 }
 
 /// What the fast FP8 mode ([`crate::Fp8Mode::Fast`]) computes, emulated in f64: for each row,
@@ -52,7 +55,8 @@ pub fn reference_with(
 /// values, and the unrounded P sum to the denominator. Masked keys contribute nothing. The
 /// kernel takes the running maximum of each key tile where this takes the row's final one, so
 /// it rounds some P at other points of the e4m3 grid: it matches this in size of error, not bit
-/// for bit. The log-sum-exp is the exact one (the kernel's comes from the unrounded sum too).
+/// for bit. The log-sum-exp is the exact one (the kernel's comes from the unrounded sum too). A
+/// sink joins the denominator only, after the rounding (m stays the largest score).
 ///
 /// Arguments as [`reference_with`]: values already dequantized, any problem (`p.fp8_mode` is
 /// not consulted: the emulation is what the mode would do).
@@ -62,8 +66,9 @@ pub fn reference_fp8_fast(
     k: &[f64],
     v: &[f64],
     alibi_slopes: Option<&[f32]>,
+    sinks: Option<&[f32]>,
 ) -> Result<Reference> {
-    attend(p, q, k, v, alibi_slopes, Weights::Fp8Fast)
+    attend(p, q, k, v, alibi_slopes, sinks, Weights::Fp8Fast)
 }
 
 /// How [`attend`] weights each visible key's values.
@@ -96,6 +101,7 @@ fn attend(
     k: &[f64],
     v: &[f64],
     alibi_slopes: Option<&[f32]>,
+    sinks: Option<&[f32]>,
     weights: Weights,
 ) -> Result<Reference> {
     p.validate()?;
@@ -134,6 +140,7 @@ fn attend(
             ));
         }
     }
+    check_sinks(p, sinks)?;
     // The per-head blocks and the output they are copied into.
     crate::memory::check_host(ql.checked_mul(2 * std::mem::size_of::<f64>()))?;
     let (qs, ks) = (p.q_strides(), p.kv_strides());
@@ -151,12 +158,14 @@ fn attend(
                 (Some(a), Some(s)) => f64::from(s[a.index(b, h, p.heads)]),
                 _ => 0.0,
             };
+            // -inf: no sink.
+            let sink = sinks.map_or(f64::NEG_INFINITY, |s| f64::from(s[h]));
             let mut out = vec![0.0; p.seq_q * d];
             let mut lse = vec![f64::NEG_INFINITY; p.seq_q];
             let mut s = vec![0.0; p.seq_k];
             for i in 0..p.seq_q {
                 let keys = p.visible_range(i);
-                if keys.is_empty() {
+                if keys.is_empty() && sink == f64::NEG_INFINITY {
                     continue; // nothing visible: zeros
                 }
                 let qi = &q[qs.offset(b, h, i, 0)..][..d];
@@ -172,15 +181,22 @@ fn attend(
                     }
                     *sj = x;
                 }
-                // f64::max skips NaN, and exp(NaN - m) then carries the NaN into the row.
-                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let m = if m == f64::NEG_INFINITY { 0.0 } else { m };
-                let mut sum = 0.0;
+                // f64::max skips NaN, and exp(NaN - m) then carries the NaN into the row (a NaN
+                // sink too, through the sum). The sink joins the maximum; the fast FP8 mode's
+                // weights are rounded against the largest score, as its kernel rounds them.
+                let finite = |m: f64| if m == f64::NEG_INFINITY { 0.0 } else { m };
+                let largest = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let (ms, m) = (finite(largest), finite(largest.max(sink)));
+                let to_m = (ms - m).exp(); // a weight against ms, against m (1 without a sink)
+                let mut sum = (sink - m).exp();
                 let o = &mut out[i * d..][..d];
                 for (j, &sj) in keys.zip(s.iter()) {
                     let e = (sj - m).exp();
                     sum += e;
-                    let w = weights.of(e);
+                    let w = match weights {
+                        Weights::Exact => e,
+                        Weights::Fp8Fast => weights.of((sj - ms).exp()) * to_m,
+                    };
                     let vj = &v[ks.offset(b, hk, j, 0)..][..d];
                     for (od, vd) in o.iter_mut().zip(vj) {
                         *od += w * vd;
@@ -215,6 +231,7 @@ pub fn reference_seqs(
     k: &[f64],
     v: &[f64],
     alibi_slopes: Option<&[f32]>,
+    sinks: Option<&[f32]>,
     meta: &SeqMeta,
 ) -> Result<Reference> {
     p.validate()?;
@@ -236,6 +253,7 @@ pub fn reference_seqs(
             a.len(p.batch, p.heads)
         ));
     }
+    check_sinks(p, sinks)?;
     let (qs, ks, d) = (p.q_strides(), p.kv_strides(), p.head_dim);
     let packed_q = p.seqs.packed_q.is_some();
     // Where row i of sequence b (and head h) lives in Q and the output, and key j in K and V.
@@ -259,9 +277,27 @@ pub fn reference_seqs(
     };
     let mut out = vec![0.0; ql];
     let mut lse = vec![f64::NEG_INFINITY; p.lse_len()];
+    let lse_at = |b: usize, sp: &SeqSpan, h: usize, i: usize| match packed_q {
+        true => h * p.seqs.packed_q.unwrap_or(0) + sp.q_start + i,
+        false => (b * p.heads + h) * p.seq_q + i,
+    };
     for (b, sp) in spans.iter().enumerate() {
+        if sp.seq_q > 0 && sp.seq_k == 0 {
+            // Rows that see no key: zeros and log-sum-exp -inf, or their head's sink alone.
+            for (h, &s) in sinks.unwrap_or(&[]).iter().enumerate() {
+                let s = f64::from(s);
+                let (o, l) = match s.is_nan() || s == f64::INFINITY {
+                    true => (f64::NAN, f64::NAN),
+                    false => (0.0, s),
+                };
+                for i in 0..sp.seq_q {
+                    out[q_at(b, sp, h, i)..][..d].fill(o);
+                    lse[lse_at(b, sp, h, i)] = l;
+                }
+            }
+        }
         if sp.seq_q == 0 || sp.seq_k == 0 {
-            continue; // no rows, or rows that see no key: zeros, log-sum-exp -inf
+            continue;
         }
         // The sequence as a dense BSHD problem of one batch entry.
         let one = Problem {
@@ -294,19 +330,32 @@ pub fn reference_seqs(
             ),
             _ => None,
         };
-        let r = reference_with(&one, &qb, &kb, &vb, slopes.as_deref())?;
+        let r = reference_with(&one, &qb, &kb, &vb, slopes.as_deref(), sinks)?;
         for i in 0..sp.seq_q {
             for h in 0..p.heads {
                 out[q_at(b, sp, h, i)..][..d].copy_from_slice(&r.out[(i * p.heads + h) * d..][..d]);
-                let at = match packed_q {
-                    true => h * p.seqs.packed_q.unwrap_or(0) + sp.q_start + i,
-                    false => (b * p.heads + h) * p.seq_q + i,
-                };
-                lse[at] = r.lse[h * sp.seq_q + i];
+                lse[lse_at(b, sp, h, i)] = r.lse[h * sp.seq_q + i];
             }
         }
     }
     Ok(Reference { out, lse })
+}
+
+/// The sink logits are given exactly where the problem has sinks, one per query head.
+fn check_sinks(p: &Problem, sinks: Option<&[f32]>) -> Result<()> {
+    match (p.sinks, sinks) {
+        (false, None) => Ok(()),
+        (true, Some(s)) if s.len() == p.heads => Ok(()),
+        (true, Some(s)) => Err(invalid!(
+            "reference: {} sink logits, the problem has {} query heads",
+            s.len(),
+            p.heads
+        )),
+        (true, None) => Err(invalid!("reference: the problem has sinks, none given")),
+        (false, Some(_)) => Err(invalid!(
+            "reference: sinks given for a problem without sinks"
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -348,7 +397,7 @@ mod tests {
             cu_seqlens_k: Some(cu(&k_lens)),
             ..SeqMeta::default()
         };
-        let r = reference_seqs(&p, &q, &k, &v, None, &meta).unwrap();
+        let r = reference_seqs(&p, &q, &k, &v, None, None, &meta).unwrap();
         let (mut q0, mut k0) = (0, 0);
         for (b, (&sq, &sk)) in q_lens.iter().zip(&k_lens).enumerate() {
             let rows = |x: &[f64], start: usize, n: usize, heads: usize| {
@@ -373,6 +422,7 @@ mod tests {
                     &rows(&q, q0, sq, h),
                     &rows(&k, k0, sk, hk),
                     &rows(&v, k0, sk, hk),
+                    None,
                     None,
                 )
                 .unwrap();
@@ -414,7 +464,7 @@ mod tests {
             block_table: Some(pages.to_vec()),
             ..SeqMeta::default()
         };
-        let rp = reference_seqs(&pp, &qd, &kc, &vc, None, &meta).unwrap();
+        let rp = reference_seqs(&pp, &qd, &kc, &vc, None, None, &meta).unwrap();
         let one = Problem::new(1, h, 9, 9, d)
             .with_kv_heads(hk)
             .with_causal(true);
@@ -429,7 +479,7 @@ mod tests {
             }
             o
         };
-        let want = reference_with(&one, q2, &bhsd(&k, 10), &bhsd(&v, 10), None).unwrap();
+        let want = reference_with(&one, q2, &bhsd(&k, 10), &bhsd(&v, 10), None, None).unwrap();
         assert_eq!(&rp.out[2 * h * 9 * d..][..h * 9 * d], &want.out[..]);
     }
 
@@ -623,7 +673,7 @@ mod tests {
         let p = Problem::new(1, 1, 1, 2, 1)
             .with_scale(1.0)
             .with_softcap(2.0);
-        let r = reference_with(&p, &[1.0], &[1.0, 3.0], &[2.0, 6.0], None).unwrap();
+        let r = reference_with(&p, &[1.0], &[1.0, 3.0], &[2.0, 6.0], None, None).unwrap();
         let (l0, l1) = (2.0 * (0.5f64).tanh(), 2.0 * (1.5f64).tanh());
         let (w0, w1) = (l0.exp(), l1.exp());
         assert_relative_eq!(r.out[0], (w0 * 2.0 + w1 * 6.0) / (w0 + w1), epsilon = 1e-14);
@@ -632,17 +682,139 @@ mod tests {
         let p = Problem::new(1, 1, 1, 2, 1)
             .with_scale(1.0)
             .with_alibi(crate::Alibi::PerHead);
-        let r = reference_with(&p, &[1.0], &[1.0, 3.0], &[2.0, 6.0], Some(&[0.5])).unwrap();
+        let r = reference_with(&p, &[1.0], &[1.0, 3.0], &[2.0, 6.0], Some(&[0.5]), None).unwrap();
         let (w0, w1) = ((1.0f64 - 0.5).exp(), 3.0f64.exp());
         assert_relative_eq!(r.out[0], (w0 * 2.0 + w1 * 6.0) / (w0 + w1), epsilon = 1e-14);
         assert_relative_eq!(r.lse[0], (w0 + w1).ln(), epsilon = 1e-14);
-        assert!(reference_with(&p, &[1.0], &[1.0, 3.0], &[2.0, 6.0], None).is_err());
+        assert!(reference_with(&p, &[1.0], &[1.0, 3.0], &[2.0, 6.0], None, None).is_err());
+    }
+
+    /// A sink is a key whose logit is the sink itself and whose value is 0: scores 0 and ln 3
+    /// and a sink of ln 4 weight v = 2 and 6 by 1/8 and 3/8, and the log-sum-exp is ln 8. The
+    /// sink is taken raw: neither the scale nor the softcap touches it.
+    #[test]
+    fn a_sink_joins_the_denominator_and_weights_no_value() {
+        let p = Problem::new(1, 1, 1, 2, 1).with_scale(1.0).with_sinks(true);
+        let (k, v) = ([0.0, 3f64.ln()], [2.0, 6.0]);
+        let r = reference_with(&p, &[1.0], &k, &v, None, Some(&[4f32.ln()])).unwrap();
+        assert_relative_eq!(r.out[0], (2.0 + 3.0 * 6.0) / 8.0, epsilon = 1e-7);
+        assert_relative_eq!(r.lse[0], 8f64.ln(), epsilon = 1e-7);
+        // Scale 2 doubles the scores (1 and 9 as weights), not the sink.
+        let p2 = p.with_scale(2.0);
+        let r = reference_with(&p2, &[1.0], &k, &v, None, Some(&[4f32.ln()])).unwrap();
+        assert_relative_eq!(r.out[0], (2.0 + 9.0 * 6.0) / 14.0, epsilon = 1e-6);
+        // A sink far above the scores takes (almost) all the weight without overflowing.
+        let r = reference_with(&p, &[1.0], &k, &v, None, Some(&[1000.0])).unwrap();
+        assert!(r.out[0].abs() < 1e-300 && (r.lse[0] - 1000.0).abs() < 1e-9);
+        // -inf is no sink.
+        let r = reference_with(&p, &[1.0], &k, &v, None, Some(&[f32::NEG_INFINITY])).unwrap();
+        let plain = reference_with(&p.with_sinks(false), &[1.0], &k, &v, None, None).unwrap();
+        assert_eq!(r, plain);
+        // Sinks exactly where the problem has them, one per query head.
+        assert!(reference_with(&p, &[1.0], &k, &v, None, None).is_err());
+        assert!(reference_with(&p, &[1.0], &k, &v, None, Some(&[0.0, 1.0])).is_err());
+        assert!(reference_with(&plain_p(), &[1.0], &k, &v, None, Some(&[0.0])).is_err());
+    }
+
+    fn plain_p() -> Problem {
+        Problem::new(1, 1, 1, 2, 1)
+    }
+
+    /// A row that sees no key but has a sink: output 0, log-sum-exp the sink. A NaN or +inf sink
+    /// makes its head's rows NaN, and no other head's; -inf leaves the rows as without sinks.
+    #[test]
+    fn sinks_of_rows_without_keys_and_nonfinite_sinks() {
+        // Causal, seq_q 3 > seq_k 2: row 0 sees nothing, rows 1 and 2 see keys.
+        let p = Problem::new(1, 4, 3, 2, 2)
+            .with_causal(true)
+            .with_sinks(true);
+        let (q, k, v) = (
+            pseudo_random(24, 41),
+            pseudo_random(16, 42),
+            pseudo_random(16, 43),
+        );
+        let sinks = [0.75, f32::NAN, f32::NEG_INFINITY, f32::INFINITY];
+        let r = reference_with(&p, &q, &k, &v, None, Some(&sinks)).unwrap();
+        let plain = reference_with(&p.with_sinks(false), &q, &k, &v, None, None).unwrap();
+        let rows = |x: &[f64], h: usize, w: usize| x[h * 3 * w..][..3 * w].to_vec();
+        // Head 0: row 0 is zeros with lse 0.75; the others are below the plain ones.
+        assert_eq!(rows(&r.out, 0, 2)[..2], [0.0, 0.0]);
+        assert_relative_eq!(r.lse[0], 0.75, epsilon = 1e-7);
+        assert!(r.lse[1] > plain.lse[1] && r.lse[1].is_finite());
+        // Heads 1 and 3 (NaN, +inf): every row NaN, output and lse.
+        for h in [1, 3] {
+            assert!(rows(&r.out, h, 2).iter().all(|x| x.is_nan()), "head {h}");
+            assert!(rows(&r.lse, h, 1).iter().all(|x| x.is_nan()), "head {h}");
+        }
+        // Head 2 (-inf): exactly the plain rows.
+        assert_eq!(rows(&r.out, 2, 2), rows(&plain.out, 2, 2));
+        assert_eq!(rows(&r.lse, 2, 1), rows(&plain.lse, 2, 1));
+        assert_eq!(r.lse[2 * 3], f64::NEG_INFINITY);
+    }
+
+    /// In packed sequences a sequence with no keys has its rows' sinks alone (output 0,
+    /// log-sum-exp the sink); the others are their dense problems with the same sinks.
+    #[test]
+    fn packed_sequences_take_the_sinks() {
+        let (h, d) = (2, 4);
+        let (q_lens, k_lens) = ([3usize, 2], [0usize, 5]);
+        let p = Problem::new(2, h, 3, 5, d)
+            .with_sinks(true)
+            .with_lse(true)
+            .with_packed_q(5)
+            .with_packed_kv(5);
+        let (q, k, v) = (
+            pseudo_random(5 * h * d, 51),
+            pseudo_random(5 * h * d, 52),
+            pseudo_random(5 * h * d, 53),
+        );
+        let meta = SeqMeta {
+            cu_seqlens_q: Some(vec![0, 3, 5]),
+            cu_seqlens_k: Some(vec![0, 0, 5]),
+            ..SeqMeta::default()
+        };
+        let sinks = [0.5f32, -1.0];
+        let r = reference_seqs(&p, &q, &k, &v, None, Some(&sinks), &meta).unwrap();
+        for i in 0..q_lens[0] {
+            for (hh, &s) in sinks.iter().enumerate() {
+                assert_eq!(r.out[(i * h + hh) * d..][..d], [0.0; 4]);
+                assert_eq!(r.lse[hh * 5 + i], f64::from(s));
+            }
+        }
+        let one = Problem::new(1, h, 2, k_lens[1], d)
+            .with_layout(Layout::Bshd)
+            .with_sinks(true);
+        let want = reference_with(&one, &q[3 * h * d..], &k, &v, None, Some(&sinks)).unwrap();
+        assert_eq!(r.out[3 * h * d..], want.out[..]);
+        assert!(reference_seqs(&p, &q, &k, &v, None, None, &meta).is_err());
+    }
+
+    /// The fast FP8 emulation rounds the weights against the largest score, as without a sink,
+    /// and adds the sink to the denominator alone: where every P is an e4m3 value it is the
+    /// exact reference, sink included.
+    #[test]
+    fn fp8_fast_emulation_takes_the_sink_in_the_denominator() {
+        let ln2 = std::f64::consts::LN_2;
+        let k = [0.0, -ln2, -3.0 * ln2];
+        let v = [2.0, -6.0, 0.5];
+        let p = Problem::new(1, 1, 1, 3, 1).with_scale(1.0).with_sinks(true);
+        for sink in [-2.0f32, 0.3, 5.0] {
+            let want = reference_with(&p, &[1.0], &k, &v, None, Some(&[sink])).unwrap();
+            let got = reference_fp8_fast(&p, &[1.0], &k, &v, None, Some(&[sink])).unwrap();
+            assert_relative_eq!(
+                got.out[0],
+                want.out[0],
+                epsilon = 1e-13,
+                max_relative = 1e-13
+            );
+            assert_relative_eq!(got.lse[0], want.lse[0], epsilon = 1e-13);
+        }
     }
 
     #[test]
     fn rows_without_keys_have_lse_minus_infinity() {
         let p = Problem::new(1, 1, 4, 2, 2).with_causal(true);
-        let r = reference_with(&p, &[0.5; 8], &[0.25; 4], &[1.0; 4], None).unwrap();
+        let r = reference_with(&p, &[0.5; 8], &[0.25; 4], &[1.0; 4], None, None).unwrap();
         assert_eq!(r.lse[..2], [f64::NEG_INFINITY; 2]);
         // Row 2 sees key 0 alone: lse is its logit, 0.5·0.25·2 times the (f32) scale.
         assert_relative_eq!(r.lse[2], 0.25 * f64::from(p.scale()), epsilon = 1e-14);
@@ -668,8 +840,8 @@ mod tests {
                 .with_scale(1.0)
                 .with_causal(causal);
             let q = [1.0; 4];
-            let want = reference_with(&p, &q, &k, &v, None).unwrap();
-            let got = reference_fp8_fast(&p, &q, &k, &v, None).unwrap();
+            let want = reference_with(&p, &q, &k, &v, None, None).unwrap();
+            let got = reference_fp8_fast(&p, &q, &k, &v, None, None).unwrap();
             for (g, w) in got.out.iter().zip(&want.out) {
                 assert_relative_eq!(g, w, epsilon = 1e-14, max_relative = 1e-14);
             }
@@ -685,7 +857,7 @@ mod tests {
         let p = Problem::new(1, 1, 1, 3, 1).with_scale(1.0);
         let k = [0.0, (0.3f64).ln(), -20.0 * std::f64::consts::LN_2];
         let v = [2.0, 6.0, 1000.0];
-        let got = reference_fp8_fast(&p, &[1.0], &k, &v, None).unwrap();
+        let got = reference_fp8_fast(&p, &[1.0], &k, &v, None, None).unwrap();
         let den = 1.0 + 0.3 + 2f64.powi(-20);
         assert_relative_eq!(
             got.out[0],
@@ -709,14 +881,15 @@ mod tests {
         let (q, k) = (pseudo_random(12, 31), pseudo_random(12, 32));
         let mut v = pseudo_random(12, 33);
         v[4 * 2 + 1] = f64::NAN;
-        let got = reference_fp8_fast(&p, &q, &k, &v, None).unwrap();
+        let got = reference_fp8_fast(&p, &q, &k, &v, None, None).unwrap();
         for i in 0..6 {
             let row = &got.out[i * 2..][..2];
             assert!(row[0].is_finite(), "row {i}: {row:?}");
             assert_eq!(row[1].is_nan(), i >= 4, "row {i}: {row:?}");
         }
         let far = Problem::new(1, 1, 1, 2, 1).with_scale(1.0);
-        let r = reference_fp8_fast(&far, &[1.0], &[0.0, -40.0], &[1.0, f64::NAN], None).unwrap();
+        let r =
+            reference_fp8_fast(&far, &[1.0], &[0.0, -40.0], &[1.0, f64::NAN], None, None).unwrap();
         assert!(r.out[0].is_nan());
     }
 
@@ -732,7 +905,7 @@ mod tests {
             &v[..p.kv_len().unwrap()],
         );
         let want = reference(&p, q, k, v).unwrap();
-        let got = reference_fp8_fast(&p, q, k, v, None).unwrap().out;
+        let got = reference_fp8_fast(&p, q, k, v, None, None).unwrap().out;
         let norm = |x: &[f64]| x.iter().map(|a| a * a).sum::<f64>().sqrt();
         let diff: Vec<f64> = got.iter().zip(&want).map(|(a, b)| a - b).collect();
         let rel = norm(&diff) / norm(&want);

@@ -242,6 +242,8 @@ fn problem_args(p: &Problem) -> FwdArgs {
                 Some(Alibi::PerBatchHead) => p.heads as i64,
                 _ => 0,
             },
+            sinks: p.sinks,
+            sink_logits: 0,
         },
         seqs: FwdSeqs {
             total_q: p.seqs.packed_q.unwrap_or(0) as i64,
@@ -295,6 +297,7 @@ fn fwd_args(p: &Problem, b: &Buffers) -> FwdArgs {
         ..args.ops
     };
     args.mods.alibi_slopes = b.alibi_slopes;
+    args.mods.sink_logits = b.sinks;
     args.seqs = FwdSeqs {
         cu_seqlens_q,
         cu_seqlens_k,
@@ -395,6 +398,30 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// Sinks run where the kernel folds them in (scalar, cutlass-sm80 and its decode kernel,
+    /// cutlass), prefill and decode alike; wmma refuses them by name.
+    #[test]
+    fn sinks_are_taken_or_refused_by_name() {
+        let prefill = Problem::new(2, 8, 1000, 1100, 64)
+            .with_causal(true)
+            .with_sinks(true);
+        let decode = Problem::new(4, 64, 1, 8192, 64)
+            .with_kv_heads(8)
+            .with_sinks(true);
+        let has = |b: Backend| sdpa_sys::INSTANCES.iter().any(|i| i.backend == b.name());
+        for b in [Backend::Scalar, Backend::CutlassSm80, Backend::Cutlass] {
+            if !built(b) || !has(b) {
+                continue;
+            }
+            for p in [prefill, decode] {
+                assert_eq!(can_implement_on(kernel(b), &H100, &p), Ok(()), "{b} {p}");
+            }
+        }
+        if has(Backend::Wmma) {
+            refuses(Backend::Wmma, &H100, &prefill, "wmma has no sinks");
         }
     }
 
@@ -556,6 +583,7 @@ mod tests {
             scales: [0; 3],
             strides: [qs, ks, ks, qs],
             alibi_slopes: 0,
+            sinks: 0,
             lse: 0,
             seqs: [0; 4],
         };

@@ -71,6 +71,12 @@ pub fn check_problem(p: &Problem, world: usize) -> Result<Zigzag> {
             "ALiBi over a sharded sequence is not supported".into(),
         ));
     }
+    // A sink must join each row's softmax once, not once per rank's block.
+    if p.sinks {
+        return Err(refuse(
+            "sinks over a sharded sequence are not supported".into(),
+        ));
+    }
     if !p.seqs.is_dense() {
         return Err(refuse(
             "packed or paged sequences are not sharded; ring attention takes dense ones".into(),
@@ -286,6 +292,7 @@ mod tests {
             .contains("no mask or the causal one")
         );
         assert!(why(p.with_alibi(crate::Alibi::PerHead), 2).contains("ALiBi"));
+        assert!(why(p.with_sinks(true), 2).contains("sinks"));
         assert!(why(p.with_dtype(DType::E4m3), 2).contains("f16 and bf16"));
         assert!(check_problem(&p.with_out_dtype(DType::F16), 2).is_err());
         assert!(why(p.with_packed_q(64), 2).contains("dense"));

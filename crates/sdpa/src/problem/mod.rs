@@ -15,7 +15,9 @@ use std::fmt;
 
 /// One attention problem: out = softmax(cap(scale · Q·Kᵀ) + alibi + mask) · V, where
 /// cap(x) = softcap · tanh(x / softcap) when `softcap` is set (Gemma 2's logit capping) and the
-/// ALiBi bias is added when `alibi` is set (its slopes come with the call).
+/// ALiBi bias is added when `alibi` is set (its slopes come with the call). With `sinks` each
+/// row's softmax also counts one more logit per query head, which weights no value (gpt-oss's
+/// attention sinks; [`Problem::with_sinks`]).
 ///
 /// Q is `[batch, heads, seq_q, head_dim]`, K and V `[batch, kv_heads, seq_k, head_dim]` (in the
 /// order `layout` says), the output has Q's shape. `kv_heads < heads` is grouped-query attention:
@@ -67,6 +69,9 @@ pub struct Problem {
     pub softcap: Option<f32>,
     /// ALiBi bias, with slopes of this layout passed to the call.
     pub alibi: Option<Alibi>,
+    /// Whether each query head has a sink logit ([`Problem::with_sinks`]; the logits come with
+    /// the call in [`crate::Extras::sinks`]).
+    pub sinks: bool,
     /// Whether the call also writes each row's log-sum-exp (f32 `[batch, heads, seq_q]`).
     pub lse: bool,
     /// Element type of Q, K and V.
@@ -106,6 +111,7 @@ impl Problem {
             scale: None,
             softcap: None,
             alibi: None,
+            sinks: false,
             lse: false,
             dtype: DType::F16,
             out_dtype: None,
@@ -190,6 +196,24 @@ impl Problem {
         self.alibi = Some(alibi);
         self
     }
+    /// Gives each query head a learnable attention sink (FlashAttention-4's `learnable_sink`,
+    /// gpt-oss's `sinks`): one logit `s_h` per query head, passed with each call as
+    /// [`crate::Extras::sinks`] (f32 `[heads]`), that joins the softmax of every row of head `h`
+    /// and weights no value:
+    ///
+    /// out_i = Σ_j exp(x_ij) · v_j / (exp(s_h) + Σ_j exp(x_ij)),
+    /// lse_i = ln(exp(s_h) + Σ_j exp(x_ij)),
+    ///
+    /// where x_ij are the row's logits after scale, softcap and ALiBi and j runs over the keys
+    /// the mask shows it. The sink is taken raw, as the models train it: not scaled, capped or
+    /// biased. A row that sees no key has output 0 and log-sum-exp `s_h`; `s_h = -inf` is no
+    /// sink (that head's rows are as without sinks); a NaN or +inf sink makes every row of its
+    /// head NaN (output and log-sum-exp), as a NaN in Q does to its row, and no other head's
+    /// (the logits stay on the device: checking them would cost each call a synchronization).
+    pub fn with_sinks(mut self, sinks: bool) -> Self {
+        self.sinks = sinks;
+        self
+    }
     /// Asks the call for each row's log-sum-exp too ([`crate::Extras::lse`]).
     pub fn with_lse(mut self, lse: bool) -> Self {
         self.lse = lse;
@@ -216,11 +240,12 @@ impl Problem {
         }
     }
     /// Whether the problem is plain attention with no mask beyond causal bottom-right, no
-    /// softcap and no ALiBi: what every backend runs.
+    /// softcap, no ALiBi and no sinks: what every backend runs.
     pub fn is_plain(&self) -> bool {
         matches!(self.mask.canonical(), Mask::None | Mask::CausalBottomRight)
             && self.softcap.is_none()
             && self.alibi.is_none()
+            && !self.sinks
     }
     /// Sets an explicit softmax scale.
     pub fn with_scale(mut self, scale: f32) -> Self {
@@ -577,6 +602,9 @@ impl fmt::Display for Problem {
         }
         if self.alibi.is_some() {
             f.write_str(" alibi")?;
+        }
+        if self.sinks {
+            f.write_str(" sinks")?;
         }
         if self.lse {
             f.write_str(" +lse")?;

@@ -56,8 +56,8 @@ struct KernelAttr {
 // args.dtype and args.head_dim, and what the kernel itself requires (its device, its shared
 // memory against dev.smem_optin_per_block, its 32-bit and grid limits, TMA addressing), each
 // stated next to the kernel (its header's can_implement). The pointers of `args` may be null
-// (a question asked before any buffer exists; `alibi` and `has_lse` say what the call will
-// pass); the ones set are checked for what the kernel needs of them. Device requirements are
+// (a question asked before any buffer exists; `alibi`, `sinks` and `has_lse` say what the call
+// will pass); the ones set are checked for what the kernel needs of them. Device requirements are
 // skipped for an unknown `dev`.
 std::string can_implement(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
 

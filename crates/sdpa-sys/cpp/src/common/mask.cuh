@@ -359,6 +359,8 @@ inline std::string plain_only(const FwdArgs& a, const char* kernel) {
            " runs no mask but causal bottom-right, and no softcap or ALiBi (scalar, cutlass and "
            "cutlass-sm80 run them)";
   if (a.out.has_lse) return std::string(kernel) + " does not write the log-sum-exp";
+  if (a.mods.sinks)
+    return std::string(kernel) + " has no sinks (scalar, cutlass and cutlass-sm80 run them)";
   return "";
 }
 

@@ -8,8 +8,8 @@
 // one 5-step shuffle reduction per row and tile), then each lane owns column pairs lane, lane +
 // 32, ... of the output for P·V with P broadcast from shared memory. Online softmax in the log2
 // domain, f32 throughout; each lane keeps a partial row sum, reduced across the warp once at the
-// end. Being the GPU reference path, it takes every head dim of kernels.txt, every mask, softcap,
-// ALiBi and the log-sum-exp.
+// end, where a sink joins it (common/sinks.cuh). Being the GPU reference path, it takes every head
+// dim of kernels.txt, every mask, softcap, ALiBi, sinks and the log-sum-exp.
 //
 // The mask is a policy of common/mask.cuh (Index int64_t) carried in the parameters, its type
 // chosen in forward() (mask::dispatch_band): the kernel asks it for the CTA's key range, whether
@@ -35,6 +35,7 @@
 #include "common/limits.cuh"
 #include "common/mask.cuh"
 #include "common/seqs.cuh"
+#include "common/sinks.cuh"
 
 namespace sdpa::scalar {
 
@@ -55,8 +56,9 @@ struct Params {
   float cap2, inv_cap2;  // cap2 = 0: no softcap
   const float* alibi;    // null: none
   int64_t alibi_bstride;
-  float* lse;      // null: none
-  SeqParams seqs;  // sequences of different lengths (dense: every offset 0)
+  const float* sinks;  // [heads], null: none
+  float* lse;          // null: none
+  SeqParams seqs;      // sequences of different lengths (dense: every offset 0)
 };
 
 // The shared memory of one CTA at head dim D (dynamic: over 48 KB at D = 256).
@@ -242,12 +244,14 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
   }
 
   uint8_t* ob = p.o + 2 * (b * p.os.batch + h * p.os.head + seq.q0 * p.os.seq);
+  const float sink = pm.sinks ? pm.sinks[h] : -INFINITY;
 #pragma unroll
   for (int r = 0; r < kRPW; ++r) {
-    const float lsum = warp_sum(l[r]);
+    float lsum = warp_sum(l[r]);
     const int64_t i = row0 + r;
     if (i >= seq_q) continue;
-    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;  // no visible key: zeros
+    const float alpha = fold_sink(m[r], lsum, sink);
+    const float inv = lsum > 0.f ? alpha / lsum : 0.f;  // no visible key and no sink: zeros
     uint32_t* orow = reinterpret_cast<uint32_t*>(ob + 2 * (i * p.os.seq));
 #pragma unroll
     for (int c = 0; c < CPL; ++c)
@@ -262,8 +266,9 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
 
 template <typename T, int D, class Mask>
 void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
-  if ((a.mods.alibi && !a.mods.alibi_slopes) || (a.out.has_lse && !a.out.lse))
-    throw Error("scalar: the ALiBi slopes or the log-sum-exp buffer is missing");
+  if ((a.mods.alibi && !a.mods.alibi_slopes) || (a.mods.sinks && !a.mods.sink_logits) ||
+      (a.out.has_lse && !a.out.lse))
+    throw Error("scalar: the ALiBi slopes, the sinks or the log-sum-exp buffer is missing");
   Params<Mask> p{};
   p.base = make_params(a);
   p.mask = mask;
@@ -273,6 +278,7 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
   }
   p.alibi = a.mods.alibi ? device_ptr<const float>(a.mods.alibi_slopes) : nullptr;
   p.alibi_bstride = a.mods.alibi_batch_stride;
+  p.sinks = a.mods.sinks ? device_ptr<const float>(a.mods.sink_logits) : nullptr;
   p.lse = a.out.has_lse ? device_ptr<float>(a.out.lse) : nullptr;
   p.seqs = SeqParams::of(a);
   const auto kernel = fwd_kernel<T, D, Mask>;

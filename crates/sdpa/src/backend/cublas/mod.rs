@@ -101,7 +101,7 @@ pub(crate) fn limits(p: &Problem) -> std::result::Result<(), String> {
     // Its softmax kernel masks causally (bottom-right) or not at all, and keeps no row sums.
     if !p.is_plain() {
         return Err(format!(
-            "runs no mask but causal bottom-right, and no softcap or ALiBi ({p})"
+            "runs no mask but causal bottom-right, and no softcap, ALiBi or sinks ({p})"
         ));
     }
     if p.lse {

@@ -11,6 +11,8 @@
 //   - the warps' states meet in shared memory at the end; with one split the CTA writes the
 //     output, with several it writes its normalized partial output and log-sum-exp (f32, to the
 //     workspace) and `combine_kernel` merges them: O = Σ_s e^{lse_s - m} O_s / Σ_s e^{lse_s - m}.
+//     A sink (common/sinks.cuh) joins a row once: where the output is written (one split), or in
+//     the combine as one more partial of output 0 (several), never in a split's partial.
 // Nothing is allocated or synchronized per call: the workspace is the caller's (workspace_bytes),
 // so a decode step can be captured in a CUDA graph.
 //
@@ -67,7 +69,8 @@ struct Params {
   Mask mask;  // for the longest sequences; rebased to each
   int group, heads, row_blocks;
   float scale_log2;
-  float* lse;  // final log-sum-exp (null: none)
+  float* lse;          // final log-sum-exp (null: none)
+  const float* sinks;  // [heads] sink logits (null: none)
   SeqParams seqs;
   int splits, split_tiles;
   int64_t lse_rows;      // rows of the LSE layout: the workspace's per-split stride
@@ -269,8 +272,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       f[w] = mw == -INFINITY ? 0.f : exp2f((mw - m) * sl2);
       l += f[w] * sm_l[w * R + row];
     }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse = l > 0.f ? (m * sl2 + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+    float m2 = m * sl2;
+    const float a = p.splits == 1 && p.sinks != nullptr ? fold_sink(m2, l, p.sinks[head]) : 1.f;
+    const float inv = l > 0.f ? a / l : 0.f;
+    const float lse = l > 0.f ? (m2 + __log2f(l)) * 0.6931471805599453f : -INFINITY;
     const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
     T* const out = p.o + int64_t(b) * p.os.batch + int64_t(head) * p.os.head +
                    int64_t(seq.q0 + tok) * p.os.seq;
@@ -345,7 +350,13 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Pa
   }
 #pragma unroll
   for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  float a = 1.f;  // the sink, once, as a partial of log-sum-exp sink and output 0
+  if (p.sinks != nullptr) {
+    float m2 = m * kLog2e;
+    a = fold_sink(m2, sum, p.sinks[head]);
+    m = m2 * 0.6931471805599453f;
+  }
+  const float inv = sum > 0.f ? a / sum : 0.f;
   T* const out =
       p.o + int64_t(b) * p.os.batch + int64_t(head) * p.os.head + int64_t(seq.q0 + tok) * p.os.seq;
 #pragma unroll
@@ -449,6 +460,7 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Pla
   p.row_blocks = pl.row_blocks;
   p.scale_log2 = a.mods.scale * 1.4426950408889634f;
   p.lse = a.out.has_lse ? device_ptr<float>(a.out.lse) : nullptr;
+  p.sinks = a.mods.sinks ? device_ptr<const float>(a.mods.sink_logits) : nullptr;
   p.seqs = SeqParams::of(a);
   p.splits = pl.splits;
   p.split_tiles = pl.split_tiles;
@@ -482,8 +494,8 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Pla
 
 template <typename T, int D>
 void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
-  if (a.out.has_lse && !a.out.lse)
-    throw Error("cutlass-sm80 decode: a log-sum-exp without its buffer");
+  if ((a.out.has_lse && !a.out.lse) || (a.mods.sinks && !a.mods.sink_logits))
+    throw Error("cutlass-sm80 decode: a log-sum-exp or sinks without a buffer");
   const Plan pl = plan(a, dev);
   mask::dispatch_mask(a.mask.kind, int(a.dims.seq_q), int(a.dims.seq_k), [&](const auto& mask) {
     if (pl.mt == 1) return launch<T, D, 1>(a, dev, mask, pl, stream);

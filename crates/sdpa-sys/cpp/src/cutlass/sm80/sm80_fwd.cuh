@@ -102,6 +102,7 @@
 #include "common/nonfinite.cuh"
 #include "common/score_mods.cuh"
 #include "common/seqs.cuh"
+#include "common/sinks.cuh"
 #include "common/smem.cuh"
 #include "cutlass/dtype.cuh"
 
@@ -411,7 +412,8 @@ struct Params {
   float cap2;
   const float* alibi;
   int alibi_bstride;
-  SeqParams seqs;  // sequences of different lengths (dense: every offset 0)
+  const float* sinks;  // [heads] sink logits (null: none), folded in at the end
+  SeqParams seqs;      // sequences of different lengths (dense: every offset 0)
 };
 
 // CTAs per SM a kernel's registers must allow: the Cfg's, but at most two for the general path
@@ -707,8 +709,10 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, kMinBlocks<Cfg<T, 
     __syncthreads();  // every warp is done with every stage and with Q: sQ stages the output
   }
 
-  // O /= row sum (quad-reduced); a row with no visible key has l = 0 and outputs zeros. Its
-  // log-sum-exp, where asked for: ln 2 · (m · sl2 + log2 l), -inf with l = 0.
+  // The sink joins each row (common/sinks.cuh), then O /= row sum (quad-reduced); a row with no
+  // visible key and no sink has l = 0 and outputs zeros. Its log-sum-exp, where asked for:
+  // ln 2 · (m · sl2 + log2 l), -inf with l = 0.
+  const float sink = p.sinks != nullptr ? __ldg(p.sinks + h) : -INFINITY;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -716,11 +720,13 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, kMinBlocks<Cfg<T, 
       float l = l_run[mt][r];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float m2 = m_run[mt][r] * sl2;
+      const float a = fold_sink(m2, l, sink);
+      const float inv = l > 0.f ? a / l : 0.f;
       const int row = wrow + 16 * mt + g + 8 * r;
       if (p.lse != nullptr && t == 0 && m0 + row < seq_q)
         p.lse[lse_index(p.seqs, seq, b, h, p.heads, p.mask.seq_q, m0 + row)] =
-            l > 0.f ? (m_run[mt][r] * sl2 + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+            l > 0.f ? (m2 + __log2f(l)) * 0.6931471805599453f : -INFINITY;
 #pragma unroll
       for (int j = 0; j < kON; ++j)
         *reinterpret_cast<uint32_t*>(sQ + C::off(row, 8 * j + 2 * t)) =
@@ -826,6 +832,7 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
   p.cap2 = a.mods.softcap > 0.f ? a.mods.softcap * 1.4426950408889634f : 0.f;
   p.alibi = a.mods.alibi ? device_ptr<const float>(a.mods.alibi_slopes) : nullptr;
   p.alibi_bstride = int(a.mods.alibi_batch_stride);
+  p.sinks = a.mods.sinks ? device_ptr<const float>(a.mods.sink_logits) : nullptr;
   p.seqs = SeqParams::of(a);
   // Under a mask that hides keys CTAs are launched last query block first (the kernel reverses
   // blockIdx.x).
@@ -837,8 +844,11 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
 
 template <typename T, int D>
 void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
-  if ((a.mods.alibi && !a.mods.alibi_slopes) || (a.out.has_lse && !a.out.lse))
-    throw Error("cutlass-sm80: ALiBi without slopes or a log-sum-exp without its buffer");
+  if ((a.mods.alibi && !a.mods.alibi_slopes) || (a.mods.sinks && !a.mods.sink_logits) ||
+      (a.out.has_lse && !a.out.lse))
+    throw Error(
+        "cutlass-sm80: ALiBi without slopes, sinks without logits or a log-sum-exp "
+        "without its buffer");
   const int warps = shipping_warps<T, D>(dev);
   mask::dispatch_band<int>(a, [&](const auto& mask) {
     if constexpr (kHasW8<D>) {

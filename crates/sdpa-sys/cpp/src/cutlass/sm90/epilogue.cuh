@@ -26,7 +26,8 @@ struct Epilogue {
     int seq_q;   // the longest sequence's queries
     float* lse;  // null: none; [batch][heads][seq_q], or [heads][total_q] for packed Q
     int heads;
-    int64_t total_q;  // packed Q's rows (0: dense)
+    int64_t total_q;     // packed Q's rows (0: dense)
+    const float* sinks;  // [heads] sink logits, folded in before the LSE and O (null: none)
   };
 
   // Each row's log-sum-exp (softmax: the tile's finished online softmax, which stepped with

@@ -215,6 +215,10 @@ __device__ __forceinline__ void fwd_body(const typename K::Params& p) {
     Consumer::scales(p.mainloop, w, sl2, o_scale);
     OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop, E::kFp8PV ? 8 : 0, true>
         softmax;
+    // The head's sink logit, loaded before the main loop, which hides its latency (one register);
+    // loaded after it, the load stood on each tile's path to the epilogue, measurably so on the
+    // short rows of a 128-key window (docs/log/2026-11-notebook.md, session 23).
+    const float sink = p.epilogue.sinks != nullptr ? __ldg(p.epilogue.sinks + w.h) : -INFINITY;
     clear(tOrO);
     Consumer::mma(p.mainloop, sm, ops, m0, kt, it, qi, tOrO, softmax, w, sl2, wg, v_phase);
     // The sequence and its mask again, not held across the main loop.
@@ -225,6 +229,7 @@ __device__ __forceinline__ void fwd_body(const typename K::Params& p) {
     VSide::add_masked_nonfinite(p.mainloop, w, sm, Keys::mask_of(p.mainloop, seq), m0, kt, tOrO,
                                 ctid, (qi & 1) * C::kTileSlots);
     if constexpr (T::kTracked) T::records(sm).release(qi);
+    softmax.fold_sink(O, sink, Consumer::step_scale(p.mainloop, sl2));  // none: -inf
     Epi::store_lse(p.epilogue, softmax, ops.coords, seq, w.b, w.h, m0,
                    Consumer::step_scale(p.mainloop, sl2));
     softmax.normalize(O, o_scale);
@@ -300,9 +305,13 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   const void* v = device_ptr<const void>(E::kPrepass ? a.scratch.workspace : a.ops.v);
   const Strides vs = E::kPrepass && !E::kFp8PV ? packed_v_strides(a) : a.ops.v_stride;
   p.mainloop = make_mainloop_params<E, D, Mask>(a, v, vs, turns);
-  p.epilogue = {
-      device_ptr<typename Epilogue<E, D>::Stored>(a.ops.o),   a.ops.o_stride,    int(a.dims.seq_q),
-      a.out.has_lse ? device_ptr<float>(a.out.lse) : nullptr, int(a.dims.heads), a.seqs.total_q};
+  p.epilogue = {device_ptr<typename Epilogue<E, D>::Stored>(a.ops.o),
+                a.ops.o_stride,
+                int(a.dims.seq_q),
+                a.out.has_lse ? device_ptr<float>(a.out.lse) : nullptr,
+                int(a.dims.heads),
+                a.seqs.total_q,
+                a.mods.sinks ? device_ptr<const float>(a.mods.sink_logits) : nullptr};
   return p;
 }
 
@@ -444,8 +453,9 @@ void small_attributes(std::vector<KernelAttr>& out, const char* name);
 
 template <class E, int D>
 void forward_elems(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
-  if ((a.mods.alibi && !a.mods.alibi_slopes) || (a.out.has_lse && !a.out.lse))
-    throw Error("cutlass-sm90: the ALiBi slopes or the log-sum-exp buffer is missing");
+  if ((a.mods.alibi && !a.mods.alibi_slopes) || (a.mods.sinks && !a.mods.sink_logits) ||
+      (a.out.has_lse && !a.out.lse))
+    throw Error("cutlass-sm90: the ALiBi slopes, the sinks or the log-sum-exp buffer is missing");
   const auto run = [&](auto m) { launch<E, D, decltype(m)>(a, dev, stream); };
   if constexpr (E::kFp8 || E::kF32Out)
     mask::dispatch_mask(a.mask.kind, int(a.dims.seq_q), int(a.dims.seq_k), run);

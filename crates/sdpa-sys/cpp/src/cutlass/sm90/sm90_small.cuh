@@ -519,7 +519,8 @@ bool small_forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream)
   static_assert(D == 64, "the small path is built for head_dim 64 only");
   const int64_t tiles128 = (a.dims.seq_q + 127) / 128 * a.dims.batch * a.dims.heads;
   if (a.dims.seq_k <= kSmallKeys || 2 * tiles128 > dev.sms) return false;
-  if (mask::needs_band(a) || a.out.has_lse) return false;  // the main kernel's general path
+  // The main kernel's general path; it also folds the sinks in.
+  if (mask::needs_band(a) || a.out.has_lse || a.mods.sinks) return false;
   if (SmallCfg<E, D, kSmallKeys>::kSmemBytes > dev.smem_optin_per_block) return false;
   return mask::dispatch_mask(a.mask.kind, int(a.dims.seq_q), int(a.dims.seq_k), [&](auto m) {
     return small_launch<E, D, kSmallKeys, decltype(m)>(a, stream);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "common/score_mods.cuh"
+#include "common/sinks.cuh"
 #include "cutlass/dtype.cuh"
 #include "cutlass/sm90/primitives.cuh"
 #include "cutlass/sm90/tile_config.cuh"
@@ -164,6 +165,27 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(O); ++c) O(r, c) *= alpha[r];
+    }
+  }
+
+  // Folds the sink logit `sink` (natural log, raw; common/sinks.cuh) into every row once its
+  // last key tile is done, before lse() and normalize(): m and the quad's row sum become those
+  // over the row and the sink, O is rescaled to the new m. The steps' exponentials are
+  // 2^(x·sl2 - m·sl2 + kLog2P): in log2 units the row's maximum is m·sl2 - kLog2P. Each lane of
+  // the quad then holds a quarter of the row sum, which its four lanes add back exactly. Every
+  // lane of the quad calls it.
+  template <class TO>
+  __device__ __forceinline__ void fold_sink(TO& O, float sink, float sl2) {
+    if (sink == -INFINITY) return;  // no sink: the rows as they are
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float sum = row_sum(r);
+      float m2 = m[r] * sl2 - float(kLog2P);
+      const float a = sdpa::fold_sink(m2, sum, sink);
+      m[r] = (m2 + float(kLog2P)) / sl2;
+      l[r] = 0.25f * sum;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(O); ++c) O(r, c) *= a;
     }
   }
 
