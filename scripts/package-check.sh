@@ -5,13 +5,13 @@
 # folder), and builds each package unpacked, in a target folder of its own
 # (target/package-check).
 #
-# The CUDA core is built there with the scalar backend for sm_80 only (SDPA_BACKENDS,
-# SDPA_CUDA_ARCHS): that proves the package holds the build (build.rs, the CMake project and
-# modules, the toolchain pins, the bridge, the shared headers). That it holds the other
-# backends' sources too is the list check at the end; CI's workspace build compiles every
-# backend from those same files. FULL=1 verifies with every backend and architecture instead
-# (the core compiled twice: once from sdpa-sys's package, once from the copy sdpa's build
-# unpacks).
+# The CUDA core is built there with the README's smallest build (features sm90, bf16, hdim128:
+# three kernels, for sm_90a): that proves the package holds the build (build.rs, the CMake
+# project and modules, the toolchain pins, the bridge, the shared headers) and that a build of
+# chosen features links. That it holds every other kernel's sources too is the list check at
+# the end; CI's workspace build compiles every kernel from those same files. FULL=1 verifies
+# with the default features instead (every kernel, compiled twice: once from sdpa-sys's
+# package, once from the copy sdpa's build unpacks).
 #
 #   bash scripts/package-check.sh          # what CI runs
 #   FULL=1 bash scripts/package-check.sh   # every kernel, from the packages
@@ -29,8 +29,8 @@ rm -rf "$target"/sdpa-core-*
 if [ "${FULL:-0}" = 1 ]; then
   cargo publish --dry-run --target-dir "$target" -p sdpa-sys -p sdpa -p sdpa-candle
 else
-  SDPA_BACKENDS=scalar SDPA_CUDA_ARCHS=80 \
-    cargo publish --dry-run --target-dir "$target" -p sdpa-sys -p sdpa -p sdpa-candle
+  cargo publish --dry-run --target-dir "$target" -p sdpa-sys -p sdpa -p sdpa-candle \
+    --no-default-features --features sm90,bf16,hdim128
 fi
 # Every tracked file of the core is in sdpa-sys's package.
 diff <(git ls-files crates/sdpa-sys/cpp crates/sdpa-sys/cmake crates/sdpa-sys/third_party |

@@ -83,6 +83,7 @@ fn varlen_matches_the_reference() {
             left: Some(200),
             right: Some(30),
         },
+        Mask::Chunked { size: 128 },
     ];
     let backends = seq_backends(&dev);
     let (mut ran, mut failures) = (Vec::new(), Vec::new());
@@ -134,10 +135,10 @@ fn paged_matches_the_reference() {
     {
         let base = Problem::new(1, 8, seq_q, 1, [128, 64][n % 2])
             .with_kv_heads(2)
-            .with_mask(if n == 4 {
-                Mask::None
-            } else {
-                Mask::CausalBottomRight
+            .with_mask(match n {
+                4 => Mask::None,
+                3 => Mask::Chunked { size: 256 },
+                _ => Mask::CausalBottomRight,
             })
             .with_dtype(DType::ALL[n % 2])
             .with_layout([sdpa::Layout::Bshd, sdpa::Layout::Bhsd][n % 2])
@@ -159,15 +160,17 @@ fn paged_matches_the_reference() {
 }
 
 /// Whether `b` is cutlass refusing `p` for one of its documented limits, a cache's pages smaller
-/// than its key tile (it loads a tile with one TMA copy) or a window narrower than it (its
-/// non-finite V check): the typed refusal, asserted; cutlass-sm80 and scalar run those. Any other
-/// refusal fails.
+/// than its key tile (it loads a tile with one TMA copy), a window narrower than it or chunks
+/// that split its query tiles (its non-finite V check): the typed refusal, asserted;
+/// cutlass-sm80 and scalar run those. Any other refusal fails.
 fn refuses_as_documented(dev: &sdpa::Device, p: &Problem, b: Backend) -> bool {
     match b.supports(Some(dev), p) {
         Ok(()) => false,
         Err(sdpa::Error::Unsupported { reason, .. })
             if b == Backend::Cutlass
-                && (reason.contains("paged cache's pages of") || reason.contains("narrower")) =>
+                && (reason.contains("paged cache's pages of")
+                    || reason.contains("narrower")
+                    || reason.contains("would split")) =>
         {
             true
         }

@@ -1,5 +1,5 @@
-//! The attention variants on the GPU against the float64 reference: sliding windows, top-left
-//! causal, softcap, ALiBi, sinks and the log-sum-exp, on the backends that run them (scalar and
+//! The attention variants on the GPU against the float64 reference: sliding windows, chunks,
+//! top-left causal, softcap, ALiBi, sinks and the log-sum-exp, on the backends that run them (scalar and
 //! cutlass-sm80 everywhere, cutlass on Hopper), and the typed refusals of the others. Fresh inputs
 //! every run.
 
@@ -36,6 +36,8 @@ fn variants_match_the_reference() {
         Mask::CausalTopLeft,
         Mask::CausalBottomRight,
         Mask::None,
+        Mask::Chunked { size: 256 },
+        Mask::Chunked { size: 128 },
     ];
     // (heads, kv_heads, seq_q, seq_k, head_dim)
     let shapes = [
@@ -67,7 +69,13 @@ fn variants_match_the_reference() {
             }
             for &b in &backends {
                 if let Err(e) = b.supports(Some(&dev), &p) {
-                    failures.push(format!("{b} refused {p}: {e}"));
+                    // cutlass runs chunks only where they do not split its query tiles.
+                    let documented = b == Backend::Cutlass
+                        && matches!(mask, Mask::Chunked { .. })
+                        && e.to_string().contains("would split");
+                    if !documented {
+                        failures.push(format!("{b} refused {p}: {e}"));
+                    }
                     continue;
                 }
                 let rep = check_backend(Some(&dev), &p, b, fresh_seed()).unwrap();
@@ -108,10 +116,28 @@ fn narrow_windows_and_refusals() {
         }
     }
     common::assert_ran("narrow windows", &ran);
+    // Chunks that are not whole key tiles: scalar runs them, the cutlass kernels say why not.
+    let ragged = Problem::new(1, 2, 300, 300, 64).with_mask(Mask::Chunked { size: 100 });
+    for b in variant_backends(&dev) {
+        match b {
+            Backend::Scalar => {
+                let rep = check_backend(Some(&dev), &ragged, b, fresh_seed()).unwrap();
+                assert!(rep.pass(), "{b} {ragged}: {rep:?}");
+            }
+            _ => {
+                let e = b.supports(Some(&dev), &ragged).unwrap_err().to_string();
+                assert!(
+                    e.contains("not a multiple") || e.contains("would split"),
+                    "{b}: {e}"
+                );
+            }
+        }
+    }
     let plain = Problem::new(1, 2, 64, 64, 64);
     for b in [Backend::Wmma, Backend::Cublas] {
         for p in [
             plain.with_mask(Mask::CausalTopLeft),
+            plain.with_mask(Mask::Chunked { size: 32 }),
             plain.with_softcap(10.0),
             plain.with_alibi(Alibi::PerHead),
             plain.with_lse(true),
@@ -129,8 +155,8 @@ fn narrow_windows_and_refusals() {
     assert!(rep.pass(), "auto {p}: {rep:?}");
 }
 
-/// NaN, +Inf and -Inf in V at keys below some rows' windows and above others', inside the key
-/// tiles the window's edges cross: each row gets what the reference gives it.
+/// NaN, +Inf and -Inf in V at keys below some rows' windows (or chunks) and above others', inside
+/// the key tiles the edges cross: each row gets what the reference gives it.
 #[test]
 fn nonfinite_v_outside_a_window_stays_out() {
     let Some(dev) = common::device("nonfinite v outside a window") else {
@@ -143,6 +169,8 @@ fn nonfinite_v_outside_a_window_stays_out() {
         (500, 700, 64, window(Some(150), Some(30))),
         (700, 500, 128, window(Some(256), None)),
         (400, 400, 256, window(Some(200), Some(0))),
+        (640, 640, 128, Mask::Chunked { size: 256 }),
+        (512, 768, 64, Mask::Chunked { size: 128 }),
     ] {
         for dtype in DType::ALL {
             let p = Problem::new(1, 2, sq, sk, d)

@@ -1,22 +1,29 @@
 //! Builds the CUDA core (`cpp/`, through CMake) and the cxx bridge, then links them with the
-//! static CUDA runtime. Needs nothing preinstalled: without CUDA_HOME / nvcc on PATH /
-//! CUTLASS_DIR / a cmake >= 3.24, it installs the toolchain pinned in third_party/toolchain.txt
-//! from PyPI into a cache directory outside the source tree, once, and reuses it.
+//! static CUDA runtime. Needs nothing preinstalled: what the machine lacks of a CUDA toolkit
+//! (CUDA_HOME / nvcc on PATH), CUTLASS (CUTLASS_DIR) and a cmake >= 3.24, it installs from the
+//! toolchain pinned in third_party/toolchain.txt, from PyPI into a cache directory outside the
+//! source tree, once, and reuses it.
 
 use std::env;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-// sm_80 as machine code and PTX (newer GPUs can compile the sm_80 kernels from it at load
-// time); sm_90a as machine code only: its PTX runs on no other GPU, and would be a third of
-// the binary.
-const DEFAULT_ARCHS: &str = "80;90a-real";
+// The CUDA architectures each GPU-architecture feature compiles for. sm_80 as machine code
+// and PTX (newer GPUs can compile the sm_80 kernels from it at load time); sm_90a as machine
+// code only: its PTX runs on no other GPU, and would be a third of the binary.
+const ARCH_FEATURES: &[(&str, &str)] = &[("sm80", "80"), ("sm90", "90a-real")];
+
+/// The architectures of the default features (all of them).
+fn default_archs() -> String {
+    let archs: Vec<&str> = ARCH_FEATURES.iter().map(|(_, arch)| *arch).collect();
+    archs.join(";")
+}
 
 struct Toolchain {
     cuda: PathBuf,
-    cutlass_include: Option<PathBuf>,
-    cmake: Option<PathBuf>,
+    cutlass_include: PathBuf,
+    cmake: PathBuf,
 }
 
 fn main() {
@@ -51,38 +58,37 @@ fn main() {
         // kernel list and an empty build report.
         fs::write(out_dir.join("ptxas.txt"), "").unwrap();
         let list = read_kernel_list(&cpp.join("kernels.txt"));
-        let built = built_backends(&list);
-        write_instances(&list, &built, &out_dir);
+        let chosen = Selection::from_features(&list);
+        write_instances(&chosen.kernels, &out_dir);
         write_if_changed(&out_dir.join("kernels.rs"), &kernel_enum_rust(&list));
         println!("cargo:rustc-env=SDPA_CUDA_ARCHS=none (documentation build)");
-        println!("cargo:rustc-env=SDPA_DEFAULT_CUDA_ARCHS={DEFAULT_ARCHS}");
+        println!(
+            "cargo:rustc-env=SDPA_DEFAULT_CUDA_ARCHS={}",
+            default_archs()
+        );
         return;
     }
-    let tc = locate(&pins).unwrap_or_else(|msg| fail(&msg));
-    let archs = env::var("SDPA_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.to_string());
     let list = read_kernel_list(&cpp.join("kernels.txt"));
-    let built = built_backends(&list);
+    let chosen = Selection::from_features(&list);
+    let archs = chosen.archs.clone();
+    let tc = locate(&pins).unwrap_or_else(|msg| fail(&msg));
     let nvcc = tc.cuda.join("bin/nvcc");
 
-    if let Some(cmake) = &tc.cmake {
-        // The cmake crate runs whatever $CMAKE names. Build scripts are single-threaded.
-        unsafe { env::set_var("CMAKE", cmake) };
-    }
+    // The cmake crate runs whatever $CMAKE names. Build scripts are single-threaded.
+    unsafe { env::set_var("CMAKE", &tc.cmake) };
     let mut cfg = cmake::Config::new(&cpp);
     cfg.profile("Release")
-        .define("SDPA_BACKENDS", built.join(";"))
+        .define("SDPA_KERNELS", chosen.cmake_list())
         .define("CMAKE_CUDA_COMPILER", &nvcc)
         .define("CUDAToolkit_ROOT", &tc.cuda)
         .define("CMAKE_CUDA_ARCHITECTURES", &archs)
+        .define("SDPA_CUTLASS_INCLUDE", &tc.cutlass_include)
         .build_target("sdpa_core");
-    if let Some(inc) = &tc.cutlass_include {
-        cfg.define("SDPA_CUTLASS_INCLUDE", inc);
-    }
     // CMake's build tree lives in cargo's target folder, not in OUT_DIR: `cargo test`, `cargo
     // clippy` and release builds run this script with different OUT_DIRs, and with a tree of
     // their own each the whole CUDA core compiled again (minutes on 2 cores; CMake builds it in
     // its Release configuration whatever cargo's profile). One tree per (source folder,
-    // toolchain, CUTLASS, archs) lets every later run find the objects up to date. The source
+    // toolchain, CUTLASS, archs, kernels) lets every later run find the objects up to date. The source
     // folder is in the key because CMake refuses a tree configured from another one, and the
     // same target folder builds other copies of cpp/: `cargo package` verifies the packaged
     // copy there, and checkouts may share a CARGO_TARGET_DIR.
@@ -93,11 +99,11 @@ fn main() {
     let mut tree = out.clone();
     if let Some(target_dir) = out.ancestors().nth(4) {
         let key = format!(
-            "{}\n{}\n{:?}\n{archs}\n{}",
+            "{}\n{}\n{}\n{archs}\n{}",
             cpp.display(),
             nvcc.display(),
-            tc.cutlass_include,
-            built.join(",")
+            tc.cutlass_include.display(),
+            chosen.cmake_list()
         );
         tree = target_dir.join(format!("sdpa-core-{:016x}", fnv1a(key.as_bytes())));
         _tree_lock = Some(lock_tree(&tree));
@@ -122,7 +128,7 @@ fn main() {
     let build = dst.join("build");
 
     write_ptxas_report(&build, &cpp, &out_dir);
-    write_instances(&list, &built, &out_dir);
+    write_instances(&chosen.kernels, &out_dir);
 
     bridge
         .file("src/bridge.cc")
@@ -146,7 +152,10 @@ fn main() {
         println!("cargo:rustc-link-lib=dylib={lib}");
     }
     println!("cargo:rustc-env=SDPA_CUDA_ARCHS={archs}");
-    println!("cargo:rustc-env=SDPA_DEFAULT_CUDA_ARCHS={DEFAULT_ARCHS}");
+    println!(
+        "cargo:rustc-env=SDPA_DEFAULT_CUDA_ARCHS={}",
+        default_archs()
+    );
 }
 
 /// Holds `tree`'s lock file until dropped, waiting for another build that holds it.
@@ -210,19 +219,23 @@ fn locate(pins: &Path) -> Result<Toolchain, String> {
         .map(PathBuf::from)
         .or_else(|| which("cmake").filter(|c| cmake_is_recent(c)));
 
-    if let (Some(cuda), Some(_), Some(_)) = (&cuda, &cutlass_include, &cmake) {
-        return Ok(Toolchain {
-            cuda: cuda.clone(),
-            cutlass_include,
-            cmake,
-        });
-    }
-    let root = ensure_pypi_toolchain(pins)?;
+    // What the machine lacks comes from the pinned PyPI toolchain, piece by piece.
+    let cuda = match cuda {
+        Some(home) => home,
+        None => ensure_pypi_piece(pins, Piece::Cuda)?.join("nvidia/cu13"),
+    };
+    let cutlass_include = match cutlass_include {
+        Some(inc) => inc,
+        None => ensure_pypi_piece(pins, Piece::Cutlass)?.join("cutlass_library/source/include"),
+    };
+    let cmake = match cmake {
+        Some(cmake) => cmake,
+        None => ensure_pypi_piece(pins, Piece::Cmake)?.join("cmake/data/bin/cmake"),
+    };
     Ok(Toolchain {
-        cuda: cuda.unwrap_or_else(|| root.join("nvidia/cu13")),
-        cutlass_include: cutlass_include
-            .or_else(|| Some(root.join("cutlass_library/source/include"))),
-        cmake: cmake.or_else(|| Some(root.join("cmake/data/bin/cmake"))),
+        cuda,
+        cutlass_include,
+        cmake,
     })
 }
 
@@ -278,13 +291,64 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
-fn ensure_pypi_toolchain(pins_file: &Path) -> Result<PathBuf, String> {
+/// The pieces of the pinned toolchain, each installed on its own (third_party/toolchain.txt
+/// names the packages) when the machine does not give it.
+#[derive(Clone, Copy, PartialEq)]
+enum Piece {
+    Cuda,
+    Cutlass,
+    Cmake,
+}
+
+impl Piece {
+    fn of(pin: &str) -> Piece {
+        if pin.starts_with("nvidia-cutlass") {
+            Piece::Cutlass
+        } else if pin.starts_with("cmake") {
+            Piece::Cmake
+        } else {
+            Piece::Cuda
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Piece::Cuda => "cuda",
+            Piece::Cutlass => "cutlass",
+            Piece::Cmake => "cmake",
+        }
+    }
+
+    /// What a user sets to give their own instead.
+    fn own(self) -> &'static str {
+        match self {
+            Piece::Cuda => "CUDA_HOME to a CUDA 12.4+ toolkit (13.0 for the GPU machines' driver)",
+            Piece::Cutlass => "CUTLASS_DIR to CUTLASS 4.2 (the folder holding include/cute)",
+            Piece::Cmake => "CMAKE to a cmake 3.24 or newer",
+        }
+    }
+
+    /// The download from PyPI, in MB (the wheels of toolchain.txt's pins).
+    fn download_mb(self) -> u32 {
+        match self {
+            Piece::Cuda => 105,
+            Piece::Cutlass => 7,
+            Piece::Cmake => 30,
+        }
+    }
+}
+
+/// The folder holding `piece` of the pinned PyPI toolchain, installed there first if it is not
+/// yet: `pip install --no-deps --target`, once, into a cache outside the source tree
+/// (`SDPA_TOOLCHAIN_DIR`, else `$XDG_CACHE_HOME/sdpa` or `~/.cache/sdpa`). An offline build
+/// (`CARGO_NET_OFFLINE`) downloads nothing and says what to give instead.
+fn ensure_pypi_piece(pins_file: &Path, piece: Piece) -> Result<PathBuf, String> {
     let pins_text = fs::read_to_string(pins_file)
         .map_err(|e| format!("cannot read {}: {e}", pins_file.display()))?;
     let pins: Vec<&str> = pins_text
         .lines()
         .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .filter(|l| !l.is_empty() && !l.starts_with('#') && Piece::of(l) == piece)
         .collect();
     let cache = match env::var_os("SDPA_TOOLCHAIN_DIR") {
         Some(d) => PathBuf::from(d),
@@ -295,27 +359,38 @@ fn ensure_pypi_toolchain(pins_file: &Path) -> Result<PathBuf, String> {
             .join("sdpa"),
     };
     let root = cache.join(format!(
-        "toolchain-{:016x}",
+        "{}-{:016x}",
+        piece.name(),
         fnv1a(pins.join("\n").as_bytes())
     ));
     eprintln!(
-        "sdpa-sys: CUDA toolchain: the pinned PyPI install in {} (set CUDA_HOME, CUTLASS_DIR \
-         and CMAKE to use your own)",
-        root.display()
+        "sdpa-sys: {}: the pinned PyPI install in {} (set {} to use your own)",
+        piece.name(),
+        root.display(),
+        piece.own()
     );
     if root.join(".complete").exists() {
         return Ok(root);
     }
-    // Said once, by the build that downloads it.
-    println!(
-        "cargo:warning=sdpa-sys: installing the pinned CUDA toolchain from PyPI into {} (about \
-         900 MB, once; set CUDA_HOME, CUTLASS_DIR and CMAKE to use your own)",
-        root.display()
+    let what = format!(
+        "{} ({}, about {} MB from PyPI)",
+        piece.name(),
+        pins.join(" "),
+        piece.download_mb()
     );
+    if env::var("CARGO_NET_OFFLINE").is_ok_and(|v| v == "true" || v == "1") {
+        return Err(format!(
+            "the build is offline (CARGO_NET_OFFLINE) and needs {what}, which this machine \
+             lacks.\nSet {}, or build once online to install it into {}.",
+            piece.own(),
+            cache.display()
+        ));
+    }
     fs::create_dir_all(&cache).map_err(|e| format!("cannot create {}: {e}", cache.display()))?;
-    let tmp = cache.join(format!(".tmp-{}", std::process::id()));
+    let tmp = cache.join(format!(".tmp-{}-{}", piece.name(), std::process::id()));
     let _ = fs::remove_dir_all(&tmp);
-    eprintln!("sdpa-sys: installing the pinned toolchain from PyPI (about 900 MB)");
+    eprintln!("sdpa-sys: installing {what}");
+    let started = std::time::Instant::now();
     let python = ["python3", "python"]
         .into_iter()
         .find(|p| which(p).is_some())
@@ -336,26 +411,51 @@ fn ensure_pypi_toolchain(pins_file: &Path) -> Result<PathBuf, String> {
         let stderr = String::from_utf8_lossy(&out.stderr);
         let tail: Vec<&str> = stderr.lines().rev().take(8).collect();
         return Err(format!(
-            "could not install the pinned CUDA toolchain from PyPI (offline?).\n\
+            "could not install {what} (offline?).\n\
              pip said:\n  {}\n\
-             Either give this machine access to PyPI, or set CUDA_HOME to a CUDA 13.0 toolkit, \
-             CUTLASS_DIR to CUTLASS 4.2 and CMAKE to a cmake >= 3.24 (third_party/README.md).",
-            tail.into_iter().rev().collect::<Vec<_>>().join("\n  ")
+             Either give this machine access to PyPI, or set {} (third_party/README.md).",
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n  "),
+            piece.own()
         ));
     }
-    fix_up_toolkit(&tmp.join("nvidia/cu13"))?;
+    if piece == Piece::Cuda {
+        fix_up_toolkit(&tmp.join("nvidia/cu13"))?;
+    }
     fs::write(tmp.join(".complete"), pins.join("\n")).map_err(|e| e.to_string())?;
+    let installed_mb = dir_bytes(&tmp) / 1_000_000;
     if fs::rename(&tmp, &root).is_err() {
         // Another build installed it meanwhile; use theirs.
         let _ = fs::remove_dir_all(&tmp);
         if !root.join(".complete").exists() {
             return Err(format!(
-                "could not move the toolchain into {}",
+                "could not move {} into {}",
+                piece.name(),
                 root.display()
             ));
         }
     }
+    // Shown once, by the build that downloaded it.
+    println!(
+        "cargo:warning=sdpa-sys: installed {what} in {:.0} s: {installed_mb} MB in {}",
+        started.elapsed().as_secs_f64(),
+        root.display()
+    );
     Ok(root)
+}
+
+/// The bytes of the files under `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
 }
 
 /// Makes the PyPI layout look like a normal toolkit to nvcc and CMake's FindCUDAToolkit.
@@ -383,6 +483,7 @@ fn fix_up_toolkit(cuda: &Path) -> Result<(), String> {
 }
 
 /// cpp/kernels.txt: one (backend, dtype, head_dim) per line, the fused-kernel instantiations.
+#[derive(Clone)]
 struct KernelLine {
     backend: String,
     dtype: String,
@@ -486,15 +587,103 @@ fn kernel_enum_rust(list: &[KernelLine]) -> String {
     s
 }
 
-/// The fused backends to compile: those SDPA_BACKENDS names (comma-separated, as `sdpa` names
-/// them), else every backend of the list. A build that needs fewer kernels compiles in a
-/// fraction of the time; the `Kernel` enum keeps every backend either way, so the Rust code is
-/// the same in every build and only the instance table shrinks.
-fn built_backends(list: &[KernelLine]) -> Vec<String> {
+/// The GPU-architecture features that bring each backend's kernels (any of them; none: every
+/// build has it, as the scalar kernels, the GPU reference). The sm90 kernels hand the problems
+/// they do not take (decode among them) to the cutlass-sm80 kernels, which run on Hopper too.
+const BACKEND_FEATURES: &[(&str, &[&str])] = &[
+    ("scalar", &[]),
+    ("wmma", &["sm80"]),
+    ("cutlass-sm80", &["sm80", "sm90"]),
+    ("cutlass", &["sm90"]),
+];
+
+/// What this build compiles: the lines of cpp/kernels.txt the crate's features choose (GPU
+/// architectures, which bring backends; dtypes; head dims), for the architectures they name.
+/// For development, `SDPA_BACKENDS` (comma-separated, as `sdpa` names backends) replaces the
+/// backends and `SDPA_CUDA_ARCHS` (a CMake list) the architectures the features give.
+struct Selection {
+    archs: String,
+    kernels: Vec<KernelLine>,
+}
+
+impl Selection {
+    fn from_features(list: &[KernelLine]) -> Selection {
+        let feature =
+            |name: &str| env::var_os(format!("CARGO_FEATURE_{}", name.to_uppercase())).is_some();
+        let archs = match env::var("SDPA_CUDA_ARCHS") {
+            Ok(archs) => archs,
+            Err(_) => {
+                let archs: Vec<&str> = ARCH_FEATURES
+                    .iter()
+                    .filter(|(f, _)| feature(f))
+                    .map(|(_, arch)| *arch)
+                    .collect();
+                if archs.is_empty() {
+                    fail(
+                        "no GPU architecture chosen: enable the feature sm80 (Ampere, Ada), \
+                         sm90 (Hopper) or both (the default features)",
+                    );
+                }
+                archs.join(";")
+            }
+        };
+        let backends = match env::var("SDPA_BACKENDS") {
+            Ok(value) => named_backends(list, &value),
+            Err(_) => kernels(list)
+                .into_iter()
+                .map(|(name, _)| name)
+                .filter(|name| {
+                    let Some((_, archs)) = BACKEND_FEATURES.iter().find(|(b, _)| b == name) else {
+                        fail(&format!(
+                            "cpp/kernels.txt names the backend '{name}', which build.rs's \
+                             BACKEND_FEATURES does not map to a GPU-architecture feature"
+                        ));
+                    };
+                    archs.is_empty() || archs.iter().any(|f| feature(f))
+                })
+                .collect(),
+        };
+        let dtype_feature = |dtype: &str| if dtype == "e4m3" { "fp8" } else { dtype }.to_string();
+        let mut dtypes: Vec<String> = list.iter().map(|l| dtype_feature(&l.dtype)).collect();
+        let mut dims: Vec<String> = list.iter().map(|l| format!("hdim{}", l.head_dim)).collect();
+        for (what, names) in [("dtype", &mut dtypes), ("head dim", &mut dims)] {
+            names.sort();
+            names.dedup();
+            if !names.iter().any(|f| feature(f)) {
+                fail(&format!(
+                    "no {what} chosen: enable at least one of the features {} (the default \
+                     features enable them all)",
+                    names.join(", ")
+                ));
+            }
+        }
+        let kernels = list
+            .iter()
+            .filter(|l| {
+                backends.contains(&l.backend)
+                    && feature(&dtype_feature(&l.dtype))
+                    && feature(&format!("hdim{}", l.head_dim))
+            })
+            .cloned()
+            .collect();
+        Selection { archs, kernels }
+    }
+
+    /// The chosen instantiations as the CMake list SdpaKernels.cmake reads:
+    /// `backend/dtype/head_dim;...`.
+    fn cmake_list(&self) -> String {
+        let entries: Vec<String> = self
+            .kernels
+            .iter()
+            .map(|l| format!("{}/{}/{}", l.backend, l.dtype, l.head_dim))
+            .collect();
+        entries.join(";")
+    }
+}
+
+/// The backends `SDPA_BACKENDS` names, each checked against the list.
+fn named_backends(list: &[KernelLine], value: &str) -> Vec<String> {
     let all: Vec<String> = kernels(list).into_iter().map(|(name, _)| name).collect();
-    let Ok(value) = env::var("SDPA_BACKENDS") else {
-        return all;
-    };
     let mut built = Vec::new();
     for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
         if !all.iter().any(|a| a == name) {
@@ -526,12 +715,11 @@ fn write_if_changed(path: &Path, text: &str) {
     fs::write(path, text).unwrap_or_else(|e| fail(&format!("{}: {e}", path.display())));
 }
 
-/// `$OUT_DIR/instances.rs`: the instantiations of cpp/kernels.txt this build compiles (those of
-/// the `built` backends) as a Rust table, so the safe layer knows which (backend, dtype,
-/// head_dim) exist without a second list.
-fn write_instances(list: &[KernelLine], built: &[String], out_dir: &Path) {
+/// `$OUT_DIR/instances.rs`: the instantiations this build compiles as a Rust table, so the
+/// safe layer knows which (backend, dtype, head_dim) exist without a second list.
+fn write_instances(kernels: &[KernelLine], out_dir: &Path) {
     let mut rust = String::from("&[\n");
-    for l in list.iter().filter(|l| built.contains(&l.backend)) {
+    for l in kernels {
         rust.push_str(&format!(
             "    Instance {{ backend: {:?}, dtype: {:?}, head_dim: {} }},\n",
             l.backend, l.dtype, l.head_dim

@@ -10,6 +10,23 @@ use sdpa::Problem;
 /// mask) · V`, with the causal mask aligned bottom-right when `causal` (query row i sees keys
 /// j ≤ i + seq_k − seq_q, as FlashAttention 2 and later). K and V have `heads / g` heads for
 /// grouped-query attention. Returns a contiguous tensor of Q's shape and dtype.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// // 8 query heads over 2 K/V heads; 6 queries against 10 keys, causal from the end.
+/// let randn = |shape: (usize, usize, usize, usize)| {
+///     Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(DType::F16)
+/// };
+/// let (q, k, v) = (randn((2, 6, 8, 64))?, randn((2, 10, 2, 64))?, randn((2, 10, 2, 64))?);
+/// let out = sdpa_candle::flash_attn(&q, &k, &v, 0.125, true)?;
+/// // candle's own matmul, softmax, matmul agrees to f16's rounding.
+/// let want = sdpa_candle::attention_unfused(&q, &k, &v, 0.125, true)?;
+/// let diff = (out.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?.abs()?.max_all()?;
+/// assert!(diff.to_scalar::<f32>()? < 4e-3);
+/// # Ok(())
+/// # }
+/// ```
 pub fn flash_attn(
     q: &Tensor,
     k: &Tensor,
@@ -43,6 +60,26 @@ pub fn flash_attn_windowed(
 
 /// [`flash_attn`] with ALiBi: `alibi_slopes`, f32 `(heads)` (or `(batch, heads)`), add
 /// `−slope · |i + seq_k − seq_q − j|` to the score of query row i and key j.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// // One query against two keys whose values are 0 and 1; Q is zero, so only ALiBi weighs them:
+/// // key 0 is one position back, exp(−ln 3) = 1/3 of key 1's weight.
+/// let q = Tensor::zeros((1, 1, 1, 64), DType::F16, &Device::Cpu)?;
+/// let v = Tensor::new(&[0f32, 1.0], &Device::Cpu)?
+///     .reshape((1, 2, 1, 1))?
+///     .broadcast_as((1, 2, 1, 64))?
+///     .to_dtype(DType::F16)?
+///     .contiguous()?;
+/// let slopes = Tensor::new(&[3f32.ln()], &Device::Cpu)?;
+/// let out = sdpa_candle::flash_attn_alibi(&q, &v, &v, &slopes, 0.125, true)?;
+/// // (1/3 · 0 + 1 · 1) / (1/3 + 1)
+/// let out = out.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+/// assert!(out.iter().all(|&x| x == 0.75));
+/// # Ok(())
+/// # }
+/// ```
 pub fn flash_attn_alibi(
     q: &Tensor,
     k: &Tensor,
@@ -132,6 +169,30 @@ impl FlashAttn {
 
     /// The op's output and each query row's log-sum-exp (f32 `(batch, heads, seq_q)`, natural
     /// log; -inf for a row that sees no key), outside candle's graph.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use sdpa_candle::FlashAttn;
+    /// # fn main() -> candle_core::Result<()> {
+    /// // Q is zero, so every score is 0 and a row's log-sum-exp is ln(the keys it sees).
+    /// let q = Tensor::zeros((1, 3, 4, 64), DType::F16, &Device::Cpu)?;
+    /// let kv = Tensor::ones((1, 5, 4, 64), DType::F16, &Device::Cpu)?;
+    /// let op = FlashAttn {
+    ///     softmax_scale: 0.125,
+    ///     alibi_slopes: None,
+    ///     window_size_left: None,
+    ///     window_size_right: Some(0), // causal
+    ///     softcap: None,
+    /// };
+    /// let (out, lse) = op.forward_with_lse(&q, &kv, &kv)?;
+    /// assert_eq!((out.dims(), lse.dims()), (q.dims(), &[1, 4, 3][..]));
+    /// // Aligned bottom-right: query row i sees keys 0..=i + 2.
+    /// let got = lse.get(0)?.get(0)?.to_vec1::<f32>()?;
+    /// let want = [3f32, 4.0, 5.0].map(f32::ln);
+    /// assert!(got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-6));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn forward_with_lse(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         call::forward_with_lse(self, q, k, v)
     }

@@ -13,15 +13,22 @@
 //! # }
 //! ```
 //!
-//! | what | functions | tensors |
-//! |---|---|---|
-//! | one batch of equal lengths | [`flash_attn`], [`flash_attn_windowed`] | `(batch, seq, heads, head_dim)` |
-//! | ALiBi (JinaBERT, MPT, Bloom) | [`flash_attn_alibi`], [`flash_attn_alibi_windowed`], [`flash_attn_alibi_windowed_softcap`] | slopes f32 `(heads)` |
-//! | sequences of different lengths, packed | [`flash_attn_varlen`], [`flash_attn_varlen_windowed`], [`flash_attn_varlen_alibi`], [`flash_attn_varlen_alibi_windowed`], [`flash_attn_varlen_alibi_windowed_softcap`] | `(total, heads, head_dim)` and u32 offsets |
-//! | a paged K/V cache (prefill or decode) | [`flash_attn_varlen_paged_windowed`] | `(pages, page_size, kv_heads, head_dim)` and a block table |
-//! | new K/V rows into a paged cache, by slot (vLLM's `reshape_and_cache_flash`) | [`write_kv`] | `(rows, kv_heads, head_dim)` and i64 slots |
-//! | the log-sum-exp of each row too | [`FlashAttn::forward_with_lse`], [`FlashAttnVarLen::forward_with_lse`] | f32 `(batch, heads, seq_q)` or `(heads, total_q)` |
-//! | every option at once | [`FlashAttn`], [`FlashAttnVarLen`]: the ops, one field per option | |
+//! Each use, its functions and tensors, and an example (doctests on the CPU, which run as tests;
+//! the examples under `examples/` need a GPU and the `cuda` feature):
+//!
+//! | what | functions | tensors | example |
+//! |---|---|---|---|
+//! | one batch of equal lengths | [`flash_attn`], [`flash_attn_windowed`] | `(batch, seq, heads, head_dim)` | [`flash_attn`] (GQA, against candle's own attention); `examples/llama_attention.rs` |
+//! | ALiBi (JinaBERT, MPT, Bloom) | [`flash_attn_alibi`], [`flash_attn_alibi_windowed`], [`flash_attn_alibi_windowed_softcap`] | slopes f32 `(heads)` | [`flash_attn_alibi`] |
+//! | sequences of different lengths, packed | [`flash_attn_varlen`], [`flash_attn_varlen_windowed`], [`flash_attn_varlen_alibi`], [`flash_attn_varlen_alibi_windowed`], [`flash_attn_varlen_alibi_windowed_softcap`] | `(total, heads, head_dim)` and u32 offsets | [`flash_attn_varlen`] |
+//! | a paged K/V cache (prefill or decode) | [`flash_attn_varlen_paged_windowed`] | `(pages, page_size, kv_heads, head_dim)` and a block table | [`flash_attn_varlen_paged_windowed`] (a decode step) |
+//! | new K/V rows into a paged cache, by slot (vLLM's `reshape_and_cache_flash`) | [`write_kv`] | `(rows, kv_heads, head_dim)` and i64 slots | [`write_kv`]; `examples/serve_decoder.rs` (varlen prefill, paged decode, a CUDA graph) |
+//! | the log-sum-exp of each row too | [`FlashAttn::forward_with_lse`], [`FlashAttnVarLen::forward_with_lse`] | f32 `(batch, heads, seq_q)` or `(heads, total_q)` | [`FlashAttn::forward_with_lse`] |
+//! | every option at once | [`FlashAttn`], [`FlashAttnVarLen`]: the ops, one field per option | | [`FlashAttn::forward_with_lse`] |
+//! | check against candle's own attention | [`attention_unfused`], [`attention_unfused_windowed`] | as [`flash_attn`] | [`flash_attn`] |
+//!
+//! FP8 (e4m3) inputs and ring attention over several GPUs have no candle op here yet: they are
+//! [`sdpa`]'s ([`sdpa::Fp8Views`], `sdpa::distributed`), on device buffers.
 //!
 //! Tensors are f16 or bf16 with head_dim contiguous; K and V may have fewer heads than Q
 //! (grouped-query attention). Masks follow FlashAttention: a window `(left, right)` lets query

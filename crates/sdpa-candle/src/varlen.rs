@@ -107,6 +107,41 @@ pub fn flash_attn_varlen_windowed(
 /// `mm_prefix_ranges` (bidirectional spans inside a causal mask) is not supported: `Some` is an
 /// error. Softcap as
 /// [`flash_attn_varlen_alibi_windowed_softcap`].
+///
+/// A decode step of two sequences over a cache that [`crate::write_kv`] filled:
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let dev = Device::Cpu;
+/// // 4 pages of 16 rows, 2 K/V heads of 64; sequence 0 owns pages 2 and 0, sequence 1 pages 1, 3.
+/// let k_cache = Tensor::zeros((4, 16, 2, 64), DType::F16, &dev)?;
+/// let v_cache = Tensor::zeros((4, 16, 2, 64), DType::F16, &dev)?;
+/// let block_table = Tensor::new(&[[2u32, 0], [1, 3]], &dev)?;
+/// // Sequence 0's 3 keys to page 2 rows 0..3, sequence 1's 2 keys to page 1 rows 0..2; each
+/// // value row holds one number.
+/// let slots = Tensor::new(&[32i64, 33, 34, 16, 17], &dev)?;
+/// let k_new = Tensor::zeros((5, 2, 64), DType::F16, &dev)?;
+/// let v_new = Tensor::new(&[1f32, 2.0, 3.0, 10.0, 20.0], &dev)?
+///     .reshape((5, 1, 1))?
+///     .broadcast_as((5, 2, 64))?
+///     .to_dtype(DType::F16)?
+///     .contiguous()?;
+/// sdpa_candle::write_kv(&k_cache, &v_cache, &k_new, &v_new, &slots)?;
+/// // One query token a sequence, 4 query heads; the sequences hold 3 and 2 keys.
+/// let q = Tensor::zeros((2, 4, 64), DType::F16, &dev)?;
+/// let seqlens_q = Tensor::new(&[0u32, 1, 2], &dev)?;
+/// let seqlens_k = Tensor::new(&[0u32, 3, 5], &dev)?;
+/// let out = sdpa_candle::flash_attn_varlen_paged_windowed(
+///     &q, &k_cache, &v_cache, &seqlens_q, &seqlens_k, &block_table, None, 1, 3, 0.125,
+///     None, Some(0), 16, None,
+/// )?;
+/// // Q is zero, so each sequence's output is the mean of its values.
+/// let means = out.to_dtype(DType::F32)?.mean((1, 2))?.to_vec1::<f32>()?;
+/// assert_eq!(means, [2.0, 15.0]);
+/// # Ok(())
+/// # }
+/// ```
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_paged_windowed(
     q: &Tensor,

@@ -100,7 +100,7 @@ const VARLEN_16: [usize; 16] = [
 ];
 
 /// The named problems, all f16; dense ones BHSD.
-pub const NAMED_PROBLEMS: [Named; 21] = [
+pub const NAMED_PROBLEMS: &[Named] = &[
     Named::dense("mission", [2, 8, 256, 64], false),
     Named::dense("mission-causal", [2, 8, 256, 64], true),
     Named::dense("s1k-d64", [4, 16, 1024, 64], false),
@@ -117,6 +117,15 @@ pub const NAMED_PROBLEMS: [Named; 21] = [
             left: Some(1024),
             right: Some(0),
         },
+        softcap: None,
+        sinks: false,
+        seqs: NamedSeqs::Dense,
+    },
+    // Llama 4's local layers: causal within chunks of 8192 keys, 40 query heads on 8 KV heads.
+    Named {
+        name: "llama4-chunk8k-s32k",
+        dims: [1, 40, 8, 32768, 32768, 128],
+        mask: Mask::Chunked { size: 8192 },
         softcap: None,
         sinks: false,
         seqs: NamedSeqs::Dense,
@@ -233,6 +242,9 @@ mod tests {
         assert_eq!((c.softcap, c.is_causal()), (Some(30.0), true));
         let g = named_problem("s8k-d128-gqa").unwrap();
         assert_eq!((g.heads, g.kv_heads, g.is_causal()), (32, 8, true));
+        let l = named_problem("llama4-chunk8k-s32k").unwrap();
+        assert_eq!(l.visible_range(8191), 0..8192);
+        assert_eq!(l.visible_range(8192 + 5), 8192..8198);
     }
 
     #[test]

@@ -1,8 +1,10 @@
-# Generates the fused-kernel instantiations from cpp/kernels.txt: one .cu per line (from the
-# backend folder's instantiate.cu.in, or instantiate_e4m3.cu.in for e4m3, with its fast-mode
-# sibling instantiate_e4m3_fast.cu.in where the folder has one) into
-# ${CMAKE_CURRENT_BINARY_DIR}/gen, and gen/registry.inc, one SDPA_INSTANCE(...) per line, which
-# src/api.cu expands into declarations and its dispatch table. Sets SDPA_KERNEL_SOURCES.
+# Generates the fused-kernel instantiations this build compiles: SDPA_KERNELS, the lines of
+# cpp/kernels.txt that crates/sdpa-sys/build.rs chose from the crate's features, as
+# `backend/dtype/head_dim` entries. One .cu per entry (from the backend folder's
+# instantiate.cu.in, or instantiate_e4m3.cu.in for e4m3, with its fast-mode sibling
+# instantiate_e4m3_fast.cu.in where the folder has one) into ${CMAKE_CURRENT_BINARY_DIR}/gen,
+# and gen/registry.inc, one SDPA_INSTANCE(...) per line, which src/api.cu expands into
+# declarations and its dispatch table. Sets SDPA_KERNEL_SOURCES.
 # Files are rewritten only when their text changes, so a re-configure rebuilds nothing.
 
 # Per backend: source folder, C++ namespace, sdpa::Kernel enumerator, needs CUTLASS.
@@ -21,19 +23,17 @@ set(_sdpa_elem_0_bf16 "__nv_bfloat16")
 set(_sdpa_elem_1_f16 "cute::half_t")
 set(_sdpa_elem_1_bf16 "cute::bfloat16_t")
 
-function(sdpa_generate_kernels list_file out_sources)
-  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${list_file}")
-  file(STRINGS "${list_file}" lines REGEX "^[a-z]")
+function(sdpa_generate_kernels kernels out_sources)
   set(gen "${CMAKE_CURRENT_BINARY_DIR}/gen")
   set(sources "")
   set(registry "// Generated from cpp/kernels.txt by cmake/SdpaKernels.cmake; do not edit.\n")
-  foreach(line IN LISTS lines)
-    string(REGEX REPLACE "[ \t]+" ";" fields "${line}")
+  foreach(entry IN LISTS kernels)
+    string(REPLACE "/" ";" fields "${entry}")
     list(GET fields 0 backend)
     list(GET fields 1 dtype)
     list(GET fields 2 head_dim)
     if(NOT DEFINED _sdpa_${backend})
-      message(FATAL_ERROR "cpp/kernels.txt: unknown backend '${backend}' in '${line}'")
+      message(FATAL_ERROR "SDPA_KERNELS: unknown backend '${backend}' in '${entry}'")
     endif()
     list(GET _sdpa_${backend} 0 folder)
     list(GET _sdpa_${backend} 1 ns)
@@ -42,12 +42,8 @@ function(sdpa_generate_kernels list_file out_sources)
     if(needs_cutlass AND NOT SDPA_HAVE_CUTLASS)
       continue()
     endif()
-    # SDPA_BACKENDS (from build.rs): the backends this build compiles, every one by default.
-    if(DEFINED SDPA_BACKENDS AND NOT backend IN_LIST SDPA_BACKENDS)
-      continue()
-    endif()
     if(NOT DEFINED _sdpa_enum_${dtype})
-      message(FATAL_ERROR "cpp/kernels.txt: unknown dtype '${dtype}' in '${line}'")
+      message(FATAL_ERROR "SDPA_KERNELS: unknown dtype '${dtype}' in '${entry}'")
     endif()
     set(enum "${_sdpa_enum_${dtype}}")
     set(SDPA_ELEM "${_sdpa_elem_${needs_cutlass}_${dtype}}")
@@ -56,7 +52,7 @@ function(sdpa_generate_kernels list_file out_sources)
       set(template "${CMAKE_CURRENT_SOURCE_DIR}/src/${folder}/instantiate_e4m3.cu.in")
     endif()
     if(NOT EXISTS "${template}")
-      message(FATAL_ERROR "cpp/kernels.txt: ${backend} has no ${template} for '${line}'")
+      message(FATAL_ERROR "SDPA_KERNELS: ${backend} has no ${template} for '${entry}'")
     endif()
     set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${template}")
     set(SDPA_DTYPE "${dtype}")

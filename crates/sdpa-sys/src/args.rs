@@ -27,6 +27,8 @@ mod blocks {
     /// seq_q (the causal diagonal aligned to the last key, as FlashAttention for seq_q !=
     /// seq_k). CausalTopLeft: j <= i. Window: i + seq_k - seq_q - window_left <= j <= i + seq_k
     /// - seq_q + window_right (a negative side is unbounded), FlashAttention's window_size.
+    /// Chunked: with d = i + seq_k - seq_q, ⌊d / chunk⌋ · chunk <= j <= d (causal within
+    /// chunks of keys, Llama 4's local attention).
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     #[repr(i32)]
     enum Mask {
@@ -34,6 +36,7 @@ mod blocks {
         CausalBottomRight = 1,
         CausalTopLeft = 2,
         Window = 3,
+        Chunked = 4,
     }
 
     /// Strides of a [batch][head][seq][head_dim] tensor in elements; the innermost (head_dim)
@@ -72,12 +75,13 @@ mod blocks {
     }
 
     /// The mask and, for `Mask::Window`, the keys left and right of the diagonal (negative:
-    /// unbounded).
+    /// unbounded); for `Mask::Chunked`, the keys of a chunk (0 for the other masks).
     #[derive(Debug, Clone, Copy)]
     struct FwdMask {
         kind: Mask,
         window_left: i64,
         window_right: i64,
+        chunk: i64,
     }
 
     /// What happens to a score before the softmax: the scale, then with softcap > 0

@@ -181,8 +181,8 @@ pub struct Instance {
     pub head_dim: usize,
 }
 
-/// Every instantiation the core was generated with: the lines of cpp/kernels.txt whose backend
-/// this build compiles (all, unless SDPA_BACKENDS named fewer; the CUTLASS ones exist only when
+/// Every instantiation the core was generated with: the lines of cpp/kernels.txt that the
+/// crate's features choose (all by default; the CUTLASS ones exist only when
 /// `ffi::built_with_cutlass()`).
 pub const INSTANCES: &[Instance] = include!(concat!(env!("OUT_DIR"), "/instances.rs"));
 
@@ -222,10 +222,41 @@ mod arch_tests {
         }
     }
 
+    /// Each head dim of cpp/kernels.txt has its feature, and the default features enable it:
+    /// a line added there is built by default and can be chosen.
+    #[test]
+    fn every_head_dim_has_a_default_feature() {
+        let manifest = include_str!("../Cargo.toml");
+        let default = manifest
+            .lines()
+            .find(|l| l.starts_with("default = ["))
+            .expect("Cargo.toml has default features");
+        for line in include_str!("../cpp/kernels.txt").lines() {
+            let Some(d) = line
+                .split_whitespace()
+                .nth(2)
+                .filter(|_| !line.starts_with('#'))
+            else {
+                continue;
+            };
+            let feature = format!("hdim{d}");
+            assert!(
+                manifest
+                    .lines()
+                    .any(|l| l.starts_with(&format!("{feature} = "))),
+                "Cargo.toml lacks the feature {feature}"
+            );
+            assert!(
+                default.contains(&format!("\"{feature}\"")),
+                "{feature} is not a default"
+            );
+        }
+    }
+
     #[test]
     fn the_default_build_holds_sm90a_code() {
-        // The default list (build.rs) must keep the Hopper kernel: a list without it builds a
-        // library whose cutlass backend refuses every problem.
+        // The default features' architectures (build.rs) must keep the Hopper kernel: a list
+        // without it builds a library whose cutlass backend refuses every problem.
         let default = env!("SDPA_DEFAULT_CUDA_ARCHS");
         assert!(archs_include_sm90a(default), "{default}");
     }

@@ -12,7 +12,37 @@ use std::ops::Range;
 use std::sync::Arc;
 
 /// What a call takes beyond Q, K, V and the output; each is required exactly when the problem
-/// asks for it (`Problem::alibi`, `Problem::sinks`, `Problem::lse`).
+/// asks for it (`Problem::alibi`, `Problem::sinks`, `Problem::lse`, `Problem::seqs`).
+///
+/// Three prompts of 100, 7 and 300 tokens in one call, packed as FlashAttention's varlen packs
+/// them, with each row's log-sum-exp (`[heads, total_q]` for packed Q):
+///
+/// ```no_run
+/// use sdpa::{Backend, DType, Device, Extras, Problem, Tensor, Tensors};
+/// # fn main() -> sdpa::Result<()> {
+/// let dev = Device::new(0)?;
+/// let total = 100 + 7 + 300;
+/// let p = Problem::new(3, 16, 300, 300, 128) // batch: sequences; seq_q, seq_k: the longest
+///     .with_causal(true)
+///     .with_packed_q(total)                  // Q and out [total, 16, 128]
+///     .with_packed_kv(total)                 // K and V [total, 16, 128]
+///     .with_lse(true);
+/// let cu = dev.stream().clone_htod(&[0i32, 100, 107, 407])?;
+/// let mut lse = dev.stream().alloc_zeros::<f32>(p.lse_len())?;
+/// let (nq, nkv) = (p.q_len().unwrap(), p.kv_len().unwrap());
+/// let q = Tensor::zeros(&dev, DType::F16, nq)?;
+/// let (k, v) = (Tensor::zeros(&dev, DType::F16, nkv)?, Tensor::zeros(&dev, DType::F16, nkv)?);
+/// let mut out = Tensor::poisoned(&dev, DType::F16, nq)?;
+/// let extras = Extras {
+///     cu_seqlens_q: Some(cu.as_view()),
+///     cu_seqlens_k: Some(cu.as_view()),
+///     lse: Some(lse.as_view_mut()),
+///     ..Extras::default()
+/// };
+/// sdpa::forward(&dev, &p, Backend::Auto, Tensors { q: &q, k: &k, v: &v, out: &mut out }, extras)?;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Default)]
 pub struct Extras<'a> {
     /// ALiBi slopes, `p.alibi`'s layout: `[heads]` or `[batch, heads]`.
@@ -20,9 +50,10 @@ pub struct Extras<'a> {
     /// The sink logit of each query head, `[heads]` (natural-log units, taken raw: see
     /// [`Problem::with_sinks`]); entries past `heads` are not read.
     pub sinks: Option<CudaView<'a, f32>>,
-    /// Out: each query row's log-sum-exp, `[batch, heads, seq_q]` (natural log of the sum of
-    /// the exponentials of its logits; -inf for a row that sees no key). Written only on
-    /// success.
+    /// Out: each query row's log-sum-exp, `[batch, heads, seq_q]`, or `[heads, total_q]` for
+    /// packed Q (FlashAttention's varlen layout); [`Problem::lse_len`] entries. The natural log
+    /// of the sum of the exponentials of its logits; -inf for a row that sees no key. Written
+    /// only on success.
     pub lse: Option<CudaViewMut<'a, f32>>,
     /// `[batch + 1]` offsets of each sequence's queries in packed Q (`Seqs::packed_q`).
     pub cu_seqlens_q: Option<CudaView<'a, i32>>,

@@ -15,15 +15,22 @@ pub(crate) fn dtype(d: DType) -> Dtype {
     }
 }
 
-/// The core's spelling of a mask (in its canonical form) and its window sides (-1: unbounded,
-/// and for masks without a window).
-pub(crate) fn mask(m: Mask) -> (sdpa_sys::args::Mask, i64, i64) {
-    use sdpa_sys::args::Mask as M;
+/// The core's spelling of a mask (in its canonical form): its kind, window sides (-1:
+/// unbounded, and for masks without a window) and chunk (0 for masks without chunks).
+pub(crate) fn mask(m: Mask) -> sdpa_sys::args::FwdMask {
+    use sdpa_sys::args::{FwdMask, Mask as M};
     let side = |x: Option<usize>| x.map_or(-1, |n| n.min(i64::MAX as usize) as i64);
-    match m.canonical() {
-        Mask::None => (M::NoMask, -1, -1),
-        Mask::CausalBottomRight => (M::CausalBottomRight, -1, -1),
-        Mask::CausalTopLeft => (M::CausalTopLeft, -1, -1),
-        Mask::Window { left, right } => (M::Window, side(left), side(right)),
+    let (kind, window_left, window_right, chunk) = match m.canonical() {
+        Mask::None => (M::NoMask, -1, -1, 0),
+        Mask::CausalBottomRight => (M::CausalBottomRight, -1, -1, 0),
+        Mask::CausalTopLeft => (M::CausalTopLeft, -1, -1, 0),
+        Mask::Window { left, right } => (M::Window, side(left), side(right), 0),
+        Mask::Chunked { size } => (M::Chunked, -1, -1, size.min(i64::MAX as usize) as i64),
+    };
+    FwdMask {
+        kind,
+        window_left,
+        window_right,
+        chunk,
     }
 }

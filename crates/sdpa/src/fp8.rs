@@ -3,6 +3,21 @@
 //! subnormal 2^-9. Host-side encode/decode, bit-exact with the GPU's saturating conversion
 //! (`__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)`): round to nearest even, magnitudes
 //! beyond 448 (infinities included) saturate to ±448, NaN becomes 0x7F.
+//!
+//! ```
+//! use sdpa::{DType, Problem, Scaling, fp8};
+//!
+//! // Q of 2 heads of 4 rows of 8: head 0 holds -20..=11, head 1 holds 12..=43.
+//! let p = Problem::new(1, 2, 4, 4, 8).with_dtype(DType::E4m3);
+//! let x: Vec<f32> = (0..64).map(|i| i as f32 - 20.0).collect();
+//! let (codes, scales) = fp8::quantize_host(&x, &p.q_shape(), Scaling::PerHead)?;
+//! // Each head's scale: the power of two at or above its absmax / 448.
+//! assert_eq!(scales, [0.0625, 0.125]);
+//! // Three mantissa bits: each value comes back within 2^-4 of itself.
+//! let y = fp8::dequantize_host(&codes, &scales, &p.q_shape(), Scaling::PerHead)?;
+//! assert!(x.iter().zip(&y).all(|(a, b)| (a - b).abs() <= a.abs() / 16.0));
+//! # Ok::<(), sdpa::Error>(())
+//! ```
 
 use crate::error::{Result, invalid};
 use crate::problem::{Scaling, TensorShape};

@@ -42,6 +42,35 @@ impl std::fmt::Debug for Fp8View<'_> {
 }
 
 /// The operands of an e4m3 call on views, by name; the output is f16 or bf16.
+///
+/// e4m3 codes the caller quantized, one scale a tensor, read in place:
+///
+/// ```no_run
+/// use half::bf16;
+/// use sdpa::{Backend, DType, Device, Extras, Fp8View, Fp8Views, Problem, Scaling, ViewMut};
+/// # fn main() -> sdpa::Result<()> {
+/// let dev = Device::new(0)?;
+/// let s = dev.stream();
+/// let p = Problem::new(1, 16, 4096, 4096, 128)
+///     .with_dtype(DType::E4m3)
+///     .with_fp8_scaling(Scaling::PerTensor)
+///     .with_out_dtype(DType::Bf16); // f16 (the default) runs on the native kernel only
+/// let n = p.q_len().unwrap();
+/// // Codes 0x38 (1.0) and 0x30 (0.5); value = code · scale.
+/// let (q, k, v) = (s.clone_htod(&vec![0x38u8; n])?, s.clone_htod(&vec![0x30u8; n])?,
+///                  s.clone_htod(&vec![0x38u8; n])?);
+/// let (q_scale, kv_scale) = (s.clone_htod(&[0.25f32])?, s.clone_htod(&[2.0f32])?);
+/// let mut out = s.alloc_zeros::<bf16>(n)?;
+/// let views = Fp8Views {
+///     q: Fp8View::new(q.as_view(), q_scale.as_view(), p.q_strides()),
+///     k: Fp8View::new(k.as_view(), kv_scale.as_view(), p.kv_strides()),
+///     v: Fp8View::new(v.as_view(), kv_scale.as_view(), p.kv_strides()),
+///     out: ViewMut::new(out.as_view_mut(), p.q_strides()),
+/// };
+/// sdpa::forward(&dev, &p, Backend::Auto, views, Extras::default())?;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug)]
 pub struct Fp8Views<'a, 'o, T> {
     /// Queries.

@@ -377,6 +377,34 @@ pub struct KvAppend<'a> {
 /// and `seqused_k[b]` never advances past `pages_per_seq · page_size` (nor below 0). With
 /// `p.seqs.checked` the call first copies `seqused_k` and the block table to the host and
 /// refuses such an append with a typed error instead.
+///
+/// Two sequences of a paged cache (8 pages of 64 keys, 4 a sequence) take one new token each:
+///
+/// ```no_run
+/// use sdpa::{DType, Device, KvAppend, Layout, Problem, Tensor};
+/// # fn main() -> sdpa::Result<()> {
+/// let dev = Device::new(0)?;
+/// let p = Problem::new(2, 32, 1, 256, 128).with_kv_heads(8).with_layout(Layout::Bshd)
+///     .with_paged_kv(8, 64, 4);
+/// let mut k_cache = Tensor::zeros(&dev, DType::F16, p.kv_len().unwrap())?;
+/// let mut v_cache = Tensor::zeros(&dev, DType::F16, p.kv_len().unwrap())?;
+/// let table = dev.stream().clone_htod(&[0i32, 1, 2, 3, 4, 5, 6, 7])?;
+/// let mut seqused = dev.stream().clone_htod(&[10i32, 70])?; // the keys each sequence holds
+/// let k_new = Tensor::zeros(&dev, DType::F16, 2 * 8 * 128)?; // [batch, n_new, kv_heads, head_dim]
+/// let v_new = Tensor::zeros(&dev, DType::F16, 2 * 8 * 128)?;
+/// let append = KvAppend {
+///     k_new: &k_new,
+///     v_new: &v_new,
+///     n_new: 1,
+///     k_cache: &mut k_cache,
+///     v_cache: &mut v_cache,
+///     block_table: table.as_view(),
+///     seqused_k: seqused.as_view_mut(),
+/// };
+/// sdpa::append_kv(&dev, &p, append)?; // keys 10 and 70 written; seqused_k now [11, 71]
+/// # Ok(())
+/// # }
+/// ```
 pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
     let p = p.checked()?;
     let KvRows::Paged {

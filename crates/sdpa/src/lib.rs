@@ -1,8 +1,9 @@
 //! Scaled dot-product attention on NVIDIA GPUs, every fast path checked against a float64
 //! reference.
 //!
-//! `out = softmax(scale · Q·Kᵀ + mask) · V` (forward), for f16 and bf16, BHSD or BSHD layout,
-//! grouped-query attention, causal (aligned bottom-right) or not, any sequence lengths.
+//! `out = softmax(scale · Q·Kᵀ + mask) · V` (forward), for f16, bf16 and e4m3 (FP8) inputs, BHSD
+//! or BSHD layout, grouped-query attention, causal (aligned bottom-right) or not, any sequence
+//! lengths.
 //!
 //! ```no_run
 //! use sdpa::{Backend, Device, DType, Extras, Problem, Tensor, Tensors};
@@ -26,17 +27,30 @@
 //! on any operands ([`Tensors`], the caller's memory as [`Views`], e4m3 codes as [`Fp8Views`])
 //! with the [`Extras`] the problem asks for; [`forward`] is both in one call.
 //!
-//! | to | start at |
-//! |---|---|
-//! | run one attention call | [`forward`] on [`Tensors`] (above) |
-//! | read and write your own device memory | [`Views`] of [`View`]s, at any strides |
-//! | masks, windows, softcap, ALiBi, the log-sum-exp | [`Problem::with_mask`], [`Problem::with_softcap`], [`Problem::with_alibi`], [`Problem::with_lse`], [`Extras`] |
-//! | serve: packed batches, paged caches, decode | [`seqs`], [`Problem::with_packed_q`], [`Problem::with_paged_kv`], [`write_kv`] and [`append_kv`] for the cache |
-//! | plan once, run many (CUDA graphs) | [`Plan`] |
-//! | FP8 (e4m3) inputs | [`Fp8Views`], [`fp8`] |
-//! | candle tensors | the `sdpa-candle` crate (candle-flash-attn's functions) |
-//! | several GPUs | `distributed` (feature `distributed`: ring attention over NCCL) |
-//! | check a result | [`reference`](fn@reference), [`reference_seqs`] (float64, no GPU) |
+//! Every use, where to start, and an example of it (the doctests of the items named run as
+//! tests; those that need a GPU are compiled only):
+//!
+//! | to | start at | example |
+//! |---|---|---|
+//! | run one attention call | [`forward`] on [`Tensors`] | above |
+//! | shape a problem: sizes, GQA, layout, dtype, scale | [`Problem`] and its `with_` builders | [`Problem`] (no GPU) |
+//! | plan once, run many; CUDA graphs | [`Plan`], [`Plan::reserve`] | [`Plan`]; `examples/decode_loop.rs` captures a step |
+//! | read and write your own device memory, at any strides | [`Views`] of [`View`]s, [`ViewMut`] | [`Views`] (a fused QKV buffer) |
+//! | masks (causal, windows, chunks), softcap, ALiBi, the log-sum-exp | [`Problem::with_mask`], [`Problem::with_softcap`], [`Problem::with_alibi`], [`Problem::with_lse`], [`Extras`] | [`forward`] |
+//! | packed sequences of different lengths (varlen) | [`Problem::with_packed_q`], [`Problem::with_packed_kv`], [`Extras::cu_seqlens_q`] | [`Extras`] |
+//! | a paged K/V cache, decode steps | [`Problem::with_paged_kv`], [`Problem::with_page_layout`], [`Extras::block_table`] | [`write_kv`]; `examples/decode_loop.rs` (prefill, then decode as a graph) |
+//! | new K/V rows into a cache, by slot or per request | [`write_kv`] (your buffers), [`append_kv`] (the crate's tensors) | [`write_kv`], [`append_kv`] |
+//! | FP8 (e4m3) inputs | [`Fp8Views`], [`Tensor::quantize`], [`Problem::with_fp8_mode`] | [`Fp8Views`]; [`fp8`] (the codec, no GPU) |
+//! | candle tensors | the `sdpa-candle` crate: candle-flash-attn's functions | its front page; `sdpa-candle/examples/serve_decoder.rs` |
+#![cfg_attr(
+    feature = "distributed",
+    doc = "| several GPUs: ring attention over NCCL | [`distributed`] (feature `distributed`) | [`distributed::Ring`], [`distributed::Zigzag`] (no GPU) |"
+)]
+#![cfg_attr(
+    not(feature = "distributed"),
+    doc = "| several GPUs: ring attention over NCCL | `distributed` (feature `distributed`) | `distributed::Ring` |"
+)]
+//! | check a result | [`reference`](fn@reference), [`reference_with`], [`reference_seqs`] (float64, no GPU) | below; [`reference_with`] |
 //!
 //! The float64 reference needs no GPU:
 //!

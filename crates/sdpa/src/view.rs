@@ -67,6 +67,28 @@ impl<T> std::fmt::Debug for ViewMut<'_, T> {
 /// The operands of a call on views, by name: Q, K and V of element `T` (f16 or bf16), the
 /// output of element `O`, the problem's output dtype: `T` itself by default, or `f32` for a
 /// problem made `with_out_dtype(DType::F32)`.
+///
+/// Q, K and V read in place from one fused projection `[batch, seq, 3, heads, head_dim]` (what a
+/// single QKV matmul writes), the output into a buffer of the problem's layout:
+///
+/// ```no_run
+/// use half::bf16;
+/// use sdpa::{Backend, DType, Device, Extras, Problem, Strides, View, ViewMut, Views};
+/// # fn main() -> sdpa::Result<()> {
+/// let dev = Device::new(0)?;
+/// let (b, s, h, d) = (2, 1024, 16, 64);
+/// let p = Problem::new(b, h, s, s, d).with_dtype(DType::Bf16).with_causal(true);
+/// let qkv = dev.stream().alloc_zeros::<bf16>(b * s * 3 * h * d)?;
+/// let mut out = dev.stream().alloc_zeros::<bf16>(p.q_len().unwrap())?;
+/// // Each row holds Q's heads, then K's, then V's.
+/// let strides = Strides { batch: s * 3 * h * d, head: d, seq: 3 * h * d };
+/// let part = |i: usize| View::new(qkv.slice(i * h * d..), strides);
+/// let out_view = ViewMut::new(out.as_view_mut(), p.q_strides());
+/// let views = Views { q: part(0), k: part(1), v: part(2), out: out_view };
+/// sdpa::forward(&dev, &p, Backend::Auto, views, Extras::default())?;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug)]
 pub struct Views<'a, 'o, T, O = T> {
     /// Queries, `[batch, heads, seq_q, head_dim]`.

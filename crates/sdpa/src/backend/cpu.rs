@@ -27,6 +27,17 @@ pub fn reference(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Result<Vec<f64
 
 /// [`reference`](fn@reference) with the ALiBi slopes (`p.alibi`'s layout), the sink logits
 /// (`[heads]`, where `p.sinks`; [`Problem::with_sinks`] says what they do) and the log-sum-exp.
+///
+/// ```
+/// // 2 queries, 3 keys, causal from the end: row 0 sees keys 0 and 1, row 1 all three.
+/// let p = sdpa::Problem::new(1, 1, 2, 3, 1).with_causal(true);
+/// let (q, k, v) = ([0.0, 0.0], [1.0, 2.0, 3.0], [10.0, 20.0, 30.0]);
+/// let r = sdpa::reference_with(&p, &q, &k, &v, None, None)?;
+/// // Q is zero, so every key a row sees weighs the same.
+/// assert_eq!(r.out, [15.0, 20.0]);
+/// assert!((r.lse[0] - 2f64.ln()).abs() < 1e-15 && (r.lse[1] - 3f64.ln()).abs() < 1e-15);
+/// # Ok::<(), sdpa::Error>(())
+/// ```
 pub fn reference_with(
     p: &Problem,
     q: &[f64],

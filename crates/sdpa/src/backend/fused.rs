@@ -16,8 +16,8 @@ use cudarc::driver::{CudaSlice, DevicePtrMut};
 use sdpa_sys::INSTANCES;
 use sdpa_sys::Kernel;
 use sdpa_sys::args::{
-    DeviceInfo, FwdArgs, FwdDims, FwdFp8, FwdMask, FwdOperands, FwdOutput, FwdScoreMods,
-    FwdScratch, FwdSeqs, KernelPlan,
+    DeviceInfo, FwdArgs, FwdDims, FwdFp8, FwdOperands, FwdOutput, FwdScoreMods, FwdScratch,
+    FwdSeqs, KernelPlan,
 };
 use std::fmt;
 use std::sync::MutexGuard;
@@ -195,7 +195,6 @@ fn grow(dev: &Device, scratch: &mut Scratch, bytes: usize) -> Result<()> {
 fn problem_args(p: &Problem) -> FwdArgs {
     let (qs, ks) = (p.q_strides().as_i64(), p.kv_strides().as_i64());
     let fp8 = p.dtype == DType::E4m3;
-    let (kind, window_left, window_right) = ffi::mask(p.mask);
     let (page_size, page_rows, pages_per_seq) = match p.seqs.kv {
         KvRows::Paged {
             page_size,
@@ -233,11 +232,7 @@ fn problem_args(p: &Problem) -> FwdArgs {
             seq_k: p.seq_k as i64,
             head_dim: p.head_dim as i64,
         },
-        mask: FwdMask {
-            kind,
-            window_left,
-            window_right,
-        },
+        mask: ffi::mask(p.mask),
         mods: FwdScoreMods {
             scale: p.scale(),
             softcap: p.softcap.unwrap_or(0.0),

@@ -118,6 +118,41 @@ struct LocalRank {
 }
 
 /// The ranks of this process in one ring, and how they talk.
+///
+/// A causal problem over two virtual ranks on one GPU ([`Ring::loopback`]); the NCCL rings
+/// take the same shards, one per GPU this process drives:
+///
+/// ```no_run
+/// use half::bf16;
+/// use sdpa::distributed::{Ring, RingOptions, Shard, Zigzag};
+/// use sdpa::{DType, Device, Problem};
+/// # fn main() -> sdpa::Result<()> {
+/// let dev = Device::new(0)?;
+/// let mut ring = Ring::loopback(&dev, 2, RingOptions::default())?;
+/// let p = Problem::new(1, 8, 4096, 4096, 128).with_causal(true).with_dtype(DType::Bf16);
+/// let z = Zigzag::new(p.seq_q, ring.world())?; // each rank holds 2 chunks of 1024 positions
+/// let n = 8 * z.local_len() * 128;
+/// // Each rank's Q, K, V and output shards, on its device.
+/// let mut bufs = Vec::new();
+/// for (_rank, d) in ring.local_ranks() {
+///     let s = d.stream();
+///     bufs.push([s.alloc_zeros::<bf16>(n)?, s.alloc_zeros(n)?, s.alloc_zeros(n)?, s.alloc_zeros(n)?]);
+/// }
+/// let mut shards: Vec<_> = bufs
+///     .iter_mut()
+///     .map(|[q, k, v, out]| Shard {
+///         q: q.as_view(),
+///         k: k.as_view(),
+///         v: v.as_view(),
+///         out: out.as_view_mut(),
+///         lse: None,
+///     })
+///     .collect();
+/// let report = ring.forward(&p, &mut shards)?;
+/// assert_eq!(report.steps, 2);
+/// # Ok(())
+/// # }
+/// ```
 pub struct Ring {
     world: usize,
     ranks: Vec<LocalRank>,

@@ -11,6 +11,15 @@ use crate::problem::Layout;
 use std::ops::Range;
 
 /// The split of a sequence of `2·world·chunk` positions over `world` ranks.
+///
+/// ```
+/// use sdpa::distributed::Zigzag;
+/// let z = Zigzag::new(16, 2)?; // 4 chunks of 4 positions
+/// assert_eq!(z.ranges(0)?, [0..4, 12..16]); // rank 0: the first chunk and the last
+/// assert_eq!(z.ranges(1)?, [4..8, 8..12]);
+/// assert!(Zigzag::new(18, 2).is_err()); // not a multiple of 2 x 2
+/// # Ok::<(), sdpa::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Zigzag {
     world: usize,

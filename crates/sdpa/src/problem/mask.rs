@@ -27,11 +27,18 @@ pub enum Mask {
         /// Keys after the diagonal a row sees (`None`: all).
         right: Option<usize>,
     },
+    /// Chunked causal attention, as Llama 4's local layers: the keys form chunks of `size`, and
+    /// row i sees the keys of its diagonal's chunk up to the diagonal (bottom-right aligned: with
+    /// d = i + seq_k - seq_q, keys ⌊d / size⌋ · size <= j <= d).
+    Chunked {
+        /// Keys a chunk holds (at least 1).
+        size: usize,
+    },
 }
 
 impl Mask {
     /// Name as the CLI and bench records spell it: `none`, `causal`, `causal-top-left`,
-    /// `window(L,R)` (`-1` for an unbounded side).
+    /// `window(L,R)` (`-1` for an unbounded side), `chunked(N)`.
     pub fn name(self) -> String {
         match self {
             Mask::None => "none".into(),
@@ -41,6 +48,7 @@ impl Mask {
                 let side = |x: Option<usize>| x.map_or("-1".to_string(), |n| n.to_string());
                 format!("window({},{})", side(left), side(right))
             }
+            Mask::Chunked { size } => format!("chunked({size})"),
         }
     }
 
@@ -70,6 +78,14 @@ impl Mask {
             Mask::CausalBottomRight => (i + sk - sq, None, Some(0)),
             Mask::CausalTopLeft => (i, None, Some(0)),
             Mask::Window { left, right } => (i + sk - sq, left, right),
+            Mask::Chunked { size } => {
+                let diag = i + sk - sq;
+                if diag < 0 || size == 0 {
+                    return 0..0;
+                }
+                let first = (diag / size as i128 * size as i128).min(sk);
+                return first as usize..(diag + 1).min(sk) as usize;
+            }
         };
         let first = left.map_or(0, |l| (diag - l as i128).max(0));
         let end = right.map_or(sk, |r| (diag + r as i128 + 1).clamp(0, sk));
@@ -86,8 +102,8 @@ impl Mask {
 
 impl FromStr for Mask {
     type Err = crate::Error;
-    /// `none`, `causal`, `causal-top-left`, or a window `L,R` (also `window(L,R)`) with `-1` for
-    /// an unbounded side.
+    /// `none`, `causal`, `causal-top-left`, a window `L,R` (also `window(L,R)`) with `-1` for
+    /// an unbounded side, or `chunked(N)`.
     fn from_str(s: &str) -> Result<Self> {
         let t = s.trim().to_ascii_lowercase();
         match t.as_str() {
@@ -95,6 +111,14 @@ impl FromStr for Mask {
             "causal" | "true" | "causal-bottom-right" => return Ok(Mask::CausalBottomRight),
             "causal-top-left" | "top-left" => return Ok(Mask::CausalTopLeft),
             _ => {}
+        }
+        if let Some(n) = t.strip_prefix("chunked(").and_then(|x| x.strip_suffix(')')) {
+            return match n.trim().parse::<usize>() {
+                Ok(size) if size > 0 => Ok(Mask::Chunked { size }),
+                _ => Err(invalid!(
+                    "chunk size {n:?} in {s:?} is not a positive key count"
+                )),
+            };
         }
         let inner = t
             .strip_prefix("window(")
@@ -117,7 +141,8 @@ impl FromStr for Mask {
                 right: side(r)?,
             }),
             None => Err(invalid!(
-                "unknown mask {s:?} (expected none, causal, causal-top-left or a window L,R)"
+                "unknown mask {s:?} (expected none, causal, causal-top-left, a window L,R or \
+                 chunked(N))"
             )),
         }
     }

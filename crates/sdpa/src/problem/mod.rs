@@ -23,7 +23,30 @@ use std::fmt;
 /// order `layout` says), the output has Q's shape. `kv_heads < heads` is grouped-query attention:
 /// query head `h` reads K/V head `h / (heads / kv_heads)`.
 ///
-/// A plain value (`Copy`, `Send`, `Sync`), like every enum of this crate.
+/// A plain value (`Copy`, `Send`, `Sync`), like every enum of this crate. [`Problem::new`] sets
+/// the shape; each `with_` builder one option; [`Problem::validate`] (which every call runs
+/// first) says what is wrong with it, without a GPU:
+///
+/// ```
+/// use sdpa::{DType, Layout, Mask, Problem, Strides};
+///
+/// // A Llama-style prefill: 32 query heads over 8 K/V heads, bf16, BSHD, causal.
+/// let p = Problem::new(2, 32, 512, 512, 128)
+///     .with_kv_heads(8)
+///     .with_dtype(DType::Bf16)
+///     .with_layout(Layout::Bshd)
+///     .with_causal(true);
+/// p.validate()?;
+/// assert_eq!(p.mask, Mask::CausalBottomRight);
+/// assert_eq!(p.scale(), 1.0 / 128f32.sqrt());
+/// assert_eq!(p.q_len(), Some(2 * 512 * 32 * 128));
+/// assert_eq!(p.kv_len(), Some(2 * 512 * 8 * 128));
+/// // BSHD: a head's consecutive rows are heads · head_dim elements apart.
+/// assert_eq!(p.q_strides(), Strides { batch: 512 * 32 * 128, head: 128, seq: 32 * 128 });
+/// // 32 query heads cannot share 5 K/V heads.
+/// assert!(p.with_kv_heads(5).validate().is_err());
+/// # Ok::<(), sdpa::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Problem {
     /// Batch size.
@@ -357,6 +380,11 @@ impl Problem {
         if self.batch > MAX_ELEMENTS {
             return Err(invalid!("batch {} is more than 2^40 sequences", self.batch));
         }
+        if self.mask == (Mask::Chunked { size: 0 }) {
+            return Err(invalid!(
+                "a chunked mask needs chunks of at least 1 key, got 0"
+            ));
+        }
         if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(invalid!(
                 "heads ({}) must be a multiple of kv_heads ({})",
@@ -638,6 +666,27 @@ mod tests {
     }
 
     #[test]
+    fn chunks_see_their_own_keys_causally() {
+        let vis = |m: Mask, sq, sk| (0..sq).map(|i| m.visible(i, sq, sk)).collect::<Vec<_>>();
+        let c = |size| Mask::Chunked { size };
+        assert_eq!(vis(c(2), 5, 5), [0..1, 0..2, 2..3, 2..4, 4..5]);
+        // Diagonal of row i at i + 3 (sq 3, sk 6): chunks [0, 4), [4, 8).
+        assert_eq!(vis(c(4), 3, 6), [0..4, 4..5, 4..6]);
+        // seq_q > seq_k: rows before the diagonal see nothing.
+        assert_eq!(vis(c(2), 4, 3), [0..0, 0..1, 0..2, 2..3]);
+        // A chunk as long as the keys is causal.
+        assert_eq!(vis(c(6), 3, 6), vis(Mask::CausalBottomRight, 3, 6));
+        let p = Problem::new(1, 2, 5, 5, 8).with_mask(c(2));
+        assert_eq!(p.flops(), 4.0 * 2.0 * 7.0 * 8.0); // 7 visible scores a head
+        let e = Problem::new(1, 1, 4, 4, 8)
+            .with_mask(c(0))
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("chunks of at least 1 key"), "{e}");
+    }
+
+    #[test]
     fn masks_parse_as_they_print() {
         for m in [
             Mask::None,
@@ -651,8 +700,13 @@ mod tests {
                 left: None,
                 right: Some(3),
             },
+            Mask::Chunked { size: 8192 },
         ] {
             assert_eq!(m.name().parse::<Mask>().unwrap(), m);
+        }
+        for bad in ["chunked(0)", "chunked(-1)", "chunked(x)"] {
+            let e = bad.parse::<Mask>().unwrap_err().to_string();
+            assert!(e.contains("chunk size"), "{bad}: {e}");
         }
         assert_eq!(
             "1024,0".parse::<Mask>().unwrap(),

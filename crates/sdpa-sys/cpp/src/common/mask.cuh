@@ -177,9 +177,19 @@ struct Band {
   static constexpr bool kMasksKeys = true;
   Index seq_q, seq_k, diag, left, right;
   bool top_left;  // diag is 0, not seq_k - seq_q, whatever the lengths (rebased)
+  // Chunked attention (0: none): a row sees no key before its diagonal's chunk of `chunk`
+  // keys. The lower edge stays non-decreasing in the row, which the tile tests rely on.
+  Index chunk;
 
-  __host__ __device__ __forceinline__ Index first_key(Index row) const {
+  // The lower edge before clamping at key 0 (below it for rows whose band starts there).
+  __host__ __device__ __forceinline__ Index lower_edge(Index row) const {
     const Index f = row + diag - left;
+    if (chunk <= 0 || row + diag < 0) return f;
+    const Index c = (row + diag) / chunk * chunk;
+    return c > f ? c : f;
+  }
+  __host__ __device__ __forceinline__ Index first_key(Index row) const {
+    const Index f = lower_edge(row);
     return f > 0 ? f : 0;
   }
   __host__ __device__ __forceinline__ Index last_key(Index row) const {
@@ -201,14 +211,14 @@ struct Band {
   __host__ __device__ __forceinline__ bool tile_hides(Index m0, Index rows, Index n0,
                                                       Index bn) const {
     const Index last_row = (m0 + rows < seq_q ? m0 + rows : seq_q) - 1;
-    return n0 + bn - 1 > m0 + diag + right || n0 < last_row + diag - left;
+    return n0 + bn - 1 > m0 + diag + right || n0 < lower_edge(last_row);
   }
   __host__ __device__ __forceinline__ bool tile_masked(Index m0, Index rows, Index n0,
                                                        Index bn) const {
     return n0 + bn > seq_k || tile_hides(m0, rows, n0, bn);
   }
   __host__ __device__ __forceinline__ bool sees(Index row, Index key) const {
-    return key >= row + diag - left && key <= row + diag + right;
+    return key >= lower_edge(row) && key <= row + diag + right;
   }
   // The upper partly masked tiles: from the first tile holding a key below seq_k past the first
   // row's last key (`none` if there is none).
@@ -227,7 +237,7 @@ struct Band {
   // The same band for one sequence of a batch of different lengths: its diagonal moves with
   // them (left and right were clamped to the longest lengths, unbounded for this one too).
   __host__ __device__ __forceinline__ Band rebased(Index sq, Index sk) const {
-    return {sq, sk, top_left ? Index(0) : sk - sq, left, right, top_left};
+    return {sq, sk, top_left ? Index(0) : sk - sq, left, right, top_left, chunk};
   }
   // Hides the scores outside each row's [first_key, last_key] of the tile of bn keys from n0,
   // for the `rows` rows from m0, where the tile test says some may be.
@@ -256,13 +266,13 @@ struct IsBand<Band<Index>> : std::true_type {};
 template <class Mask>
 constexpr bool kIsBand = IsBand<Mask>::value;
 
-// The band of a Window or CausalTopLeft mask, or (for a kernel's general path) of NoMask and
-// CausalBottomRight.
+// The band of a Window, Chunked or CausalTopLeft mask, or (for a kernel's general path) of
+// NoMask and CausalBottomRight.
 template <typename Index>
 Band<Index> band_of(const FwdArgs& a) {
   const int64_t unbounded = a.dims.seq_q + a.dims.seq_k;
   const auto side = [&](int64_t x) { return x < 0 || x > unbounded ? unbounded : x; };
-  int64_t diag = a.dims.seq_k - a.dims.seq_q, left = unbounded, right = unbounded;
+  int64_t diag = a.dims.seq_k - a.dims.seq_q, left = unbounded, right = unbounded, chunk = 0;
   switch (a.mask.kind) {
     case Mask::NoMask:
       break;
@@ -277,17 +287,22 @@ Band<Index> band_of(const FwdArgs& a) {
       left = side(a.mask.window_left);
       right = side(a.mask.window_right);
       break;
+    case Mask::Chunked:
+      right = 0;
+      chunk = side(a.mask.chunk);
+      break;
   }
   return {Index(a.dims.seq_q), Index(a.dims.seq_k), Index(diag),
-          Index(left),         Index(right),        a.mask.kind == Mask::CausalTopLeft};
+          Index(left),         Index(right),        a.mask.kind == Mask::CausalTopLeft,
+          Index(chunk)};
 }
 
 // Whether `a` needs a kernel's general path: a mask with a lower edge or a top-left diagonal,
 // a softcap, ALiBi, or sequences of different lengths (whose masks move with each one's lengths).
 inline bool needs_band(const FwdArgs& a) {
   return a.mask.kind == Mask::CausalTopLeft || a.mask.kind == Mask::Window ||
-         a.mods.softcap > 0.f || a.mods.alibi || a.seqs.total_q > 0 || a.seqs.packed_kv ||
-         a.seqs.page_size > 0 || a.seqs.has_seqused_k;
+         a.mask.kind == Mask::Chunked || a.mods.softcap > 0.f || a.mods.alibi ||
+         a.seqs.total_q > 0 || a.seqs.packed_kv || a.seqs.page_size > 0 || a.seqs.has_seqused_k;
 }
 
 // Calls f with the policy for `mask` (a value of the policy type, for seq_q and seq_k): where a
@@ -301,6 +316,7 @@ decltype(auto) dispatch_mask(Mask mask, Index seq_q, Index seq_k, F&& f) {
       return std::forward<F>(f)(CausalBottomRight<Index>{seq_q, seq_k});
     case Mask::CausalTopLeft:
     case Mask::Window:
+    case Mask::Chunked:
       break;  // can_implement refuses them for the kernels that dispatch here
   }
   throw Error("this kernel runs no mask but causal bottom-right");
@@ -314,10 +330,16 @@ decltype(auto) dispatch_band(const FwdArgs& a, F&& f) {
   return dispatch_mask(a.mask.kind, Index(a.dims.seq_q), Index(a.dims.seq_k), std::forward<F>(f));
 }
 
-// The reason a band kernel with `bn`-key tiles cannot run `a`'s window ("" where it can): the
-// non-finite V check's records of a partly masked tile answer only for rows whose visible keys
-// there reach one of its ends, which a window at least a tile wide guarantees.
+// The reason a band kernel with `bn`-key tiles cannot run `a`'s window or chunks ("" where it
+// can): the non-finite V check's records of a partly masked tile answer only for rows whose
+// visible keys there reach one of its ends, which a window at least a tile wide, and chunks of
+// whole tiles, guarantee.
 inline std::string narrow_window(const FwdArgs& a, int64_t bn, const char* kernel) {
+  // Chunks that are whole tiles start every row's keys at a tile's first key.
+  if (a.mask.kind == Mask::Chunked && a.mask.chunk < a.dims.seq_k && a.mask.chunk % bn != 0)
+    return "chunks of " + std::to_string(a.mask.chunk) + " keys are not a multiple of the " +
+           kernel + " kernel's " + std::to_string(bn) +
+           "-key tile, which its non-finite V check needs (scalar runs them)";
   // Either side alone at least a tile wide answers before the sum is formed, so the sum of two
   // sides near INT64_MAX is never computed.
   if (a.mask.kind != Mask::Window || a.mask.window_left < 0 || a.mask.window_right < 0 ||

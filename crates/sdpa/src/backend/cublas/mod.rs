@@ -406,7 +406,7 @@ pub(crate) fn forward(dev: &Device, p: &Checked, b: &Buffers) -> Result<()> {
         rows: scores as i64 / sk,
         seq_q: sq,
         seq_k: sk,
-        mask: ffi::mask(p.mask).0,
+        mask: ffi::mask(p.mask).kind,
         dtype: ffi::dtype(p.dtype),
     };
     let stream = dev.raw_stream()?;

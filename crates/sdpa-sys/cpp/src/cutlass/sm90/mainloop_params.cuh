@@ -27,9 +27,9 @@ struct MainloopParams {
   // E4M3 only: dequantization scales, one per tensor or one per (batch, head) (per_head).
   const float *q_scale, *k_scale, *v_scale;
   int per_head;
-  // Band only: the band (mask::Band's diag, left, right, top_left) and the score mods:
+  // Band only: the band (mask::Band's diag, left, right, top_left, chunk) and the score mods:
   // softcap · log2 e (0: none), ALiBi slopes (null: none) of (b, h) at b * alibi_bstride + h.
-  int diag, left, right, top_left;
+  int diag, left, right, top_left, chunk;
   float cap2;
   const float* alibi;
   int alibi_bstride;
@@ -117,6 +117,7 @@ MainloopParams<E, D> make_mainloop_params(const FwdArgs& a, const void* v, const
     p.left = band.left;
     p.right = band.right;
     p.top_left = band.top_left ? 1 : 0;
+    p.chunk = band.chunk;
     p.cap2 = a.mods.softcap > 0.f ? a.mods.softcap * 1.4426950408889634f : 0.f;
     p.alibi = a.mods.alibi ? device_ptr<const float>(a.mods.alibi_slopes) : nullptr;
     p.alibi_bstride = int(a.mods.alibi_batch_stride);

@@ -384,6 +384,22 @@ std::string band_limits(const FwdArgs& a) {
     return "a paged cache's pages of " + std::to_string(a.seqs.page_size) +
            " keys are smaller than the cutlass-sm90 kernel's " + std::to_string(kBN) +
            "-key tile at head_dim " + std::to_string(D) + " (cutlass-sm80 runs them)";
+  // The non-finite V check keeps records of a bounded number of partly masked tiles across a
+  // query tile's lower edge (TileConfig::kCrossTiles): a query tile whose rows straddle two
+  // chunks would have a whole chunk of them. Chunks of whole query tiles (64 or 128 rows) on
+  // dense sequences whose diagonal starts on a tile boundary, or one query a sequence, never
+  // straddle.
+  constexpr int kBM = TileConfig<E, D>::kBM;
+  if (a.mask.kind == Mask::Chunked && a.mask.chunk < a.dims.seq_k && a.dims.seq_q > 1) {
+    const bool dense =
+        a.seqs.total_q == 0 && !a.seqs.packed_kv && a.seqs.page_size == 0 && !a.seqs.has_seqused_k;
+    if (!dense || a.mask.chunk % kBM != 0 || (a.dims.seq_k - a.dims.seq_q) % kBM != 0)
+      return "chunks of " + std::to_string(a.mask.chunk) +
+             " keys would split the cutlass-sm90 kernel's query tiles: it runs chunks of a "
+             "multiple of " +
+             std::to_string(kBM) + " keys on dense sequences with seq_k - seq_q a multiple of " +
+             std::to_string(kBM) + ", or one query a sequence (cutlass-sm80 runs the others)";
+  }
   return mask::narrow_window(a, kBN, "cutlass-sm90");
 }
 

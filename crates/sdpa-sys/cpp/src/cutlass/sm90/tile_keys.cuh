@@ -36,8 +36,8 @@ struct TileKeys {
   // The mask of one sequence (the band rebased to its lengths: the call's own for dense ones).
   __device__ __forceinline__ static Mask mask_of(const Params& p, const Seq<int>& seq) {
     if constexpr (kBand)
-      return Mask{p.seq_q, p.seq_k, p.diag, p.left, p.right, p.top_left != 0}.rebased(seq.seq_q,
-                                                                                      seq.seq_k);
+      return Mask{p.seq_q, p.seq_k, p.diag, p.left, p.right, p.top_left != 0, p.chunk}.rebased(
+          seq.seq_q, seq.seq_k);
     else
       return Mask{seq.seq_q, seq.seq_k};
   }
