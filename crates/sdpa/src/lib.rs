@@ -36,7 +36,7 @@
 //! | shape a problem: sizes, GQA, layout, dtype, scale | [`Problem`] and its `with_` builders | [`Problem`] (no GPU) |
 //! | plan once, run many; CUDA graphs | [`Plan`], [`Plan::reserve`] | [`Plan`]; `examples/decode_loop.rs` captures a step |
 //! | read and write your own device memory, at any strides | [`Views`] of [`View`]s, [`ViewMut`] | [`Views`] (a fused QKV buffer) |
-//! | masks (causal, windows, chunks), softcap, ALiBi, the log-sum-exp | [`Problem::with_mask`], [`Problem::with_softcap`], [`Problem::with_alibi`], [`Problem::with_lse`], [`Extras`] | [`forward`] |
+//! | masks (causal, windows, chunks), softcap, ALiBi, sinks, the log-sum-exp | [`Problem::with_mask`], [`Problem::with_softcap`], [`Problem::with_alibi`], [`Problem::with_lse`], [`Extras`] | [`forward`] |
 //! | packed sequences of different lengths (varlen) | [`Problem::with_packed_q`], [`Problem::with_packed_kv`], [`Extras::cu_seqlens_q`] | [`Extras`] |
 //! | a paged K/V cache, decode steps | [`Problem::with_paged_kv`], [`Problem::with_page_layout`], [`Extras::block_table`] | [`write_kv`]; `examples/decode_loop.rs` (prefill, then decode as a graph) |
 //! | new K/V rows into a cache, by slot or per request | [`write_kv`] (your buffers), [`append_kv`] (the crate's tensors) | [`write_kv`], [`append_kv`] |
