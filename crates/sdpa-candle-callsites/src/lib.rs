@@ -13,8 +13,3 @@ pub mod candle_transformers;
 pub mod mistralrs;
 pub mod tei;
 
-/// The README's Rust examples, compiled (and, where they need no GPU, run) as doctests of this
-/// crate, which sees every name they use: a snippet that stops compiling fails `cargo test`.
-#[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
-pub struct ReadmeDoctests;

@@ -34,3 +34,10 @@ pub mod seqs;
 pub mod timing;
 
 pub use problems::{NAMED_PROBLEMS, named_meta, named_problem};
+
+/// The README's Rust examples, compiled (and, where they need no GPU, run) as doctests of this
+/// crate, whose dev-dependencies see every name they use: a snippet that stops compiling fails
+/// `cargo test`.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
