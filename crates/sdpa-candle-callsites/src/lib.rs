@@ -12,4 +12,3 @@
 pub mod candle_transformers;
 pub mod mistralrs;
 pub mod tei;
-
