@@ -21,6 +21,32 @@ fn window(left: Option<usize>, right: Option<usize>) -> Mask {
     Mask::Window { left, right }
 }
 
+/// Checks `p` against the float64 reference on each of `backends`, recording what ran in `ran`
+/// and what failed in `failures`: a refusal fails unless `documented` takes it for one of the
+/// backend's stated limits (its reason given).
+fn check_each(
+    dev: &sdpa::Device,
+    p: Problem,
+    backends: &[Backend],
+    documented: impl Fn(Backend, &str) -> bool,
+    ran: &mut Vec<(Backend, Problem)>,
+    failures: &mut Vec<String>,
+) {
+    for &b in backends {
+        if let Err(e) = b.supports(Some(dev), &p) {
+            if !documented(b, &e.to_string()) {
+                failures.push(format!("{b} refused {p}: {e}"));
+            }
+            continue;
+        }
+        let rep = check_backend(Some(dev), &p, b, fresh_seed()).unwrap();
+        ran.push((b, p));
+        if !rep.pass() {
+            failures.push(format!("{b} {p}: {rep:?}"));
+        }
+    }
+}
+
 /// Every mask, softcap, ALiBi (both layouts) and the log-sum-exp, over one and several key
 /// tiles, seq_q below and above seq_k, GQA, D = 64, 128, 192 and 256, f16 and bf16.
 #[test]
@@ -67,23 +93,13 @@ fn variants_match_the_reference() {
             } else if n % 4 == 3 {
                 p = p.with_alibi(Alibi::PerBatchHead);
             }
-            for &b in &backends {
-                if let Err(e) = b.supports(Some(&dev), &p) {
-                    // cutlass runs chunks only where they do not split its query tiles.
-                    let documented = b == Backend::Cutlass
-                        && matches!(mask, Mask::Chunked { .. })
-                        && e.to_string().contains("would split");
-                    if !documented {
-                        failures.push(format!("{b} refused {p}: {e}"));
-                    }
-                    continue;
-                }
-                let rep = check_backend(Some(&dev), &p, b, fresh_seed()).unwrap();
-                ran.push((b, p));
-                if !rep.pass() {
-                    failures.push(format!("{b} {p}: {rep:?}"));
-                }
-            }
+            // cutlass runs chunks only where they do not split its query tiles.
+            let documented = |b: Backend, why: &str| {
+                b == Backend::Cutlass
+                    && matches!(mask, Mask::Chunked { .. })
+                    && why.contains("would split")
+            };
+            check_each(&dev, p, &backends, documented, &mut ran, &mut failures);
         }
     }
     common::assert_ran("variants", &ran);
@@ -384,17 +400,7 @@ fn sinks_match_the_reference() {
                 false => vec![p],
             };
             for p in problems {
-                for &b in &backends {
-                    if let Err(e) = b.supports(Some(&dev), &p) {
-                        failures.push(format!("{b} refused {p}: {e}"));
-                        continue;
-                    }
-                    let rep = check_backend(Some(&dev), &p, b, fresh_seed()).unwrap();
-                    ran.push((b, p));
-                    if !rep.pass() {
-                        failures.push(format!("{b} {p}: {rep:?}"));
-                    }
-                }
+                check_each(&dev, p, &backends, |_, _| false, &mut ran, &mut failures);
             }
         }
     }
