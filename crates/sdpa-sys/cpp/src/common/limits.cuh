@@ -73,10 +73,14 @@ inline std::string int_sequences(const FwdArgs& a, const char* kernel, int64_t t
   return "";
 }
 
-// Dense sequences only: no packed Q or K/V, paged cache or seqused_k.
+// Whether `a`'s sequences are dense: no packed Q or K/V, paged cache or seqused_k.
+inline bool dense(const FwdArgs& a) {
+  return a.seqs.total_q == 0 && !a.seqs.packed_kv && a.seqs.page_size == 0 && !a.seqs.has_seqused_k;
+}
+
+// Dense sequences only.
 inline std::string dense_sequences(const FwdArgs& a, const char* kernel) {
-  if (a.seqs.total_q == 0 && !a.seqs.packed_kv && a.seqs.page_size == 0 && !a.seqs.has_seqused_k)
-    return "";
+  if (dense(a)) return "";
   return std::string(kernel) +
          " runs dense sequences only, no packed (varlen) Q or K/V, paged cache or seqused_k "
          "(scalar runs them)";

@@ -216,8 +216,8 @@ __device__ __forceinline__ void fwd_body(const typename K::Params& p) {
     OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop, E::kFp8PV ? 8 : 0, true>
         softmax;
     // The head's sink logit, loaded before the main loop, which hides its latency (one register);
-    // loaded after it, the load stood on each tile's path to the epilogue, measurably so on the
-    // short rows of a 128-key window (docs/log/2026-11-notebook.md, session 23).
+    // loaded after it, the load would stand on each tile's path to the epilogue, which short
+    // window rows feel.
     const float sink = p.epilogue.sinks != nullptr ? __ldg(p.epilogue.sinks + w.h) : -INFINITY;
     clear(tOrO);
     Consumer::mma(p.mainloop, sm, ops, m0, kt, it, qi, tOrO, softmax, w, sl2, wg, v_phase);
@@ -391,9 +391,7 @@ std::string band_limits(const FwdArgs& a) {
   // straddle.
   constexpr int kBM = TileConfig<E, D>::kBM;
   if (a.mask.kind == Mask::Chunked && a.mask.chunk < a.dims.seq_k && a.dims.seq_q > 1) {
-    const bool dense =
-        a.seqs.total_q == 0 && !a.seqs.packed_kv && a.seqs.page_size == 0 && !a.seqs.has_seqused_k;
-    if (!dense || a.mask.chunk % kBM != 0 || (a.dims.seq_k - a.dims.seq_q) % kBM != 0)
+    if (!limits::dense(a) || a.mask.chunk % kBM != 0 || (a.dims.seq_k - a.dims.seq_q) % kBM != 0)
       return "chunks of " + std::to_string(a.mask.chunk) +
              " keys would split the cutlass-sm90 kernel's query tiles: it runs chunks of a "
              "multiple of " +
