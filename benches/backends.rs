@@ -28,7 +28,7 @@ fn gpu_benches(c: &mut Criterion, dev: &Device) {
                 sdpa_harness::inputs::random_inputs(&p, sdpa_harness::inputs::fresh_seed())
                     .unwrap();
             let [q, k, v] = inputs.upload(dev, dtype).unwrap();
-            let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap()).unwrap();
+            let mut out = Tensor::poisoned(dev, p.output_dtype(), p.out_len().unwrap()).unwrap();
             // e4m3 in both FP8 modes, on the same inputs.
             let modes = match dtype {
                 DType::E4m3 => &Fp8Mode::ALL[..],
@@ -121,7 +121,7 @@ fn call_overhead(c: &mut Criterion, dev: &Device) {
     let stream = dev.stream();
     let [qc, kc, vc] = [0, 1, 2].map(|i| stream.clone_htod(&host(&inputs.bits[i])).unwrap());
     let mut oc = stream.alloc_zeros::<f16>(p.q_len().unwrap()).unwrap();
-    let (qs, ks) = (p.q_strides(), p.kv_strides());
+    let (qs, ks) = (p.q_strides(), p.k_strides());
     let mut group = c.benchmark_group("call_overhead");
     group.sample_size(20);
     let wall = |iters: u64, f: &mut dyn FnMut()| {

@@ -161,7 +161,7 @@ fn tensors_used_across_streams_stay_ordered() {
                 common::forward(&b, &p, backend, [&q, &k, &v], &mut out).unwrap();
             }
             drop((q, k, v));
-            let reuse: Vec<Tensor> = [p.q_len(), p.kv_len(), p.kv_len()]
+            let reuse: Vec<Tensor> = [p.q_len(), p.k_len(), p.k_len()]
                 .into_iter()
                 .map(|n| Tensor::poisoned(&a, p.dtype, n.unwrap()).unwrap())
                 .collect();

@@ -240,7 +240,7 @@ fn run_views<T: Element>(
         up(&inputs.bits[1]),
         up(&inputs.bits[2]),
     );
-    let (qs, ks) = (p.q_strides(), p.kv_strides());
+    let (qs, ks) = (p.q_strides(), p.k_strides());
     let shape = p.q_shape();
     let os = padded(shape, 8);
     let at = offsets(shape, os);

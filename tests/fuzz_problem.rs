@@ -44,12 +44,12 @@ fn layout() -> impl Strategy<Value = Layout> {
 /// Invariants of a problem that validates; `Err` names the one that broke.
 fn check_valid(p: &Problem) -> Result<(), TestCaseError> {
     let (b, h, kvh, sq, sk, d) = (p.batch, p.heads, p.kv_heads, p.seq_q, p.seq_k, p.head_dim);
-    let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
-    let (qs, ks) = (p.q_strides(), p.kv_strides());
+    let (ql, kl) = (p.q_len().unwrap(), p.k_len().unwrap());
+    let (qs, ks) = (p.q_strides(), p.k_strides());
     prop_assert_eq!(qs.offset(b - 1, h - 1, sq - 1, d - 1), ql - 1);
     prop_assert_eq!(ks.offset(b - 1, kvh - 1, sk - 1, d - 1), kl - 1);
     prop_assert_eq!(p.q_shape().len(), Some(ql));
-    prop_assert_eq!(p.kv_shape().len(), Some(kl));
+    prop_assert_eq!(p.k_shape().len(), Some(kl));
     prop_assert!(p.scale().is_finite() && p.scale() > 0.0);
     prop_assert!(p.flops() >= 0.0);
     prop_assert!(p.visible_keys(sq - 1) <= sk);
@@ -61,7 +61,7 @@ fn check_valid(p: &Problem) -> Result<(), TestCaseError> {
     };
     prop_assert!(pair_ok, "{} -> {}", p.dtype, p.output_dtype());
     // One scale per tensor, or one per (batch, head) pair: Q's and K/V's counts.
-    for (shape, heads) in [(p.q_shape(), h), (p.kv_shape(), kvh)] {
+    for (shape, heads) in [(p.q_shape(), h), (p.k_shape(), kvh)] {
         let n = scale_count(&shape, p.fp8_scaling);
         let want = match p.fp8_scaling {
             Scaling::PerTensor => 1,
@@ -190,7 +190,7 @@ proptest! {
         }
         let _ = p.to_string();
         let _ = p.as_dequantized().validate();
-        for shape in [p.q_shape(), p.kv_shape()] {
+        for shape in [p.q_shape(), p.k_shape()] {
             // Huge shapes allocate nothing here: counts and indices only.
             let _ = scale_count(&shape, sc);
             prop_assert_eq!(shape.heads_total(), shape.batch.checked_mul(shape.heads));
@@ -228,7 +228,7 @@ proptest! {
             p.seqs.kv = sdpa::KvRows::Paged { pages, page_size, pages_per_seq };
             p.seqs.seqused_k = true;
         }
-        let _ = (p.lse_len(), p.block_table_len(), p.q_len(), p.kv_len(), p.to_string());
+        let _ = (p.lse_len(), p.block_table_len(), p.q_len(), p.k_len(), p.to_string());
         for backend in Backend::ALL {
             let _ = backend.supports(None, &p);
         }

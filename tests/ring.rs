@@ -242,7 +242,7 @@ fn nccl_ring_over_every_visible_gpu() {
             (n, n, n - 1)
         );
         assert_eq!(report.calls, n * n);
-        let kv = p.kv_len().unwrap() / n * 2;
+        let kv = p.k_len().unwrap() / n * 2;
         assert_eq!(report.bytes_sent, 2 * kv * (n - 1));
     }
 }

@@ -821,8 +821,8 @@ fn appends_with_lying_metadata_stay_in_the_cache() {
     // batch x n_new x kv_heads x head_dim = 2^15 x 2^26 x 2^15 x 2^8 = 2^64: 0 when it wraps.
     let big = Problem::new(1 << 15, 1 << 15, 1, 16, 256).with_paged_kv(1, 16, 1);
     let one = sdpa::Tensor::from_f32(&dev, big.dtype, &[0.0]).unwrap();
-    let mut kc = sdpa::Tensor::zeros(&dev, big.dtype, big.kv_len().unwrap()).unwrap();
-    let mut vc = sdpa::Tensor::zeros(&dev, big.dtype, big.kv_len().unwrap()).unwrap();
+    let mut kc = sdpa::Tensor::zeros(&dev, big.dtype, big.k_len().unwrap()).unwrap();
+    let mut vc = sdpa::Tensor::zeros(&dev, big.dtype, big.k_len().unwrap()).unwrap();
     let table = stream.alloc_zeros::<i32>(1 << 15).unwrap();
     let mut used = stream.alloc_zeros::<i32>(1 << 15).unwrap();
     let e = sdpa::append_kv(
@@ -984,7 +984,7 @@ fn write_and_attend(dev: &sdpa::Device, page_size: usize) -> Vec<(Backend, Probl
     let mut ran = Vec::new();
     for layout in [PageLayout::Nhd, PageLayout::Hnd] {
         let pl = p.with_page_layout(layout);
-        let len = pl.kv_len().unwrap();
+        let len = pl.k_len().unwrap();
         let (mut kc, mut vc) = (
             stream.alloc_zeros::<bf16>(len).unwrap(),
             stream.alloc_zeros::<bf16>(len).unwrap(),
@@ -1087,8 +1087,8 @@ fn write_and_attend(dev: &sdpa::Device, page_size: usize) -> Vec<(Backend, Probl
             Backend::Auto,
             sdpa::Views {
                 q: sdpa::View::new(qd.as_view(), pl.q_strides()),
-                k: sdpa::View::new(kc.as_view(), pl.kv_strides()),
-                v: sdpa::View::new(vc.as_view(), pl.kv_strides()),
+                k: sdpa::View::new(kc.as_view(), pl.k_strides()),
+                v: sdpa::View::new(vc.as_view(), pl.k_strides()),
                 out: sdpa::ViewMut::new(out.as_view_mut(), pl.q_strides()),
             },
             sdpa::Extras {

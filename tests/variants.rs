@@ -496,3 +496,70 @@ fn nan_sinks_stay_in_their_head_and_refusals_are_typed() {
         );
     }
 }
+
+/// Head dims of no instance (32, 80, 112) and V of its own head dim (DeepSeek's 192 / 128, and
+/// V narrower or wider than Q·Kᵀ) run on scalar and cutlass-sm80 against the reference, dense,
+/// packed and paged, with GQA, masks, sinks and the log-sum-exp; the kernels that run their own
+/// head dims only (cutlass, wmma) and cublas refuse them with the reason.
+#[test]
+fn head_dims_of_no_instance_and_v_of_its_own() {
+    let Some(dev) = common::device("head dims") else {
+        return;
+    };
+    // (head_dim, head_dim_v)
+    let dims = [
+        (80, 80),
+        (112, 112),
+        (32, 32),
+        (192, 128),
+        (128, 64),
+        (64, 128),
+        (96, 80),
+    ];
+    let masks = [
+        Mask::CausalBottomRight,
+        Mask::None,
+        window(Some(100), Some(0)),
+    ];
+    let backends = variant_backends(&dev);
+    let (mut ran, mut failures) = (Vec::new(), Vec::new());
+    for (i, &(d, dv)) in dims.iter().enumerate() {
+        for (j, &mask) in masks.iter().enumerate() {
+            let n = i * masks.len() + j;
+            let base = Problem::new(2, 8, 300, 333, d)
+                .with_head_dim_v(dv)
+                .with_kv_heads(if n.is_multiple_of(2) { 2 } else { 8 })
+                .with_mask(mask)
+                .with_dtype(DType::ALL[n % 2])
+                .with_lse(n % 3 != 2)
+                .with_sinks(n % 4 == 1);
+            let p = match n % 3 {
+                0 => base,
+                1 => sdpa_harness::seqs::varlen(base, &[300, 17, 130], &[333, 40, 129]).0,
+                _ => sdpa_harness::seqs::paged(base, &[333, 1, 200], 64, fresh_seed()).0,
+            };
+            // cutlass (sm90) runs the head dims of its instances alone.
+            let documented = |b: Backend, why: &str| {
+                b == Backend::Cutlass && why.contains("is not instantiated")
+            };
+            check_each(&dev, p, &backends, documented, &mut ran, &mut failures);
+        }
+    }
+    common::assert_ran("head dims", &ran);
+    for b in [Backend::Scalar, Backend::CutlassSm80] {
+        assert!(
+            ran.iter().filter(|(r, _)| *r == b).count() == dims.len() * masks.len(),
+            "{b} did not run every case: {ran:?}"
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+
+    let p = Problem::new(1, 4, 128, 128, 192).with_head_dim_v(128);
+    for b in [Backend::Wmma, Backend::Cublas, Backend::Cutlass] {
+        let e = b.supports(Some(&dev), &p).unwrap_err();
+        assert!(
+            matches!(e, sdpa::Error::Unsupported { .. }),
+            "{b} {p}: {e:?}"
+        );
+    }
+}

@@ -88,7 +88,7 @@ fn strided_views_match_the_reference() {
     let inputs = random_inputs(&p, seed).unwrap();
     let reference =
         sdpa::reference(&p, &inputs.values[0], &inputs.values[1], &inputs.values[2]).unwrap();
-    let (qshape, kshape) = (p.q_shape(), p.kv_shape());
+    let (qshape, kshape) = (p.q_shape(), p.k_shape());
     let (qs, ks, os) = (padded(qshape, 8), padded(kshape, 16), padded(qshape, 24));
     let q = stream
         .clone_htod(&scatter(&inputs.bits[0], qshape, qs))
@@ -149,7 +149,7 @@ fn strides_of_size_one_dimensions_are_never_used() {
     let inputs = random_inputs(&p, seed).unwrap();
     let reference =
         sdpa::reference(&p, &inputs.values[0], &inputs.values[1], &inputs.values[2]).unwrap();
-    let (qshape, kshape) = (p.q_shape(), p.kv_shape());
+    let (qshape, kshape) = (p.q_shape(), p.k_shape());
     let absurd = Strides {
         batch: usize::MAX / 3,
         head: (1 << 62) + 1,
@@ -205,7 +205,7 @@ fn cublas_takes_views_in_the_problems_layout_only() {
     let inputs = random_inputs(&p, fresh_seed()).unwrap();
     let reference =
         sdpa::reference(&p, &inputs.values[0], &inputs.values[1], &inputs.values[2]).unwrap();
-    let (qs, ks) = (p.q_strides(), p.kv_strides());
+    let (qs, ks) = (p.q_strides(), p.k_strides());
     let up = |bits: &[u16]| {
         let h: Vec<f16> = bits.iter().map(|&b| f16::from_bits(b)).collect();
         stream.clone_htod(&h).unwrap()
@@ -354,7 +354,7 @@ fn a_call_on_callers_buffers_is_captured_in_a_graph() {
         return;
     };
     let p = Problem::new(2, 8, 256, 256, 64).with_causal(true);
-    let (qs, ks) = (p.q_strides(), p.kv_strides());
+    let (qs, ks) = (p.q_strides(), p.k_strides());
     let up = |bits: &[u16]| -> Vec<f16> { bits.iter().map(|&b| f16::from_bits(b)).collect() };
     let mut ran = Vec::new();
     for b in common::expected_backends(&dev)
@@ -430,7 +430,7 @@ fn e4m3_views_match_the_reference() {
     let fp8 = inputs.fp8.as_ref().unwrap();
     let reference =
         sdpa::reference(&p, &inputs.values[0], &inputs.values[1], &inputs.values[2]).unwrap();
-    let (qshape, kshape) = (p.q_shape(), p.kv_shape());
+    let (qshape, kshape) = (p.q_shape(), p.k_shape());
     // Codes written at strides `s` into a buffer of 0x7F (an e4m3 NaN) elsewhere.
     let codes = |i: usize, shape: TensorShape, s: Strides| {
         let mut buf = vec![0x7Fu8; extent(shape, s)];
@@ -476,7 +476,7 @@ fn e4m3_views_match_the_reference() {
             .collect::<Vec<f64>>())
     };
     let (qp, kp) = (padded(qshape, 16), padded(kshape, 32));
-    let (ql, kl) = (p.q_strides(), p.kv_strides());
+    let (ql, kl) = (p.q_strides(), p.k_strides());
     let mut ran = Vec::new();
     for b in common::expected_backends(&dev) {
         let got = match b {

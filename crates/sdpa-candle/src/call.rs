@@ -23,6 +23,8 @@ pub(crate) struct Call<'t> {
     /// The sdpa strides of Q, K and V, as the GPU reads them (the CPU gathers by layout).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub strides: [Strides; 3],
+    /// The output's shape: Q's, with V's head dim.
+    pub out_shape: Shape,
     /// The strides of the contiguous output.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub out_strides: Strides,
@@ -59,7 +61,7 @@ impl Call<'_> {
         (v, v_l): (&CpuStorage, &Layout),
         with_lse: bool,
     ) -> Result<(CpuStorage, Option<CpuStorage>)> {
-        let out_len = q_l.shape().elem_count();
+        let out_len = self.out_shape.elem_count();
         let Some(p) = &self.problem else {
             let lse = with_lse
                 .then(|| CpuStorage::F32(vec![f32::NEG_INFINITY; self.lse_shape.elem_count()]));
@@ -178,7 +180,7 @@ pub(crate) fn cpu_fwd(
 ) -> Result<(CpuStorage, Shape)> {
     host::same_dtype(q.0.dtype(), k.0.dtype(), v.0.dtype())?;
     let call = op.resolve(q.0.dtype(), q.1, k.1, v.1)?;
-    Ok((call.cpu(q, k, v, false)?.0, q.1.shape().clone()))
+    Ok((call.cpu(q, k, v, false)?.0, call.out_shape))
 }
 
 /// The op's forward on the GPU (its `CustomOp3::cuda_fwd`).
@@ -191,10 +193,7 @@ pub(crate) fn cuda_fwd(
 ) -> Result<(candle_core::CudaStorage, Shape)> {
     host::same_dtype(q.0.dtype(), k.0.dtype(), v.0.dtype())?;
     let call = op.resolve(q.0.dtype(), q.1, k.1, v.1)?;
-    Ok((
-        crate::cuda::run(&call, q, k, v, false)?.0,
-        q.1.shape().clone(),
-    ))
+    Ok((crate::cuda::run(&call, q, k, v, false)?.0, call.out_shape))
 }
 
 /// The backward an op does not have yet.
@@ -299,7 +298,7 @@ pub(crate) fn forward_with_lse(
         bail!("sdpa-candle: the log-sum-exp was not computed");
     };
     Ok((
-        Tensor::from_storage(out, q_l.shape().clone(), BackpropOp::none(), false),
+        Tensor::from_storage(out, call.out_shape.clone(), BackpropOp::none(), false),
         Tensor::from_storage(lse, call.lse_shape.clone(), BackpropOp::none(), false),
     ))
 }

@@ -51,7 +51,7 @@ fn run_t<T: sdpa::Element + CudaDType + ValidAsZeroBits>(
 ) -> Result<(CudaStorage, Option<CudaStorage>)> {
     let cdev = q.device().clone();
     let stream = cdev.cuda_stream();
-    let mut out = cdev.alloc_zeros::<T>(q_l.shape().elem_count())?;
+    let mut out = cdev.alloc_zeros::<T>(call.out_shape.elem_count())?;
     let mut lse = if with_lse {
         Some(neg_inf(&stream, call.lse_shape.elem_count())?)
     } else {

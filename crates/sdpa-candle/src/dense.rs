@@ -9,7 +9,9 @@ use sdpa::Problem;
 /// Attention over `(batch, seq, heads, head_dim)` tensors: `softmax(softmax_scale · Q·Kᵀ +
 /// mask) · V`, with the causal mask aligned bottom-right when `causal` (query row i sees keys
 /// j ≤ i + seq_k − seq_q, as FlashAttention 2 and later). K and V have `heads / g` heads for
-/// grouped-query attention. Returns a contiguous tensor of Q's shape and dtype.
+/// grouped-query attention. V may have a head dim of its own (DeepSeek's 192-wide Q and K, 128-wide
+/// V), which the output takes. Returns a contiguous tensor of Q's shape (with V's head dim) and
+/// Q's dtype.
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor};
@@ -218,7 +220,7 @@ impl Resolve for FlashAttn {
         let (bk, sk, hk, dk) = k.shape().dims4().map_err(|e| {
             e.context("sdpa-candle: k and v must be (batch, seq_k, kv_heads, head_dim)")
         })?;
-        host::same_shape_kv(k, v)?;
+        let dv = host::v_head_dim(k, v)?;
         if (bk, dk) != (b, d) {
             bail!(
                 "sdpa-candle: q is {:?} and k is {:?}: batch and head_dim must match",
@@ -228,6 +230,7 @@ impl Resolve for FlashAttn {
         }
         host::last_dim_contiguous([("q", q), ("k", k), ("v", v)])?;
         let mut p = Problem::new(b, h, sq, sk, d)
+            .with_head_dim_v(dv)
             .with_kv_heads(hk)
             .with_scale(self.softmax_scale)
             .with_mask(window_mask(self.window_size_left, self.window_size_right))
@@ -243,7 +246,8 @@ impl Resolve for FlashAttn {
         Ok(Call {
             problem: Some(p),
             strides: [q, k, v].map(host::strides_bshd),
-            out_strides: host::strides_bshd(&Layout::contiguous(q.shape())),
+            out_shape: host::out_shape(q, dv),
+            out_strides: host::strides_bshd(&Layout::contiguous(host::out_shape(q, dv))),
             lse_shape: Shape::from((b, h, sq)),
             meta: Meta::default(),
             alibi: self.alibi_slopes.as_ref(),

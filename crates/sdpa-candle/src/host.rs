@@ -2,7 +2,7 @@
 //! sdpa names them; CPU storage to and from the f64 the reference takes; metadata as sdpa's i32.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, Error, Layout, Result, Tensor, bail};
+use candle_core::{CpuStorage, DType, Error, Layout, Result, Shape, Tensor, bail};
 use half::{bf16, f16};
 
 /// The sdpa element type of a candle dtype: f16 and bf16 only.
@@ -22,16 +22,27 @@ pub(crate) fn same_dtype(q: DType, k: DType, v: DType) -> Result<()> {
     Ok(())
 }
 
-/// That K and V have one shape.
-pub(crate) fn same_shape_kv(k: &Layout, v: &Layout) -> Result<()> {
-    if k.shape() != v.shape() {
-        bail!(
-            "sdpa-candle: k is {:?} and v is {:?}; they must match",
+/// V's head dim: its last dimension, where its other dimensions are K's (V may be narrower or
+/// wider than Q and K, as DeepSeek's 192 / 128).
+pub(crate) fn v_head_dim(k: &Layout, v: &Layout) -> Result<usize> {
+    let (kd, vd) = (k.shape().dims(), v.shape().dims());
+    match (kd.split_last(), vd.split_last()) {
+        (Some((_, rows_k)), Some((&dv, rows_v))) if rows_k == rows_v && !kd.is_empty() => Ok(dv),
+        _ => bail!(
+            "sdpa-candle: k is {:?} and v is {:?}; they must match but for the head dim (the last)",
             k.shape(),
             v.shape()
-        );
+        ),
     }
-    Ok(())
+}
+
+/// The output's shape: Q's, with the last dimension (the head dim) V's.
+pub(crate) fn out_shape(q: &Layout, head_dim_v: usize) -> Shape {
+    let mut dims = q.shape().dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = head_dim_v;
+    }
+    Shape::from(dims)
 }
 
 /// That each named layout has a contiguous last dimension (head_dim), as the kernels read rows.

@@ -17,7 +17,8 @@ use sdpa::Problem;
 /// len_1 + len_2, ..`) on Q's device; `max_seqlen_q` and `max_seqlen_k` are the longest
 /// sequence's lengths. Each sequence is attended on its own, `softmax(softmax_scale · Q·Kᵀ +
 /// mask) · V`, its causal mask aligned bottom-right to its own lengths (its query row i sees keys
-/// j ≤ i + len_k − len_q, as FlashAttention). Returns a contiguous `(total_q, heads, head_dim)`
+/// j ≤ i + len_k − len_q, as FlashAttention). V may have a head dim of its own, which the output
+/// takes. Returns a contiguous `(total_q, heads, head_dim_v)`
 /// tensor of Q's dtype; a query row that sees no key (a sequence with no keys, or rows above
 /// the causal diagonal) is zeros, and a batch with no query rows or no keys at all runs no
 /// attention (its output is empty, or zeros).
@@ -440,7 +441,7 @@ impl Resolve for FlashAttnVarLen {
     fn resolve(&self, dtype: DType, q: &Layout, k: &Layout, v: &Layout) -> Result<Call<'_>> {
         let dtype = host::sdpa_dtype(dtype)?;
         let s = self.packed(q)?;
-        host::same_shape_kv(k, v)?;
+        let dv = host::v_head_dim(k, v)?;
         host::last_dim_contiguous([("q", q), ("k", k), ("v", v)])?;
         let paged = self.block_table.is_some();
         let base = Problem::new(
@@ -450,6 +451,7 @@ impl Resolve for FlashAttnVarLen {
             self.max_seqlen_k,
             s.head_dim,
         )
+        .with_head_dim_v(dv)
         .with_packed_q(s.total_q);
         let (kv_heads, p) = self.kv_rows(&s, k, base)?;
         if kv_heads == 0 || !s.heads.is_multiple_of(kv_heads) {
@@ -506,7 +508,8 @@ impl Resolve for FlashAttnVarLen {
         Ok(Call {
             problem,
             strides,
-            out_strides: host::strides_packed(&Layout::contiguous(q.shape())),
+            out_shape: host::out_shape(q, dv),
+            out_strides: host::strides_packed(&Layout::contiguous(host::out_shape(q, dv))),
             lse_shape: Shape::from((s.heads, s.total_q)),
             meta: Meta {
                 cu_seqlens_q: Some(&self.seqlens_q),

@@ -1,7 +1,7 @@
 //! `flash_attn` against candle's own attention (`attention_unfused`: matmul, softmax, matmul in
 //! f32) on the same tensors: on the CPU (sdpa's float64 reference) always, on GPU 0 with the
 //! `cuda` feature. f16 and bf16, causal or not, sliding windows, softcap, grouped-query, inputs
-//! at non-contiguous strides.
+//! at non-contiguous strides, V of its own head dim.
 
 mod common;
 
@@ -37,8 +37,14 @@ fn matches_candles_attention(dev: &Device) -> Result<usize> {
     ];
     for dtype in [DType::F16, DType::BF16] {
         for (left, right, cap) in variants {
-            for dims in [(1, 4, 4, 64, 64, 64), (2, 8, 2, 77, 130, 128)] {
+            // The last: DeepSeek's head dims, V (strided) 128 of Q's and K's 192.
+            for (dims, dv) in [
+                ((1, 4, 4, 64, 64, 64), 64),
+                ((2, 8, 2, 77, 130, 128), 128),
+                ((1, 4, 2, 70, 90, 192), 128),
+            ] {
                 let (q, k, v) = inputs(dev, dtype, dims)?;
+                let v = v.narrow(3, 0, dv)?;
                 assert!(!q.is_contiguous(), "the test means to pass a strided Q");
                 let scale = 1.0 / (dims.5 as f32).sqrt();
                 let ours = FlashAttn {
@@ -50,7 +56,8 @@ fn matches_candles_attention(dev: &Device) -> Result<usize> {
                 }
                 .forward(&q, &k, &v)?;
                 let theirs = attention_unfused_windowed(&q, &k, &v, scale, cap, left, right)?;
-                assert_eq!(ours.dims(), q.dims());
+                let (b, sq, h, _) = q.dims4()?;
+                assert_eq!(ours.dims(), [b, sq, h, dv]);
                 assert_eq!(ours.dtype(), dtype);
                 let rel = rel_diff(&ours, &theirs)?;
                 let tol = if dtype == DType::F16 { 2e-3 } else { 1.5e-2 };
@@ -68,7 +75,7 @@ fn matches_candles_attention(dev: &Device) -> Result<usize> {
 
 #[test]
 fn cpu_op_matches_candles_attention() -> Result<()> {
-    assert_eq!(matches_candles_attention(&Device::Cpu)?, 16);
+    assert_eq!(matches_candles_attention(&Device::Cpu)?, 24);
     Ok(())
 }
 
@@ -149,7 +156,7 @@ fn gpu_op_matches_candles_attention() -> Result<()> {
     let Some(dev) = common::gpu("gpu op") else {
         return Ok(());
     };
-    assert_eq!(matches_candles_attention(&dev)?, 16);
+    assert_eq!(matches_candles_attention(&dev)?, 24);
     // The GPU op and the CPU op (sdpa's float64 reference) on the same inputs.
     let (q, k, v) = inputs(&dev, DType::BF16, (2, 8, 2, 200, 300, 128))?;
     let gpu = flash_attn(&q, &k, &v, 0.08, true)?;

@@ -323,7 +323,7 @@ fn bench_one(
     let kv = kv_bytes(p, inputs.seq_meta.as_ref());
     let flops = sdpa_harness::check::flops(p, inputs.seq_meta.as_ref());
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
-    let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
+    let mut out = Tensor::poisoned(dev, p.output_dtype(), p.out_len().unwrap())?;
     let mut bufs = ExtraBuffers::new(
         dev,
         p,

@@ -193,7 +193,7 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
         let t = median(&times);
         // Per GPU: the caller's shards of Q, K, V and the output, and what the ring adds.
         let shard_bytes =
-            2 * (p.q_len().unwrap_or(0) + p.kv_len().unwrap_or(0)) * p.dtype.size() / ring.world();
+            2 * (p.q_len().unwrap_or(0) + p.k_len().unwrap_or(0)) * p.dtype.size() / ring.world();
         let gib = |b: usize| b as f64 / f64::from(1u32 << 30);
         let tflops = p.flops() / t / 1e12;
         let one = if a.baseline && leads(&ring) {
@@ -303,7 +303,7 @@ fn time_ring(
     let mut bufs = Vec::new();
     for (rank, dev) in ring.local_ranks() {
         let s = dev.stream();
-        let (ql, kl) = (shard.q_len().unwrap_or(0), shard.kv_len().unwrap_or(0));
+        let (ql, kl) = (shard.q_len().unwrap_or(0), shard.k_len().unwrap_or(0));
         let seed = 3 * rank as u64;
         let q = random_bf16(s, ql, seed)?;
         let k = random_bf16(s, kl, seed + 1)?;
@@ -338,7 +338,7 @@ fn time_ring(
 fn time_one_gpu(p: &Problem, iters: usize) -> Option<f64> {
     let run = || -> sdpa::Result<f64> {
         let dev = Device::new(0)?;
-        let (ql, kl) = (p.q_len().unwrap_or(0), p.kv_len().unwrap_or(0));
+        let (ql, kl) = (p.q_len().unwrap_or(0), p.k_len().unwrap_or(0));
         // Random values as the ring's (zeros would draw less power, and at these sizes the
         // GPU's clock follows its power).
         let (q, k, v) = (

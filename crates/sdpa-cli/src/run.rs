@@ -16,11 +16,11 @@ pub struct Args {
     /// K as .npy, shape [B, H_kv, Sk, D].
     #[arg(long)]
     k: PathBuf,
-    /// V as .npy, K's shape.
+    /// V as .npy: K's shape but for its head dim (the last axis), which the output takes.
     #[arg(long)]
     v: PathBuf,
     /// Output .npy (float32, Q's shape).
-    #[arg(long)]
+    /// Output .npy (float32, Q's shape with V's head dim).
     out: PathBuf,
     /// Causal mask (aligned bottom-right when Sq != Sk).
     #[arg(long)]
@@ -209,12 +209,18 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     let (k, kshape) = npy::read(&a.k)?;
     let (v, vshape) = npy::read(&a.v)?;
     let (qd, kd) = (dims4(&qshape, "q")?, dims4(&kshape, "k")?);
-    if vshape != kshape {
+    // V is K's shape but for its head dim (the last axis in either layout), which is the
+    // output's.
+    if vshape.len() != kshape.len()
+        || vshape[..vshape.len().saturating_sub(1)] != kshape[..kshape.len().saturating_sub(1)]
+    {
         return Err(Error::InvalidArgument(format!(
-            "v has shape {vshape:?} but k has {kshape:?}; they must match"
+            "v has shape {vshape:?} but k has {kshape:?}; they must match but for the head dim \
+             (the last axis)"
         ))
         .into());
     }
+    let dv = dims4(&vshape, "v")?[3];
     for (flag, path, x) in [("--q", &a.q, &q), ("--k", &a.k, &k), ("--v", &a.v, &v)] {
         check_fits(flag, path, x, dtype)?;
     }
@@ -234,6 +240,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     }
     let mut p = Problem::new(b, h, sq, sk, dq)
         .with_kv_heads(hk)
+        .with_head_dim_v(dv)
         .with_causal(a.causal)
         .with_dtype(dtype)
         .with_layout(layout)
@@ -303,8 +310,8 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         other => other,
     })?;
     let od = p.output_dtype();
-    let shapes = [p.q_shape(), p.kv_shape(), p.kv_shape()];
-    let (q_len, lse_len) = (q.len(), p.lse_len());
+    let shapes = [p.q_shape(), p.k_shape(), p.v_shape()];
+    let (out_len, lse_len) = (p.out_len().unwrap_or_default(), p.lse_len());
 
     let dev = device_for(&[requested], a.backend.is_some())?;
     let backend = chosen_backend(dev.as_ref(), &p, requested)?;
@@ -316,7 +323,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                 _ => Tensor::from_f32(dev, dtype, x),
             };
             let (qt, kt, vt) = (up(&q, 0)?, up(&k, 1)?, up(&v, 2)?);
-            let mut ot = Tensor::poisoned(dev, od, q_len)?;
+            let mut ot = Tensor::poisoned(dev, od, out_len)?;
             let mut bufs = sdpa_harness::check::ExtraBuffers::new(
                 dev,
                 &p,
@@ -334,7 +341,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
             check_host_elements(lse_len, 4 + 8)?;
             let lse = bufs.lse(dev)?.unwrap_or_default();
             let lse = try_map(&lse, |x| x as f32)?;
-            check_host_elements(q_len, 2 + 8 + 4)?;
+            check_host_elements(out_len, 2 + 8 + 4)?;
             (ot.to_f32(dev)?, lse)
         }
         None => {
@@ -366,7 +373,9 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     };
     // Both files are written in full before either replaces anything: a failure to write one
     // leaves neither (only the two renames come after).
-    let staged_out = npy::stage(&a.out, &out, &qshape)?;
+    let mut oshape = qshape.clone();
+    oshape[3] = dv;
+    let staged_out = npy::stage(&a.out, &out, &oshape)?;
     let staged_lse = match &a.lse {
         Some(path) => Some(npy::stage(path, &lse, &[b, h, sq])?),
         None => None,

@@ -46,17 +46,24 @@ fn values(n: usize, seed: u32) -> Vec<f32> {
 
 #[test]
 fn run_on_npy_matches_the_reference() {
-    // GQA (4 query heads, 2 kv heads), seq_q != seq_k, causal.
+    // GQA (4 query heads, 2 kv heads), seq_q != seq_k, causal; V as wide as Q and K, then
+    // narrower (the output takes V's head dim).
+    for dv in [64, 32] {
+        run_matches_the_reference_with_v_of(dv);
+    }
+}
+
+fn run_matches_the_reference_with_v_of(dv: usize) {
     let (b, h, hk, sq, sk, d) = (1, 4, 2, 5, 9, 64);
     let (q, k, v) = (
         values(b * h * sq * d, 1),
         values(b * hk * sk * d, 2),
-        values(b * hk * sk * d, 3),
+        values(b * hk * sk * dv, 3),
     );
     let paths = [tmp("q.npy"), tmp("k.npy"), tmp("v.npy"), tmp("o.npy")];
     write_npy(&paths[0], &q, &[b as u64, h as u64, sq as u64, d as u64]);
     write_npy(&paths[1], &k, &[b as u64, hk as u64, sk as u64, d as u64]);
-    write_npy(&paths[2], &v, &[b as u64, hk as u64, sk as u64, d as u64]);
+    write_npy(&paths[2], &v, &[b as u64, hk as u64, sk as u64, dv as u64]);
     let out = sdpa()
         .args(["run", "--backend", "cpu", "--causal", "--dtype", "f16"])
         .args([
@@ -77,13 +84,15 @@ fn run_on_npy_matches_the_reference() {
 
     let bytes = std::fs::read(&paths[3]).unwrap();
     let npy = npyz::NpyFile::new(&bytes[..]).unwrap();
-    assert_eq!(npy.shape(), &[1, 4, 5, 64]);
+    assert_eq!(npy.shape(), &[1, 4, 5, dv as u64]);
     let got: Vec<f32> = npy.into_vec().unwrap();
     let p = sdpa::Problem::new(b, h, sq, sk, d)
+        .with_head_dim_v(dv)
         .with_kv_heads(hk)
         .with_causal(true);
     let round = |x: &[f32]| sdpa::decode(sdpa::DType::F16, &sdpa::encode(sdpa::DType::F16, x));
     let want = sdpa::reference(&p, &round(&q), &round(&k), &round(&v)).unwrap();
+    assert_eq!(got.len(), want.len());
     for (g, w) in got.iter().zip(&want) {
         assert!((f64::from(*g) - w).abs() < 1e-6, "{g} vs {w}");
     }
@@ -300,8 +309,8 @@ fn run_e4m3_matches_the_reference_on_quantized_inputs() {
     let want = sdpa::reference(
         &p,
         &deq(&q, p.q_shape()),
-        &deq(&k, p.kv_shape()),
-        &deq(&v, p.kv_shape()),
+        &deq(&k, p.k_shape()),
+        &deq(&v, p.v_shape()),
     )
     .unwrap();
     let gpu = sdpa::Device::new(0).is_ok();
@@ -353,14 +362,20 @@ fn malformed_inputs_are_one_line_errors() {
     let flat = tmp("flat.npy");
     write_npy(&flat, &values(16, 6), &[16]);
     let g = good.to_str().unwrap();
-    let cases: [(&[&str], &str); 5] = [
+    let short = tmp("short.npy");
+    write_npy(&short, &values(2 * 4 * 64, 7), &[1, 2, 4, 64]);
+    let cases: [(&[&str], &str); 6] = [
         (
             &["--q", bad.to_str().unwrap(), "--k", g, "--v", g],
             "not a .npy file",
         ),
         (
             &["--q", g, "--k", odd.to_str().unwrap(), "--v", g],
-            "must match",
+            "disagree on batch or head_dim",
+        ),
+        (
+            &["--q", g, "--k", g, "--v", short.to_str().unwrap()],
+            "must match but for the head dim",
         ),
         (
             &["--q", g, "--k", g, "--v", flat.to_str().unwrap()],

@@ -409,7 +409,7 @@ pub fn run_backend_with_lse(
         }
         (_, Some(dev)) => {
             let [q, k, v] = inputs.upload(dev, p.dtype)?;
-            let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
+            let mut out = Tensor::poisoned(dev, p.output_dtype(), p.out_len().unwrap())?;
             let mut bufs = ExtraBuffers::new(
                 dev,
                 p,

@@ -164,7 +164,7 @@ impl Inputs {
 
     /// e4m3 inputs of `p` quantized from given values (per `p.fp8_scaling`, amax scales).
     pub fn quantized(p: &Problem, q: &[f32], k: &[f32], v: &[f32]) -> Result<Inputs> {
-        let shapes = [p.q_shape(), p.kv_shape(), p.kv_shape()];
+        let shapes = [p.q_shape(), p.k_shape(), p.v_shape()];
         let mut bits: [Vec<u16>; 3] = Default::default();
         let mut values: [Vec<f64>; 3] = Default::default();
         let mut scales: [Vec<f32>; 3] = Default::default();
@@ -220,7 +220,7 @@ impl Inputs {
 /// `Error::OutOfMemory` before anything is allocated.
 pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
     p.validate()?;
-    let (ql, kl) = (p.q_len().unwrap_or(0), p.kv_len().unwrap_or(0));
+    let [ql, kl, vl] = [p.q_len(), p.k_len(), p.v_len()].map(Option::unwrap_or_default);
     // Per element: its bits, its f64 value, and the f32 draw they are made from (e4m3 inputs
     // also keep the unquantized values and the codes as f32 while quantizing).
     let per_element = if p.dtype == DType::E4m3 {
@@ -229,8 +229,8 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
         2 + 8 + 4
     };
     sdpa::memory::check_host(
-        kl.checked_mul(2)
-            .and_then(|k2| k2.checked_add(ql))
+        kl.checked_add(vl)
+            .and_then(|kv| kv.checked_add(ql))
             .and_then(|n| n.checked_mul(per_element)),
     )?;
     if p.dtype == DType::E4m3 {
@@ -242,7 +242,7 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
     }
     let mut rng = StdRng::seed_from_u64(seed);
     let mut draw = |n: usize| encode(p.dtype, &normals(&mut rng, n));
-    let bits = [draw(ql), draw(kl), draw(kl)];
+    let bits = [draw(ql), draw(kl), draw(vl)];
     let values = [
         decode(p.dtype, &bits[0]),
         decode(p.dtype, &bits[1]),
@@ -357,22 +357,22 @@ pub fn family_inputs(p: &Problem, family: Family, seed: u64) -> Result<Inputs> {
             "{family} inputs are drawn for dense problems only, {p} is not"
         )));
     }
-    let (ql, kl) = (p.q_len().unwrap_or(0), p.kv_len().unwrap_or(0));
+    let [ql, kl, vl] = [p.q_len(), p.k_len(), p.v_len()].map(Option::unwrap_or_default);
     // Per element: the f32 draw, and what `Inputs` keeps (as `random_inputs` counts it).
     sdpa::memory::check_host(
-        kl.checked_mul(2)
-            .and_then(|k2| k2.checked_add(ql))
+        kl.checked_add(vl)
+            .and_then(|kv| kv.checked_add(ql))
             .and_then(|n| n.checked_mul(4 + 2 + 8 + 8 + 4)),
     )?;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut q = normals(&mut rng, ql);
     let mut k = normals(&mut rng, kl);
-    let mut v = normals(&mut rng, kl);
+    let mut v = normals(&mut rng, vl);
     match family {
         Family::Normal => {}
         Family::ChannelMean => {
-            let shape = p.kv_shape();
-            let d = p.head_dim;
+            let shape = p.v_shape();
+            let d = p.v_dim();
             let mu = normals(&mut rng, shape.heads_total().unwrap_or(0) * d);
             for (i, x) in v.iter_mut().enumerate() {
                 *x += mu[shape.head_of(i).unwrap_or(0) * d + i % d];

@@ -13,6 +13,8 @@ pub struct Named {
     pub name: &'static str,
     /// [batch, heads, kv_heads, seq_q, seq_k, head_dim] (a packed batch: the longest sequence).
     pub dims: [usize; 6],
+    /// V's and the output's head dim where it is not head_dim (the anchor's `dv`).
+    pub head_dim_v: Option<usize>,
     /// Which keys each row sees.
     pub mask: Mask,
     /// The logit cap, if any.
@@ -46,6 +48,7 @@ impl Named {
             } else {
                 Mask::None
             },
+            head_dim_v: None,
             softcap: None,
             sinks: false,
             seqs: NamedSeqs::Dense,
@@ -62,6 +65,7 @@ impl Named {
     fn base(&self) -> Problem {
         let [b, h, hkv, sq, sk, d] = self.dims;
         let p = Problem::new(b, h, sq, sk, d)
+            .with_head_dim_v(self.head_dim_v.unwrap_or(d))
             .with_kv_heads(hkv)
             .with_mask(self.mask)
             .with_sinks(self.sinks);
@@ -117,6 +121,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
             left: Some(1024),
             right: Some(0),
         },
+        head_dim_v: None,
         softcap: None,
         sinks: false,
         seqs: NamedSeqs::Dense,
@@ -126,6 +131,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         name: "llama4-chunk8k-s32k",
         dims: [1, 40, 8, 32768, 32768, 128],
         mask: Mask::Chunked { size: 8192 },
+        head_dim_v: None,
         softcap: None,
         sinks: false,
         seqs: NamedSeqs::Dense,
@@ -134,6 +140,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         name: "s8k-d128-softcap",
         dims: [1, 16, 16, 8192, 8192, 128],
         mask: Mask::CausalBottomRight,
+        head_dim_v: None,
         softcap: Some(30.0),
         sinks: false,
         seqs: NamedSeqs::Dense,
@@ -142,6 +149,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         name: "s8k-d128-gqa",
         dims: [1, 32, 8, 8192, 8192, 128],
         mask: Mask::CausalBottomRight,
+        head_dim_v: None,
         softcap: None,
         sinks: false,
         seqs: NamedSeqs::Dense,
@@ -178,6 +186,11 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         dims: [32, 64, 8, 1, 8192, 64],
         sinks: true,
         ..Named::dense("gptoss-decode-b32-k8k-sink", [32, 64, 8192, 64], false)
+    },
+    // DeepSeek V3 / R1 prefill (MLA not absorbed): Q and K 192 wide (128 + 64 rotary), V 128.
+    Named {
+        head_dim_v: Some(128),
+        ..Named::dense("dsv3-prefill-s4k", [1, 128, 4096, 192], true)
     },
 ];
 
@@ -272,6 +285,21 @@ mod tests {
             Mask::None
         );
         assert!(!named_problem("s8k-d128-gqa").unwrap().sinks);
+    }
+
+    #[test]
+    fn the_deepseek_prefill_is_the_anchor_scripts() {
+        // VARIANTS: b 1, h 128 = kv 128, s 4096, d 192, dv 128, causal; its FLOPs count
+        // Q·Kᵀ at 192 and P·V at 128.
+        let p = named_problem("dsv3-prefill-s4k").unwrap();
+        assert_eq!(
+            (p.batch, p.heads, p.kv_heads, p.seq_q, p.seq_k, p.head_dim),
+            (1, 128, 128, 4096, 4096, 192)
+        );
+        assert_eq!(p.v_dim(), 128);
+        assert!(p.is_causal());
+        let visible = 4096.0 * 4097.0 / 2.0;
+        assert_eq!(p.flops(), 2.0 * 128.0 * visible * (192.0 + 128.0));
     }
 
     #[test]

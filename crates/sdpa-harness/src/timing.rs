@@ -263,7 +263,7 @@ pub fn time_backend(
     }
     let dev = dev.expect("supports() requires a device for GPU backends");
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
-    let mut out = Tensor::poisoned(dev, p.output_dtype(), p.q_len().unwrap())?;
+    let mut out = Tensor::poisoned(dev, p.output_dtype(), p.out_len().unwrap())?;
     let mut bufs = crate::check::ExtraBuffers::new(
         dev,
         p,

@@ -71,7 +71,10 @@ mod blocks {
         kv_heads: i64,
         seq_q: i64,
         seq_k: i64,
+        /// Of Q and K.
         head_dim: i64,
+        /// Of V and the output.
+        head_dim_v: i64,
     }
 
     /// The mask and, for `Mask::Window`, the keys left and right of the diagonal (negative:

@@ -118,8 +118,8 @@ fn main() -> sdpa::Result<()> {
     let table: Vec<i32> = (0..pages as i32).map(|i| (i * 7) % pages as i32).collect();
     let table_dev = stream.clone_htod(&table)?;
     let mut seqused = stream.clone_htod(&vec![0i32; batch])?;
-    let mut k_cache = Tensor::zeros(&dev, DTYPE, decode.kv_len().unwrap())?;
-    let mut v_cache = Tensor::zeros(&dev, DTYPE, decode.kv_len().unwrap())?;
+    let mut k_cache = Tensor::zeros(&dev, DTYPE, decode.k_len().unwrap())?;
+    let mut v_cache = Tensor::zeros(&dev, DTYPE, decode.k_len().unwrap())?;
 
     // The prompts' keys and values into the cache: padded to the longest prompt, appended at
     // once, then each sequence's length set to its prompt's.

@@ -39,14 +39,13 @@ impl Buffers {
         v: &Tensor,
         out: &mut Tensor,
     ) -> Buffers {
-        let (qs, ks) = (p.q_strides(), p.kv_strides());
         Buffers {
             q: q.ptr(dev),
             k: k.ptr(dev),
             v: v.ptr(dev),
             o: out.ptr_mut(dev),
             scales: [q.scales_ptr(dev), k.scales_ptr(dev), v.scales_ptr(dev)],
-            strides: [qs, ks, ks, qs],
+            strides: p.operand_strides(),
             alibi_slopes: 0,
             sinks: 0,
             lse: 0,
@@ -68,7 +67,6 @@ impl Buffers {
     /// Whether every operand has the strides of the problem's own layout (what the backends
     /// that index by layout, cpu and cublas, need).
     pub(crate) fn in_layout(&self, p: &Problem) -> bool {
-        let (qs, ks) = (p.q_strides(), p.kv_strides());
-        self.strides == [qs, ks, ks, qs]
+        self.strides == p.operand_strides()
     }
 }

@@ -29,7 +29,7 @@ use std::sync::Arc;
 ///     .with_lse(true);
 /// let cu = dev.stream().clone_htod(&[0i32, 100, 107, 407])?;
 /// let mut lse = dev.stream().alloc_zeros::<f32>(p.lse_len())?;
-/// let (nq, nkv) = (p.q_len().unwrap(), p.kv_len().unwrap());
+/// let (nq, nkv) = (p.q_len().unwrap(), p.k_len().unwrap());
 /// let q = Tensor::zeros(&dev, DType::F16, nq)?;
 /// let (k, v) = (Tensor::zeros(&dev, DType::F16, nkv)?, Tensor::zeros(&dev, DType::F16, nkv)?);
 /// let mut out = Tensor::poisoned(&dev, DType::F16, nq)?;

@@ -63,9 +63,9 @@ impl std::fmt::Debug for Fp8View<'_> {
 /// let mut out = s.alloc_zeros::<bf16>(n)?;
 /// let views = Fp8Views {
 ///     q: Fp8View::new(q.as_view(), q_scale.as_view(), p.q_strides()),
-///     k: Fp8View::new(k.as_view(), kv_scale.as_view(), p.kv_strides()),
-///     v: Fp8View::new(v.as_view(), kv_scale.as_view(), p.kv_strides()),
-///     out: ViewMut::new(out.as_view_mut(), p.q_strides()),
+///     k: Fp8View::new(k.as_view(), kv_scale.as_view(), p.k_strides()),
+///     v: Fp8View::new(v.as_view(), kv_scale.as_view(), p.v_strides()),
+///     out: ViewMut::new(out.as_view_mut(), p.out_strides()),
 /// };
 /// sdpa::forward(&dev, &p, Backend::Auto, views, Extras::default())?;
 /// # Ok(())
@@ -108,14 +108,14 @@ pub(crate) fn run_fp8_views<T: Element>(
             p.output_dtype()
         ));
     }
-    let (qs, ks) = (p.q_shape(), p.kv_shape());
+    let [qs, ks, vs, os] = p.operand_shapes();
     let spans = [
         span("q", dev, &q.codes, q.strides, qs)?,
         span("k", dev, &k.codes, k.strides, ks)?,
-        span("v", dev, &v.codes, v.strides, ks)?,
-        span("out", dev, &out.data, out.strides, qs)?,
+        span("v", dev, &v.codes, v.strides, vs)?,
+        span("out", dev, &out.data, out.strides, os)?,
     ];
-    rows_distinct(out.strides, qs)?;
+    rows_distinct(out.strides, os)?;
     let groups = |heads: usize| match p.fp8_scaling {
         Scaling::PerTensor => 1,
         Scaling::PerHead => p.batch * heads,
@@ -144,8 +144,8 @@ pub(crate) fn run_fp8_views<T: Element>(
     let strides = [
         qs.effective(q.strides),
         ks.effective(k.strides),
-        ks.effective(v.strides),
-        qs.effective(out.strides),
+        vs.effective(v.strides),
+        os.effective(out.strides),
     ];
     let stream = dev.stream();
     // The guards record cudarc's read/write events (where tracking is on) once dropped, after

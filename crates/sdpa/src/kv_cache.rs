@@ -17,7 +17,7 @@ use std::sync::Arc;
 /// `kv_heads` heads of `head_dim` values, each page `[page_size, kv_heads, head_dim]` (NHD) or
 /// `[kv_heads, page_size, head_dim]` (HND), pages one after another, K and V alike. Attention
 /// reads it through a problem `with_paged_kv(pages, page_size, pages_per_seq)` and
-/// `with_page_layout(layout)`, K and V as views at [`Problem::kv_strides`].
+/// `with_page_layout(layout)`, K and V as views at [`Problem::k_strides`] and [`Problem::v_strides`].
 #[derive(Debug)]
 pub struct PagedCache<'a, T> {
     /// The key cache.
@@ -131,7 +131,7 @@ pub enum Placement<'a> {
 /// let p = Problem::new(2, 32, 1, 1024, d).with_kv_heads(kv_heads)
 ///     .with_layout(sdpa::Layout::Bshd)
 ///     .with_paged_kv(pages, page_size, 64).with_page_layout(PageLayout::Hnd);
-/// let (k, v) = (View::new(kc.as_view(), p.kv_strides()), View::new(vc.as_view(), p.kv_strides()));
+/// let (k, v) = (View::new(kc.as_view(), p.k_strides()), View::new(vc.as_view(), p.v_strides()));
 /// # let _ = (k, v, Backend::Auto, Extras::default());
 /// # Ok(())
 /// # }
@@ -354,7 +354,7 @@ pub struct KvAppend<'a> {
     pub v_new: &'a Tensor,
     /// New rows a sequence.
     pub n_new: usize,
-    /// The key cache, `[pages, page_size, kv_heads, head_dim]` (`p.kv_len()` elements).
+    /// The key cache, `[pages, page_size, kv_heads, head_dim]` (`p.k_len()` elements).
     pub k_cache: &'a mut Tensor,
     /// The value cache, the same shape.
     pub v_cache: &'a mut Tensor,
@@ -386,8 +386,8 @@ pub struct KvAppend<'a> {
 /// let dev = Device::new(0)?;
 /// let p = Problem::new(2, 32, 1, 256, 128).with_kv_heads(8).with_layout(Layout::Bshd)
 ///     .with_paged_kv(8, 64, 4);
-/// let mut k_cache = Tensor::zeros(&dev, DType::F16, p.kv_len().unwrap())?;
-/// let mut v_cache = Tensor::zeros(&dev, DType::F16, p.kv_len().unwrap())?;
+/// let mut k_cache = Tensor::zeros(&dev, DType::F16, p.k_len().unwrap())?;
+/// let mut v_cache = Tensor::zeros(&dev, DType::F16, p.v_len().unwrap())?;
 /// let table = dev.stream().clone_htod(&[0i32, 1, 2, 3, 4, 5, 6, 7])?;
 /// let mut seqused = dev.stream().clone_htod(&[10i32, 70])?; // the keys each sequence holds
 /// let k_new = Tensor::zeros(&dev, DType::F16, 2 * 8 * 128)?; // [batch, n_new, kv_heads, head_dim]
@@ -420,6 +420,13 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
     if p.dtype == DType::E4m3 {
         return Err(invalid!("append_kv takes f16 or bf16 caches, not e4m3"));
     }
+    if p.v_dim() != p.head_dim {
+        return Err(invalid!(
+            "append_kv writes caches of one head dim; {p} has head_dim {} and head_dim_v {}",
+            p.head_dim,
+            p.v_dim()
+        ));
+    }
     // Past i32::MAX new rows a sequence the kernel's lengths (i32) could not advance.
     let new_len = (a.n_new <= i32::MAX as usize)
         .then(|| {
@@ -438,8 +445,8 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
     for (name, t, need) in [
         ("k_new", a.k_new, new_len),
         ("v_new", a.v_new, new_len),
-        ("k_cache", &*a.k_cache, p.kv_elems()),
-        ("v_cache", &*a.v_cache, p.kv_elems()),
+        ("k_cache", &*a.k_cache, p.k_len().unwrap_or_default()),
+        ("v_cache", &*a.v_cache, p.v_len().unwrap_or_default()),
     ] {
         if t.dtype() != p.dtype {
             return Err(invalid!(

@@ -65,9 +65,8 @@ pub(crate) fn launch(plan: &Plan, call: Call<'_>, mut extras: Extras<'_>) -> Res
     out_apart(&o.span, &inputs)?;
     let spans = [q, k, v, o].map(|b| b.span.clone());
     extras.check(dev, p, &spans)?;
-    let (qd, kd) = (p.q_strides(), p.kv_strides());
     let strides = [q, k, v, o].map(|b| b.strides);
-    let in_layout = strides == [qd, kd, kd, qd];
+    let in_layout = strides == p.operand_strides();
     let backend = plan.choose(|b| takes(p, &call.storage, b, in_layout))?;
     let extra_streams: Vec<_> = extras.streams().cloned().collect();
     let order = dev.order_after(call.streams.iter().chain(&extra_streams))?;

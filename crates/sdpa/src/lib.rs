@@ -11,7 +11,7 @@
 //! # fn main() -> sdpa::Result<()> {
 //! let dev = Device::new(0)?; // Err(Error::NoDevice) on a machine without a GPU
 //! let p = Problem::new(2, 8, 256, 256, 64).with_causal(true).with_dtype(DType::Bf16);
-//! let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
+//! let (ql, kl) = (p.q_len().unwrap(), p.k_len().unwrap());
 //! let q = Tensor::from_f32(&dev, p.dtype, &vec![0.5; ql])?;
 //! let k = Tensor::from_f32(&dev, p.dtype, &vec![0.25; kl])?;
 //! let v = Tensor::from_f32(&dev, p.dtype, &vec![1.0; kl])?;
@@ -132,7 +132,7 @@ pub use cudarc;
 ///     .with_softcap(30.0)
 ///     .with_alibi(Alibi::PerHead)
 ///     .with_lse(true);
-/// let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
+/// let (ql, kl) = (p.q_len().unwrap(), p.k_len().unwrap());
 /// let q = Tensor::zeros(&dev, DType::F16, ql)?;
 /// let (k, v) = (Tensor::zeros(&dev, DType::F16, kl)?, Tensor::zeros(&dev, DType::F16, kl)?);
 /// let mut out = Tensor::zeros(&dev, DType::F16, ql)?;

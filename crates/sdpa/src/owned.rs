@@ -20,7 +20,7 @@ pub(crate) fn run_tensors(plan: &Plan, t: Tensors<'_>, extras: Extras<'_>) -> Re
     let (dev, p) = (plan.device(), plan.checked());
     let Tensors { q, k, v, out } = t;
     check_tensors(dev, p, q, k, v, out)?;
-    let (qs, ks) = (p.q_strides(), p.kv_strides());
+    let [qs, ks, vs, os] = p.operand_strides();
     let bind = |t: &Tensor, strides| launch::Bound {
         ptr: t.ptr(dev),
         strides,
@@ -30,7 +30,7 @@ pub(crate) fn run_tensors(plan: &Plan, t: Tensors<'_>, extras: Extras<'_>) -> Re
             (at, at..at + 4 * t.scales().map_or(0, <[f32]>::len) as u64)
         }),
     };
-    let ops = [bind(q, qs), bind(k, ks), bind(v, ks), bind(out, qs)];
+    let ops = [bind(q, qs), bind(k, ks), bind(v, vs), bind(out, os)];
     let streams = [q, k, v, &*out]
         .into_iter()
         .flat_map(|t| t.streams().cloned())
@@ -174,13 +174,13 @@ fn check_tensors(
     v: &Tensor,
     out: &Tensor,
 ) -> Result<()> {
-    let (ql, kl) = (p.q_elems(), p.kv_elems());
-    let (qs, ks) = (p.q_shape(), p.kv_shape());
+    let [ql, kl, vl, ol] = p.operand_elems();
+    let [qs, ks, vs, os] = p.operand_shapes();
     for (name, t, need, shape) in [
         ("q", q, ql, qs),
         ("k", k, kl, ks),
-        ("v", v, kl, ks),
-        ("out", out, ql, qs),
+        ("v", v, vl, vs),
+        ("out", out, ol, os),
     ] {
         let want = if name == "out" {
             p.output_dtype()

@@ -25,7 +25,7 @@ use sdpa_sys::args::KernelPlan;
 /// let dev = Device::new(0)?;
 /// let p = Problem::new(2, 8, 256, 256, 64).with_causal(true);
 /// let plan = Plan::new(&dev, &p, Backend::Auto)?; // checks p, picks the backend
-/// let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
+/// let (ql, kl) = (p.q_len().unwrap(), p.k_len().unwrap());
 /// let q = Tensor::zeros(&dev, DType::F16, ql)?;
 /// let (k, v) = (Tensor::zeros(&dev, DType::F16, kl)?, Tensor::zeros(&dev, DType::F16, kl)?);
 /// let mut out = Tensor::zeros(&dev, DType::F16, ql)?;
@@ -184,9 +184,9 @@ fn reserve_backend(dev: &Device, p: &Checked, chosen: Backend) -> Result<()> {
         // allow: run the problem once, on zeros, besides making the handle and workspace.
         let p = p.dequantized();
         crate::backend::cublas::reserve(dev, &p)?;
-        let (ql, kl) = (p.q_elems(), p.kv_elems());
+        let [ql, kl, vl, ol] = p.operand_elems();
         let zeros = |n| Tensor::zeros(dev, p.dtype, n);
-        let (q, k, v, mut out) = (zeros(ql)?, zeros(kl)?, zeros(kl)?, zeros(ql)?);
+        let (q, k, v, mut out) = (zeros(ql)?, zeros(kl)?, zeros(vl)?, zeros(ol)?);
         let b = crate::buffers::Buffers::of_tensors(dev, &p, &q, &k, &v, &mut out);
         crate::backend::cublas::forward(dev, &p, &b)?;
         dev.synchronize()?;
@@ -209,11 +209,11 @@ pub trait Operands: sealed::Sealed {
 pub struct Tensors<'a> {
     /// Queries, `p.q_len()` elements.
     pub q: &'a Tensor,
-    /// Keys, `p.kv_len()` elements.
+    /// Keys, `p.k_len()` elements.
     pub k: &'a Tensor,
-    /// Values, `p.kv_len()` elements.
+    /// Values, `p.v_len()` elements.
     pub v: &'a Tensor,
-    /// The output, `p.q_len()` elements of `p.output_dtype()` (f16, bf16 or f32); written only
+    /// The output, `p.out_len()` elements of `p.output_dtype()` (f16, bf16 or f32); written only
     /// on success.
     pub out: &'a mut Tensor,
 }

@@ -516,11 +516,11 @@ mod tests {
         }
         let p = base.with_packed_q(10).with_packed_kv(100);
         assert_eq!(p.q_len(), Some(10 * 2 * 64));
-        assert_eq!(p.kv_len(), Some(100 * 2 * 64));
+        assert_eq!(p.k_len(), Some(100 * 2 * 64));
         assert_eq!(p.lse_len(), 2 * 10);
         let s = p.q_strides();
         assert_eq!((s.head, s.seq), (64, 128));
         let p = base.with_paged_kv(5, 16, 4);
-        assert_eq!(p.kv_len(), Some(5 * 16 * 2 * 64));
+        assert_eq!(p.v_len(), Some(5 * 16 * 2 * 64));
     }
 }

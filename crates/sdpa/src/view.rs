@@ -79,11 +79,11 @@ impl<T> std::fmt::Debug for ViewMut<'_, T> {
 /// let (b, s, h, d) = (2, 1024, 16, 64);
 /// let p = Problem::new(b, h, s, s, d).with_dtype(DType::Bf16).with_causal(true);
 /// let qkv = dev.stream().alloc_zeros::<bf16>(b * s * 3 * h * d)?;
-/// let mut out = dev.stream().alloc_zeros::<bf16>(p.q_len().unwrap())?;
+/// let mut out = dev.stream().alloc_zeros::<bf16>(p.out_len().unwrap())?;
 /// // Each row holds Q's heads, then K's, then V's.
 /// let strides = Strides { batch: s * 3 * h * d, head: d, seq: 3 * h * d };
 /// let part = |i: usize| View::new(qkv.slice(i * h * d..), strides);
-/// let out_view = ViewMut::new(out.as_view_mut(), p.q_strides());
+/// let out_view = ViewMut::new(out.as_view_mut(), p.out_strides());
 /// let views = Views { q: part(0), k: part(1), v: part(2), out: out_view };
 /// sdpa::forward(&dev, &p, Backend::Auto, views, Extras::default())?;
 /// # Ok(())
@@ -147,19 +147,19 @@ fn launch_views<T: Element, O: Element>(
     extras: Extras<'_>,
 ) -> Result<()> {
     let (dev, p) = (plan.device(), plan.checked());
-    let (qs, ks) = (p.q_shape(), p.kv_shape());
+    let [qs, ks, vs, os] = p.operand_shapes();
     let spans = [
         span("q", dev, &q.data, q.strides, qs)?,
         span("k", dev, &k.data, k.strides, ks)?,
-        span("v", dev, &v.data, v.strides, ks)?,
-        span("out", dev, &out.data, out.strides, qs)?,
+        span("v", dev, &v.data, v.strides, vs)?,
+        span("out", dev, &out.data, out.strides, os)?,
     ];
-    rows_distinct(out.strides, qs)?;
+    rows_distinct(out.strides, os)?;
     let strides = [
         qs.effective(q.strides),
         ks.effective(k.strides),
-        ks.effective(v.strides),
-        qs.effective(out.strides),
+        vs.effective(v.strides),
+        os.effective(out.strides),
     ];
     let stream = dev.stream();
     // The guards record cudarc's read/write events (where tracking is on) once dropped, after

@@ -1,4 +1,4 @@
-// Host-side dispatch: the one lookup from (kernel, dtype, head_dim) to an instantiation of
+// Host-side dispatch: the one lookup from (kernel, dtype, head dims) to an instantiation of
 // cpp/kernels.txt, made by plan() once per problem; can_implement asks it too, forward runs the
 // plan's instance. Arguments arrive validated by the Rust layer; forward checks what the
 // instance needs of the call's buffers and throws its reason instead of launching anything.
@@ -62,10 +62,28 @@ const char* name(Dtype dtype) {
   return "unknown dtype";
 }
 
-const Instance* find(Kernel kernel, Dtype dtype, int64_t head_dim) {
-  for (const Instance& i : kInstances)
-    if (i.kernel == kernel && i.dtype == dtype && i.head_dim == head_dim) return &i;
-  return nullptr;
+// Kernels that read and write only a problem's own columns of their instance's D (zero-filled
+// loads past head_dim and head_dim_v, stores up to head_dim_v), on their general path: they run
+// head dims of no instance of their own and V narrower or wider than Q·Kᵀ.
+bool narrows_head_dims(Kernel kernel) {
+  return kernel == Kernel::Scalar || kernel == Kernel::CutlassSm80;
+}
+
+// The instance that runs head dims (d, dv): the one of D = d = dv, else for a kernel that
+// narrows them the smallest D as wide as both.
+const Instance* find(Kernel kernel, Dtype dtype, int64_t d, int64_t dv) {
+  const Instance* best = nullptr;
+  for (const Instance& i : kInstances) {
+    if (i.kernel != kernel || i.dtype != dtype) continue;
+    if (i.head_dim == d && i.head_dim == dv) return &i;
+    if (narrows_head_dims(kernel) && i.head_dim >= d && i.head_dim >= dv &&
+        (best == nullptr || i.head_dim < best->head_dim))
+      best = &i;
+  }
+  return best;
+}
+const Instance* find(Kernel kernel, Dtype dtype, const FwdArgs& a) {
+  return find(kernel, dtype, a.dims.head_dim, a.dims.head_dim_v);
 }
 
 // Kernels without FP8 math (no e4m3 line in cpp/kernels.txt) take E4M3 inputs through the
@@ -93,10 +111,17 @@ std::string can_implement(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev
     b.ops.q = b.ops.k = b.ops.v = 0;
     return can_implement(kernel, b, dev);
   }
-  const Instance* i = find(kernel, a.ops.dtype, a.dims.head_dim);
+  const Instance* i = find(kernel, a.ops.dtype, a);
   if (i == nullptr)
     return std::string("dtype ") + name(a.ops.dtype) + ", head_dim " +
-           std::to_string(a.dims.head_dim) + " is not instantiated (cpp/kernels.txt) or not built";
+           std::to_string(a.dims.head_dim) +
+           (a.dims.head_dim_v != a.dims.head_dim
+                ? " with head_dim_v " + std::to_string(a.dims.head_dim_v)
+                : std::string()) +
+           " is not instantiated (cpp/kernels.txt) or not built" +
+           (narrows_head_dims(kernel) ? ""
+                                      : "; this kernel runs the head dims of its instances only "
+                                        "(scalar and cutlass-sm80 run others)");
   return i->can_implement(a, dev);
 }
 
@@ -108,7 +133,7 @@ const Instance& planned(const KernelPlan& plan, const FwdArgs& a) {
     throw Error("forward: a plan that plan() did not make");
   const Instance& i = kInstances[plan.instance];
   const Dtype runs = plan.simulated ? a.out.dtype : a.ops.dtype;
-  if (i.kernel != plan.kernel || i.dtype != runs || i.head_dim != a.dims.head_dim)
+  if (i.kernel != plan.kernel || i.dtype != runs || &i != find(plan.kernel, runs, a))
     throw Error(std::string(name(plan.kernel)) + ": forward: the plan is for another problem");
   return i;
 }
@@ -127,7 +152,7 @@ KernelPlan plan(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) {
   const std::string why = can_implement(kernel, a, dev);
   if (!why.empty()) throw Error(std::string(name(kernel)) + ": " + why);
   const bool sim = simulated(kernel, a);
-  const Instance* i = find(kernel, sim ? a.out.dtype : a.ops.dtype, a.dims.head_dim);
+  const Instance* i = find(kernel, sim ? a.out.dtype : a.ops.dtype, a);
   KernelPlan p{};
   p.kernel = kernel;
   p.instance = int32_t(i - kInstances);

@@ -3,7 +3,7 @@
 //! no visible key is all zeros (its log-sum-exp -inf, or its head's sink logit).
 
 use crate::error::{Result, invalid};
-use crate::problem::{Alibi, KvRows, Problem, Seqs};
+use crate::problem::{Alibi, KvRows, Problem, Seqs, Strides};
 use crate::seqs::{SeqMeta, SeqSpan, check_metadata};
 use rayon::prelude::*;
 
@@ -111,14 +111,7 @@ fn attend(
              (reference_seqs)"
         ));
     }
-    let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
-    for (name, len, want) in [("q", q.len(), ql), ("k", k.len(), kl), ("v", v.len(), kl)] {
-        if len != want {
-            return Err(invalid!(
-                "reference: {name} has {len} elements, the problem needs {want}"
-            ));
-        }
-    }
+    check_operand_lens(p, q, k, v)?;
     match (p.alibi, alibi_slopes) {
         (None, None) => {}
         (Some(a), Some(s)) if s.len() == a.len(p.batch, p.heads) => {}
@@ -142,13 +135,15 @@ fn attend(
     }
     check_sinks(p, sinks)?;
     // The per-head blocks and the output they are copied into.
-    crate::memory::check_host(ql.checked_mul(2 * std::mem::size_of::<f64>()))?;
-    let (qs, ks) = (p.q_strides(), p.kv_strides());
-    let (d, group, scale) = (p.head_dim, p.heads / p.kv_heads, f64::from(p.scale()));
+    let ol = p.out_len().unwrap();
+    crate::memory::check_host(ol.checked_mul(2 * std::mem::size_of::<f64>()))?;
+    let (qs, ks, vs, os) = (p.q_strides(), p.k_strides(), p.v_strides(), p.out_strides());
+    let (d, dv) = (p.head_dim, p.v_dim());
+    let (group, scale) = (p.heads / p.kv_heads, f64::from(p.scale()));
     let cap = p.softcap.map(f64::from);
     let offset = p.seq_k as f64 - p.seq_q as f64; // row i's diagonal key is i + offset
 
-    // One task per (batch, head); each returns its [seq_q][head_dim] block and its rows' LSE.
+    // One task per (batch, head); each returns its [seq_q][head_dim_v] block and its rows' LSE.
     let blocks: Vec<(Vec<f64>, Vec<f64>)> = (0..p.batch * p.heads)
         .into_par_iter()
         .map(|bh| {
@@ -160,7 +155,7 @@ fn attend(
             };
             // -inf: no sink.
             let sink = sinks.map_or(f64::NEG_INFINITY, |s| f64::from(s[h]));
-            let mut out = vec![0.0; p.seq_q * d];
+            let mut out = vec![0.0; p.seq_q * dv];
             let mut lse = vec![f64::NEG_INFINITY; p.seq_q];
             let mut s = vec![0.0; p.seq_k];
             for i in 0..p.seq_q {
@@ -189,7 +184,7 @@ fn attend(
                 let (ms, m) = (finite(largest), finite(largest.max(sink)));
                 let to_m = (ms - m).exp(); // a weight against ms, against m (1 without a sink)
                 let mut sum = (sink - m).exp();
-                let o = &mut out[i * d..][..d];
+                let o = &mut out[i * dv..][..dv];
                 for (j, &sj) in keys.zip(s.iter()) {
                     let e = (sj - m).exp();
                     sum += e;
@@ -197,7 +192,7 @@ fn attend(
                         Weights::Exact => e,
                         Weights::Fp8Fast => weights.of((sj - ms).exp()) * to_m,
                     };
-                    let vj = &v[ks.offset(b, hk, j, 0)..][..d];
+                    let vj = &v[vs.offset(b, hk, j, 0)..][..dv];
                     for (od, vd) in o.iter_mut().zip(vj) {
                         *od += w * vd;
                     }
@@ -209,12 +204,12 @@ fn attend(
         })
         .collect();
 
-    let mut out = vec![0.0; ql];
+    let mut out = vec![0.0; ol];
     let mut lse = Vec::with_capacity(p.batch * p.heads * p.seq_q);
     for (bh, (block, rows)) in blocks.into_iter().enumerate() {
         let (b, h) = (bh / p.heads, bh % p.heads);
         for i in 0..p.seq_q {
-            out[qs.offset(b, h, i, 0)..][..d].copy_from_slice(&block[i * d..][..d]);
+            out[os.offset(b, h, i, 0)..][..dv].copy_from_slice(&block[i * dv..][..dv]);
         }
         lse.extend(rows);
     }
@@ -236,14 +231,7 @@ pub fn reference_seqs(
 ) -> Result<Reference> {
     p.validate()?;
     let spans = check_metadata(p, meta)?;
-    let (ql, kl) = (p.q_len().unwrap(), p.kv_len().unwrap());
-    for (name, len, want) in [("q", q.len(), ql), ("k", k.len(), kl), ("v", v.len(), kl)] {
-        if len != want {
-            return Err(invalid!(
-                "reference: {name} has {len} elements, the problem needs {want}"
-            ));
-        }
-    }
+    check_operand_lens(p, q, k, v)?;
     if let (Some(a), Some(s)) = (p.alibi, alibi_slopes)
         && s.len() != a.len(p.batch, p.heads)
     {
@@ -254,14 +242,15 @@ pub fn reference_seqs(
         ));
     }
     check_sinks(p, sinks)?;
-    let (qs, ks, d) = (p.q_strides(), p.kv_strides(), p.head_dim);
+    let (qs, os, d, dv) = (p.q_strides(), p.out_strides(), p.head_dim, p.v_dim());
     let packed_q = p.seqs.packed_q.is_some();
-    // Where row i of sequence b (and head h) lives in Q and the output, and key j in K and V.
-    let q_at = |b: usize, sp: &SeqSpan, h: usize, i: usize| match packed_q {
-        true => qs.offset(0, h, sp.q_start + i, 0),
-        false => qs.offset(b, h, i, 0),
+    // Where row i of sequence b (and head h) lives in Q (or the output: `rows` at their
+    // strides), and key j in K (or V).
+    let q_at = |rows: &Strides, b: usize, sp: &SeqSpan, h: usize, i: usize| match packed_q {
+        true => rows.offset(0, h, sp.q_start + i, 0),
+        false => rows.offset(b, h, i, 0),
     };
-    let k_at = |b: usize, sp: &SeqSpan, hk: usize, j: usize| match p.seqs.kv {
+    let k_at = |ks: &Strides, b: usize, sp: &SeqSpan, hk: usize, j: usize| match p.seqs.kv {
         KvRows::Dense => ks.offset(b, hk, j, 0),
         KvRows::Packed { .. } => ks.offset(0, hk, sp.k_start + j, 0),
         KvRows::Paged {
@@ -275,7 +264,12 @@ pub fn reference_seqs(
             ks.offset(0, hk, page * page_rows + j % page_size, 0)
         }
     };
-    let mut out = vec![0.0; ql];
+    let (qs_at, os_at) = (
+        |b, sp, h, i| q_at(&qs, b, sp, h, i),
+        |b, sp, h, i| q_at(&os, b, sp, h, i),
+    );
+    let (ks, vs) = (p.k_strides(), p.v_strides());
+    let mut out = vec![0.0; p.out_len().unwrap()];
     let mut lse = vec![f64::NEG_INFINITY; p.lse_len()];
     let lse_at = |b: usize, sp: &SeqSpan, h: usize, i: usize| match packed_q {
         true => h * p.seqs.packed_q.unwrap_or(0) + sp.q_start + i,
@@ -291,7 +285,7 @@ pub fn reference_seqs(
                     false => (0.0, s),
                 };
                 for i in 0..sp.seq_q {
-                    out[q_at(b, sp, h, i)..][..d].fill(o);
+                    out[os_at(b, sp, h, i)..][..dv].fill(o);
                     lse[lse_at(b, sp, h, i)] = l;
                 }
             }
@@ -310,18 +304,21 @@ pub fn reference_seqs(
             lse: true,
             ..*p
         };
-        let gather = |x: &[f64], heads: usize, rows: usize, at: &dyn Fn(usize, usize) -> usize| {
-            let mut g = Vec::with_capacity(rows * heads * d);
-            for r in 0..rows {
-                for h in 0..heads {
-                    g.extend_from_slice(&x[at(h, r)..][..d]);
+        let gather =
+            |x: &[f64], heads: usize, rows: usize, d: usize, at: &dyn Fn(usize, usize) -> usize| {
+                let mut g = Vec::with_capacity(rows * heads * d);
+                for r in 0..rows {
+                    for h in 0..heads {
+                        g.extend_from_slice(&x[at(h, r)..][..d]);
+                    }
                 }
-            }
-            g
-        };
-        let qb = gather(q, p.heads, sp.seq_q, &|h, i| q_at(b, sp, h, i));
-        let kb = gather(k, p.kv_heads, sp.seq_k, &|hk, j| k_at(b, sp, hk, j));
-        let vb = gather(v, p.kv_heads, sp.seq_k, &|hk, j| k_at(b, sp, hk, j));
+                g
+            };
+        let qb = gather(q, p.heads, sp.seq_q, d, &|h, i| qs_at(b, sp, h, i));
+        let kb = gather(k, p.kv_heads, sp.seq_k, d, &|hk, j| k_at(&ks, b, sp, hk, j));
+        let vb = gather(v, p.kv_heads, sp.seq_k, dv, &|hk, j| {
+            k_at(&vs, b, sp, hk, j)
+        });
         let slopes = match (p.alibi, alibi_slopes) {
             (Some(a), Some(s)) => Some(
                 (0..p.heads)
@@ -333,12 +330,29 @@ pub fn reference_seqs(
         let r = reference_with(&one, &qb, &kb, &vb, slopes.as_deref(), sinks)?;
         for i in 0..sp.seq_q {
             for h in 0..p.heads {
-                out[q_at(b, sp, h, i)..][..d].copy_from_slice(&r.out[(i * p.heads + h) * d..][..d]);
+                out[os_at(b, sp, h, i)..][..dv]
+                    .copy_from_slice(&r.out[(i * p.heads + h) * dv..][..dv]);
                 lse[lse_at(b, sp, h, i)] = r.lse[h * sp.seq_q + i];
             }
         }
     }
     Ok(Reference { out, lse })
+}
+
+/// Q, K and V hold exactly the elements the problem's shapes give them.
+fn check_operand_lens(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Result<()> {
+    let want = [p.q_len(), p.k_len(), p.v_len()].map(Option::unwrap_or_default);
+    for ((name, len), want) in [("q", q.len()), ("k", k.len()), ("v", v.len())]
+        .into_iter()
+        .zip(want)
+    {
+        if len != want {
+            return Err(invalid!(
+                "reference: {name} has {len} elements, the problem needs {want}"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The sink logits are given exactly where the problem has sinks, one per query head.
@@ -486,8 +500,8 @@ mod tests {
     /// The textbook formula, written as differently as possible: full score matrix, explicit
     /// mask with -inf, softmax by definition, BHSD indexing by hand.
     fn naive(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Vec<f64> {
-        let d = p.head_dim;
-        let mut out = vec![0.0; p.q_len().unwrap()];
+        let (d, dv) = (p.head_dim, p.v_dim());
+        let mut out = vec![0.0; p.out_len().unwrap()];
         for b in 0..p.batch {
             for h in 0..p.heads {
                 let hk = h * p.kv_heads / p.heads;
@@ -515,11 +529,11 @@ mod tests {
                     }
                     let mx = w.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let z: f64 = w.iter().map(|x| (x - mx).exp()).sum();
-                    for t in 0..d {
-                        out[((b * p.heads + h) * p.seq_q + i) * d + t] = (0..p.seq_k)
+                    for t in 0..dv {
+                        out[((b * p.heads + h) * p.seq_q + i) * dv + t] = (0..p.seq_k)
                             .map(|j| {
                                 (w[j] - mx).exp() / z
-                                    * v[((b * p.kv_heads + hk) * p.seq_k + j) * d + t]
+                                    * v[((b * p.kv_heads + hk) * p.seq_k + j) * dv + t]
                             })
                             .sum();
                     }
@@ -543,19 +557,23 @@ mod tests {
 
     #[test]
     fn matches_naive_formula_over_shapes() {
-        for &(b, h, kvh, sq, sk, d, causal) in &[
-            (1, 1, 1, 1, 1, 4, false),
-            (2, 3, 3, 5, 7, 8, false),
-            (2, 3, 3, 5, 7, 8, true),
-            (1, 4, 2, 9, 4, 16, true),
-            (1, 4, 1, 6, 6, 8, true),
+        for &(b, h, kvh, sq, sk, d, dv, causal) in &[
+            (1, 1, 1, 1, 1, 4, 4, false),
+            (2, 3, 3, 5, 7, 8, 8, false),
+            (2, 3, 3, 5, 7, 8, 8, true),
+            (1, 4, 2, 9, 4, 16, 16, true),
+            (1, 4, 1, 6, 6, 8, 8, true),
+            // V and the output of their own head dim, narrower and wider than Q·Kᵀ's.
+            (2, 4, 2, 5, 7, 12, 8, true),
+            (1, 2, 1, 3, 9, 4, 10, false),
         ] {
             let p = Problem::new(b, h, sq, sk, d)
                 .with_kv_heads(kvh)
-                .with_causal(causal);
+                .with_causal(causal)
+                .with_head_dim_v(dv);
             let q = pseudo_random(p.q_len().unwrap(), 1);
-            let k = pseudo_random(p.kv_len().unwrap(), 2);
-            let v = pseudo_random(p.kv_len().unwrap(), 3);
+            let k = pseudo_random(p.k_len().unwrap(), 2);
+            let v = pseudo_random(p.v_len().unwrap(), 3);
             let got = reference(&p, &q, &k, &v).unwrap();
             let want = naive(&p, &q, &k, &v);
             for (g, w) in got.iter().zip(&want) {
@@ -587,7 +605,7 @@ mod tests {
     #[test]
     fn bshd_is_a_permutation_of_bhsd() {
         let base = Problem::new(2, 3, 5, 6, 4).with_causal(true);
-        let (ql, kl) = (base.q_len().unwrap(), base.kv_len().unwrap());
+        let (ql, kl) = (base.q_len().unwrap(), base.k_len().unwrap());
         let (q, k, v) = (
             pseudo_random(ql, 6),
             pseudo_random(kl, 7),
@@ -613,7 +631,7 @@ mod tests {
             y
         };
         let (qa, qb) = (base.q_strides(), t.q_strides());
-        let (ka, kb) = (base.kv_strides(), t.kv_strides());
+        let (ka, kb) = (base.k_strides(), t.k_strides());
         let out = reference(
             &t,
             &permute(&q, qa, qb, 3, 5),
@@ -657,8 +675,8 @@ mod tests {
         ] {
             let p = Problem::new(1, 2, sq, sk, 8).with_mask(mask);
             let q = pseudo_random(p.q_len().unwrap(), 21);
-            let k = pseudo_random(p.kv_len().unwrap(), 22);
-            let v = pseudo_random(p.kv_len().unwrap(), 23);
+            let k = pseudo_random(p.k_len().unwrap(), 22);
+            let v = pseudo_random(p.v_len().unwrap(), 23);
             let got = reference(&p, &q, &k, &v).unwrap();
             let want = naive(&p, &q, &k, &v);
             for (g, w) in got.iter().zip(&want) {
@@ -901,8 +919,8 @@ mod tests {
         let [q, k, v] = [1, 2, 3].map(|s| pseudo_random(p.q_len().unwrap() * 4, s));
         let (q, k, v) = (
             &q[..p.q_len().unwrap()],
-            &k[..p.kv_len().unwrap()],
-            &v[..p.kv_len().unwrap()],
+            &k[..p.k_len().unwrap()],
+            &v[..p.v_len().unwrap()],
         );
         let want = reference(&p, q, k, v).unwrap();
         let got = reference_fp8_fast(&p, q, k, v, None, None).unwrap().out;

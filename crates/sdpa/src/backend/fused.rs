@@ -76,13 +76,16 @@ pub fn instances() -> impl Iterator<Item = Instance> {
     })
 }
 
-/// Whether sdpa-sys/cpp/kernels.txt instantiates backend `name` for `p`'s dtype and head dim; the
-/// reason names the head dims it has.
+/// Whether sdpa-sys/cpp/kernels.txt has an instance of backend `name` for `p`'s dtype as wide as
+/// its head dims; the reason names the head dims it has. Which instance runs a problem (the one
+/// of its head dim, or for the kernels that read fewer columns than they compute, the narrowest
+/// as wide as both) is the core's choice, which `can_implement` asks.
 pub(crate) fn instantiated(name: &str, p: &Problem) -> std::result::Result<(), String> {
     let dtype = p.dtype.name();
+    let width = p.head_dim.max(p.v_dim());
     if INSTANCES
         .iter()
-        .any(|i| i.backend == name && i.dtype == dtype && i.head_dim == p.head_dim)
+        .any(|i| i.backend == name && i.dtype == dtype && i.head_dim >= width)
     {
         return Ok(());
     }
@@ -193,7 +196,7 @@ fn grow(dev: &Device, scratch: &mut Scratch, bytes: usize) -> Result<()> {
 
 /// The argument block the C++ core takes for `p`, with no buffers (every pointer 0).
 fn problem_args(p: &Problem) -> FwdArgs {
-    let (qs, ks) = (p.q_strides().as_i64(), p.kv_strides().as_i64());
+    let [qs, ks, vs, os] = p.operand_strides().map(|s| s.as_i64());
     let fp8 = p.dtype == DType::E4m3;
     let (page_size, page_rows, pages_per_seq) = match p.seqs.kv {
         KvRows::Paged {
@@ -207,10 +210,10 @@ fn problem_args(p: &Problem) -> FwdArgs {
         ),
         _ => (0, 0, 0),
     };
-    // The rows of packed or paged K/V the kernels address (kv_shape's).
+    // The rows of packed or paged K/V the kernels address (k_shape's).
     let kv_rows = match p.seqs.kv {
         KvRows::Dense => 0,
-        _ => p.kv_shape().seq,
+        _ => p.k_shape().seq,
     };
     FwdArgs {
         ops: FwdOperands {
@@ -220,8 +223,8 @@ fn problem_args(p: &Problem) -> FwdArgs {
             o: 0,
             q_stride: qs.into(),
             k_stride: ks.into(),
-            v_stride: ks.into(),
-            o_stride: qs.into(),
+            v_stride: vs.into(),
+            o_stride: os.into(),
             dtype: ffi::dtype(p.dtype),
         },
         dims: FwdDims {
@@ -231,6 +234,7 @@ fn problem_args(p: &Problem) -> FwdArgs {
             seq_q: p.seq_q as i64,
             seq_k: p.seq_k as i64,
             head_dim: p.head_dim as i64,
+            head_dim_v: p.v_dim() as i64,
         },
         mask: ffi::mask(p.mask),
         mods: FwdScoreMods {
@@ -398,6 +402,32 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// Head dims of no instance and V of another head dim run on the narrowest instance as wide
+    /// as both where the kernel reads only a problem's own columns (scalar, cutlass-sm80); the
+    /// others take their instances' head dims alone, and every kernel wants whole 16-byte rows.
+    #[test]
+    fn narrowed_head_dims_are_taken_or_refused_by_name() {
+        let has = |b: Backend| sdpa_sys::INSTANCES.iter().any(|i| i.backend == b.name());
+        let p = |d: usize, dv: usize| Problem::new(2, 8, 300, 300, d).with_head_dim_v(dv);
+        for b in [Backend::Scalar, Backend::CutlassSm80] {
+            if !built(b) || !has(b) {
+                continue;
+            }
+            for (d, dv) in [(80, 80), (112, 112), (32, 32), (192, 128), (64, 128)] {
+                assert_eq!(can_implement_on(kernel(b), &H100, &p(d, dv)), Ok(()), "{b}");
+            }
+            refuses(b, &H100, &p(84, 84), "multiples of 8");
+            refuses(b, &H100, &p(128, 260), "is not instantiated");
+        }
+        for b in [Backend::Cutlass, Backend::Wmma] {
+            if !built(b) || !has(b) {
+                continue;
+            }
+            refuses(b, &H100, &p(80, 80), "is not instantiated");
+            refuses(b, &H100, &p(128, 64), "is not instantiated");
         }
     }
 
@@ -574,14 +604,13 @@ mod tests {
         assert!(!problem_args(&p).fp8.fast);
         let fast = p.with_fp8_mode(Fp8Mode::Fast);
         assert!(problem_args(&fast).fp8.fast);
-        let (qs, ks) = (p.q_strides(), p.kv_strides());
         let b = Buffers {
             q: 0,
             k: 0,
             v: 0,
             o: 0,
             scales: [0; 3],
-            strides: [qs, ks, ks, qs],
+            strides: p.operand_strides(),
             alibi_slopes: 0,
             sinks: 0,
             lse: 0,

@@ -79,7 +79,7 @@ pub fn forward_host(
     v: &[f32],
 ) -> Result<HostShards> {
     let z = check_problem(p, ring.world())?;
-    let (ql, kl) = (p.q_len().unwrap_or(0), p.kv_len().unwrap_or(0));
+    let (ql, kl) = (p.q_len().unwrap_or(0), p.k_len().unwrap_or(0));
     for (name, x, need) in [("q", q, ql), ("k", k, kl), ("v", v, kl)] {
         if x.len() != need {
             return Err(invalid!("{name} holds {} values, {p} has {need}", x.len()));

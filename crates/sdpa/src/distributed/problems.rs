@@ -77,6 +77,14 @@ pub fn check_problem(p: &Problem, world: usize) -> Result<Zigzag> {
             "sinks over a sharded sequence are not supported".into(),
         ));
     }
+    // The merge of the ranks' blocks keeps one head dim for the partial outputs and K/V.
+    if p.v_dim() != p.head_dim {
+        return Err(refuse(format!(
+            "ring attention takes one head dim, not head_dim {} with head_dim_v {}",
+            p.head_dim,
+            p.v_dim()
+        )));
+    }
     if !p.seqs.is_dense() {
         return Err(refuse(
             "packed or paged sequences are not sharded; ring attention takes dense ones".into(),
@@ -96,7 +104,7 @@ pub(crate) fn check_shard<T>(
 ) -> Result<()> {
     let (ql, kl) = (
         local.q_len().expect("validated"),
-        local.kv_len().expect("validated"),
+        local.k_len().expect("validated"),
     );
     for (name, len, need, stream) in [
         ("q", s.q.len(), ql, s.q.stream()),
@@ -119,7 +127,7 @@ pub(crate) fn check_shard<T>(
     let es = std::mem::size_of::<T>();
     let (q_rows, kv_rows) = (
         row_strides(local.q_shape(), local.q_strides()),
-        row_strides(local.kv_shape(), local.kv_strides()),
+        row_strides(local.k_shape(), local.k_strides()),
     );
     for (name, ptr, rows, need) in [
         (
@@ -363,7 +371,7 @@ mod tests {
         );
         let one = Problem::new(1, 1, 4, 4, 64);
         let lo = local_problem(&one, &Zigzag::new(4, 2).unwrap());
-        assert_eq!(row_strides(lo.kv_shape(), lo.kv_strides()), [64]);
+        assert_eq!(row_strides(lo.k_shape(), lo.k_strides()), [64]);
     }
 
     #[test]

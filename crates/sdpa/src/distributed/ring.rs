@@ -440,8 +440,8 @@ impl Ring {
         buffers: &mut [RankBuffers],
     ) -> Result<RingReport> {
         let w = self.world;
-        let (qs, ks) = (local.q_strides(), local.kv_strides());
-        let kv_elems = local.kv_len().expect("validated");
+        let (qs, ks) = (local.q_strides(), local.k_strides());
+        let kv_elems = local.k_len().expect("validated");
         let kv_bytes = kv_elems * size_of::<T>();
         let rows = local.batch * local.heads * z.local_len();
         let q_elems = local.q_len().expect("validated");

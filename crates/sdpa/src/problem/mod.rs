@@ -19,9 +19,11 @@ use std::fmt;
 /// row's softmax also counts one more logit per query head, which weights no value (gpt-oss's
 /// attention sinks; [`Problem::with_sinks`]).
 ///
-/// Q is `[batch, heads, seq_q, head_dim]`, K and V `[batch, kv_heads, seq_k, head_dim]` (in the
-/// order `layout` says), the output has Q's shape. `kv_heads < heads` is grouped-query attention:
-/// query head `h` reads K/V head `h / (heads / kv_heads)`.
+/// Q is `[batch, heads, seq_q, head_dim]`, K `[batch, kv_heads, seq_k, head_dim]`, V
+/// `[batch, kv_heads, seq_k, head_dim_v]` and the output `[batch, heads, seq_q, head_dim_v]` (in
+/// the order `layout` says); `head_dim_v` is `head_dim` unless set ([`Problem::with_head_dim_v`]).
+/// `kv_heads < heads` is grouped-query attention: query head `h` reads K/V head
+/// `h / (heads / kv_heads)`.
 ///
 /// A plain value (`Copy`, `Send`, `Sync`), like every enum of this crate. [`Problem::new`] sets
 /// the shape; each `with_` builder one option; [`Problem::validate`] (which every call runs
@@ -40,7 +42,7 @@ use std::fmt;
 /// assert_eq!(p.mask, Mask::CausalBottomRight);
 /// assert_eq!(p.scale(), 1.0 / 128f32.sqrt());
 /// assert_eq!(p.q_len(), Some(2 * 512 * 32 * 128));
-/// assert_eq!(p.kv_len(), Some(2 * 512 * 8 * 128));
+/// assert_eq!(p.k_len(), Some(2 * 512 * 8 * 128));
 /// // BSHD: a head's consecutive rows are heads · head_dim elements apart.
 /// assert_eq!(p.q_strides(), Strides { batch: 512 * 32 * 128, head: 128, seq: 32 * 128 });
 /// // 32 query heads cannot share 5 K/V heads.
@@ -59,8 +61,10 @@ pub struct Problem {
     pub seq_q: usize,
     /// Key/value sequence length.
     pub seq_k: usize,
-    /// Head dimension.
+    /// Head dimension of Q and K.
     pub head_dim: usize,
+    /// Head dimension of V and the output; `None` means `head_dim` ([`Problem::v_dim`]).
+    pub head_dim_v: Option<usize>,
     /// Which keys each query row sees.
     pub mask: Mask,
     /// Softmax scale; `None` means 1/sqrt(head_dim).
@@ -107,6 +111,7 @@ impl Problem {
             seq_q,
             seq_k,
             head_dim,
+            head_dim_v: None,
             mask: Mask::None,
             scale: None,
             softcap: None,
@@ -163,6 +168,31 @@ impl Problem {
     pub fn with_seqused_k(mut self, seqused_k: bool) -> Self {
         self.seqs.seqused_k = seqused_k;
         self
+    }
+    /// Gives V and the output a head dimension of their own (DeepSeek's MLA prefill: Q and K
+    /// 192, V 128); the softmax scale stays `1/sqrt(head_dim)`, Q·Kᵀ's. The kernels that take
+    /// it (scalar, cutlass-sm80) run it on their instance as wide as the wider of the two,
+    /// reading and writing only the columns there are ([`crate::Backend::supports`] says which
+    /// backend takes which problem):
+    ///
+    /// ```
+    /// use sdpa::Problem;
+    ///
+    /// let p = Problem::new(1, 128, 4096, 4096, 192).with_head_dim_v(128).with_causal(true);
+    /// p.validate()?;
+    /// assert_eq!(p.v_dim(), 128);
+    /// assert_eq!(p.k_len(), Some(128 * 4096 * 192));
+    /// assert_eq!(p.v_len(), Some(128 * 4096 * 128));
+    /// assert_eq!(p.out_len(), p.v_len());
+    /// # Ok::<(), sdpa::Error>(())
+    /// ```
+    pub fn with_head_dim_v(mut self, head_dim_v: usize) -> Self {
+        self.head_dim_v = Some(head_dim_v);
+        self
+    }
+    /// Head dimension of V and the output: `head_dim_v`, else `head_dim`.
+    pub fn v_dim(&self) -> usize {
+        self.head_dim_v.unwrap_or(self.head_dim)
     }
     /// Sets the number of K/V heads (GQA when fewer than `heads`).
     pub fn with_kv_heads(mut self, kv_heads: usize) -> Self {
@@ -299,8 +329,15 @@ impl Problem {
             ..*self
         }
     }
-    /// Shape of Q (and of the output): packed Q is one sequence of total_q rows, BSHD.
+    /// Shape of Q: packed Q is one sequence of total_q rows, BSHD.
     pub fn q_shape(&self) -> TensorShape {
+        self.query_rows(self.head_dim)
+    }
+    /// Shape of the output: Q's rows of `head_dim_v` ([`Problem::v_dim`]).
+    pub fn out_shape(&self) -> TensorShape {
+        self.query_rows(self.v_dim())
+    }
+    fn query_rows(&self, head_dim: usize) -> TensorShape {
         let (batch, seq, layout) = match self.seqs.packed_q {
             Some(total) => (1, total, Layout::Bshd),
             None => (self.batch, self.seq_q, self.layout),
@@ -309,15 +346,22 @@ impl Problem {
             batch,
             heads: self.heads,
             seq,
-            head_dim: self.head_dim,
+            head_dim,
             layout,
         }
     }
-    /// Shape of K (and of V): packed K/V is one sequence of total_k rows, a paged cache one of
+    /// Shape of K: packed K/V is one sequence of total_k rows, a paged cache one of
     /// pages · page_size rows, BSHD. An HND cache is one sequence of the rows its kernels
     /// address, `(pages - 1) · kv_heads · page_size + page_size` of them, read at
-    /// [`Problem::kv_strides`] (a row stride of head_dim).
-    pub fn kv_shape(&self) -> TensorShape {
+    /// [`Problem::k_strides`] (a row stride of head_dim).
+    pub fn k_shape(&self) -> TensorShape {
+        self.key_rows(self.head_dim)
+    }
+    /// Shape of V: K's rows of `head_dim_v` ([`Problem::v_dim`]).
+    pub fn v_shape(&self) -> TensorShape {
+        self.key_rows(self.v_dim())
+    }
+    fn key_rows(&self, head_dim: usize) -> TensorShape {
         let (batch, seq, layout) = match self.seqs.kv {
             KvRows::Dense => (self.batch, self.seq_k, self.layout),
             KvRows::Packed { total } => (1, total, Layout::Bshd),
@@ -336,7 +380,7 @@ impl Problem {
             batch,
             heads: self.kv_heads,
             seq,
-            head_dim: self.head_dim,
+            head_dim,
             layout,
         }
     }
@@ -370,6 +414,7 @@ impl Problem {
             ("seq_q", self.seq_q),
             ("seq_k", self.seq_k),
             ("head_dim", self.head_dim),
+            ("head_dim_v", self.v_dim()),
         ] {
             if v == 0 {
                 return Err(invalid!("{name} must be at least 1, got 0"));
@@ -445,31 +490,29 @@ impl Problem {
                 self.batch
             ));
         }
+        if self.dtype == DType::E4m3 && self.v_dim() != self.head_dim {
+            return Err(invalid!(
+                "e4m3 inputs take one head dimension, got head_dim {} and head_dim_v {}",
+                self.head_dim,
+                self.v_dim()
+            ));
+        }
         if !self.seqs.is_dense() && self.dtype == DType::E4m3 {
             return Err(invalid!(
                 "e4m3 inputs take dense sequences only (no packed Q/K/V, paged cache or seqused_k)"
             ));
         }
-        for (name, n) in [("Q/O", self.q_len()), ("K/V", self.kv_len())] {
-            match n {
-                Some(n) if n <= MAX_ELEMENTS => {}
-                _ => {
-                    return Err(invalid!(
-                        "{name} would hold more than 2^40 elements ({}x{}x{}x{})",
-                        self.batch,
-                        if name == "Q/O" {
-                            self.heads
-                        } else {
-                            self.kv_heads
-                        },
-                        if name == "Q/O" {
-                            self.seq_q
-                        } else {
-                            self.seq_k
-                        },
-                        self.head_dim
-                    ));
-                }
+        for (name, n, heads, seq, d) in [
+            ("Q", self.q_len(), self.heads, self.seq_q, self.head_dim),
+            ("O", self.out_len(), self.heads, self.seq_q, self.v_dim()),
+            ("K", self.k_len(), self.kv_heads, self.seq_k, self.head_dim),
+            ("V", self.v_len(), self.kv_heads, self.seq_k, self.v_dim()),
+        ] {
+            if n.is_none_or(|n| n > MAX_ELEMENTS) {
+                return Err(invalid!(
+                    "{name} would hold more than 2^40 elements ({}x{heads}x{seq}x{d})",
+                    self.batch
+                ));
             }
         }
         Ok(())
@@ -481,35 +524,64 @@ impl Problem {
         Ok(Checked(*self))
     }
 
-    /// Elements of Q (and of the output); `None` on overflow.
+    /// Elements of Q; `None` on overflow.
     pub fn q_len(&self) -> Option<usize> {
         self.q_shape().len()
     }
-    /// Elements of K (and of V); `None` on overflow.
-    pub fn kv_len(&self) -> Option<usize> {
+    /// Elements of the output; `None` on overflow.
+    pub fn out_len(&self) -> Option<usize> {
+        self.out_shape().len()
+    }
+    /// Elements of K; `None` on overflow.
+    pub fn k_len(&self) -> Option<usize> {
+        self.key_len(self.head_dim)
+    }
+    /// Elements of V; `None` on overflow.
+    pub fn v_len(&self) -> Option<usize> {
+        self.key_len(self.v_dim())
+    }
+    fn key_len(&self, head_dim: usize) -> Option<usize> {
         match self.hnd_pages() {
             // Every page's rows of every head.
-            Some(rows) => rows.checked_mul(self.kv_heads)?.checked_mul(self.head_dim),
-            None => self.kv_shape().len(),
+            Some(rows) => rows.checked_mul(self.kv_heads)?.checked_mul(head_dim),
+            None => self.key_rows(head_dim).len(),
         }
     }
 
-    /// Strides of Q and of the output.
+    /// Strides of Q.
     pub fn q_strides(&self) -> Strides {
         self.q_shape().strides()
     }
-    /// Strides of K and of V (an HND cache's: its heads `page_size · head_dim` apart, its rows
-    /// head_dim apart, in the row space of [`Problem::kv_shape`]).
-    pub fn kv_strides(&self) -> Strides {
+    /// Strides of the output.
+    pub fn out_strides(&self) -> Strides {
+        self.out_shape().strides()
+    }
+    /// Strides of K (an HND cache's: its heads `page_size · head_dim` apart, its rows
+    /// head_dim apart, in the row space of [`Problem::k_shape`]).
+    pub fn k_strides(&self) -> Strides {
+        self.key_strides(self.head_dim)
+    }
+    /// Strides of V (as K's, with rows of `head_dim_v`).
+    pub fn v_strides(&self) -> Strides {
+        self.key_strides(self.v_dim())
+    }
+    /// Q's, K's, V's and the output's strides in the problem's own layout, in that order.
+    pub(crate) fn operand_strides(&self) -> [Strides; 4] {
+        [
+            self.q_strides(),
+            self.k_strides(),
+            self.v_strides(),
+            self.out_strides(),
+        ]
+    }
+    fn key_strides(&self, head_dim: usize) -> Strides {
         match (self.seqs.kv, self.hnd_pages()) {
             (KvRows::Paged { page_size, .. }, Some(rows)) => Strides {
-                batch: rows
-                    .saturating_mul(self.kv_heads)
-                    .saturating_mul(self.head_dim),
-                head: page_size * self.head_dim,
-                seq: self.head_dim,
+                batch: rows.saturating_mul(self.kv_heads).saturating_mul(head_dim),
+                head: page_size * head_dim,
+                seq: head_dim,
             },
-            _ => self.kv_shape().strides(),
+            _ => self.key_rows(head_dim).strides(),
         }
     }
 
@@ -535,12 +607,12 @@ impl Problem {
             (Mask::CausalBottomRight, false) => sk * (sk + 1.0) / 2.0,
             _ => (0..self.seq_q).map(|i| self.visible_keys(i) as f64).sum(),
         };
-        4.0 * (self.batch * self.heads) as f64 * visible * self.head_dim as f64
+        2.0 * (self.batch * self.heads) as f64 * visible * (self.head_dim + self.v_dim()) as f64
     }
 }
 
 /// A problem that passed [`Problem::validate`]: what the backends take, so a call validates
-/// once. Its sizes are known not to overflow (`q_len`, `kv_len` are `Some`).
+/// once. Its sizes are known not to overflow (`q_len`, `out_len`, `k_len`, `v_len` are `Some`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Checked(Problem);
 
@@ -549,13 +621,24 @@ impl Checked {
     pub(crate) fn dequantized(&self) -> Checked {
         Checked(self.0.as_dequantized())
     }
-    /// Elements of Q and of the output.
-    pub(crate) fn q_elems(&self) -> usize {
-        self.0.q_len().unwrap_or(0)
+    /// Elements of Q, K, V and the output, in that order.
+    pub(crate) fn operand_elems(&self) -> [usize; 4] {
+        [
+            self.0.q_len(),
+            self.0.k_len(),
+            self.0.v_len(),
+            self.0.out_len(),
+        ]
+        .map(Option::unwrap_or_default)
     }
-    /// Elements of K and of V.
-    pub(crate) fn kv_elems(&self) -> usize {
-        self.0.kv_len().unwrap_or(0)
+    /// Shapes of Q, K, V and the output, in that order.
+    pub(crate) fn operand_shapes(&self) -> [TensorShape; 4] {
+        [
+            self.0.q_shape(),
+            self.0.k_shape(),
+            self.0.v_shape(),
+            self.0.out_shape(),
+        ]
     }
 }
 
@@ -583,7 +666,11 @@ impl fmt::Display for Problem {
         } else {
             write!(f, " Sq{} Sk{}", self.seq_q, self.seq_k)?;
         }
-        write!(f, " D{} {}", self.head_dim, self.dtype)?;
+        write!(f, " D{}", self.head_dim)?;
+        if self.v_dim() != self.head_dim {
+            write!(f, "/{}", self.v_dim())?;
+        }
+        write!(f, " {}", self.dtype)?;
         if self.dtype == DType::E4m3 {
             write!(f, "/{}->{}", self.fp8_scaling.name(), self.output_dtype())?;
             if self.fp8_mode == Fp8Mode::Fast {

@@ -28,6 +28,17 @@ inline std::string cc(const DeviceInfo& dev) {
   return std::to_string(dev.cc_major) + "." + std::to_string(dev.cc_minor);
 }
 
+// A kernel of head dim D that reads a problem's own columns only (mask::narrowed): both head
+// dims in whole 16-byte chunks of 16-bit elements, and at most D.
+inline std::string narrowed_head_dims(const FwdArgs& a, int64_t D) {
+  if (a.dims.head_dim % 8 == 0 && a.dims.head_dim_v % 8 == 0 && a.dims.head_dim <= D &&
+      a.dims.head_dim_v <= D)
+    return "";
+  return "head_dim " + std::to_string(a.dims.head_dim) + " and head_dim_v " +
+         std::to_string(a.dims.head_dim_v) + " must be multiples of 8 and at most the instance's " +
+         std::to_string(D);
+}
+
 // The kernels on mma.sync, wmma, cp.async and bf16 arithmetic: sm_80 and newer.
 inline std::string sm80_or_newer(const DeviceInfo& dev) {
   if (!known(dev) || dev.cc_major >= 8) return "";

@@ -305,6 +305,13 @@ inline bool needs_band(const FwdArgs& a) {
          a.seqs.total_q > 0 || a.seqs.packed_kv || a.seqs.page_size > 0 || a.seqs.has_seqused_k;
 }
 
+// Whether a kernel instantiated for head dim D runs `a` on fewer columns than D (head_dim or
+// head_dim_v below it): the kernels that can do so (api.cu's narrows_head_dims) do it on their
+// general path only, so that their plain kernels keep every register.
+inline bool narrowed(const FwdArgs& a, int64_t D) {
+  return a.dims.head_dim != D || a.dims.head_dim_v != D;
+}
+
 // Calls f with the policy for `mask` (a value of the policy type, for seq_q and seq_k): where a
 // backend's forward turns the runtime mask into the kernel's template argument.
 template <typename Index, class F>
@@ -323,10 +330,11 @@ decltype(auto) dispatch_mask(Mask mask, Index seq_q, Index seq_k, F&& f) {
 }
 
 // dispatch_mask for the kernels with a general path: NoMask and CausalBottomRight as their own
-// policies where `a` needs nothing else (needs_band), every other case as its Band.
+// policies where `a` needs nothing else (needs_band, and not `general`), every other case as its
+// Band.
 template <typename Index, class F>
-decltype(auto) dispatch_band(const FwdArgs& a, F&& f) {
-  if (needs_band(a)) return std::forward<F>(f)(band_of<Index>(a));
+decltype(auto) dispatch_band(const FwdArgs& a, F&& f, bool general = false) {
+  if (general || needs_band(a)) return std::forward<F>(f)(band_of<Index>(a));
   return dispatch_mask(a.mask.kind, Index(a.dims.seq_q), Index(a.dims.seq_k), std::forward<F>(f));
 }
 

@@ -1,5 +1,5 @@
 // Scalar backend: FlashAttention-style forward on CUDA cores only (no tensor cores).
-// Assumes validated arguments (crates/sdpa/src/problem/mod.rs): head_dim == D, 16-byte aligned
+// Assumes validated arguments (crates/sdpa/src/problem/mod.rs): head dims <= D, 16-byte aligned
 // rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1; and what can_implement
 // (below) checks. Rows, keys and offsets are 64-bit.
 //
@@ -14,6 +14,10 @@
 // The mask is a policy of common/mask.cuh (Index int64_t) carried in the parameters, its type
 // chosen in forward() (mask::dispatch_band): the kernel asks it for the CTA's key range, whether
 // a tile hides keys from some of a warp's rows, and per row and key whether the row sees it.
+//
+// Head dims below D (80 on the 96 instance; V of another head dim than Q and K) run on the Band
+// kernel too (mask::narrowed): Q's, K's and V's columns past their own head dim read as zeros,
+// and the output's past head_dim_v are not stored.
 //
 // Sequences of different lengths (packed Q or K/V, a paged cache, seqused_k; common/seqs.cuh) run
 // on the Band kernel (mask::needs_band): each CTA finds its sequence's offsets and lengths,
@@ -59,6 +63,9 @@ struct Params {
   const float* sinks;  // [heads], null: none
   float* lse;          // null: none
   SeqParams seqs;      // sequences of different lengths (dense: every offset 0)
+  // Band only: the 16-byte chunks of a row Q and K, and V and the output, have of D (the others
+  // read as zeros and are not stored; mask::narrowed).
+  int qk_chunks, v_chunks;
 };
 
 // The shared memory of one CTA at head dim D (dynamic: over 48 KB at D = 256).
@@ -123,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
   for (int c = tid; c < kBM * CH; c += kThreads) {
     const int r = c / CH, col = (c % CH) * 8;
     float4 lo = make_float4(0, 0, 0, 0), hi = lo;
-    if (m0 + r < seq_q) {
+    if (m0 + r < seq_q && (!kBand || c % CH < pm.qk_chunks)) {
       const uint4 u = *reinterpret_cast<const uint4*>(qb + 2 * ((m0 + r) * p.qs.seq + col));
       const float2 a = P2::to_float2(u.x), bb = P2::to_float2(u.y), cc = P2::to_float2(u.z),
                    dd = P2::to_float2(u.w);
@@ -156,8 +163,10 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
       uint4 ku = make_uint4(0, 0, 0, 0), vu = ku;
       if (n0 + r < seq_k) {
         const int64_t row = paged ? pm.seqs.paged_row(b, n0 + r) : n0 + r;
-        ku = *reinterpret_cast<const uint4*>(kb + 2 * (row * p.ks.seq + 2 * w));
-        vu = *reinterpret_cast<const uint4*>(vb + 2 * (row * p.vs.seq + 2 * w));
+        if (!kBand || c % CH < pm.qk_chunks)
+          ku = *reinterpret_cast<const uint4*>(kb + 2 * (row * p.ks.seq + 2 * w));
+        if (!kBand || c % CH < pm.v_chunks)
+          vu = *reinterpret_cast<const uint4*>(vb + 2 * (row * p.vs.seq + 2 * w));
       }
       sK[r][w] = ku.x;
       sK[r][w + 1] = ku.y;
@@ -255,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
     uint32_t* orow = reinterpret_cast<uint32_t*>(ob + 2 * (i * p.os.seq));
 #pragma unroll
     for (int c = 0; c < CPL; ++c)
-      if (lane + 32 * c < W)
+      if (lane + 32 * c < W && (!kBand || lane + 32 * c < 4 * pm.v_chunks))
         orow[lane + 32 * c] = P2::from_float2(acc[r][2 * c] * inv, acc[r][2 * c + 1] * inv);
     // ln(sum_j 2^(x_j)) = (m + log2(l)) ln 2, x the log2-domain logits.
     if (pm.lse && lane == 0)
@@ -281,6 +290,8 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
   p.sinks = a.mods.sinks ? device_ptr<const float>(a.mods.sink_logits) : nullptr;
   p.lse = a.out.has_lse ? device_ptr<float>(a.out.lse) : nullptr;
   p.seqs = SeqParams::of(a);
+  p.qk_chunks = int(a.dims.head_dim / 8);
+  p.v_chunks = int(a.dims.head_dim_v / 8);
   const auto kernel = fwd_kernel<T, D, Mask>;
   constexpr int kSmem = int(sizeof(Smem<D>));
   if constexpr (kSmem > 48 * 1024) {
@@ -298,13 +309,15 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
 // the shared memory of its Smem<D>.
 template <typename T, int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
-  return limits::first({limits::grid_of_query_tiles(a, kBM), limits::sm80_or_newer(dev),
+  return limits::first({limits::narrowed_head_dims(a, D), limits::grid_of_query_tiles(a, kBM),
+                        limits::sm80_or_newer(dev),
                         limits::smem_per_block(dev, int(sizeof(Smem<D>)))});
 }
 
 template <typename T, int D>
 void forward(const FwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
-  mask::dispatch_band<int64_t>(a, [&](auto m) { launch<T, D, decltype(m)>(a, m, stream); });
+  mask::dispatch_band<int64_t>(
+      a, [&](auto m) { launch<T, D, decltype(m)>(a, m, stream); }, mask::narrowed(a, D));
 }
 
 template <typename T, int D>

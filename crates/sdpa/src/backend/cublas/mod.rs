@@ -55,7 +55,7 @@ fn workspace_layout(p: &Problem) -> Option<WorkspaceLayout> {
     }
     let align = |x: usize| x.checked_next_multiple_of(256);
     let v_finite = align(p_end)?;
-    let first_keys = align(v_finite.checked_add(p.kv_len()?.checked_mul(p.dtype.size())?)?)?;
+    let first_keys = align(v_finite.checked_add(p.v_len()?.checked_mul(p.dtype.size())?)?)?;
     let records = (p.batch * p.kv_heads).checked_mul(1 + 3 * p.head_dim)?;
     Some(WorkspaceLayout {
         p: s_bytes,
@@ -86,7 +86,7 @@ const INT_MAX: usize = i32::MAX as usize;
 /// (batch, kv_head) pair when the batch stride is uniform over that flattened index (BHSD),
 /// else one call per batch entry over its kv heads (BSHD).
 fn batching(p: &Problem) -> (usize, usize) {
-    let (qs, ks) = (p.q_strides(), p.kv_strides());
+    let (qs, ks) = (p.q_strides(), p.k_strides());
     if qs.batch == p.heads * qs.head && ks.batch == p.kv_heads * ks.head {
         (1, p.batch * p.kv_heads)
     } else {
@@ -107,6 +107,14 @@ pub(crate) fn limits(p: &Problem) -> std::result::Result<(), String> {
     if p.lse {
         return Err("does not write the log-sum-exp".into());
     }
+    if p.v_dim() != p.head_dim {
+        return Err(format!(
+            "takes one head dimension, not head_dim {} with head_dim_v {} (scalar and \
+             cutlass-sm80 take both)",
+            p.head_dim,
+            p.v_dim()
+        ));
+    }
     // Its P·V GEMM writes the input dtype (e4m3 problems reach here dequantized to theirs).
     if p.output_dtype() != p.dtype {
         return Err(format!(
@@ -122,7 +130,7 @@ pub(crate) fn limits(p: &Problem) -> std::result::Result<(), String> {
                 .into(),
         );
     }
-    let (qs, ks) = (p.q_strides(), p.kv_strides());
+    let (qs, ks) = (p.q_strides(), p.k_strides());
     let (_, count) = batching(p);
     for (what, value) in [
         ("seq_q (n of both GEMMs)", p.seq_q),
@@ -361,7 +369,7 @@ pub(crate) fn forward(dev: &Device, p: &Checked, b: &Buffers) -> Result<()> {
     let scores = (p.batch * p.heads * p.seq_q * p.seq_k) as u64;
     let p_ptr = s_ptr + layout.p as u64;
 
-    let (qs, ks) = (p.q_strides(), p.kv_strides());
+    let (qs, ks) = (p.q_strides(), p.k_strides());
     let g = p.heads / p.kv_heads;
     let (sq, sk, d) = (p.seq_q as i64, p.seq_k as i64, p.head_dim as i64);
     let es = p.dtype.size() as u64;

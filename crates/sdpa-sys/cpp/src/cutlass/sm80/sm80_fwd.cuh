@@ -1,6 +1,6 @@
 // CUTLASS/CuTe backend for sm_80 and later (A100, A10/A40/RTX 30xx = sm_86, L4/L40 = sm_89, and
 // Hopper as a fallback and comparison point): FlashAttention-2 style forward on mma.sync.
-// Assumes validated arguments (crates/sdpa/src/problem/mod.rs): head_dim == D, 16-byte aligned
+// Assumes validated arguments (crates/sdpa/src/problem/mod.rs): head_dims <= D, 16-byte aligned
 // rows, strides in elements, heads % kv_heads == 0, seq_q, seq_k >= 1, scale > 0.
 //
 // Shipping configuration (forward() below): one CTA = BM = 64 query rows of one (batch, head), 4
@@ -59,6 +59,12 @@
 // on the general path (mask::needs_band), so the plain kernels keep their registers: each CTA
 // finds its sequence's offsets and lengths, rebases the band to them and returns at once past its
 // queries; a paged cache's K/V rows come through the block table, one lookup a copy pass.
+//
+// Head dims of no instance (80, 112, ...) and V of another head dim than Q and K (DeepSeek's
+// 192 / 128) run on the general path of the narrowest instance as wide as both (api.cu picks
+// it): Q's, K's and V's chunks past their own head dim are zero-filled by the copies (nothing is
+// read there), so those columns add 0 to Q·Kᵀ and leave O's columns past head_dim_v 0, which
+// the epilogue does not store (Params::cols). The mma work is the instance's.
 //
 // Head dims 192 and 256 keep O (96 and 128 registers) but not Q in registers: Q has a buffer of
 // its own and its fragments are re-read per k-block; two K/V stages (120 and 160 KB with Q) fit
@@ -284,22 +290,32 @@ __device__ __forceinline__ void record_and_zero(T* v, NonFiniteCols<D>& c, NonFi
   }
 }
 
+// The 16-byte chunks of a row a narrowed problem (mask::narrowed) has of the tile's D: Q's and
+// K's, and V's and the output's. The copies zero-fill the others (nothing is read there) and the
+// epilogue does not store them.
+struct RowChunks {
+  int qk, v;
+};
+
 // Global -> shared copies of K/V tiles (the prefill and decode kernels; C: the tile
 // configuration): thread tid copies chunks tid % RT + j·RT of rows tid / RT + i·kPassRows. A pass
 // moves 8k rows and a chunk stays in its group under the swizzle, so the swizzled destination only
 // advances by whole rows and RT chunks. The per-thread base pointers stay live across the sweep;
 // tile and pass offsets are recomputed from the (constant-bank) strides where they are used. A
 // paged cache's rows come from its block table instead, looked up per pass for the rows in bounds.
-template <class C, typename T>
+// kNarrow: K's and V's rows have the chunks `cols` says, fewer than the tile's.
+template <class C, typename T, bool kNarrow = false>
 struct KvCopy {
   int crow, c_soff;  // this thread's first row, and its chunk's swizzled offset in that row
   const T *kg, *vg;  // its first row's chunk in K and V (a paged cache: row 0's)
   bool paged;
+  int cchunk;
+  RowChunks cols;
 
   __device__ __forceinline__ KvCopy(const T* k, const T* v, const Strides& ks, const Strides& vs,
-                                    int b, int hk, int k0, bool paged_, int tid)
-      : crow(tid / C::kRowThreads), paged(paged_) {
-    const int cchunk = tid % C::kRowThreads;
+                                    int b, int hk, int k0, bool paged_, int tid,
+                                    RowChunks cols_ = {C::kChunks, C::kChunks})
+      : crow(tid / C::kRowThreads), paged(paged_), cchunk(tid % C::kRowThreads), cols(cols_) {
     c_soff = C::off(crow, cchunk * 8);
     const int64_t first_row = paged ? 0 : int64_t(k0) + crow;
     kg = k + (int64_t(b) * ks.batch + int64_t(hk) * ks.head + first_row * ks.seq + cchunk * 8);
@@ -320,8 +336,11 @@ struct KvCopy {
           paged ? (in ? seqs.paged_row(b, n * BN + i * P + crow) : 0) : int64_t(n * BN + i * P);
 #pragma unroll
       for (int j = 0; j < C::kRowReps; ++j) {
-        cp_async16(sk + i * P * D + j * RT * 8, kg + row * ks.seq + j * RT * 8, in);
-        cp_async16(sk + C::kTileElems + i * P * D + j * RT * 8, vg + row * vs.seq + j * RT * 8, in);
+        const int c = cchunk + j * RT;
+        cp_async16(sk + i * P * D + j * RT * 8, kg + row * ks.seq + j * RT * 8,
+                   in && (!kNarrow || c < cols.qk));
+        cp_async16(sk + C::kTileElems + i * P * D + j * RT * 8, vg + row * vs.seq + j * RT * 8,
+                   in && (!kNarrow || c < cols.v));
       }
     }
   }
@@ -414,6 +433,7 @@ struct Params {
   int alibi_bstride;
   const float* sinks;  // [heads] sink logits (null: none), folded in at the end
   SeqParams seqs;      // sequences of different lengths (dense: every offset 0)
+  RowChunks cols;      // Band only: the problem's own chunks of a row (mask::narrowed)
 };
 
 // CTAs per SM a kernel's registers must allow: the Cfg's, but at most two for the general path
@@ -476,7 +496,8 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, kMinBlocks<Cfg<T, 
   start_rows(o, m_run, l_run);
 
   if (n_begin < n_tiles) {
-    const KvCopy<C, T> kv(p.k, p.v, p.ks, p.vs, b, hk, seq.k0, kBand && p.seqs.paged(), tid);
+    const KvCopy<C, T, kBand> kv(p.k, p.v, p.ks, p.vs, b, hk, seq.k0, kBand && p.seqs.paged(), tid,
+                                 kBand ? p.cols : RowChunks{C::kChunks, C::kChunks});
     const int crow = kv.crow, cchunk = tid % RT, c_soff = kv.c_soff;
     const auto load_kv = [&](int n, int s) {
       kv.load(smem + s * C::kStageElems, n, seq_k, p.ks, p.vs, p.seqs, b);
@@ -494,7 +515,7 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, kMinBlocks<Cfg<T, 
 #pragma unroll
         for (int j = 0; j < RR; ++j)
           cp_async16(sQ + c_soff + i * C::kPassRows * D + j * RT * 8, qp + j * RT * 8,
-                     i * C::kPassRows < rows);
+                     i * C::kPassRows < rows && (!kBand || cchunk + j * RT < p.cols.qk));
         qp += qpass;
       }
     }
@@ -748,8 +769,9 @@ __global__ void __launch_bounds__(Cfg<T, D, W, MT>::kThreads, kMinBlocks<Cfg<T, 
       if (i * kRowsPerStep < rows) {
 #pragma unroll
         for (int j = 0; j < RR; ++j)
-          *reinterpret_cast<uint4*>(op + j * RT * 8) = *reinterpret_cast<const uint4*>(
-              sQ + C::off(wrow + r0 + i * kRowsPerStep, (c + j * RT) * 8));
+          if (!kBand || c + j * RT < p.cols.v)
+            *reinterpret_cast<uint4*>(op + j * RT * 8) = *reinterpret_cast<const uint4*>(
+                sQ + C::off(wrow + r0 + i * kRowsPerStep, (c + j * RT) * 8));
       }
       op += ostep;
     }
@@ -794,14 +816,18 @@ constexpr int kMaxTileRows = 16 * 8;
 template <typename T, int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
   const int warps = known(dev) ? shipping_warps<T, D>(dev) : 4;
-  const int smem = mask::dispatch_band<int>(a, [&](const auto& m) {
-    using Mask = std::decay_t<decltype(m)>;
-    if constexpr (kHasW8<D>) {
-      if (warps == 8) return smem_bytes<T, D, 8, 1, Mask>();
-    }
-    return smem_bytes<T, D, 4, 1, Mask>();
-  });
-  return limits::first({mask::narrow_window(a, Cfg<T, D, 4, 1>::kBN, "cutlass-sm80"),
+  const int smem = mask::dispatch_band<int>(
+      a,
+      [&](const auto& m) {
+        using Mask = std::decay_t<decltype(m)>;
+        if constexpr (kHasW8<D>) {
+          if (warps == 8) return smem_bytes<T, D, 8, 1, Mask>();
+        }
+        return smem_bytes<T, D, 4, 1, Mask>();
+      },
+      mask::narrowed(a, D));
+  return limits::first({limits::narrowed_head_dims(a, D),
+                        mask::narrow_window(a, Cfg<T, D, 4, 1>::kBN, "cutlass-sm80"),
                         limits::grid_of_query_tiles(a, Cfg<T, D, 4, 1>::kBM),
                         limits::int_sequences(a, "cutlass-sm80", kMaxTileRows),
                         limits::sm80_or_newer(dev), limits::smem_per_block(dev, smem)});
@@ -834,6 +860,7 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
   p.alibi_bstride = int(a.mods.alibi_batch_stride);
   p.sinks = a.mods.sinks ? device_ptr<const float>(a.mods.sink_logits) : nullptr;
   p.seqs = SeqParams::of(a);
+  p.cols = {int(a.dims.head_dim / 8), int(a.dims.head_dim_v / 8)};
   // Under a mask that hides keys CTAs are launched last query block first (the kernel reverses
   // blockIdx.x).
   const dim3 grid(unsigned((a.dims.seq_q + C::kBM - 1) / C::kBM), unsigned(a.dims.heads),
@@ -850,12 +877,15 @@ void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
         "cutlass-sm80: ALiBi without slopes, sinks without logits or a log-sum-exp "
         "without its buffer");
   const int warps = shipping_warps<T, D>(dev);
-  mask::dispatch_band<int>(a, [&](const auto& mask) {
-    if constexpr (kHasW8<D>) {
-      if (warps == 8) return launch<T, D, 8, 1>(a, mask, stream);
-    }
-    launch<T, D, 4, 1>(a, mask, stream);
-  });
+  mask::dispatch_band<int>(
+      a,
+      [&](const auto& mask) {
+        if constexpr (kHasW8<D>) {
+          if (warps == 8) return launch<T, D, 8, 1>(a, mask, stream);
+        }
+        launch<T, D, 4, 1>(a, mask, stream);
+      },
+      mask::narrowed(a, D));
 }
 
 template <typename T, int D, int W>
