@@ -19,8 +19,8 @@ pub struct Args {
     /// V as .npy: K's shape but for its head dim (the last axis), which the output takes.
     #[arg(long)]
     v: PathBuf,
-    /// Output .npy (float32, Q's shape).
     /// Output .npy (float32, Q's shape with V's head dim).
+    #[arg(long)]
     out: PathBuf,
     /// Causal mask (aligned bottom-right when Sq != Sk).
     #[arg(long)]
