@@ -133,19 +133,19 @@ fn api_cases() -> Vec<ApiCase> {
             "Q over 2^40",
             v(p(1 << 13, 1 << 10, 1 << 12, 4, 64)),
             Invalid,
-            "Q/O would hold",
+            "Q would hold",
         ),
         (
             "K over 2^40",
             v(p(1, 1, 4, 1 << 40, 64)),
             Invalid,
-            "K/V would hold",
+            "K would hold",
         ),
         (
-            "scalar d80",
-            sup(Backend::Scalar, p(1, 1, 4, 4, 80)),
+            "scalar d84",
+            sup(Backend::Scalar, p(1, 1, 4, 4, 84)),
             Unsupported,
-            "head_dim 80",
+            "multiples of 8",
         ),
         (
             "wmma d32",
@@ -154,10 +154,10 @@ fn api_cases() -> Vec<ApiCase> {
             "head_dim 32",
         ),
         (
-            "cutlass d80",
-            sup(Backend::Cutlass, p(1, 1, 4, 4, 80)),
+            "cutlass d264",
+            sup(Backend::Cutlass, p(1, 1, 4, 4, 264)),
             Unsupported,
-            "head_dim 80",
+            "head_dim 264",
         ),
         (
             "wmma batch 70000",

@@ -66,7 +66,7 @@ const char* name(Dtype dtype) {
 // loads past head_dim and head_dim_v, stores up to head_dim_v), on their general path: they run
 // head dims of no instance of their own and V narrower or wider than Q·Kᵀ.
 bool narrows_head_dims(Kernel kernel) {
-  return kernel == Kernel::Scalar || kernel == Kernel::CutlassSm80;
+  return kernel == Kernel::Scalar || kernel == Kernel::CutlassSm80 || kernel == Kernel::Cutlass;
 }
 
 // The instance that runs head dims (d, dv): the one of D = d = dv, else for a kernel that

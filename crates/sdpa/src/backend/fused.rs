@@ -406,13 +406,14 @@ mod tests {
     }
 
     /// Head dims of no instance and V of another head dim run on the narrowest instance as wide
-    /// as both where the kernel reads only a problem's own columns (scalar, cutlass-sm80); the
-    /// others take their instances' head dims alone, and every kernel wants whole 16-byte rows.
+    /// as both where the kernel reads only a problem's own columns (scalar, cutlass-sm80,
+    /// cutlass); wmma takes its instances' head dims alone, cutlass's e4m3 and f32-output kernels
+    /// too, and every kernel wants whole 16-byte rows.
     #[test]
     fn narrowed_head_dims_are_taken_or_refused_by_name() {
         let has = |b: Backend| sdpa_sys::INSTANCES.iter().any(|i| i.backend == b.name());
         let p = |d: usize, dv: usize| Problem::new(2, 8, 300, 300, d).with_head_dim_v(dv);
-        for b in [Backend::Scalar, Backend::CutlassSm80] {
+        for b in [Backend::Scalar, Backend::CutlassSm80, Backend::Cutlass] {
             if !built(b) || !has(b) {
                 continue;
             }
@@ -422,12 +423,18 @@ mod tests {
             refuses(b, &H100, &p(84, 84), "multiples of 8");
             refuses(b, &H100, &p(128, 260), "is not instantiated");
         }
-        for b in [Backend::Cutlass, Backend::Wmma] {
-            if !built(b) || !has(b) {
-                continue;
-            }
-            refuses(b, &H100, &p(80, 80), "is not instantiated");
-            refuses(b, &H100, &p(128, 64), "is not instantiated");
+        if built(Backend::Wmma) && has(Backend::Wmma) {
+            refuses(Backend::Wmma, &H100, &p(80, 80), "is not instantiated");
+            refuses(Backend::Wmma, &H100, &p(128, 64), "is not instantiated");
+        }
+        if built(Backend::Cutlass) && has(Backend::Cutlass) {
+            let f32_out = p(80, 80).with_out_dtype(DType::F32);
+            refuses(
+                Backend::Cutlass,
+                &H100,
+                &f32_out,
+                "head dims of its instances",
+            );
         }
     }
 

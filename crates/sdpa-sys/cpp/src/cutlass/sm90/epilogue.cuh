@@ -28,6 +28,7 @@ struct Epilogue {
     int heads;
     int64_t total_q;     // packed Q's rows (0: dense)
     const float* sinks;  // [heads] sink logits, folded in before the LSE and O (null: none)
+    int dv;              // O's columns (head_dim_v, at most D): those past it are not stored
   };
 
   // Each row's log-sum-exp (softmax: the tile's finished online softmax, which stepped with
@@ -89,7 +90,7 @@ struct Epilogue {
       for (int i = 0; i < 64 * CH / 128; ++i) {
         const int ci = wtid + i * 128, r = ci / CH, j = ci % CH;
         const int row = m0 + 64 * wg + r;
-        if (row < seq.seq_q)
+        if (row < seq.seq_q && j * 8 < p.dv)
           *reinterpret_cast<uint4*>(ob + int64_t(row) * p.os.seq + j * 8) =
               ld_shared_128(so + (r * D + ((j ^ (r & 7)) << 3)) * sizeof(Out));
       }
@@ -110,7 +111,7 @@ struct Epilogue {
     CUTE_UNROLL
     for (int i = 0; i < size(tOrO); i += 2) {
       const int row = m0 + int(get<0>(cO(i))), c = get<1>(cO(i));  // element i + 1: (row, c + 1)
-      if (row < seq.seq_q)
+      if (row < seq.seq_q && c < p.dv)
         *reinterpret_cast<float2*>(ob + int64_t(row) * p.os.seq + c) =
             make_float2(tOrO(i), tOrO(i + 1));
     }

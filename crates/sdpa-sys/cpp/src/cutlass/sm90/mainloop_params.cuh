@@ -43,14 +43,16 @@ struct MainloopParams {
   const uint32_t* nan_first;
 };
 
-// An operand in global memory as the TMA descriptors see it: (rows, D, heads, batch) with the
-// call's strides. Packed and paged tensors (batch stride 0) are one batch entry of all their rows;
-// the batch stride of a one-entry mode is never used, and TMA wants it a 16-byte multiple. The
-// main and the small-problem kernel both make theirs with it.
-template <int D, typename T>
-auto operand_tensor(T const* ptr, int64_t rows, int64_t heads, int64_t batch, const Strides& st) {
+// An operand in global memory as the TMA descriptors see it: (rows, d, heads, batch) with the
+// call's strides, d its head dim (at most the kernel's D; GTensorOf). Packed and paged tensors
+// (batch stride 0) are one batch entry of all their rows; the batch stride of a one-entry mode is
+// never used, and TMA wants it a 16-byte multiple. The main and the small-problem kernel both make
+// theirs with it.
+template <typename T>
+auto operand_tensor(T const* ptr, int64_t rows, int64_t d, int64_t heads, int64_t batch,
+                    const Strides& st) {
   const int64_t bs = batch == 1 && st.batch == 0 ? rows * st.seq : st.batch;
-  return make_tensor(make_gmem_ptr(ptr), make_shape(int(rows), Int<D>{}, int(heads), int(batch)),
+  return make_tensor(make_gmem_ptr(ptr), make_shape(int(rows), int(d), int(heads), int(batch)),
                      make_stride(st.seq, _1{}, st.head, bs));
 }
 
@@ -66,9 +68,9 @@ MainloopParams<E, D> make_mainloop_params(const FwdArgs& a, const void* v, const
   constexpr int BM = C::kBM, BN = C::kBN;
   constexpr bool kBand = mask::kIsBand<Mask>;
   const auto gmem = [&](auto const* ptr, int64_t rows, int64_t heads, int64_t batch,
-                        const Strides& st) {
-    return operand_tensor<D>(ptr, rows, heads, batch, st);
-  };
+                        const Strides& st,
+                        int64_t d) { return operand_tensor(ptr, rows, d, heads, batch, st); };
+  const int64_t d = a.dims.head_dim, dv = a.dims.head_dim_v;
   const int64_t q_rows = a.seqs.total_q > 0 ? a.seqs.total_q : a.dims.seq_q;
   const int64_t q_batch = a.seqs.total_q > 0 ? 1 : a.dims.batch;
   const int64_t kv_rows = a.seqs.kv_rows > 0 ? a.seqs.kv_rows : a.dims.seq_k;
@@ -76,16 +78,17 @@ MainloopParams<E, D> make_mainloop_params(const FwdArgs& a, const void* v, const
   MainloopParams<E, D> p{};
   p.tma_q = make_tma_copy(
       SM90_TMA_LOAD{},
-      gmem(device_ptr<const QK>(a.ops.q), q_rows, a.dims.heads, q_batch, a.ops.q_stride),
+      gmem(device_ptr<const QK>(a.ops.q), q_rows, a.dims.heads, q_batch, a.ops.q_stride, d),
       typename C::LayoutQ{}, Shape<Int<BM>, Int<D>>{}, _1{});
   p.tma_k = make_tma_copy(
       SM90_TMA_LOAD{},
-      gmem(device_ptr<const QK>(a.ops.k), kv_rows, a.dims.kv_heads, kv_batch, a.ops.k_stride),
+      gmem(device_ptr<const QK>(a.ops.k), kv_rows, a.dims.kv_heads, kv_batch, a.ops.k_stride, d),
       take<0, 2>(typename C::LayoutK{}), Shape<Int<BN>, Int<D>>{}, _1{});
   if constexpr (E::kConvertV) {
-    p.tma_v = make_tma_copy(SM90_TMA_LOAD{},
-                            gmem(static_cast<const QK*>(v), kv_rows, a.dims.kv_heads, kv_batch, vs),
-                            take<0, 2>(typename C::LayoutV8{}), Shape<Int<BN>, Int<D>>{}, _1{});
+    p.tma_v =
+        make_tma_copy(SM90_TMA_LOAD{},
+                      gmem(static_cast<const QK*>(v), kv_rows, a.dims.kv_heads, kv_batch, vs, dv),
+                      take<0, 2>(typename C::LayoutV8{}), Shape<Int<BN>, Int<D>>{}, _1{});
   } else if constexpr (E::kFp8PV) {
     // The pre-pass's V^T in the workspace `v`, [batch][kv_head][D][keys_t]; after it, the
     // masked kernels' NaN table.
@@ -101,9 +104,10 @@ MainloopParams<E, D> make_mainloop_params(const FwdArgs& a, const void* v, const
       p.nan_first =
           reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(v) + transposed_v_bytes(a));
   } else {
-    p.tma_v = make_tma_copy(SM90_TMA_LOAD{},
-                            gmem(static_cast<const PV*>(v), kv_rows, a.dims.kv_heads, kv_batch, vs),
-                            take<0, 2>(typename C::LayoutV{}), Shape<Int<BN>, Int<D>>{}, _1{});
+    p.tma_v =
+        make_tma_copy(SM90_TMA_LOAD{},
+                      gmem(static_cast<const PV*>(v), kv_rows, a.dims.kv_heads, kv_batch, vs, dv),
+                      take<0, 2>(typename C::LayoutV{}), Shape<Int<BN>, Int<D>>{}, _1{});
   }
   fill_sizes(p, a);
   p.turns = turns ? 1 : 0;

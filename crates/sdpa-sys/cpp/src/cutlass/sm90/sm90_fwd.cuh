@@ -29,7 +29,9 @@
 // brings in (the next sequence's) are masked like any key the band hides, and the non-finite V
 // check ignores them. docs/design.md describes the tiles,
 // roles, register split, overlap and scheduling. Assumes validated arguments
-// (crates/sdpa/src/problem/mod.rs): head_dim == D, 16-byte aligned rows, strides in elements,
+// (crates/sdpa/src/problem/mod.rs): head dims <= D (narrower ones on the general path, their
+// columns past the problem's loaded as zeros by TMA and not stored: mainloop_params.cuh,
+// epilogue.cuh), 16-byte aligned rows, strides in elements,
 // heads % kv_heads == 0, seq_q, seq_k >= 1; and what can_implement (below) checks: the device,
 // the 32-bit limits, TMA addressing.
 //
@@ -311,7 +313,8 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
                 a.out.has_lse ? device_ptr<float>(a.out.lse) : nullptr,
                 int(a.dims.heads),
                 a.seqs.total_q,
-                a.mods.sinks ? device_ptr<const float>(a.mods.sink_logits) : nullptr};
+                a.mods.sinks ? device_ptr<const float>(a.mods.sink_logits) : nullptr,
+                int(a.dims.head_dim_v)};
   return p;
 }
 
@@ -353,10 +356,11 @@ std::string tma_limits(const FwdArgs& a) {
   const int64_t in = sizeof(typename E::QK), v_in = E::kPrepass ? sizeof(typename E::PV) : in;
   const int64_t q_elems = (a.seqs.total_q > 0 ? a.seqs.total_q : a.dims.batch * a.dims.seq_q) *
                           a.dims.heads * a.dims.head_dim;
-  const int64_t kv_elems = (a.seqs.kv_rows > 0 ? a.seqs.kv_rows : a.dims.batch * a.dims.seq_k) *
-                           a.dims.kv_heads * a.dims.head_dim;
-  for (const auto& [what, bytes] : {std::pair{"Q", q_elems * in}, std::pair{"K", kv_elems * in},
-                                    std::pair{"V", kv_elems * v_in}})
+  const int64_t kv_rows =
+      (a.seqs.kv_rows > 0 ? a.seqs.kv_rows : a.dims.batch * a.dims.seq_k) * a.dims.kv_heads;
+  for (const auto& [what, bytes] :
+       {std::pair{"Q", q_elems * in}, std::pair{"K", kv_rows * a.dims.head_dim * in},
+        std::pair{"V", kv_rows * a.dims.head_dim_v * v_in}})
     if (bytes >= (int64_t(1) << 40))
       return std::string(what) + " is " + std::to_string(bytes) +
              " bytes; TMA descriptor strides must stay below 2^40 bytes";
@@ -366,13 +370,23 @@ std::string tma_limits(const FwdArgs& a) {
 }
 
 // The general path (mask::needs_band: windows, top-left causal, softcap, ALiBi, sequences of
-// different lengths) for 16-bit inputs, with a window at least one key tile wide: the non-finite
-// V check's records of a partly masked tile answer for rows whose visible keys there reach one of
-// its ends (nonfinite_v.cuh); and a paged cache whose pages hold whole key tiles (one TMA copy a
-// tile).
+// different lengths; mask::narrowed: head dims below D) for 16-bit inputs, with a window at least
+// one key tile wide: the non-finite V check's records of a partly masked tile answer for rows
+// whose visible keys there reach one of its ends (nonfinite_v.cuh); and a paged cache whose pages
+// hold whole key tiles (one TMA copy a tile).
 template <class E, int D>
 std::string band_limits(const FwdArgs& a) {
-  if (!mask::needs_band(a)) return "";
+  if (mask::narrowed(a, D)) {
+    if (E::kFp8 || E::kF32Out)
+      return "cutlass-sm90 runs e4m3 inputs and an f32 output at the head dims of its instances "
+             "only, not head_dim " +
+             std::to_string(a.dims.head_dim) + " with head_dim_v " +
+             std::to_string(a.dims.head_dim_v);
+    const std::string why = limits::narrowed_head_dims(a, D);
+    if (!why.empty()) return why;
+  } else if (!mask::needs_band(a)) {
+    return "";
+  }
   if (E::kFp8)
     return "cutlass-sm90 e4m3 runs no mask but causal bottom-right, no softcap or ALiBi, and "
            "dense sequences only (its simulated path on scalar runs them)";
@@ -458,7 +472,7 @@ void forward_elems(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream)
   if constexpr (E::kFp8 || E::kF32Out)
     mask::dispatch_mask(a.mask.kind, int(a.dims.seq_q), int(a.dims.seq_k), run);
   else
-    mask::dispatch_band<int>(a, run);
+    mask::dispatch_band<int>(a, run, mask::narrowed(a, D));
 }
 
 // O in f32 from 16-bit inputs (F32Out): kernels of their own, so that the 16-bit output's

@@ -442,7 +442,7 @@ template <class E, int D, int KN>
 SmallParams<E, D, KN> make_small_params(const FwdArgs& a, int cluster) {
   using C = SmallCfg<E, D, KN>;
   const auto gmem = [&](auto const* ptr, int64_t seq, int64_t heads, const Strides& st) {
-    return operand_tensor<D>(ptr, seq, heads, a.dims.batch, st);
+    return operand_tensor(ptr, seq, D, heads, a.dims.batch, st);
   };
   using QK = typename C::QK;
   using VIn = std::conditional_t<E::kFp8, QK, typename C::PV>;  // V as the call holds it
@@ -520,7 +520,7 @@ bool small_forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream)
   const int64_t tiles128 = (a.dims.seq_q + 127) / 128 * a.dims.batch * a.dims.heads;
   if (a.dims.seq_k <= kSmallKeys || 2 * tiles128 > dev.sms) return false;
   // The main kernel's general path; it also folds the sinks in.
-  if (mask::needs_band(a) || a.out.has_lse || a.mods.sinks) return false;
+  if (mask::needs_band(a) || mask::narrowed(a, D) || a.out.has_lse || a.mods.sinks) return false;
   if (SmallCfg<E, D, kSmallKeys>::kSmemBytes > dev.smem_optin_per_block) return false;
   return mask::dispatch_mask(a.mask.kind, int(a.dims.seq_q), int(a.dims.seq_k), [&](auto m) {
     return small_launch<E, D, kSmallKeys, decltype(m)>(a, stream);

@@ -138,10 +138,12 @@ using KAtom =
                        std::conditional_t<D * sizeof(T) % 64 == 0, GMMA::Layout_K_SW64_Atom<T>,
                                           GMMA::Layout_K_SW32_Atom<T>>>;
 
-// Global tensors as TMA sees them: (seq, d, head, batch), d contiguous.
+// Global tensors as TMA sees them: (seq, d, head, batch), d contiguous. The d extent is the
+// problem's (at most D): a narrower operand's columns past it land as zeros (TMA's
+// out-of-bounds fill), so the kernel of head dim D runs narrower head dims (mask::narrowed).
 template <typename T, int D>
 using GTensorOf = decltype(make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)),
-                                       std::declval<Shape<int, Int<D>, int, int>>(),
+                                       std::declval<Shape<int, int, int, int>>(),
                                        std::declval<Stride<int64_t, _1, int64_t, int64_t>>()));
 
 // Fast mode's V^T as TMA sees it: (d, key, head, batch), keys contiguous.
