@@ -135,6 +135,72 @@ fn strided_views_match_the_reference() {
     );
 }
 
+/// Head dims narrower than the instance that runs them (Q and K 80, V and the output 48: the 96
+/// kernels of scalar and cutlass-sm80, cutlass's 128) read and write only their own columns:
+/// each operand sits in a sequence-major buffer whose rows end in NaN padding, so a kernel that
+/// read its instance's width would meet the next head's values or NaN; the output's padding stays
+/// NaN (a store past 48 columns lands there, or on the next head's columns, which the comparison
+/// sees).
+#[test]
+fn narrowed_head_dims_read_and_write_their_own_columns_only() {
+    let Some((stream, dev)) = callers_stream("narrowed views") else {
+        return;
+    };
+    let seed = fresh_seed();
+    let p = Problem::new(2, 4, 130, 200, 80)
+        .with_head_dim_v(48)
+        .with_kv_heads(2)
+        .with_causal(true);
+    let inputs = random_inputs(&p, seed).unwrap();
+    let reference =
+        sdpa::reference(&p, &inputs.values[0], &inputs.values[1], &inputs.values[2]).unwrap();
+    let [qshape, kshape, vshape, oshape] = [p.q_shape(), p.k_shape(), p.v_shape(), p.out_shape()];
+    let (qs, ks, vs, os) = (
+        padded(qshape, 48),
+        padded(kshape, 48),
+        padded(vshape, 80),
+        padded(oshape, 80),
+    );
+    let q = stream
+        .clone_htod(&scatter(&inputs.bits[0], qshape, qs))
+        .unwrap();
+    let k = stream
+        .clone_htod(&scatter(&inputs.bits[1], kshape, ks))
+        .unwrap();
+    let v = stream
+        .clone_htod(&scatter(&inputs.bits[2], vshape, vs))
+        .unwrap();
+    let narrowing: Vec<Backend> = common::expected_backends(&dev)
+        .into_iter()
+        .filter(|b| matches!(b, Backend::Scalar | Backend::CutlassSm80 | Backend::Cutlass))
+        .collect();
+    let mut ran = Vec::new();
+    for &b in narrowing.iter().chain(&[Backend::Auto]) {
+        let mut out: CudaSlice<f16> = stream
+            .clone_htod(&vec![f16::NAN; extent(oshape, os)])
+            .unwrap();
+        let views = Views {
+            q: View::new(q.as_view(), qs),
+            k: View::new(k.as_view(), ks),
+            v: View::new(v.as_view(), vs),
+            out: ViewMut::new(out.as_view_mut(), os),
+        };
+        sdpa::forward(&dev, &p, b, views, sdpa::Extras::default()).unwrap();
+        let host = stream.clone_dtoh(&out).unwrap();
+        let r = compare(&gather(&host, oshape, os), &reference, DType::F16, seed);
+        assert!(r.pass(), "{b} on {p}: {r:?}");
+        let mut touched = vec![false; host.len()];
+        indices(oshape).for_each(|(b, h, i, d)| touched[os.offset(b, h, i, d)] = true);
+        assert!(
+            host.iter().zip(&touched).all(|(x, &t)| t || x.is_nan()),
+            "{b}: an element past the output's own columns was written"
+        );
+        ran.push(b);
+    }
+    common::assert_ran("narrowed views", &ran);
+    assert_eq!(ran.len(), narrowing.len() + 1);
+}
+
 /// A dimension of size one is never stepped, so any stride the caller gives it is valid, even
 /// one whose byte size overflows 64 bits or that is no multiple of 16 bytes: every fused backend
 /// and `Auto` run such views (cutlass's TMA descriptors get the layout's own stride there) and
