@@ -48,7 +48,7 @@ struct Consumer {
   __device__ __forceinline__ static auto consumer_operands(typename C::Smem& sm, int ctid) {
     Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQ{});    // (BM, D)
     Tensor sK = make_tensor(make_smem_ptr(sm.k), typename C::LayoutK{});    // (BN, D, stage)
-    Tensor sVt = make_tensor(make_smem_ptr(sm.v), typename C::LayoutVt{});  // (D, BN, stage)
+    Tensor sVt = make_tensor(make_smem_ptr(sm.v), typename C::LayoutVt{});  // (DV, BN, stage)
     typename C::MmaQK mma_qk;
     typename C::MmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(ctid);
@@ -104,7 +104,7 @@ struct Consumer {
     // accumulation). The e4m3 wgmma adds its products into the accumulator at reduced precision
     // and truncating: over thousands of keys whose V has a non-zero mean, O drifts by tens of
     // percent; over one tile's 128 it does not.
-    Tensor tOrOt = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<D>>{});
+    Tensor tOrOt = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<C::kDV>>{});
     const auto fence_pv_acc = [&]() {
       if constexpr (E::kFp8PV)
         warpgroup_fence_operand(tOrOt);

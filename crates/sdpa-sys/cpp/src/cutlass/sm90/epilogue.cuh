@@ -15,6 +15,7 @@ namespace sdpa::cutlass_sm90 {
 template <class E, int D>
 struct Epilogue {
   using C = TileConfig<E, D>;
+  static constexpr int DV = C::kDV;  // O's head dim
   using Out = typename E::Out;
 
   // The output as written to global memory: Out, or f32 (E::kF32Out).
@@ -69,22 +70,22 @@ struct Epilogue {
       store_f32(p, tOrO, seq, b, h, m0, etid);
     } else {
       const uint32_t so =
-          uint32_t(__cvta_generic_to_shared(C::staging(sm))) + uint32_t(wg * 64 * D * sizeof(Out));
+          uint32_t(__cvta_generic_to_shared(C::staging(sm))) + uint32_t(wg * 64 * DV * sizeof(Out));
       if (qi > 0) named_sync(bar, 128);
       {
         typename C::MmaPV mma_pv;
         Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
-            make_identity_tensor(Shape<Int<C::kBM>, Int<D>>{}));
+            make_identity_tensor(Shape<Int<C::kBM>, Int<DV>>{}));
         CUTE_UNROLL
         for (int i = 0; i < size(tOrO); i += 2) {
           const int r = get<0>(cO(i)) - 64 * wg, c = get<1>(cO(i));  // element i + 1: (r, c + 1)
-          const int phys = r * D + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
+          const int phys = r * DV + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
           st_shared(so + phys * sizeof(Out), pack2<Out>(tOrO(i), tOrO(i + 1)));
         }
       }
       named_sync(bar, 128);
       Out* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head + int64_t(seq.q0) * p.os.seq;
-      constexpr int CH = D / 8;  // 16-byte chunks per row
+      constexpr int CH = DV / 8;  // 16-byte chunks per row
       const int wtid = etid % 128;
       CUTE_UNROLL
       for (int i = 0; i < 64 * CH / 128; ++i) {
@@ -92,7 +93,7 @@ struct Epilogue {
         const int row = m0 + 64 * wg + r;
         if (row < seq.seq_q && j * 8 < p.dv)
           *reinterpret_cast<uint4*>(ob + int64_t(row) * p.os.seq + j * 8) =
-              ld_shared_128(so + (r * D + ((j ^ (r & 7)) << 3)) * sizeof(Out));
+              ld_shared_128(so + (r * DV + ((j ^ (r & 7)) << 3)) * sizeof(Out));
       }
     }
   }
@@ -106,7 +107,7 @@ struct Epilogue {
                                                    int etid) {
     typename C::MmaPV mma_pv;
     Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
-        make_identity_tensor(Shape<Int<C::kBM>, Int<D>>{}));
+        make_identity_tensor(Shape<Int<C::kBM>, Int<DV>>{}));
     float* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head + int64_t(seq.q0) * p.os.seq;
     CUTE_UNROLL
     for (int i = 0; i < size(tOrO); i += 2) {

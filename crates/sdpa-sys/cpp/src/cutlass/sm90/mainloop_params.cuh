@@ -107,7 +107,7 @@ MainloopParams<E, D> make_mainloop_params(const FwdArgs& a, const void* v, const
     p.tma_v =
         make_tma_copy(SM90_TMA_LOAD{},
                       gmem(static_cast<const PV*>(v), kv_rows, a.dims.kv_heads, kv_batch, vs, dv),
-                      take<0, 2>(typename C::LayoutV{}), Shape<Int<BN>, Int<D>>{}, _1{});
+                      take<0, 2>(typename C::LayoutV{}), Shape<Int<BN>, Int<C::kDV>>{}, _1{});
   }
   fill_sizes(p, a);
   p.turns = turns ? 1 : 0;

@@ -109,7 +109,7 @@ __device__ __forceinline__ bool settle_nonfinite(typename C::Smem& sm, int s, in
     constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
     constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
     const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
-    record_nonfinite_cols<PV, C::kBN, C::kHD, kLast>(
+    record_nonfinite_cols<PV, C::kBN, C::kDV, kLast>(
         uint32_t(__cvta_generic_to_shared(&sm.nf[slot])),
         uint32_t(__cvta_generic_to_shared(&sm.nf_last[slot])),
         [&](int key, int col) {

@@ -35,7 +35,7 @@ struct Producer {
                                               typename C::Smem& sm) {
     Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQ{});  // (BM, D)
     Tensor sK = make_tensor(make_smem_ptr(sm.k), typename C::LayoutK{});  // (BN, D, stage)
-    Tensor sV = make_tensor(make_smem_ptr(sm.v), typename C::LayoutV{});  // (BN, D, stage)
+    Tensor sV = make_tensor(make_smem_ptr(sm.v), typename C::LayoutV{});  // (BN, DV, stage)
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seq_q, Int<D>{}, p.heads, p.batch));
     Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
     // V, or fast mode's V^T (d, key, head, batch).
@@ -43,11 +43,11 @@ struct Producer {
       if constexpr (E::kFp8PV)
         return p.tma_v.get_tma_tensor(make_shape(Int<D>{}, p.keys_t, p.kv_heads, p.batch));
       else
-        return p.tma_v.get_tma_tensor(make_shape(p.seq_k, Int<D>{}, p.kv_heads, p.batch));
+        return p.tma_v.get_tma_tensor(make_shape(p.seq_k, Int<C::kDV>{}, p.kv_heads, p.batch));
     }();
     constexpr uint32_t kQBytes = BM * D * sizeof(QK);
     constexpr uint32_t kKBytes = BN * D * sizeof(QK);
-    constexpr uint32_t kVBytes = BN * D * (E::kConvertV ? sizeof(QK) : sizeof(PV));
+    constexpr uint32_t kVBytes = BN * C::kDV * (E::kConvertV ? sizeof(QK) : sizeof(PV));
     const int bm = 64 * sp.wgs;
     int it = 0, qi = 0;  // qi: the tiles with queries so far (Q loads)
     // Work tile t's loads.
@@ -70,7 +70,7 @@ struct Producer {
           return local_tile(mV(_, _, hk, kb), Shape<Int<D>, Int<BN>>{}, make_coord(_0{}, _));
         else
           return local_tile(domain_offset(make_coord(seq.k0, _0{}), mV(_, _, hk, kb)),
-                            Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+                            Shape<Int<BN>, Int<C::kDV>>{}, make_coord(_, _0{}));
       }();
       auto tQ = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                               group_modes<0, 2>(gQ));

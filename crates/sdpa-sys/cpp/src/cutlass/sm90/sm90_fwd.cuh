@@ -203,7 +203,7 @@ __device__ __forceinline__ void fwd_body(const typename K::Params& p) {
   const int wg = ctid / 128;        // this consumer warpgroup: rows [64 wg, 64 wg + 64)
   const int bm = 64 * p.sched.wgs;  // query rows per tile (the Q buffer always holds BM = 128)
   typename C::MmaPV mma_pv;
-  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<C::kBM>, Int<D>>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<C::kBM>, Int<C::kDV>>{});
   Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
   const auto ops = Consumer::consumer_operands(sm, ctid);
   int it = 0, qi = 0;  // ring uses and tiles with queries so far
@@ -370,13 +370,20 @@ std::string tma_limits(const FwdArgs& a) {
 }
 
 // The general path (mask::needs_band: windows, top-left causal, softcap, ALiBi, sequences of
-// different lengths; mask::narrowed: head dims below D) for 16-bit inputs, with a window at least
+// different lengths; narrowed: head dims below the tiles) for 16-bit inputs, with a window at least
 // one key tile wide: the non-finite V check's records of a partly masked tile answer for rows
 // whose visible keys there reach one of its ends (nonfinite_v.cuh); and a paged cache whose pages
 // hold whole key tiles (one TMA copy a tile).
+// Whether the kernel of element types E and head dim D runs `a` on fewer columns than its tiles
+// (head_dim below D, or head_dim_v below its V's and O's width): on its general path.
+template <class E, int D>
+bool narrowed(const FwdArgs& a) {
+  return a.dims.head_dim != D || a.dims.head_dim_v != TileConfig<E, D>::kDV;
+}
+
 template <class E, int D>
 std::string band_limits(const FwdArgs& a) {
-  if (mask::narrowed(a, D)) {
+  if (narrowed<E, D>(a)) {
     if (E::kFp8 || E::kF32Out)
       return "cutlass-sm90 runs e4m3 inputs and an f32 output at the head dims of its instances "
              "only, not head_dim " +
@@ -472,7 +479,7 @@ void forward_elems(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream)
   if constexpr (E::kFp8 || E::kF32Out)
     mask::dispatch_mask(a.mask.kind, int(a.dims.seq_q), int(a.dims.seq_k), run);
   else
-    mask::dispatch_band<int>(a, run, mask::narrowed(a, D));
+    mask::dispatch_band<int>(a, run, narrowed<E, D>(a));
 }
 
 // O in f32 from 16-bit inputs (F32Out): kernels of their own, so that the 16-bit output's
@@ -480,8 +487,22 @@ void forward_elems(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream)
 template <int D>
 constexpr bool kHasF32Out = D == 64 || D == 128;
 
+// V and O narrower than Q and K with kernels of their own (SameDV): DeepSeek's 192 / 128 (its
+// MLA prefill). Other pairs run narrowed on the kernel of the wider head dim.
+template <int D>
+constexpr int kOwnDV = D == 192 ? 128 : 0;
+
+// Whether `a` is the head-dim pair of the instance's kernels with V of their own width.
+template <int D>
+bool own_dv(const FwdArgs& a) {
+  return kOwnDV<D> > 0 && a.dims.head_dim == D && a.dims.head_dim_v == kOwnDV<D>;
+}
+
 template <typename T, int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
+  if constexpr (kOwnDV<D> > 0)
+    if (a.out.dtype != Dtype::F32 && own_dv<D>(a))
+      return can_implement_elems<SameDV<T, kOwnDV<D>>, D>(a, dev);
   if (a.out.dtype != Dtype::F32) return can_implement_elems<Same<T>, D>(a, dev);
   if constexpr (kHasF32Out<D>)
     return can_implement_elems<F32Out<T>, D>(a, dev);
@@ -496,6 +517,8 @@ void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
     if constexpr (kHasF32Out<D>) return forward_elems<F32Out<T>, D>(a, dev, stream);
     throw Error("cutlass-sm90: no f32 output at this head_dim");
   }
+  if constexpr (kOwnDV<D> > 0)
+    if (own_dv<D>(a)) return forward_elems<SameDV<T, kOwnDV<D>>, D>(a, dev, stream);
   if constexpr (D == 64)
     if (small_forward<Same<T>, D>(a, dev, stream)) return;
   forward_elems<Same<T>, D>(a, dev, stream);
@@ -551,6 +574,9 @@ void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
     push_elems_attributes<F32Out<T>, D>(out,
                                         std::is_same_v<T, cute::half_t> ? "f16_f32" : "bf16_f32");
   if constexpr (D == 64) small_attributes<Same<T>, D>(out, dtype_name<T>());
+  if constexpr (kOwnDV<D> > 0)
+    push_elems_attributes<SameDV<T, kOwnDV<D>>, D>(
+        out, std::is_same_v<T, cute::half_t> ? "f16_dv128" : "bf16_dv128");
 }
 
 template <int D, bool kFast>

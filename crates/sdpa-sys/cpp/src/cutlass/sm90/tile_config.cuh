@@ -96,13 +96,16 @@ struct Tuning<256, kFp8> {
 // use one type throughout (Same<T>), or write O in f32 straight from the accumulator (F32Out:
 // a partial result that is merged before it is rounded; Out then only sizes the unused
 // staging area, so the shared-memory layout is Same<T>'s); e4m3 runs P·V in f16 (E4m3,
-// accurate mode) or in e4m3 (E4m3Fast, fast mode).
-template <typename QK_, typename PV_, typename Out_, bool kConvertV_ = false, bool kF32Out_ = false>
+// accurate mode) or in e4m3 (E4m3Fast, fast mode). kDV_: V's and O's head dim where it is
+// narrower than Q's and K's (SameDV; 0: the same), which their tiles then take.
+template <typename QK_, typename PV_, typename Out_, bool kConvertV_ = false, bool kF32Out_ = false,
+          int kDV_ = 0>
 struct Elems {
   using QK = QK_;
   using PV = PV_;
   using Out = Out_;
   static constexpr bool kF32Out = kF32Out_;
+  static constexpr int kDV = kDV_;
   // E4M3: dequantization scales, and V converted to PV either by a pre-pass the attention grid
   // overlaps (kPrepass: programmatic launch, the grid waits before its first V load instead of
   // at the start), or in shared memory by the producer warpgroup's spare warps (kConvertV).
@@ -120,6 +123,9 @@ template <typename T>
 using Same = Elems<T, T, T>;
 template <typename T>
 using F32Out = Elems<T, T, T, false, true>;
+// 16-bit, V and O DV wide (DeepSeek's 192 / 128).
+template <typename T, int DV>
+using SameDV = Elems<T, T, T, false, false, DV>;
 
 // E4M3 Q, K, V, O in Out. P·V in f16 for either output type (P rounded to f16 keeps 3 more bits
 // than bf16; V's codes are exact in both).
@@ -175,6 +181,10 @@ struct TileConfig {
   static constexpr int kBM = 64 * kWG;
   static constexpr int kBN = Tune::kBN;
   static constexpr int kHD = D;
+  // V's and O's head dim: D, or narrower (SameDV): V's tiles, O's accumulators and its staging.
+  static constexpr int kDV = E::kDV > 0 ? E::kDV : D;
+  static_assert(kDV <= D && kDV % 64 == 0, "V rows of whole 128-byte swizzle atoms");
+  static_assert(kDV == D || !E::kFp8, "e4m3 kernels take one head dim");
   static constexpr bool kAliasO = Tune::kAliasO;
   static_assert(!(kAliasO && E::kFp8), "O staging reuses a 16-bit Q buffer");
   static constexpr int kStages = Tune::kStages;
@@ -192,6 +202,7 @@ struct TileConfig {
   using BM = Int<kBM>;
   using BN = Int<kBN>;
   using HD = Int<D>;
+  using HDV = Int<kDV>;
   using Stages = Int<kStages>;
 
   // The warpgroups tile M: warpgroup w owns rows [64w, 64w + 64) of S and O.
@@ -201,7 +212,7 @@ struct TileConfig {
                               Layout<Shape<Int<kWG>, _1, _1>>{}));
   static constexpr auto kMajorV = E::kFp8PV ? GMMA::Major::K : GMMA::Major::MN;
   using MmaPV = decltype(make_tiled_mma(
-      SM90::GMMA::rs_op_selector<PV, PV, float, Shape<_64, HD, BN>, GMMA::Major::K, kMajorV>(),
+      SM90::GMMA::rs_op_selector<PV, PV, float, Shape<_64, HDV, BN>, GMMA::Major::K, kMajorV>(),
       Layout<Shape<Int<kWG>, _1, _1>>{}));
 
   // Shared memory layouts: Q and K rows of D elements in swizzle atoms of 8 rows (KAtom). 16-bit
@@ -210,9 +221,9 @@ struct TileConfig {
   // pre-pass's transposed V, rows of BN keys (128 bytes), K-major (LayoutV goes unused).
   using LayoutQ = decltype(tile_to_shape(KAtom<QK, D>{}, Shape<BM, HD>{}));
   using LayoutK = decltype(tile_to_shape(KAtom<QK, D>{}, Shape<BN, HD, Stages>{}));
-  using LayoutVt = typename VtLayout<PV, D, kBN, kStages, E::kFp8PV>::type;
+  using LayoutVt = typename VtLayout<PV, kDV, kBN, kStages, E::kFp8PV>::type;
   using LayoutV = decltype(composition(
-      LayoutVt{}, make_layout(Shape<BN, HD, Stages>{}, Stride<HD, _1, Int<D * kBN>>{})));
+      LayoutVt{}, make_layout(Shape<BN, HDV, Stages>{}, Stride<HDV, _1, Int<kDV * kBN>>{})));
 
   // P as the A operand of P·V, over the registers of the S accumulator. S per thread is
   // ((2 cols, 2 rows, BN/8 col groups), 1, 1), compact, whatever QK is. 16-bit P: the A fragment
@@ -231,15 +242,18 @@ struct TileConfig {
                                       take<0, 2>(LayoutK{}), Shape<BN, HD>{}, _1{}));
   using LayoutV8 =
       Layout<Shape<BN, HD, Int<kV8Stages>>, Stride<HD, _1, Int<kBN * D>>>;  // kConvertV's ring
+  // (Each branch's type is formed whichever is chosen: all read V at kDV, which the e4m3 kernels
+  // keep at D.)
   using TmaV = std::conditional_t<
       E::kConvertV,
       decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<QK, D>>(),
                              take<0, 2>(LayoutV8{}), Shape<BN, HD>{}, _1{})),
       std::conditional_t<E::kFp8PV,
-                         decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorTOf<PV, D>>(),
-                                                take<0, 2>(LayoutVt{}), Shape<HD, BN>{}, _1{})),
+                         decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                                std::declval<GTensorTOf<PV, kDV>>(),
+                                                take<0, 2>(LayoutVt{}), Shape<HDV, BN>{}, _1{})),
                          decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<PV, D>>(),
-                                                take<0, 2>(LayoutV{}), Shape<BN, HD>{}, _1{}))>>;
+                                                take<0, 2>(LayoutV{}), Shape<BN, HDV>{}, _1{}))>>;
 
   // kConvertV's e4m3 V ring, a base of Smem (empty, so of no size, in the other kernels).
   struct V8Ring {
@@ -248,14 +262,14 @@ struct TileConfig {
   struct NoRing {};
   // The output staging, 64 rows per consumer warpgroup: its own buffer, or (kAliasO) Q's.
   struct OStage {
-    alignas(1024) Out o[kBM * D];
+    alignas(1024) Out o[kBM * kDV];
   };
   struct NoOStage {};
   struct Smem : std::conditional_t<E::kConvertV, V8Ring, NoRing>,
                 std::conditional_t<kAliasO, NoOStage, OStage> {
     alignas(1024) QK q[kBM * D];
     alignas(1024) QK k[kStages * kBN * D];
-    alignas(1024) PV v[kStages * kBN * D];
+    alignas(1024) PV v[kStages * kBN * kDV];
     alignas(8) uint64_t bar_q;
     uint64_t empty_q;
     uint64_t full_k[kStages];
@@ -282,8 +296,8 @@ struct TileConfig {
     int feed_tile[2];
     uint32_t feed_next;  // the producer's next feed index
     uint32_t nf_any[kCheckSlots];
-    NonFiniteCols<D> nf[kCheckSlots];
-    NonFiniteCols<D> nf_last[kCheckSlots];
+    NonFiniteCols<kDV> nf[kCheckSlots];
+    NonFiniteCols<kDV> nf_last[kCheckSlots];
   };
   // Where the epilogue stages warpgroup rows of O.
   __device__ __forceinline__ static Out* staging(Smem& sm) {

@@ -100,11 +100,11 @@ struct VSide {
         const PipelineState<S> use{it + u};
         const int s = use.stage();
         T::v_ring(sm).wait_landed(use, landed);
-        const uint32_t tile = v16 + uint32_t(s * BN * D * sizeof(PV));
+        const uint32_t tile = v16 + uint32_t(s * BN * C::kDV * sizeof(PV));
         // Rows past the sequence's keys (packed K/V: the next sequence's) are zeroed unrecorded.
         const int real_keys = seq.seq_k - K::key_tile(u, kt) * BN;
         const bool any = settle_nonfinite<C, kBand>(
-            sm, s, slot0 + u, scan_nonfinite<PV, BN, D>(tile, ct, C::kConverters), ct,
+            sm, s, slot0 + u, scan_nonfinite<PV, BN, C::kDV>(tile, ct, C::kConverters), ct,
             kCheckBarrier, real_keys);
         if (any) cutlass::arch::fence_view_async_shared();  // the zeros, for the wgmmas
         T::v_ring(sm).commit_checked(use);
@@ -121,8 +121,8 @@ struct VSide {
     int etid = ctid;
     asm volatile("" : "+r"(etid));
     typename C::MmaPV mma_pv;
-    Tensor cO =
-        mma_pv.get_thread_slice(etid).partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+    Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
+        make_identity_tensor(Shape<Int<BM>, Int<C::kDV>>{}));
     return make_tensor(cO.data(), rowcol(cO.layout()));
   }
 
