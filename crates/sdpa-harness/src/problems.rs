@@ -3,7 +3,7 @@
 //! SHAPES and VARIANTS, with their exact definitions).
 
 use crate::seqs::{paged, varlen};
-use sdpa::{Error, Mask, Problem, Result, SeqMeta};
+use sdpa::{DType, Error, Mask, Problem, Result, SeqMeta};
 
 /// One named problem: [batch, heads, kv_heads, seq_q, seq_k, head_dim], its mask, its softcap,
 /// whether it has sinks and how its sequences are stored.
@@ -22,6 +22,9 @@ pub struct Named {
     pub sinks: bool,
     /// Dense, packed or paged.
     pub seqs: NamedSeqs,
+    /// K and V's element type where it is not Q's: e4m3, an FP8 K/V cache
+    /// ([`Problem::with_kv_dtype`]).
+    pub kv_dtype: Option<DType>,
 }
 
 /// How a named problem's sequences are stored (the anchor's `varlen` and `page`).
@@ -49,6 +52,7 @@ impl Named {
             softcap: None,
             sinks: false,
             seqs: NamedSeqs::Dense,
+            kv_dtype: None,
         }
     }
 
@@ -61,10 +65,11 @@ impl Named {
 
     fn base(&self) -> Problem {
         let [b, h, hkv, sq, sk, d] = self.dims;
-        let p = Problem::new(b, h, sq, sk, d)
+        let mut p = Problem::new(b, h, sq, sk, d)
             .with_kv_heads(hkv)
             .with_mask(self.mask)
             .with_sinks(self.sinks);
+        p.kv_dtype = self.kv_dtype;
         match self.softcap {
             Some(c) => p.with_softcap(c),
             None => p,
@@ -99,7 +104,7 @@ const VARLEN_16: [usize; 16] = [
     4096, 128, 2048, 512, 1024, 3000, 77, 1500, 2500, 256, 800, 3500, 64, 1800, 900, 2200,
 ];
 
-/// The named problems, all f16; dense ones BHSD.
+/// The named problems, all f16 (Q; the `-fp8kv` ones over an e4m3 K/V cache); dense ones BHSD.
 pub const NAMED_PROBLEMS: &[Named] = &[
     Named::dense("mission", [2, 8, 256, 64], false),
     Named::dense("mission-causal", [2, 8, 256, 64], true),
@@ -120,6 +125,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         softcap: None,
         sinks: false,
         seqs: NamedSeqs::Dense,
+        kv_dtype: None,
     },
     // Llama 4's local layers: causal within chunks of 8192 keys, 40 query heads on 8 KV heads.
     Named {
@@ -129,6 +135,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         softcap: None,
         sinks: false,
         seqs: NamedSeqs::Dense,
+        kv_dtype: None,
     },
     Named {
         name: "s8k-d128-softcap",
@@ -137,6 +144,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         softcap: Some(30.0),
         sinks: false,
         seqs: NamedSeqs::Dense,
+        kv_dtype: None,
     },
     Named {
         name: "s8k-d128-gqa",
@@ -145,6 +153,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         softcap: None,
         sinks: false,
         seqs: NamedSeqs::Dense,
+        kv_dtype: None,
     },
     Named {
         seqs: NamedSeqs::Varlen(&VARLEN_16),
@@ -158,6 +167,15 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         ..Named::decode("decode-b16-k8k-paged", [16, 1, 8192], false)
     },
     Named::decode("spec-b16-q8-k8k", [16, 8, 8192], true),
+    // The bf16 decode problems over an e4m3 K/V cache (scales per K/V head): half the bytes.
+    Named {
+        kv_dtype: Some(DType::E4m3),
+        ..Named::decode("decode-b16-k8k-fp8kv", [16, 1, 8192], false)
+    },
+    Named {
+        kv_dtype: Some(DType::E4m3),
+        ..Named::decode("decode-b64-k4k-fp8kv", [64, 1, 4096], false)
+    },
     // gpt-oss: learnable sinks, head_dim 64, 64 query and 8 K/V heads, a 128-key window on
     // alternate layers.
     Named {

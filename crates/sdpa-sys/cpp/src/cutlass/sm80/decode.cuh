@@ -27,9 +27,20 @@
 // scanned; if it holds a NaN or an infinity, its columns' first non-finite keys are recorded and
 // zeroed, each (row, column) ORs the kinds its visible keys hold into a flag byte, and the
 // combined output adds the reference's term for them (common/nonfinite.cuh).
+//
+// An e4m3 K/V cache (F8) under 16-bit Q: its codes stream through stages of their own (half the
+// bytes), and each thread widens the chunks it copied into the 16-bit stage the mma reads, in
+// the same swizzled layout, so everything after (the non-finite check, the mma, the masks) is the
+// 16-bit path's. Widening is exact (every e4m3 value is an f16 and a bf16 value): the scales stay
+// out of the tiles. A CTA reads one K/V head, so its K scale joins the softmax scale and its V
+// scale the output's normalization, once per row.
 #pragma once
 
+#include <cuda_fp8.h>
+
+#include <cfloat>
 #include <cstdlib>
+#include <type_traits>
 
 #include "cutlass/sm80/sm80_fwd.cuh"
 
@@ -55,6 +66,11 @@ struct Geo {
   static constexpr int kRecOffset = (kQOffset + kQElems) * int(sizeof(T));  // bytes
   static constexpr int kFlagOffset = kRecOffset + int(sizeof(NonFiniteCols<D>));
   static constexpr int kSmemBytes = kFlagOffset + kRows * D;
+  // An e4m3 cache's code stages, after the flags: [key][D] bytes, K then V.
+  static constexpr int kCodeTileBytes = kBN * D;
+  static constexpr int kCodeStageBytes = 2 * kCodeTileBytes;
+  static constexpr int kCodeOffset = (kSmemBytes + 127) / 128 * 128;
+  static constexpr int kSmemBytesF8 = kCodeOffset + kStages * kCodeStageBytes;
   // The warps' states at the end, over the stages: m, l [warp][row], O [warp][row][D + 1].
   static constexpr int kOPitch = D + 1;
   static_assert((2 * kWarps * kRows + kWarps * kRows * kOPitch) * 4 <= kQOffset * int(sizeof(T)),
@@ -64,6 +80,10 @@ struct Geo {
 template <typename T, class Mask>
 struct Params {
   const T *q, *k, *v;
+  // An e4m3 cache instead of k, v: codes, and scales at b * scale_batch + hk * scale_head.
+  const uint8_t *kc, *vc;
+  const float *k_scale, *v_scale;
+  int scale_batch, scale_head;
   T* o;
   Strides qs, ks, vs, os;
   Mask mask;  // for the longest sequences; rebased to each
@@ -77,7 +97,80 @@ struct Params {
   float *ws_o, *ws_lse;  // splits > 1: [split][lse row][D], [split][lse row]
 };
 
-template <typename T, int D, int MT, class Mask>
+// Two e4m3 codes (low byte first) as two T values, exactly.
+template <typename T>
+__device__ __forceinline__ uint32_t widen2(uint16_t codes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(codes, __NV_E4M3);
+  if constexpr (std::is_same_v<T, cute::half_t>) {
+    return uint32_t(h.x) | (uint32_t(h.y) << 16);
+  } else {
+    const float2 f = __half22float2(__half2(h));
+    return pack2<T>(f.x, f.y);
+  }
+}
+
+// The K/V tiles of an e4m3 cache: thread tid copies 16-byte chunks of codes (chunk tid %
+// kRowThreads of rows tid / kRowThreads + kPassRows · i) into a code stage, zero past seq_k, and
+// later widens the same chunks into the 16-bit stage at C::off (visible to it alone until a
+// barrier: each thread widens only what its own cp.async brought).
+template <class C, typename T>
+struct CodeCopy {
+  static constexpr int D = C::kChunks * 8, BN = C::kBN;
+  static constexpr int kRowThreads = D / 16;
+  static constexpr int kPassRows = kThreads / kRowThreads;
+  static constexpr int kTileBytes = BN * D;
+  static_assert(BN % kPassRows == 0, "tiles of whole passes");
+  int crow, cchunk;
+  const uint8_t *kg, *vg;  // this thread's first row's chunk (a paged cache: row 0's)
+  bool paged;
+
+  __device__ __forceinline__ CodeCopy(const uint8_t* k, const uint8_t* v, const Strides& ks,
+                                      const Strides& vs, int b, int hk, int k0, bool paged_,
+                                      int tid)
+      : crow(tid / kRowThreads), cchunk(tid % kRowThreads), paged(paged_) {
+    const int64_t first_row = paged ? 0 : int64_t(k0) + crow;
+    kg = k + (int64_t(b) * ks.batch + int64_t(hk) * ks.head + first_row * ks.seq + cchunk * 16);
+    vg = v + (int64_t(b) * vs.batch + int64_t(hk) * vs.head + first_row * vs.seq + cchunk * 16);
+  }
+
+  __device__ __forceinline__ void load(uint8_t* stage, int n, int seq_k, const Strides& ks,
+                                       const Strides& vs, const SeqParams& seqs, int b) const {
+    constexpr int P = kPassRows;
+    const int rows = seq_k - n * BN - crow;
+    uint8_t* const sk = stage + crow * D + cchunk * 16;
+#pragma unroll
+    for (int i = 0; i < BN / P; ++i) {
+      const bool in = i * P < rows;
+      const int64_t row =
+          paged ? (in ? seqs.paged_row(b, n * BN + i * P + crow) : 0) : int64_t(n * BN + i * P);
+      cp_async16(sk + i * P * D, kg + row * ks.seq, in);
+      cp_async16(sk + kTileBytes + i * P * D, vg + row * vs.seq, in);
+    }
+  }
+
+  // The codes this thread copied into `stage`, as T into the 16-bit stage `tile` (K, then V).
+  __device__ __forceinline__ void widen(const uint8_t* stage, T* tile) const {
+#pragma unroll
+    for (int i = 0; i < BN / kPassRows; ++i) {
+      const int row = i * kPassRows + crow;
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv) {
+        const uint4 c = lds16(stage + kv * kTileBytes + row * D + cchunk * 16);
+        const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+        uint4 lo, hi;
+        lo.x = widen2<T>(uint16_t(w[0])), lo.y = widen2<T>(uint16_t(w[0] >> 16));
+        lo.z = widen2<T>(uint16_t(w[1])), lo.w = widen2<T>(uint16_t(w[1] >> 16));
+        hi.x = widen2<T>(uint16_t(w[2])), hi.y = widen2<T>(uint16_t(w[2] >> 16));
+        hi.z = widen2<T>(uint16_t(w[3])), hi.w = widen2<T>(uint16_t(w[3] >> 16));
+        T* const t = tile + kv * C::kTileElems;
+        *reinterpret_cast<uint4*>(t + C::off(row, cchunk * 16)) = lo;
+        *reinterpret_cast<uint4*>(t + C::off(row, cchunk * 16 + 8)) = hi;
+      }
+    }
+  }
+};
+
+template <typename T, int D, int MT, class Mask, bool F8>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_kernel(const __grid_constant__ Params<T, Mask> p) {
 #ifdef SDPA_SM80_DEVICE
@@ -112,13 +205,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = tid; i < R * D; i += kThreads) flags[i] = 0;
   float o[MT][kON][4], m_run[MT][2], l_run[MT][2];
   start_rows(o, m_run, l_run);
-  const float sl2 = p.scale_log2;
+  // An e4m3 cache: scores in code units (K's scale joins the softmax scale; one a negative or
+  // non-finite scale has no softmax of, so its rows are NaN) and V's scale the output's.
+  float sl2 = p.scale_log2, v_mul = 1.f;
+  if constexpr (F8) {
+    const int64_t si = int64_t(b) * p.scale_batch + int64_t(hk) * p.scale_head;
+    const float ks = p.k_scale[si];
+    sl2 = ks >= 0.f && ks <= FLT_MAX ? sl2 * ks : __int_as_float(0x7fffffff);
+    v_mul = p.v_scale[si];
+  }
+  uint8_t* const codes = smem_raw + G::kCodeOffset;  // F8 only
 
   if (n_begin < n_end) {
-    const KvCopy<C, T> kv(p.k, p.v, p.ks, p.vs, b, hk, seq.k0, p.seqs.paged(), tid);
-    const int c_soff = kv.c_soff;
+    const auto kv = [&] {
+      if constexpr (F8)
+        return CodeCopy<C, T>(p.kc, p.vc, p.ks, p.vs, b, hk, seq.k0, p.seqs.paged(), tid);
+      else
+        return KvCopy<C, T>(p.k, p.v, p.ks, p.vs, b, hk, seq.k0, p.seqs.paged(), tid);
+    }();
+    // This thread's chunk of the 16-bit V tile (the non-finite check's), as KvCopy places it.
+    const int c_soff = C::off(tid / C::kRowThreads, (tid % C::kRowThreads) * 8);
     const auto load_kv = [&](int n, int s) {
-      kv.load(smem + s * G::kStageElems, n, seq_k, p.ks, p.vs, p.seqs, b);
+      if constexpr (F8)
+        kv.load(codes + s * G::kCodeStageBytes, n, seq_k, p.ks, p.vs, p.seqs, b);
+      else
+        kv.load(smem + s * G::kStageElems, n, seq_k, p.ks, p.vs, p.seqs, b);
     };
     // Q rows (token, head) of the CTA, zero past the sequence's tokens; with the first tile.
     for (int c = tid; c < R * (D / 8); c += kThreads) {
@@ -144,6 +255,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int s = (n - n_begin) % S;
       const int n0 = n * BN;
       cute::cp_async_wait<S - 2>();
+      if constexpr (F8) {
+        // Stage s was last read S - 1 barriers ago; its codes arrived for this thread alone.
+        kv.widen(codes + s * G::kCodeStageBytes, smem + s * G::kStageElems);
+        __syncthreads();
+      }
       // A tile that hides keys from some row (past seq_k aside) is checked for non-finite V.
       const bool partial = Mask::kMasksKeys && n0 + BN - 1 > mask.last_key(tok_lo) &&
                            mask.last_key(tok_lo) + 1 < seq_k;
@@ -274,7 +390,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     float m2 = m * sl2;
     const float a = p.splits == 1 && p.sinks != nullptr ? fold_sink(m2, l, p.sinks[head]) : 1.f;
-    const float inv = l > 0.f ? a / l : 0.f;
+    const float inv = l > 0.f ? a * v_mul / l : 0.f;
     const float lse = l > 0.f ? (m2 + __log2f(l)) * 0.6931471805599453f : -INFINITY;
     const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
     T* const out = p.o + int64_t(b) * p.os.batch + int64_t(head) * p.os.head +
@@ -395,9 +511,28 @@ struct Plan {
 };
 
 template <int D>
-inline int smem_bytes(int mt) {
+inline int smem_bytes(int mt, bool f8) {
   // Geometry in bytes does not depend on the 16-bit type.
-  return mt == 1 ? Geo<cute::half_t, D, 1>::kSmemBytes : Geo<cute::half_t, D, 2>::kSmemBytes;
+  using G1 = Geo<cute::half_t, D, 1>;
+  using G2 = Geo<cute::half_t, D, 2>;
+  if (f8) return mt == 1 ? G1::kSmemBytesF8 : G2::kSmemBytesF8;
+  return mt == 1 ? G1::kSmemBytes : G2::kSmemBytes;
+}
+
+// Whether the K/V of `a` are an e4m3 cache under 16-bit Q.
+inline bool fp8_kv(const FwdArgs& a) {
+  return a.ops.kv_dtype == Dtype::E4M3 && a.ops.dtype != Dtype::E4M3;
+}
+
+// Why an e4m3 K/V cache problem is not a decode step this path takes (applies() false, or a
+// head dim without a decode kernel): the only path of this backend that reads one.
+inline std::string fp8_kv_refusal(const FwdArgs& a) {
+  return "an e4m3 K/V cache is read by the decode kernel only: head_dim 64 or 128, at most " +
+         std::to_string(kMaxTokens) +
+         " query tokens a sequence against at least 256 keys, no mask or causal bottom-right, no "
+         "softcap or ALiBi (this problem: head_dim " +
+         std::to_string(a.dims.head_dim) + ", seq_q " + std::to_string(a.dims.seq_q) + ", seq_k " +
+         std::to_string(a.dims.seq_k) + ")";
 }
 
 inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
@@ -437,18 +572,34 @@ inline int64_t workspace_bytes(const FwdArgs& a, const DeviceInfo& dev) {
 // `int`, and its shared memory.
 template <int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
+  std::string scales;
+  if (fp8_kv(a) && a.ops.k != 0 && (a.fp8.k_scale == 0 || a.fp8.v_scale == 0))
+    scales = "an e4m3 K/V cache needs k_scale and v_scale";
   return limits::first({limits::int_sequences(a, "cutlass-sm80", kMaxTileRows),
-                        limits::smem_per_block(dev, smem_bytes<D>(plan(a, dev).mt))});
+                        limits::smem_per_block(dev, smem_bytes<D>(plan(a, dev).mt, fp8_kv(a))),
+                        scales});
 }
 
-template <typename T, int D, int MT, class Mask>
+template <typename T, int D, int MT, class Mask, bool F8>
 void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Plan& pl,
             cudaStream_t stream) {
   using G = Geo<T, D, MT>;
   Params<T, Mask> p{};
   p.q = device_ptr<const T>(a.ops.q);
-  p.k = device_ptr<const T>(a.ops.k);
-  p.v = device_ptr<const T>(a.ops.v);
+  if constexpr (F8) {
+    p.kc = device_ptr<const uint8_t>(a.ops.k);
+    p.vc = device_ptr<const uint8_t>(a.ops.v);
+    p.k_scale = device_ptr<const float>(a.fp8.k_scale);
+    p.v_scale = device_ptr<const float>(a.fp8.v_scale);
+    // Per head: [batch][kv_heads] of dense K/V, [kv_heads] of packed or paged K/V (one
+    // sequence dimension, batch stride 0).
+    const bool dense = a.seqs.page_size == 0 && !a.seqs.packed_kv;
+    p.scale_head = a.fp8.per_head_scales ? 1 : 0;
+    p.scale_batch = a.fp8.per_head_scales && dense ? int(a.dims.kv_heads) : 0;
+  } else {
+    p.k = device_ptr<const T>(a.ops.k);
+    p.v = device_ptr<const T>(a.ops.v);
+  }
   p.o = device_ptr<T>(a.ops.o);
   p.qs = a.ops.q_stride;
   p.ks = a.ops.k_stride;
@@ -471,12 +622,13 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Pla
     p.ws_o = device_ptr<float>(a.scratch.workspace);
     p.ws_lse = p.ws_o + int64_t(pl.splits) * pl.lse_rows * D;
   }
-  const auto kernel = decode_kernel<T, D, MT, Mask>;
+  const auto kernel = decode_kernel<T, D, MT, Mask, F8>;
+  constexpr int smem = F8 ? G::kSmemBytesF8 : G::kSmemBytes;
   static std::atomic<uint64_t> configured{0};
-  opt_in_smem(reinterpret_cast<const void*>(kernel), G::kSmemBytes, configured);
+  opt_in_smem(reinterpret_cast<const void*>(kernel), smem, configured);
   const dim3 grid(unsigned(pl.splits), unsigned(a.dims.kv_heads * pl.row_blocks),
                   unsigned(a.dims.batch));
-  kernel<<<grid, kThreads, G::kSmemBytes, stream>>>(p);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
   SDPA_LAUNCH_CHECK("cutlass-sm80 decode_kernel launch");
   if (pl.splits > 1) {
     // On sm_90 the combine launches programmatically: its launch and start overlap the splits'
@@ -496,10 +648,19 @@ template <typename T, int D>
 void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   if ((a.out.has_lse && !a.out.lse) || (a.mods.sinks && !a.mods.sink_logits))
     throw Error("cutlass-sm80 decode: a log-sum-exp or sinks without a buffer");
+  const bool f8 = fp8_kv(a);
+  if (f8 && (a.fp8.k_scale == 0 || a.fp8.v_scale == 0))
+    throw Error("cutlass-sm80 decode: an e4m3 K/V cache without its k_scale and v_scale");
   const Plan pl = plan(a, dev);
   mask::dispatch_mask(a.mask.kind, int(a.dims.seq_q), int(a.dims.seq_k), [&](const auto& mask) {
-    if (pl.mt == 1) return launch<T, D, 1>(a, dev, mask, pl, stream);
-    launch<T, D, 2>(a, dev, mask, pl, stream);
+    if (f8) {
+      if (pl.mt == 1)
+        return launch<T, D, 1, std::decay_t<decltype(mask)>, true>(a, dev, mask, pl, stream);
+      return launch<T, D, 2, std::decay_t<decltype(mask)>, true>(a, dev, mask, pl, stream);
+    }
+    if (pl.mt == 1)
+      return launch<T, D, 1, std::decay_t<decltype(mask)>, false>(a, dev, mask, pl, stream);
+    launch<T, D, 2, std::decay_t<decltype(mask)>, false>(a, dev, mask, pl, stream);
   });
 }
 
