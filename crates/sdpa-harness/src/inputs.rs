@@ -289,7 +289,8 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
 pub fn quantize_kv(p: &Problem, mut i: Inputs) -> Result<Inputs> {
     let shape = p.kv_shape();
     let mut scales: [Vec<f32>; 3] = Default::default();
-    let mut unquantized: [Vec<f64>; 3] = Default::default();
+    // Q is not quantized: its values are its own unquantized ones.
+    let mut unquantized: [Vec<f64>; 3] = [i.values[0].clone(), Vec::new(), Vec::new()];
     for t in 1..3 {
         let x: Vec<f32> = i.values[t].iter().map(|&a| a as f32).collect();
         let (codes, s) = fp8::quantize_host(&x, &shape, p.fp8_scaling)?;

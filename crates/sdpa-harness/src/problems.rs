@@ -325,6 +325,38 @@ mod tests {
         ));
     }
 
+    /// The -fp8kv problems are the bf16 decode problems of the same name stem over an e4m3
+    /// cache: the same shape, half the K/V bytes, inputs whose K and V are e4m3 codes with a
+    /// scale per (sequence, K/V head).
+    #[test]
+    fn the_fp8kv_problems_are_the_decode_problems_over_an_e4m3_cache() {
+        for (name, base) in [
+            ("decode-b16-k8k-fp8kv", "decode-b16-k8k"),
+            ("decode-b64-k4k-fp8kv", "decode-b64-k4k"),
+        ] {
+            let p = named_problem(name).unwrap().with_dtype(DType::Bf16);
+            let q = named_problem(base).unwrap().with_dtype(DType::Bf16);
+            assert_eq!(p.as_dequantized(), q, "{name}");
+            assert!(p.is_fp8_kv() && p.kv_dtype() == DType::E4m3, "{name}");
+            assert_eq!(
+                2.0 * crate::check::kv_bytes(&p, None),
+                crate::check::kv_bytes(&q, None)
+            );
+        }
+        let p = Problem::new(2, 4, 1, 256, 64)
+            .with_kv_heads(2)
+            .with_dtype(DType::Bf16)
+            .with_kv_dtype(DType::E4m3);
+        let x = crate::inputs::random_inputs(&p, 5).unwrap();
+        let f = x.fp8.as_ref().unwrap();
+        assert!(f.kv_only);
+        assert_eq!((f.scales[0].len(), f.scales[1].len()), (0, 2 * 2));
+        assert!(x.bits[1].iter().all(|&c| c <= 0xff));
+        assert_eq!(f.unquantized[0], x.values[0]);
+        let e = crate::check::tolerance_for(&p, &x, &[]).unwrap().0;
+        assert_eq!(e.rel, 5e-3);
+    }
+
     #[test]
     fn an_unknown_name_lists_the_known_ones() {
         let e = named_problem("s3k").unwrap_err();

@@ -28,12 +28,15 @@
 // zeroed, each (row, column) ORs the kinds its visible keys hold into a flag byte, and the
 // combined output adds the reference's term for them (common/nonfinite.cuh).
 //
-// An e4m3 K/V cache (F8) under 16-bit Q: its codes stream through stages of their own (half the
-// bytes), and each thread widens the chunks it copied into the 16-bit stage the mma reads, in
-// the same swizzled layout, so everything after (the non-finite check, the mma, the masks) is the
-// 16-bit path's. Widening is exact (every e4m3 value is an f16 and a bf16 value): the scales stay
-// out of the tiles. A CTA reads one K/V head, so its K scale joins the softmax scale and its V
-// scale the output's normalization, once per row.
+// An e4m3 K/V cache (F8) under 16-bit Q: its codes stream through kStagesF8 stages of their own
+// (half the bytes), and each thread widens the chunks it copied into one 16-bit tile pair that
+// the mma reads, in the same swizzled layout, so everything after (the non-finite check, the mma,
+// the masks) is the 16-bit path's. Widening is exact (every e4m3 value is an f16 and a bf16
+// value): the scales stay out of the tiles. A CTA reads one K/V head, so its K scale joins the
+// softmax scale and its V scale the output's normalization, once per row. One 16-bit tile pair
+// (a barrier before each widening) instead of one a stage keeps the CTA under half an SM's shared
+// memory, so two CTAs of 4 warps share an SM and hide each other's widening and mma latency, and
+// the splits fill two CTAs an SM.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -49,6 +52,8 @@ namespace sdpa::cutlass_sm80::decode {
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kStages = 3;
+// An e4m3 cache's code stages (16 KB each at D = 128, so four stay within two CTAs an SM).
+constexpr int kStagesF8 = 4;
 // Query tokens a decode step may have (speculative decoding's drafts included).
 constexpr int64_t kMaxTokens = 16;
 
@@ -66,11 +71,17 @@ struct Geo {
   static constexpr int kRecOffset = (kQOffset + kQElems) * int(sizeof(T));  // bytes
   static constexpr int kFlagOffset = kRecOffset + int(sizeof(NonFiniteCols<D>));
   static constexpr int kSmemBytes = kFlagOffset + kRows * D;
-  // An e4m3 cache's code stages, after the flags: [key][D] bytes, K then V.
+  // An e4m3 cache: one 16-bit tile pair (K, V), the code stages ([key][D] bytes, K then V),
+  // then Q, the records and the flags; the end state lies over the tiles and the code stages.
   static constexpr int kCodeTileBytes = kBN * D;
   static constexpr int kCodeStageBytes = 2 * kCodeTileBytes;
-  static constexpr int kCodeOffset = (kSmemBytes + 127) / 128 * 128;
-  static constexpr int kSmemBytesF8 = kCodeOffset + kStages * kCodeStageBytes;
+  static constexpr int kCodeOffset = kStageElems * int(sizeof(T));  // bytes
+  static constexpr int kQByteF8 = kCodeOffset + kStagesF8 * kCodeStageBytes;
+  static constexpr int kRecOffsetF8 = kQByteF8 + kQElems * int(sizeof(T));
+  static constexpr int kFlagOffsetF8 = kRecOffsetF8 + int(sizeof(NonFiniteCols<D>));
+  static constexpr int kSmemBytesF8 = kFlagOffsetF8 + kRows * D;
+  static_assert((2 * kWarps * kRows + kWarps * kRows * (D + 1)) * 4 <= kQByteF8,
+                "the end state fits the tiles and code stages");
   // The warps' states at the end, over the stages: m, l [warp][row], O [warp][row][D + 1].
   static constexpr int kOPitch = D + 1;
   static_assert((2 * kWarps * kRows + kWarps * kRows * kOPitch) * 4 <= kQOffset * int(sizeof(T)),
@@ -148,8 +159,10 @@ struct CodeCopy {
     }
   }
 
-  // The codes this thread copied into `stage`, as T into the 16-bit stage `tile` (K, then V).
-  __device__ __forceinline__ void widen(const uint8_t* stage, T* tile) const {
+  // The codes this thread copied into `stage`, as T into the 16-bit tiles `tile` (K, then V);
+  // whether its V codes hold a NaN (e4m3 has no infinities), for the non-finite V check.
+  __device__ __forceinline__ bool widen(const uint8_t* stage, T* tile) const {
+    uint32_t nan = 0;
 #pragma unroll
     for (int i = 0; i < BN / kPassRows; ++i) {
       const int row = i * kPassRows + crow;
@@ -157,6 +170,9 @@ struct CodeCopy {
       for (int kv = 0; kv < 2; ++kv) {
         const uint4 c = lds16(stage + kv * kTileBytes + row * D + cchunk * 16);
         const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+        if (kv == 1)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) nan |= __vcmpeq4(w[j] & 0x7f7f7f7fu, 0x7f7f7f7fu);
         uint4 lo, hi;
         lo.x = widen2<T>(uint16_t(w[0])), lo.y = widen2<T>(uint16_t(w[0] >> 16));
         lo.z = widen2<T>(uint16_t(w[1])), lo.w = widen2<T>(uint16_t(w[1] >> 16));
@@ -167,6 +183,7 @@ struct CodeCopy {
         *reinterpret_cast<uint4*>(t + C::off(row, cchunk * 16 + 8)) = hi;
       }
     }
+    return nan != 0;
   }
 };
 
@@ -178,13 +195,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   pdl_launch_dependents();
   using G = Geo<T, D, MT>;
   using C = typename G::C;
-  constexpr int BN = G::kBN, S = kStages, R = G::kRows;
+  constexpr int BN = G::kBN, S = F8 ? kStagesF8 : kStages, R = G::kRows;
   constexpr int kQK = D / 16, kON = D / 8;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   T* const smem = reinterpret_cast<T*>(smem_raw);
-  T* const sQ = smem + G::kQOffset;
-  NonFiniteCols<D>& nf = *reinterpret_cast<NonFiniteCols<D>*>(smem_raw + G::kRecOffset);
-  uint8_t* const flags = smem_raw + G::kFlagOffset;  // [row][col]: bits NaN, +Inf, -Inf seen
+  T* const sQ = F8 ? reinterpret_cast<T*>(smem_raw + G::kQByteF8) : smem + G::kQOffset;
+  NonFiniteCols<D>& nf =
+      *reinterpret_cast<NonFiniteCols<D>*>(smem_raw + (F8 ? G::kRecOffsetF8 : G::kRecOffset));
+  // [row][col]: bits NaN, +Inf, -Inf seen
+  uint8_t* const flags = smem_raw + (F8 ? G::kFlagOffsetF8 : G::kFlagOffset);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
@@ -205,8 +224,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = tid; i < R * D; i += kThreads) flags[i] = 0;
   float o[MT][kON][4], m_run[MT][2], l_run[MT][2];
   start_rows(o, m_run, l_run);
-  // An e4m3 cache: scores in code units (K's scale joins the softmax scale; one a negative or
-  // non-finite scale has no softmax of, so its rows are NaN) and V's scale the output's.
+  // An e4m3 cache: scores in code units, K's scale joined to the softmax scale (a negative or
+  // non-finite one has no softmax: its rows are NaN), V's scale to the output's.
   float sl2 = p.scale_log2, v_mul = 1.f;
   if constexpr (F8) {
     const int64_t si = int64_t(b) * p.scale_batch + int64_t(hk) * p.scale_head;
@@ -254,24 +273,35 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int n = n_begin; n < n_end; ++n) {
       const int s = (n - n_begin) % S;
       const int n0 = n * BN;
+      // The 16-bit tiles of this key tile (an e4m3 cache's one pair, widened into).
+      T* const stage = smem + (F8 ? 0 : s) * G::kStageElems;
       cute::cp_async_wait<S - 2>();
+      bool own_nan = false;  // F8: whether the V codes this thread widened hold a NaN
       if constexpr (F8) {
-        // Stage s was last read S - 1 barriers ago; its codes arrived for this thread alone.
-        kv.widen(codes + s * G::kCodeStageBytes, smem + s * G::kStageElems);
+        // Every warp is done with the previous tile; these codes arrived for this thread alone
+        // (and their stage is refilled by this thread alone, after it widened them).
         __syncthreads();
+        own_nan = kv.widen(codes + s * G::kCodeStageBytes, stage);
       }
       // A tile that hides keys from some row (past seq_k aside) is checked for non-finite V.
       const bool partial = Mask::kMasksKeys && n0 + BN - 1 > mask.last_key(tok_lo) &&
                            mask.last_key(tok_lo) + 1 < seq_k;
       bool nonfinite = false;
-      if (partial)
-        nonfinite = __syncthreads_or(own_v_chunks_nonfinite<T, D, 4, 1>(
-                        smem + s * G::kStageElems + C::kTileElems + c_soff)) != 0;
-      else
+      if (partial) {
+        // The widened tile is not visible before this barrier: an e4m3 cache ORs what each
+        // thread saw while widening.
+        bool own;
+        if constexpr (F8)
+          own = own_nan;
+        else
+          own = own_v_chunks_nonfinite<T, D, 4, 1>(stage + C::kTileElems + c_soff);
+        nonfinite = __syncthreads_or(own) != 0;
+      } else {
         __syncthreads();
+      }
       if (n + S - 1 < n_end) load_kv(n + S - 1, (n - n_begin + S - 1) % S);
       cute::cp_async_fence();
-      const T* const sK = smem + s * G::kStageElems;
+      const T* const sK = stage;
       const T* const sV = sK + C::kTileElems;
       if (nonfinite) {  // rare; CTA-uniform
         record_and_zero<T, D, 4, 1, false>(const_cast<T*>(sV), nf, nf, tid);
@@ -547,7 +577,10 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   // SM, not the two that fit: fewer, longer splits pay the pipeline's fill and drain and the
   // combine fewer times, which outweighs the bytes more CTAs would keep in flight (measured:
   // docs/log/2026-11-perf-history.md, "Serving: decode, paged cache, varlen").
-  const int64_t slots = known(dev) ? dev.sms : 132;
+  // An e4m3 cache's CTAs take at most 110 KB of shared memory: two an SM where two fit (a
+  // Hopper's 228 KB; an unknown device is taken for an H100).
+  const bool two = fp8_kv(a) && (!known(dev) || dev.smem_per_sm >= (224 << 10));
+  const int64_t slots = (known(dev) ? dev.sms : 132) * (two ? 2 : 1);
   const int64_t base = a.dims.batch * a.dims.kv_heads * pl.row_blocks;
   int64_t splits = base >= slots ? 1 : slots / base;
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, tiles / 4));
