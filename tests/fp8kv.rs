@@ -248,6 +248,31 @@ fn nan_pages_past_seqused_k_do_not_leak() {
             failures.push(format!("{b} {p}: {r:?}"));
         }
     }
+    // NaN codes the rows do see propagate as the reference's: a NaN key makes its head's rows
+    // NaN, a NaN value the columns it sits in (bf16 Q takes the exact widening for such chunks).
+    let p = Problem::new(2, 8, 1, 640, 128)
+        .with_kv_heads(2)
+        .with_dtype(DType::Bf16)
+        .with_kv_dtype(DType::E4m3);
+    let mut x = random_inputs(&p, fresh_seed()).unwrap();
+    let d = p.head_dim;
+    x.set_value(1, (p.seq_k + 300) * d + 5, f64::NAN, DType::E4m3); // batch 0, head 1, key 300
+    x.set_value(2, (3 * p.seq_k + 17) * d + 77, f64::NAN, DType::E4m3); // batch 1, head 1, key 17
+    let want = x.reference(&p).unwrap();
+    let nan_rows = want.out.iter().filter(|v| v.is_nan()).count();
+    assert!(nan_rows > 0 && nan_rows < want.out.len() / 2, "{nan_rows}");
+    for &b in &backends {
+        ran.push((b, p));
+        let got = sdpa_harness::check::run_backend(Some(&dev), &p, b, &x, Some(&want.out)).unwrap();
+        let r = check_output(&got, &want.out, &p, &x, 0).unwrap();
+        eprintln!(
+            "{b} {p}: visible NaN codes, {nan_rows} NaN outputs expected, rel_err {:.2e}",
+            r.rel_err
+        );
+        if !r.pass() {
+            failures.push(format!("{b} {p} (visible NaN): {r:?}"));
+        }
+    }
     common::assert_ran("fp8 kv NaN pages", &ran);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
