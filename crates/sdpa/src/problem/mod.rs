@@ -304,8 +304,8 @@ impl Problem {
     /// assert_eq!(sdpa::fp8::scale_count(&p.kv_shape(), Scaling::PerHead), 16 * 8);
     /// // The reference's problem: K/V of Q's dtype.
     /// assert_eq!(p.as_dequantized().kv_dtype(), DType::Bf16);
-    /// // e4m3 Q has no separate cache type.
-    /// assert!(p.with_dtype(DType::E4m3).validate().is_err());
+    /// // K/V differ from Q only as an e4m3 cache under 16-bit Q.
+    /// assert!(p.with_kv_dtype(DType::F16).validate().is_err());
     /// # Ok::<(), sdpa::Error>(())
     /// ```
     pub fn with_kv_dtype(mut self, dtype: DType) -> Self {
