@@ -90,9 +90,16 @@ pub fn generate(records: &[Value], sm: Option<u32>, device: &str) -> Result<Stri
     if let Some(sm) = sm {
         check_sm_range(u64::from(sm)).map_err(|m| invalid(format!("--sm: {m}")))?;
     }
+    // Records of an e4m3 K/V cache under 16-bit Q (the -fp8kv problems a default bench writes)
+    // are another race than their Q dtype's (fewer backends, half the bytes): left out.
     let parsed = records
         .iter()
         .enumerate()
+        .filter(|(_, r)| {
+            r.get("kv_dtype")
+                .and_then(Value::as_str)
+                .is_none_or(|kv| Some(kv) == r.get("dtype").and_then(Value::as_str))
+        })
         .map(|(i, r)| parse_record(r, sm).map_err(|m| invalid(format!("records[{i}]: {m}"))))
         .collect::<Result<Vec<Record>>>()?;
     let timings = group_by_problem(&parsed)?;

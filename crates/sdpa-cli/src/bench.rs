@@ -179,6 +179,8 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                         "sustained_watts": energy.map(|e| e.watts),
                         "sustained_sm_mhz": energy.map(|e| e.sm_mhz),
                     });
+                    // K and V's element type (an e4m3 cache under 16-bit Q differs from dtype).
+                    record["kv_dtype"] = json!(p.kv_dtype().name());
                     // Which FP8 mode ran (null for f16/bf16), so fast and accurate records of
                     // one problem stay apart (outside the literal: json! recursion limit).
                     record["fp8_mode"] = json!((p.dtype == DType::E4m3).then(|| p.fp8_mode.name()));

@@ -192,8 +192,10 @@ fn bench(a: BenchArgs) -> CliResult<ExitCode> {
         let (times, report) = time_ring(&mut ring, &p, &z, a.iters.max(1))?;
         let t = median(&times);
         // Per GPU: the caller's shards of Q, K, V and the output, and what the ring adds.
-        let shard_bytes =
-            2 * (p.q_len().unwrap_or(0) + p.k_len().unwrap_or(0)) * p.dtype.size() / ring.world();
+        let shard_bytes = 2
+            * (p.q_len().unwrap_or(0) * p.dtype.size()
+                + p.k_len().unwrap_or(0) * p.kv_dtype().size())
+            / ring.world();
         let gib = |b: usize| b as f64 / f64::from(1u32 << 30);
         let tflops = p.flops() / t / 1e12;
         let one = if a.baseline && leads(&ring) {

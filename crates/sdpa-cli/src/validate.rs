@@ -41,7 +41,8 @@ pub struct ProblemArgs {
     /// K/V heads (GQA); default: as many as query heads.
     #[arg(long)]
     pub kv_heads: Option<usize>,
-    /// e4m3 inputs: scales per tensor or per (batch, head): tensor or head.
+    /// e4m3 inputs and e4m3 K/V caches (the -fp8kv problems): scales per tensor or per (batch,
+    /// head) of each tensor's shape (a paged cache's: per K/V head): tensor or head.
     #[arg(long, default_value = "head")]
     pub scaling: String,
     /// Output dtype, for the input dtypes that can write it: f16 or bf16 for e4m3 inputs
@@ -200,7 +201,7 @@ impl ProblemArgs {
                     if let Some(kv) = self.kv_heads {
                         p = p.with_kv_heads(kv);
                     }
-                    if dtype == DType::E4m3 {
+                    if dtype == DType::E4m3 || p.is_fp8_kv() {
                         p = p.with_fp8_scaling(scaling);
                     }
                     if let Some(o) = out_dtype.filter(|&o| writes(dtype, o)) {
@@ -243,7 +244,9 @@ impl ProblemArgs {
 /// The dtype column: `e4m3>f16/accurate` (or `/fast`) for e4m3 inputs, `f16>f32` for an f32
 /// output, the dtype otherwise.
 pub fn dtype_label(p: &Problem) -> String {
-    if p.dtype == DType::E4m3 {
+    if p.is_fp8_kv() {
+        format!("{}/kv-e4m3", p.dtype)
+    } else if p.dtype == DType::E4m3 {
         format!("e4m3>{}/{}", p.output_dtype(), p.fp8_mode)
     } else if p.output_dtype() != p.dtype {
         format!("{}>{}", p.dtype, p.output_dtype())

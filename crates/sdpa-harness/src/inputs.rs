@@ -67,8 +67,11 @@ pub struct Inputs {
 
 /// What e4m3 inputs carry beyond their codes.
 pub struct Fp8Inputs {
-    /// Scales of Q, K, V (one, or one per (batch, head) pair).
+    /// Scales of Q, K, V (one, or one per (batch, head) pair of each one's shape; Q's empty
+    /// where only K and V are e4m3).
     pub scales: [Vec<f32>; 3],
+    /// Whether only K and V are e4m3 (an FP8 K/V cache under 16-bit Q, whose bits are Q's).
+    pub kv_only: bool,
     /// Shapes of Q, K, V.
     pub shapes: [TensorShape; 3],
     /// Scale layout.
@@ -183,6 +186,7 @@ impl Inputs {
             values,
             fp8: Some(Fp8Inputs {
                 scales,
+                kv_only: false,
                 shapes,
                 scaling: p.fp8_scaling,
                 unquantized,
@@ -194,9 +198,21 @@ impl Inputs {
         })
     }
 
-    /// Uploads Q, K, V to `dev` as tensors of `dtype`.
+    /// Uploads Q, K, V to `dev` as tensors of `dtype` (inputs of an e4m3 K/V cache: Q of
+    /// `dtype`, K and V as the e4m3 tensors they were quantized to).
     pub fn upload(&self, dev: &Device, dtype: DType) -> Result<[Tensor; 3]> {
         let [q, k, v] = &self.bits;
+        if let Some(f) = self
+            .fp8
+            .as_ref()
+            .filter(|f| f.kv_only && dtype != DType::E4m3)
+        {
+            let up = |i: usize, b: &[u16]| {
+                let codes: Vec<u8> = b.iter().map(|&c| c as u8).collect();
+                Tensor::from_e4m3(dev, &codes, &f.scales[i], f.shapes[i], f.scaling)
+            };
+            return Ok([Tensor::from_bits(dev, dtype, q)?, up(1, k)?, up(2, v)?]);
+        }
         if dtype == DType::E4m3 {
             let f = self.fp8.as_ref().ok_or_else(|| {
                 Error::InvalidArgument("these inputs were not quantized to e4m3".into())
@@ -233,6 +249,9 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
             .and_then(|kv| kv.checked_add(ql))
             .and_then(|n| n.checked_mul(per_element)),
     )?;
+    if p.is_fp8_kv() {
+        return quantize_kv(p, random_inputs(&p.as_dequantized(), seed)?);
+    }
     if p.dtype == DType::E4m3 {
         let f = random_inputs(&p.as_dequantized().with_dtype(DType::F16), seed)?;
         let [q, k, v] = f
@@ -262,6 +281,33 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
         seq_meta,
         family: Family::Normal,
     })
+}
+
+/// Inputs of an e4m3 K/V cache problem from inputs of its 16-bit problem: K and V quantized
+/// with amax scales per `p.fp8_scaling` over [`Problem::k_shape`] and [`Problem::v_shape`]
+/// (spare rows of a paged cache included), Q and the metadata as they are.
+pub fn quantize_kv(p: &Problem, mut i: Inputs) -> Result<Inputs> {
+    let mut scales: [Vec<f32>; 3] = Default::default();
+    // Q is not quantized: its values are its own unquantized ones.
+    let mut unquantized: [Vec<f64>; 3] = [i.values[0].clone(), Vec::new(), Vec::new()];
+    for t in 1..3 {
+        let shape = if t == 1 { p.k_shape() } else { p.v_shape() };
+        let x: Vec<f32> = i.values[t].iter().map(|&a| a as f32).collect();
+        let (codes, s) = fp8::quantize_host(&x, &shape, p.fp8_scaling)?;
+        let values = fp8::dequantize_host(&codes, &s, &shape, p.fp8_scaling)?;
+        unquantized[t] = std::mem::take(&mut i.values[t]);
+        i.values[t] = values.into_iter().map(f64::from).collect();
+        i.bits[t] = codes.into_iter().map(u16::from).collect();
+        scales[t] = s;
+    }
+    i.fp8 = Some(Fp8Inputs {
+        scales,
+        kv_only: true,
+        shapes: [p.q_shape(), p.k_shape(), p.v_shape()],
+        scaling: p.fp8_scaling,
+        unquantized,
+    });
+    Ok(i)
 }
 
 /// The bits of `n` N(0, 1) draws from `seed`, rounded to `dtype` (f16 or bf16): one block of a
@@ -389,6 +435,12 @@ pub fn family_inputs(p: &Problem, family: Family, seed: u64) -> Result<Inputs> {
         }
     }
     let inputs = match p.dtype {
+        _ if p.is_fp8_kv() => {
+            let mut i = Inputs::from_f32(p.dtype, &q, &k, &v);
+            i.alibi_slopes = alibi_slopes(p);
+            i.sinks = sink_logits(p);
+            quantize_kv(p, i)?
+        }
         DType::E4m3 => Inputs::quantized(p, &q, &k, &v)?,
         dtype => {
             let mut i = Inputs::from_f32(dtype, &q, &k, &v);

@@ -3,7 +3,7 @@
 //! SHAPES and VARIANTS, with their exact definitions).
 
 use crate::seqs::{paged, varlen};
-use sdpa::{Error, Mask, Problem, Result, SeqMeta};
+use sdpa::{DType, Error, Mask, Problem, Result, SeqMeta};
 
 /// One named problem: [batch, heads, kv_heads, seq_q, seq_k, head_dim], its mask, its softcap,
 /// whether it has sinks and how its sequences are stored.
@@ -24,6 +24,9 @@ pub struct Named {
     pub sinks: bool,
     /// Dense, packed or paged.
     pub seqs: NamedSeqs,
+    /// K and V's element type where it is not Q's: e4m3, an FP8 K/V cache
+    /// ([`Problem::with_kv_dtype`]).
+    pub kv_dtype: Option<DType>,
 }
 
 /// How a named problem's sequences are stored (the anchor's `varlen` and `page`).
@@ -52,6 +55,7 @@ impl Named {
             softcap: None,
             sinks: false,
             seqs: NamedSeqs::Dense,
+            kv_dtype: None,
         }
     }
 
@@ -64,11 +68,12 @@ impl Named {
 
     fn base(&self) -> Problem {
         let [b, h, hkv, sq, sk, d] = self.dims;
-        let p = Problem::new(b, h, sq, sk, d)
+        let mut p = Problem::new(b, h, sq, sk, d)
             .with_head_dim_v(self.head_dim_v.unwrap_or(d))
             .with_kv_heads(hkv)
             .with_mask(self.mask)
             .with_sinks(self.sinks);
+        p.kv_dtype = self.kv_dtype;
         match self.softcap {
             Some(c) => p.with_softcap(c),
             None => p,
@@ -103,7 +108,7 @@ const VARLEN_16: [usize; 16] = [
     4096, 128, 2048, 512, 1024, 3000, 77, 1500, 2500, 256, 800, 3500, 64, 1800, 900, 2200,
 ];
 
-/// The named problems, all f16; dense ones BHSD.
+/// The named problems, all f16 (Q; the `-fp8kv` ones over an e4m3 K/V cache); dense ones BHSD.
 pub const NAMED_PROBLEMS: &[Named] = &[
     Named::dense("mission", [2, 8, 256, 64], false),
     Named::dense("mission-causal", [2, 8, 256, 64], true),
@@ -125,6 +130,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         softcap: None,
         sinks: false,
         seqs: NamedSeqs::Dense,
+        kv_dtype: None,
     },
     // Llama 4's local layers: causal within chunks of 8192 keys, 40 query heads on 8 KV heads.
     Named {
@@ -135,6 +141,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         softcap: None,
         sinks: false,
         seqs: NamedSeqs::Dense,
+        kv_dtype: None,
     },
     Named {
         name: "s8k-d128-softcap",
@@ -144,6 +151,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         softcap: Some(30.0),
         sinks: false,
         seqs: NamedSeqs::Dense,
+        kv_dtype: None,
     },
     Named {
         name: "s8k-d128-gqa",
@@ -153,6 +161,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         softcap: None,
         sinks: false,
         seqs: NamedSeqs::Dense,
+        kv_dtype: None,
     },
     Named {
         seqs: NamedSeqs::Varlen(&VARLEN_16),
@@ -166,6 +175,15 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         ..Named::decode("decode-b16-k8k-paged", [16, 1, 8192], false)
     },
     Named::decode("spec-b16-q8-k8k", [16, 8, 8192], true),
+    // The bf16 decode problems over an e4m3 K/V cache (scales per K/V head): half the bytes.
+    Named {
+        kv_dtype: Some(DType::E4m3),
+        ..Named::decode("decode-b16-k8k-fp8kv", [16, 1, 8192], false)
+    },
+    Named {
+        kv_dtype: Some(DType::E4m3),
+        ..Named::decode("decode-b64-k4k-fp8kv", [64, 1, 4096], false)
+    },
     // gpt-oss: learnable sinks, head_dim 64, 64 query and 8 K/V heads, a 128-key window on
     // alternate layers.
     Named {
@@ -333,6 +351,38 @@ mod tests {
             paged.seqs.kv,
             sdpa::KvRows::Paged { page_size: 128, .. }
         ));
+    }
+
+    /// The -fp8kv problems are the bf16 decode problems of the same name stem over an e4m3
+    /// cache: the same shape, half the K/V bytes, inputs whose K and V are e4m3 codes with a
+    /// scale per (sequence, K/V head).
+    #[test]
+    fn the_fp8kv_problems_are_the_decode_problems_over_an_e4m3_cache() {
+        for (name, base) in [
+            ("decode-b16-k8k-fp8kv", "decode-b16-k8k"),
+            ("decode-b64-k4k-fp8kv", "decode-b64-k4k"),
+        ] {
+            let p = named_problem(name).unwrap().with_dtype(DType::Bf16);
+            let q = named_problem(base).unwrap().with_dtype(DType::Bf16);
+            assert_eq!(p.as_dequantized(), q, "{name}");
+            assert!(p.is_fp8_kv() && p.kv_dtype() == DType::E4m3, "{name}");
+            assert_eq!(
+                2.0 * crate::check::kv_bytes(&p, None),
+                crate::check::kv_bytes(&q, None)
+            );
+        }
+        let p = Problem::new(2, 4, 1, 256, 64)
+            .with_kv_heads(2)
+            .with_dtype(DType::Bf16)
+            .with_kv_dtype(DType::E4m3);
+        let x = crate::inputs::random_inputs(&p, 5).unwrap();
+        let f = x.fp8.as_ref().unwrap();
+        assert!(f.kv_only);
+        assert_eq!((f.scales[0].len(), f.scales[1].len()), (0, 2 * 2));
+        assert!(x.bits[1].iter().all(|&c| c <= 0xff));
+        assert_eq!(f.unquantized[0], x.values[0]);
+        let e = crate::check::tolerance_for(&p, &x, &[]).unwrap().0;
+        assert_eq!(e.rel, 5e-3);
     }
 
     #[test]

@@ -48,7 +48,9 @@ mod blocks {
         seq: i64,
     }
 
-    /// Q, K, V in and O out, of `dtype` (O: of `FwdOutput::dtype`).
+    /// Q, K, V in and O out, of `dtype` (O: of `FwdOutput::dtype`). kv_dtype: K's and V's, the
+    /// same as `dtype` but for an e4m3 K/V cache (kv_dtype E4M3, dtype F16 or BF16): K and V are
+    /// then codes whose scales `FwdFp8::k_scale` and `v_scale` give, Q and O 16-bit.
     #[derive(Debug, Clone, Copy)]
     struct FwdOperands {
         q: u64,
@@ -60,6 +62,7 @@ mod blocks {
         v_stride: Strides,
         o_stride: Strides,
         dtype: Dtype,
+        kv_dtype: Dtype,
     }
 
     /// The problem's extents. With sequences of different lengths (`FwdSeqs`) batch is the
@@ -137,8 +140,10 @@ mod blocks {
     /// E4M3 inputs only (0 / false otherwise): dequantization scales, real value = code *
     /// scale, device f32 arrays of one entry (per tensor) or, with per_head_scales, one per
     /// (batch, head) pair: q_scale[b * heads + h], k_scale[b * kv_heads + hk], v_scale[b *
-    /// kv_heads + hk]. fast: P·V on e4m3 tensor cores (P rounded to e4m3) where the kernel has
-    /// it (cutlass-sm90); false, and every other kernel: P·V in 16 bit (accurate mode).
+    /// kv_heads + hk] (packed or paged K/V, one sequence dimension: k_scale[hk], v_scale[hk]).
+    /// An e4m3 K/V cache (`FwdOperands::kv_dtype`) has k_scale and v_scale only. fast: P·V on
+    /// e4m3 tensor cores (P rounded to e4m3) where the kernel has it (cutlass-sm90); false,
+    /// and every other kernel: P·V in 16 bit (accurate mode).
     #[derive(Debug, Clone, Copy, Default)]
     struct FwdFp8 {
         q_scale: u64,
@@ -268,7 +273,11 @@ mod blocks {
     /// slots (device i64 [rows]) when not 0; else the appends of `batch` sequences, cu_new
     /// (device i32 [batch + 1]: sequence b's rows in k_new) or, when 0, n_new rows each, through
     /// block_table [batch][pages_per_seq] at seqused_k [batch] (in and out). Every stride and
-    /// base a multiple of 8 elements. dtype: F16 or BF16.
+    /// base a multiple of 8 elements (16 for an e4m3 cache). dtype: of the new rows, F16 or
+    /// BF16. cache_dtype: the cache's, dtype itself or E4M3: each value then becomes
+    /// E4M3(x / scale) (f32 division, round to nearest even, saturating to +-448, NaN kept),
+    /// scale k_scale[hk] (v_scale[hk]) with per_head_scales, else k_scale[0] (v_scale[0]):
+    /// device f32.
     #[derive(Debug, Clone, Copy)]
     struct KvWriteArgs {
         k_new: u64,
@@ -293,6 +302,10 @@ mod blocks {
         pages_per_seq: i64,
         seqused_k: u64,
         dtype: Dtype,
+        cache_dtype: Dtype,
+        k_scale: u64,
+        v_scale: u64,
+        per_head_scales: bool,
     }
 
     /// One partial attention result folded into a running f32 one through their log-sum-exps

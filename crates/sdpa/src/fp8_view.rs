@@ -1,5 +1,6 @@
 //! e4m3 operands in the caller's memory: codes at any strides (head_dim contiguous) and their
-//! dequantization scales, read in place like the 16-bit views of `view.rs`.
+//! dequantization scales, read in place like the 16-bit views of `view.rs`; all three inputs
+//! ([`Fp8Views`]) or K and V alone, an FP8 K/V cache under 16-bit Q ([`Fp8KvViews`]).
 
 use crate::error::{Result, invalid};
 use crate::extras::Extras;
@@ -7,7 +8,7 @@ use crate::footprint::{rows_distinct, span};
 use crate::launch::{Bound, Call, Storage};
 use crate::problem::{DType, Scaling, Strides};
 use crate::tensor::Element;
-use crate::view::ViewMut;
+use crate::view::{View, ViewMut};
 use cudarc::driver::{CudaView, DevicePtr, DeviceSlice};
 
 /// Q, K or V as e4m3 codes in the caller's device memory: a `[batch, heads, seq, head_dim]`
@@ -193,6 +194,150 @@ pub(crate) fn run_fp8_views<T: Element>(
             .chain([out_stream])
             .collect(),
         storage: Storage::Fp8Views { out: T::DTYPE },
+    };
+    crate::launch::launch(plan, call, extras)
+}
+
+/// The operands of a call over an FP8 K/V cache ([`crate::Problem::with_kv_dtype`]) in the
+/// caller's memory: Q and the output of `T` (f16 or bf16, the problem's dtype), K and V as e4m3
+/// codes with their scales (one, or [`crate::fp8::scale_count`] of the problem's
+/// [`crate::Problem::kv_shape`] per-head: `[kv_heads]` for a paged cache).
+///
+/// A decode step of 16 sequences over a paged e4m3 cache with a scale per K/V head:
+///
+/// ```no_run
+/// use half::bf16;
+/// use sdpa::{Backend, DType, Device, Extras, Fp8KvViews, Fp8View, Problem, View, ViewMut};
+/// # fn main() -> sdpa::Result<()> {
+/// let dev = Device::new(0)?;
+/// let s = dev.stream();
+/// let (batch, kv_heads, d, page) = (16, 8, 128, 64);
+/// let pages_per_seq = 8192 / page;
+/// let p = Problem::new(batch, 32, 1, 8192, d)
+///     .with_kv_heads(kv_heads)
+///     .with_dtype(DType::Bf16)
+///     .with_kv_dtype(DType::E4m3)
+///     .with_paged_kv(batch * pages_per_seq, page, pages_per_seq);
+/// let (kc, vc) = (s.alloc_zeros::<u8>(p.k_len().unwrap())?, s.alloc_zeros::<u8>(p.v_len().unwrap())?);
+/// let (k_scale, v_scale) = (s.clone_htod(&[0.02f32; 8])?, s.clone_htod(&[0.01f32; 8])?);
+/// let q = s.alloc_zeros::<bf16>(p.q_len().unwrap())?;
+/// let mut out = s.alloc_zeros::<bf16>(p.out_len().unwrap())?;
+/// let table: Vec<i32> = (0..(batch * pages_per_seq) as i32).collect();
+/// let (table, used) = (s.clone_htod(&table)?, s.clone_htod(&[8192i32; 16])?);
+/// let views = Fp8KvViews {
+///     q: View::new(q.as_view(), p.q_strides()),
+///     k: Fp8View::new(kc.as_view(), k_scale.as_view(), p.k_strides()),
+///     v: Fp8View::new(vc.as_view(), v_scale.as_view(), p.v_strides()),
+///     out: ViewMut::new(out.as_view_mut(), p.out_strides()),
+/// };
+/// let extras = Extras {
+///     block_table: Some(table.as_view()),
+///     seqused_k: Some(used.as_view()),
+///     ..Extras::default()
+/// };
+/// sdpa::forward(&dev, &p, Backend::Auto, views, extras)?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct Fp8KvViews<'a, 'o, T> {
+    /// Queries, of the problem's dtype.
+    pub q: View<'a, T>,
+    /// Keys: e4m3 codes and their scales.
+    pub k: Fp8View<'a>,
+    /// Values: e4m3 codes and their scales.
+    pub v: Fp8View<'a>,
+    /// The output, of the problem's dtype; written only on success.
+    pub out: ViewMut<'o, T>,
+}
+
+/// A run on an FP8 K/V cache in views ([`Fp8KvViews`]): Q, the codes and their scales read in
+/// place, the output written in place. Each view is checked as a 16-bit one is (its GPU, rows of
+/// 16-byte multiples, that it holds what its strides reach); each scale buffer holds what the
+/// problem's scaling asks for.
+pub(crate) fn run_fp8_kv_views<T: Element>(
+    plan: &crate::Plan,
+    views: Fp8KvViews<'_, '_, T>,
+    extras: Extras<'_>,
+) -> Result<()> {
+    let (dev, p) = (plan.device(), plan.checked());
+    let Fp8KvViews { q, k, v, mut out } = views;
+    if !p.is_fp8_kv() || p.dtype != T::DTYPE {
+        return Err(invalid!(
+            "e4m3 K/V cache views need a problem with_kv_dtype(e4m3) and {} Q; the problem's Q \
+             is {}, its K/V {}",
+            T::DTYPE,
+            p.dtype,
+            p.kv_dtype()
+        ));
+    }
+    let [qs, ks, vs, os] = p.operand_shapes();
+    let spans = [
+        span("q", dev, &q.data, q.strides, qs)?,
+        span("k", dev, &k.codes, k.strides, ks)?,
+        span("v", dev, &v.codes, v.strides, vs)?,
+        span("out", dev, &out.data, out.strides, os)?,
+    ];
+    rows_distinct(out.strides, os)?;
+    let need = crate::fp8::scale_count(&ks, p.fp8_scaling);
+    let mut scale_spans = Vec::with_capacity(2);
+    for (name, view) in [("k's scales", &k), ("v's scales", &v)] {
+        if view.scales.len() < need {
+            return Err(invalid!(
+                "{name}: {} values, {} scaling of the K/V of {p} needs {need}",
+                view.scales.len(),
+                p.fp8_scaling.name()
+            ));
+        }
+        if view.scales.stream().context() != dev.ctx() {
+            return Err(invalid!(
+                "{name} live on another GPU than the device handle"
+            ));
+        }
+        let (sp, _g) = view.scales.device_ptr(view.scales.stream());
+        scale_spans.push(sp..sp + (view.scales.len() * 4) as u64);
+    }
+    let strides = [
+        qs.effective(q.strides),
+        ks.effective(k.strides),
+        vs.effective(v.strides),
+        os.effective(out.strides),
+    ];
+    let stream = dev.stream();
+    // The guards record cudarc's read/write events (where tracking is on) once dropped, after
+    // the launch is queued.
+    let (qp, _qg) = q.data.device_ptr(stream);
+    let (kp, _kg) = k.codes.device_ptr(stream);
+    let (vp, _vg) = v.codes.device_ptr(stream);
+    let (ksp, _ksg) = k.scales.device_ptr(stream);
+    let (vsp, _vsg) = v.scales.device_ptr(stream);
+    let out_stream = out.data.stream().clone();
+    let (op, _og) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut out.data, stream);
+    let [qspan, kspan, vspan, ospan] = spans;
+    let [ksc, vsc] = [scale_spans[0].clone(), scale_spans[1].clone()];
+    let bound = |ptr, strides, span, scales| Bound {
+        ptr,
+        strides,
+        span,
+        scales,
+    };
+    let call = Call {
+        ops: [
+            bound(qp, strides[0], qspan, None),
+            bound(kp, strides[1], kspan, Some((ksp, ksc))),
+            bound(vp, strides[2], vspan, Some((vsp, vsc))),
+            bound(op, strides[3], ospan, None),
+        ],
+        streams: [
+            q.data.stream().clone(),
+            k.codes.stream().clone(),
+            k.scales.stream().clone(),
+            v.codes.stream().clone(),
+            v.scales.stream().clone(),
+            out_stream,
+        ]
+        .into(),
+        storage: Storage::Fp8KvViews,
     };
     crate::launch::launch(plan, call, extras)
 }

@@ -6,7 +6,7 @@
 
 use crate::device::Device;
 use crate::error::{Result, invalid};
-use crate::problem::{DType, Problem};
+use crate::problem::{DType, Problem, Scaling};
 use crate::seqs::{KvRows, PAGE_SIZES, PageLayout};
 use crate::tensor::{Element, Tensor};
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
@@ -142,18 +142,87 @@ pub fn write_kv<T: Element>(
     new: NewRows<'_, T>,
     at: Placement<'_>,
 ) -> Result<()> {
+    write_rows(dev, cache, None, new, at)
+}
+
+/// The dequantization scales of an e4m3 cache (real value = code · scale): one for K and one
+/// for V ([`Scaling::PerTensor`], vLLM's `k_scale` / `v_scale`), or one per K/V head
+/// ([`Scaling::PerHead`], `[kv_heads]`: a paged cache's per-head layout, the one a problem
+/// `with_paged_kv` and `with_kv_dtype(DType::E4m3)` reads), device f32.
+#[derive(Debug)]
+pub struct KvScales<'a> {
+    /// K's scales.
+    pub k: CudaView<'a, f32>,
+    /// V's scales.
+    pub v: CudaView<'a, f32>,
+    /// One a tensor or one a K/V head.
+    pub scaling: Scaling,
+}
+
+/// [`write_kv`] into an e4m3 cache ([`crate::Problem::with_kv_dtype`]): each new 16-bit value x
+/// of K/V head h is stored as the code E4M3(x / scale) with that head's scale (f32 division,
+/// round to nearest even, saturating to ±448, NaN kept as NaN: [`crate::fp8::e4m3_from_f32`]
+/// bit for bit). The scales are the caller's, fixed for the cache's life (calibrated, or
+/// FlashInfer's and vLLM's static scales); values beyond 448 · scale saturate. Placement,
+/// checks and ordering are [`write_kv`]'s; head_dim must be a multiple of 16 (the attention
+/// kernels read rows of codes 16 bytes at a time).
+///
+/// ```no_run
+/// use half::bf16;
+/// use sdpa::{KvScales, NewRows, PageLayout, PagedCache, Placement, Scaling};
+/// # fn main() -> sdpa::Result<()> {
+/// let dev = sdpa::Device::new(0)?;
+/// let s = dev.stream();
+/// let (pages, page_size, kv_heads, d) = (64, 16, 8, 128);
+/// let len = pages * page_size * kv_heads * d;
+/// let (mut kc, mut vc) = (s.alloc_zeros::<u8>(len)?, s.alloc_zeros::<u8>(len)?);
+/// let (k_scale, v_scale) = (s.clone_htod(&[0.02f32; 8])?, s.clone_htod(&[0.01f32; 8])?);
+/// let (kn, vn) = (s.alloc_zeros::<bf16>(kv_heads * d)?, s.alloc_zeros::<bf16>(kv_heads * d)?);
+/// let slots = s.clone_htod(&[3 * 16 + 5i64])?; // page 3, row 5
+/// sdpa::write_kv_fp8(
+///     &dev,
+///     PagedCache { k: kc.as_view_mut(), v: vc.as_view_mut(), pages, page_size, kv_heads,
+///                  head_dim: d, layout: PageLayout::Nhd },
+///     KvScales { k: k_scale.as_view(), v: v_scale.as_view(), scaling: Scaling::PerHead },
+///     NewRows { k: kn.as_view(), v: vn.as_view(), rows: 1, row_stride: kv_heads * d,
+///               head_stride: d },
+///     Placement::Slots(slots.as_view()),
+/// )?;
+/// # Ok(())
+/// # }
+/// ```
+pub fn write_kv_fp8<T: Element>(
+    dev: &Device,
+    cache: PagedCache<'_, u8>,
+    scales: KvScales<'_>,
+    new: NewRows<'_, T>,
+    at: Placement<'_>,
+) -> Result<()> {
+    write_rows(dev, cache, Some(scales), new, at)
+}
+
+/// [`write_kv`] and [`write_kv_fp8`]: a cache of `C` (T itself, or u8 e4m3 codes with `scales`).
+fn write_rows<T: Element, C: cudarc::driver::DeviceRepr>(
+    dev: &Device,
+    cache: PagedCache<'_, C>,
+    scales: Option<KvScales<'_>>,
+    new: NewRows<'_, T>,
+    at: Placement<'_>,
+) -> Result<()> {
     if !matches!(T::DTYPE, DType::F16 | DType::Bf16) {
         return Err(invalid!(
-            "write_kv writes f16 or bf16 caches, not {}",
+            "write_kv writes f16 or bf16 rows, not {}",
             T::DTYPE
         ));
     }
     let (pages, page_size, heads, d) =
         (cache.pages, cache.page_size, cache.kv_heads, cache.head_dim);
-    if pages == 0 || heads == 0 || d == 0 || !d.is_multiple_of(8) {
+    // Rows of 16 bytes: 8 16-bit values, 16 e4m3 codes.
+    let unit = if scales.is_some() { 16 } else { 8 };
+    if pages == 0 || heads == 0 || d == 0 || !d.is_multiple_of(unit) {
         return Err(invalid!(
             "write_kv: a cache of {pages} pages, {heads} kv heads of head_dim {d}; each must be \
-             at least 1, head_dim a multiple of 8"
+             at least 1, head_dim a multiple of {unit}"
         ));
     }
     if !page_size.is_power_of_two() || !PAGE_SIZES.contains(&page_size) {
@@ -227,6 +296,30 @@ pub fn write_kv<T: Element>(
         ptrs.push(ptr);
     }
     let [page_stride, row_stride, head_stride] = cache.strides();
+    let mut streams = vec![
+        new.k.stream().clone(),
+        new.v.stream().clone(),
+        cache.k.stream().clone(),
+        cache.v.stream().clone(),
+    ];
+    let (cache_dtype, k_scale, v_scale, per_head_scales) = match &scales {
+        None => (T::DTYPE, 0, 0, false),
+        Some(sc) => {
+            let need = match sc.scaling {
+                Scaling::PerTensor => 1,
+                Scaling::PerHead => heads,
+            };
+            check_buffer(dev, "k's scales", sc.k.len(), need, sc.k.stream())?;
+            check_buffer(dev, "v's scales", sc.v.len(), need, sc.v.stream())?;
+            streams.extend([sc.k.stream().clone(), sc.v.stream().clone()]);
+            (
+                DType::E4m3,
+                sc.k.device_ptr(stream).0,
+                sc.v.device_ptr(stream).0,
+                sc.scaling == Scaling::PerHead,
+            )
+        }
+    };
     let mut args = KvWriteArgs {
         k_new: ptrs[0],
         v_new: ptrs[1],
@@ -250,13 +343,11 @@ pub fn write_kv<T: Element>(
         pages_per_seq: 0,
         seqused_k: 0,
         dtype: crate::ffi::dtype(T::DTYPE),
+        cache_dtype: crate::ffi::dtype(cache_dtype),
+        k_scale,
+        v_scale,
+        per_head_scales,
     };
-    let mut streams = vec![
-        new.k.stream().clone(),
-        new.v.stream().clone(),
-        cache.k.stream().clone(),
-        cache.v.stream().clone(),
-    ];
     match at {
         Placement::Slots(slots) => {
             check_buffer(dev, "slots", slots.len(), new.rows, slots.stream())?;
@@ -418,7 +509,17 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
         ));
     };
     if p.dtype == DType::E4m3 {
-        return Err(invalid!("append_kv takes f16 or bf16 caches, not e4m3"));
+        return Err(invalid!(
+            "append_kv takes f16 or bf16 rows, the problem's Q/K/V are e4m3 (an e4m3 cache \
+             under 16-bit Q: Problem::with_kv_dtype)"
+        ));
+    }
+    let kv_dtype = p.kv_dtype();
+    if kv_dtype == DType::E4m3 && !p.head_dim.is_multiple_of(16) {
+        return Err(invalid!(
+            "append_kv: an e4m3 cache's head_dim must be a multiple of 16, got {}",
+            p.head_dim
+        ));
     }
     if p.v_dim() != p.head_dim {
         return Err(invalid!(
@@ -442,17 +543,38 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
                 a.n_new
             )
         })?;
-    for (name, t, need) in [
-        ("k_new", a.k_new, new_len),
-        ("v_new", a.v_new, new_len),
-        ("k_cache", &*a.k_cache, p.k_len().unwrap_or_default()),
-        ("v_cache", &*a.v_cache, p.v_len().unwrap_or_default()),
+    for (name, t, need, dtype, shape) in [
+        ("k_new", a.k_new, new_len, p.dtype, p.k_shape()),
+        ("v_new", a.v_new, new_len, p.dtype, p.v_shape()),
+        (
+            "k_cache",
+            &*a.k_cache,
+            p.k_len().unwrap_or_default(),
+            kv_dtype,
+            p.k_shape(),
+        ),
+        (
+            "v_cache",
+            &*a.v_cache,
+            p.v_len().unwrap_or_default(),
+            kv_dtype,
+            p.v_shape(),
+        ),
     ] {
-        if t.dtype() != p.dtype {
+        if t.dtype() != dtype {
             return Err(invalid!(
-                "{name} is {}, the problem says {}",
-                t.dtype(),
-                p.dtype
+                "{name} is {}, the problem says {dtype}",
+                t.dtype()
+            ));
+        }
+        if let Some((scaling, layout)) = t.fp8_layout()
+            && (scaling != p.fp8_scaling || layout != shape)
+        {
+            return Err(invalid!(
+                "{name}'s scales are {} over {layout}, the problem's cache has {} scales over \
+                 {shape}",
+                scaling.name(),
+                p.fp8_scaling.name()
             ));
         }
         if t.len() < need {
@@ -556,6 +678,19 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
         pages_per_seq: pages_per_seq as i64,
         seqused_k: seqused,
         dtype: crate::ffi::dtype(p.dtype),
+        cache_dtype: crate::ffi::dtype(kv_dtype),
+        // An e4m3 cache's own scales ([kv_heads] per head: a paged cache's kv_shape).
+        k_scale: if p.is_fp8_kv() {
+            a.k_cache.scales_ptr(dev)
+        } else {
+            0
+        },
+        v_scale: if p.is_fp8_kv() {
+            a.v_cache.scales_ptr(dev)
+        } else {
+            0
+        },
+        per_head_scales: p.is_fp8_kv() && p.fp8_scaling == Scaling::PerHead,
     };
     launch(dev, &args, &streams)
 }

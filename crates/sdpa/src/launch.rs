@@ -24,6 +24,8 @@ pub(crate) enum Storage<'t> {
     Views,
     /// e4m3 codes and scales in the caller's memory, with a `out` of this dtype.
     Fp8Views { out: DType },
+    /// 16-bit Q and output, e4m3 K/V codes and scales, in the caller's memory.
+    Fp8KvViews,
 }
 
 /// One operand bound for a launch: its device address, its element strides (a size-1
@@ -75,7 +77,7 @@ pub(crate) fn launch(plan: &Plan, call: Call<'_>, mut extras: Extras<'_>) -> Res
             let kernel = plan.kernel_plan(backend);
             crate::owned::run(dev, p, backend, kernel, t, &mut extras)
         }
-        Storage::Views | Storage::Fp8Views { .. } => {
+        Storage::Views | Storage::Fp8Views { .. } | Storage::Fp8KvViews => {
             let stream = dev.stream().clone();
             let b = Buffers {
                 q: q.ptr,
@@ -131,6 +133,11 @@ fn takes(p: &Checked, storage: &Storage<'_>, b: Backend, in_layout: bool) -> Res
             ))
         }
         (Storage::Fp8Views { .. }, _) => Ok(()),
+        (Storage::Fp8KvViews, Backend::Cpu) => {
+            Err("takes an e4m3 K/V cache as owned tensors only".to_string())
+        }
+        // The backends that support such a problem read the views at any strides.
+        (Storage::Fp8KvViews, _) => Ok(()),
     }
 }
 

@@ -41,6 +41,7 @@
 //! | a paged K/V cache, decode steps | [`Problem::with_paged_kv`], [`Problem::with_page_layout`], [`Extras::block_table`] | [`write_kv`]; `examples/decode_loop.rs` (prefill, then decode as a graph) |
 //! | new K/V rows into a cache, by slot or per request | [`write_kv`] (your buffers), [`append_kv`] (the crate's tensors) | [`write_kv`], [`append_kv`] |
 //! | FP8 (e4m3) inputs | [`Fp8Views`], [`Tensor::quantize`], [`Problem::with_fp8_mode`] | [`Fp8Views`]; [`fp8`] (the codec, no GPU) |
+//! | an FP8 (e4m3) K/V cache under 16-bit Q | [`Problem::with_kv_dtype`], [`Fp8KvViews`], [`write_kv`] into an e4m3 cache | [`Problem::with_kv_dtype`] (no GPU), [`Fp8KvViews`] |
 //! | candle tensors | the `sdpa-candle` crate: candle-flash-attn's functions | its front page; `sdpa-candle/examples/serve_decoder.rs` |
 #![cfg_attr(
     feature = "distributed",
@@ -97,11 +98,13 @@ pub use codec::{decode, encode};
 pub use device::{Device, driver_present};
 pub use error::{CudaError, Error, MemoryKind, Result};
 pub use extras::Extras;
-pub use kv_cache::{KvAppend, NewRows, PagedCache, Placement, append_kv, write_kv};
+pub use kv_cache::{
+    KvAppend, KvScales, NewRows, PagedCache, Placement, append_kv, write_kv, write_kv_fp8,
+};
 pub use problem::{Alibi, DType, Fp8Mode, Layout, Mask, Problem, Scaling, Strides, TensorShape};
 pub use seqs::{KvRows, PageLayout, SeqMeta, SeqSpan, Seqs, check_metadata};
 
-pub use fp8_view::{Fp8View, Fp8Views};
+pub use fp8_view::{Fp8KvViews, Fp8View, Fp8Views};
 pub use plan::{Operands, Plan, Tensors};
 pub use tensor::{Element, Tensor};
 pub use view::{View, ViewMut, Views};

@@ -182,10 +182,10 @@ fn check_tensors(
         ("v", v, vl, vs),
         ("out", out, ol, os),
     ] {
-        let want = if name == "out" {
-            p.output_dtype()
-        } else {
-            p.dtype
+        let want = match name {
+            "out" => p.output_dtype(),
+            "k" | "v" => p.kv_dtype(),
+            _ => p.dtype,
         };
         if t.dtype() != want {
             return Err(invalid!("{name} is {}, the problem says {want}", t.dtype()));

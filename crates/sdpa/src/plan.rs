@@ -9,7 +9,7 @@ use crate::backend::{Backend, auto, none_runs, sm_of};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::extras::Extras;
-use crate::fp8_view::Fp8Views;
+use crate::fp8_view::{Fp8KvViews, Fp8Views};
 use crate::problem::{Checked, DType, Problem};
 use crate::tensor::{Element, Tensor};
 use crate::view::Views;
@@ -196,8 +196,8 @@ fn reserve_backend(dev: &Device, p: &Checked, chosen: Backend) -> Result<()> {
 
 /// The operands of one run, by name, whatever their storage: [`Tensors`] (owned tensors),
 /// [`Views`] (views of the caller's f16/bf16 memory at any strides, the output f16, bf16 or
-/// f32) and [`Fp8Views`] (e4m3
-/// codes and their scales in the caller's memory). Sealed: the crate checks each kind.
+/// f32), [`Fp8Views`] (e4m3 codes and their scales in the caller's memory) and [`Fp8KvViews`]
+/// (16-bit Q and output over an e4m3 K/V cache). Sealed: the crate checks each kind.
 pub trait Operands: sealed::Sealed {
     #[doc(hidden)]
     fn run(self, plan: &Plan, extras: Extras<'_>) -> Result<()>;
@@ -236,9 +236,16 @@ impl<T: Element> Operands for Fp8Views<'_, '_, T> {
     }
 }
 
+impl<T: Element> Operands for Fp8KvViews<'_, '_, T> {
+    fn run(self, plan: &Plan, extras: Extras<'_>) -> Result<()> {
+        crate::fp8_view::run_fp8_kv_views(plan, self, extras)
+    }
+}
+
 mod sealed {
     pub trait Sealed {}
     impl Sealed for super::Tensors<'_> {}
     impl<T: crate::tensor::Element, O: crate::tensor::Element> Sealed for super::Views<'_, '_, T, O> {}
     impl<T: crate::tensor::Element> Sealed for super::Fp8Views<'_, '_, T> {}
+    impl<T: crate::tensor::Element> Sealed for super::Fp8KvViews<'_, '_, T> {}
 }

@@ -14,8 +14,8 @@ use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice
 ///
 /// Make one from a `CudaSlice` with `slice.as_view()` or `slice.slice(start..)`.
 pub struct View<'a, T> {
-    data: CudaView<'a, T>,
-    strides: Strides,
+    pub(crate) data: CudaView<'a, T>,
+    pub(crate) strides: Strides,
 }
 
 /// The output in the caller's device memory, as [`View`] but written.

@@ -97,6 +97,16 @@ bool simulated(Kernel kernel, const FwdArgs& a) {
 }  // namespace
 
 std::string can_implement(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) {
+  // An e4m3 K/V cache under 16-bit Q: the cutlass kernels' decode path reads one (their
+  // instances say for which problems); no other kernel does.
+  if (a.ops.kv_dtype != a.ops.dtype) {
+    if (a.ops.kv_dtype != Dtype::E4M3 || a.ops.dtype == Dtype::E4M3)
+      return std::string("K/V of ") + name(a.ops.kv_dtype) + " under Q of " + name(a.ops.dtype) +
+             ": only an e4m3 K/V cache under f16/bf16 Q differs from Q's dtype";
+    if (kernel != Kernel::Cutlass && kernel != Kernel::CutlassSm80)
+      return std::string(name(kernel)) +
+             " reads no e4m3 K/V cache (the cutlass and cutlass-sm80 decode kernels do)";
+  }
   if (a.ops.dtype != Dtype::E4M3 && a.out.dtype != a.ops.dtype &&
       !(a.out.dtype == Dtype::F32 && kernel == Kernel::Cutlass))
     return std::string("output ") + name(a.out.dtype) + " from " + name(a.ops.dtype) +
@@ -108,6 +118,7 @@ std::string can_implement(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev
     // simulated_inputs puts them; forward asks it again with their addresses).
     FwdArgs b = a;
     b.ops.dtype = a.out.dtype;
+    b.ops.kv_dtype = a.out.dtype;
     b.ops.q = b.ops.k = b.ops.v = 0;
     return can_implement(kernel, b, dev);
   }

@@ -11,7 +11,7 @@ use crate::buffers::Buffers;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ffi;
-use crate::problem::{Alibi, Checked, DType, Fp8Mode, KvRows, Problem, Scaling};
+use crate::problem::{Alibi, Checked, DType, KvRows, Problem, Scaling};
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use sdpa_sys::INSTANCES;
 use sdpa_sys::Kernel;
@@ -197,7 +197,7 @@ fn grow(dev: &Device, scratch: &mut Scratch, bytes: usize) -> Result<()> {
 /// The argument block the C++ core takes for `p`, with no buffers (every pointer 0).
 fn problem_args(p: &Problem) -> FwdArgs {
     let [qs, ks, vs, os] = p.operand_strides().map(|s| s.as_i64());
-    let fp8 = p.dtype == DType::E4m3;
+    let fp8 = p.dtype == DType::E4m3 || p.is_fp8_kv();
     let (page_size, page_rows, pages_per_seq) = match p.seqs.kv {
         KvRows::Paged {
             page_size,
@@ -226,6 +226,7 @@ fn problem_args(p: &Problem) -> FwdArgs {
             v_stride: vs.into(),
             o_stride: os.into(),
             dtype: ffi::dtype(p.dtype),
+            kv_dtype: ffi::dtype(p.kv_dtype()),
         },
         dims: FwdDims {
             batch: p.batch as i64,
@@ -262,7 +263,7 @@ fn problem_args(p: &Problem) -> FwdArgs {
         fp8: FwdFp8 {
             per_head_scales: fp8 && p.fp8_scaling == Scaling::PerHead,
             // A permission: kernels without an e4m3 P·V (and the simulated path) ignore it.
-            fast: fp8 && p.fp8_mode == Fp8Mode::Fast,
+            fast: p.is_fp8_fast(),
             ..FwdFp8::default()
         },
         out: FwdOutput {
@@ -322,7 +323,7 @@ fn fwd_args(p: &Problem, b: &Buffers) -> FwdArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::problem::Mask;
+    use crate::problem::{Fp8Mode, Mask};
     use sdpa_sys::args::Dtype;
 
     /// Parts as the kernels are told about them (their cudaDeviceGetAttribute values).

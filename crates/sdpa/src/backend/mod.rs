@@ -112,6 +112,12 @@ impl Backend {
         match self {
             Backend::Cpu => Ok(()),
             Backend::Cublas => {
+                if p.is_fp8_kv() {
+                    return Err(unsupported(
+                        "reads no e4m3 K/V cache (the cutlass and cutlass-sm80 decode kernels do)"
+                            .into(),
+                    ));
+                }
                 cublas::limits(p).map_err(unsupported)?;
                 let dev = dev.ok_or_else(|| unsupported("needs a GPU".into()))?;
                 let (major, minor) = dev.compute_capability()?;

@@ -80,9 +80,14 @@ pub struct Problem {
     pub lse: bool,
     /// Element type of Q, K and V.
     pub dtype: DType,
+    /// Element type of K and V where it differs from Q's: `Some(DType::E4m3)` under f16/bf16 Q
+    /// is an FP8 K/V cache ([`Problem::with_kv_dtype`]); `None` (or `dtype` itself) means K and
+    /// V are of `dtype`.
+    pub kv_dtype: Option<DType>,
     /// Element type of the output; `None` means the input dtype (f16 for e4m3 inputs).
     pub out_dtype: Option<DType>,
-    /// How the scales of e4m3 inputs are laid out (ignored for f16/bf16).
+    /// How the scales of e4m3 inputs (and of an e4m3 K/V cache) are laid out (ignored for
+    /// f16/bf16).
     pub fp8_scaling: Scaling,
     /// How an e4m3 problem computes P·V ([`Fp8Mode`]); `Fast` on an f16/bf16 problem is an
     /// `InvalidArgument` error (there is nothing to make fast, and silently ignoring it would
@@ -119,6 +124,7 @@ impl Problem {
             sinks: false,
             lse: false,
             dtype: DType::F16,
+            kv_dtype: None,
             out_dtype: None,
             fp8_scaling: Scaling::PerHead,
             fp8_mode: Fp8Mode::Accurate,
@@ -270,12 +276,14 @@ impl Problem {
         }
     }
     /// Whether the problem is plain attention with no mask beyond causal bottom-right, no
-    /// softcap, no ALiBi and no sinks: what every backend runs.
+    /// softcap, no ALiBi, no sinks and no e4m3 K/V cache under 16-bit Q: what every backend
+    /// runs.
     pub fn is_plain(&self) -> bool {
         matches!(self.mask.canonical(), Mask::None | Mask::CausalBottomRight)
             && self.softcap.is_none()
             && self.alibi.is_none()
             && !self.sinks
+            && !self.is_fp8_kv()
     }
     /// Sets an explicit softmax scale.
     pub fn with_scale(mut self, scale: f32) -> Self {
@@ -286,6 +294,61 @@ impl Problem {
     pub fn with_dtype(mut self, dtype: DType) -> Self {
         self.dtype = dtype;
         self
+    }
+    /// Sets the element type of K and V apart from Q's: [`DType::E4m3`] under f16 or bf16 Q
+    /// is an FP8 K/V cache, half the bytes a decode step reads.
+    ///
+    /// K and V are then e4m3 codes with dequantization scales, real value = code · scale (the
+    /// convention of every e4m3 operand here, [`crate::fp8`]): one scale for K and one for V
+    /// ([`Scaling::PerTensor`], vLLM's `k_scale` / `v_scale`), or with [`Scaling::PerHead`] (the
+    /// default) one per (batch, K/V head) pair of K's shape ([`Problem::kv_shape`]): `[batch,
+    /// kv_heads]` for dense K/V (FlashAttention-3's `descale_k` / `descale_v`), `[kv_heads]` for
+    /// a paged cache or packed K/V, whose pages every sequence shares. The scales travel with
+    /// the codes: e4m3 [`crate::Tensor`]s ([`crate::Tensor::quantize`]) or [`crate::Fp8View`]s
+    /// in [`crate::Fp8KvViews`]; [`crate::write_kv`] quantizes new 16-bit rows into such a cache.
+    /// Scales must be finite and not negative (a quantization's amax / 448): a negative or
+    /// non-finite K scale makes its rows' output NaN.
+    ///
+    /// Q and the output stay 16-bit ([`Problem::output_dtype`] is Q's dtype); the kernels widen
+    /// the codes exactly to Q's dtype and fold the scales into the softmax scale (K's) and the
+    /// output's normalization (V's), so the result is that of the 16-bit kernel on the
+    /// dequantized cache. The float64 reference of such a problem is the reference of
+    /// [`Problem::as_dequantized`] on the dequantized K and V ([`crate::fp8::dequantize_host`]).
+    /// Where it runs: decode steps (at most 16 query tokens a sequence against at least 256
+    /// keys, head_dim 64 or 128, no mask or bottom-right causal, no softcap or ALiBi; sinks, GQA,
+    /// dense, paged and packed K/V) on `cutlass` (sm_90a) and `cutlass-sm80`, and any problem on
+    /// `cpu` (owned tensors); other backends and problems are refused by name.
+    ///
+    /// ```
+    /// use sdpa::{DType, Problem, Scaling};
+    ///
+    /// // A decode step of 16 sequences, 32 query heads over 8 K/V heads, over an e4m3 cache.
+    /// let p = Problem::new(16, 32, 1, 8192, 128)
+    ///     .with_kv_heads(8)
+    ///     .with_dtype(DType::Bf16)
+    ///     .with_kv_dtype(DType::E4m3);
+    /// p.validate()?;
+    /// assert_eq!((p.kv_dtype(), p.output_dtype()), (DType::E4m3, DType::Bf16));
+    /// assert_eq!(p.to_string(), "B16 H32/8 Sq1 Sk8192 D128 bf16 kv e4m3/head");
+    /// // Per-head scales of a dense cache: one per (sequence, K/V head).
+    /// assert_eq!(sdpa::fp8::scale_count(&p.k_shape(), Scaling::PerHead), 16 * 8);
+    /// // The reference's problem: K/V of Q's dtype.
+    /// assert_eq!(p.as_dequantized().kv_dtype(), DType::Bf16);
+    /// // K/V differ from Q only as an e4m3 cache under 16-bit Q.
+    /// assert!(p.with_kv_dtype(DType::F16).validate().is_err());
+    /// # Ok::<(), sdpa::Error>(())
+    /// ```
+    pub fn with_kv_dtype(mut self, dtype: DType) -> Self {
+        self.kv_dtype = Some(dtype);
+        self
+    }
+    /// The element type of K and V: `kv_dtype` where set, else `dtype`.
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_dtype.unwrap_or(self.dtype)
+    }
+    /// Whether K and V are an e4m3 cache under 16-bit Q ([`Problem::with_kv_dtype`]).
+    pub fn is_fp8_kv(&self) -> bool {
+        self.kv_dtype() == DType::E4m3 && self.dtype != DType::E4m3
     }
     /// Sets the output element type: the input type, f16 or bf16 for e4m3 inputs, f32 for
     /// f16/bf16 inputs ([`DType::F32`]; the `cutlass` and `cpu` backends write it).
@@ -317,13 +380,21 @@ impl Problem {
     }
     /// The f16/bf16 problem an e4m3 problem becomes once its inputs are dequantized to the
     /// output dtype (the simulated FP8 path, which runs P·V in 16 bit: the mode is back to
-    /// accurate); other problems unchanged.
+    /// accurate); an e4m3 K/V cache's problem with K and V of Q's dtype (its reference's);
+    /// other problems unchanged.
     pub fn as_dequantized(&self) -> Problem {
+        if self.is_fp8_kv() {
+            return Problem {
+                kv_dtype: None,
+                ..*self
+            };
+        }
         if self.dtype != DType::E4m3 {
             return *self;
         }
         Problem {
             dtype: self.output_dtype(),
+            kv_dtype: None,
             out_dtype: None,
             fp8_mode: Fp8Mode::Accurate,
             ..*self
@@ -463,6 +534,28 @@ impl Problem {
             }
             _ => {}
         }
+        match self.kv_dtype {
+            None => {}
+            Some(kv) if kv == self.dtype => {}
+            Some(DType::E4m3)
+                if matches!(self.dtype, DType::F16 | DType::Bf16)
+                    && self.output_dtype() != self.dtype =>
+            {
+                return Err(invalid!(
+                    "the output of an e4m3 K/V cache problem is Q's dtype ({}), got {}",
+                    self.dtype,
+                    self.output_dtype()
+                ));
+            }
+            Some(DType::E4m3) if matches!(self.dtype, DType::F16 | DType::Bf16) => {}
+            Some(kv) => {
+                return Err(invalid!(
+                    "K/V of {kv} under Q of {}: K and V differ from Q's dtype only as an e4m3 \
+                     cache under f16 or bf16 Q",
+                    self.dtype
+                ));
+            }
+        }
         if self.fp8_mode == Fp8Mode::Fast && self.dtype != DType::E4m3 {
             return Err(invalid!(
                 "fp8 mode fast needs e4m3 inputs, the problem is {} (P·V on e4m3 tensor cores \
@@ -490,9 +583,10 @@ impl Problem {
                 self.batch
             ));
         }
-        if self.dtype == DType::E4m3 && self.v_dim() != self.head_dim {
+        if (self.dtype == DType::E4m3 || self.is_fp8_kv()) && self.v_dim() != self.head_dim {
             return Err(invalid!(
-                "e4m3 inputs take one head dimension, got head_dim {} and head_dim_v {}",
+                "e4m3 inputs and e4m3 K/V caches take one head dimension, got head_dim {} and \
+                 head_dim_v {}",
                 self.head_dim,
                 self.v_dim()
             ));
@@ -671,7 +765,9 @@ impl fmt::Display for Problem {
             write!(f, "/{}", self.v_dim())?;
         }
         write!(f, " {}", self.dtype)?;
-        if self.dtype == DType::E4m3 {
+        if self.is_fp8_kv() {
+            write!(f, " kv e4m3/{}", self.fp8_scaling.name())?;
+        } else if self.dtype == DType::E4m3 {
             write!(f, "/{}->{}", self.fp8_scaling.name(), self.output_dtype())?;
             if self.fp8_mode == Fp8Mode::Fast {
                 f.write_str(" fast")?;

@@ -1,7 +1,11 @@
 // Writes new K/V rows into a paged cache (sdpa.h, kv_write): one CTA per (new row, kv head)
 // finds the row's page and offset (its slot, or its sequence's next position through the block
 // table) and copies head_dim values in 16-byte chunks, at the cache's strides (NHD or HND
-// pages alike); a second launch advances each sequence's length once every copy has read it.
+// pages alike), or into an e4m3 cache quantizes them on the way (8 values a step); a second
+// launch advances each sequence's length once every copy has read it.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -24,6 +28,44 @@ __device__ int64_t sequence_of(const int32_t* cu, int64_t batch, int64_t i) {
       hi = mid;
   }
   return int64_t(cu[lo]) <= i && i < int64_t(cu[lo + 1]) ? lo : -1;
+}
+
+// 8 16-bit values (of `dtype`) as f32.
+__device__ void widen8(uint4 x, bool bf16, float (&f)[8]) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint16_t b = uint16_t(w[j / 2] >> (16 * (j % 2)));
+    f[j] = bf16 ? __bfloat162float(__ushort_as_bfloat16(b)) : __half2float(__ushort_as_half(b));
+  }
+}
+
+// One (row, head) of new 16-bit values into an e4m3 cache: E4M3(x / scale), the host codec's
+// rounding (sdpa::fp8: f32 division, nearest even, saturating, NaN kept as NaN).
+__device__ void quantize_row(const KvWriteArgs& a, int64_t src, int64_t dst, int64_t hk) {
+  const int64_t si = a.per_head_scales ? hk : 0;
+  const float scale[2] = {device_ptr<const float>(a.k_scale)[si],
+                          device_ptr<const float>(a.v_scale)[si]};
+  const uint4* const from[2] = {device_ptr<const uint4>(a.k_new) + src / 8,
+                                device_ptr<const uint4>(a.v_new) + src / 8};
+  uint2* const to[2] = {reinterpret_cast<uint2*>(device_ptr<uint8_t>(a.k_cache) + dst),
+                        reinterpret_cast<uint2*>(device_ptr<uint8_t>(a.v_cache) + dst)};
+  const bool bf16 = a.dtype == Dtype::BF16;
+  for (int64_t c = threadIdx.x; c < a.head_dim / 8; c += blockDim.x) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      float f[8];
+      widen8(from[t][c], bf16, f);
+      uint32_t out[2] = {0, 0};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t code =
+            __nv_cvt_float_to_fp8(__fdiv_rn(f[j], scale[t]), __NV_SATFINITE, __NV_E4M3);
+        out[j / 4] |= code << (8 * (j % 4));
+      }
+      to[t][c] = make_uint2(out[0], out[1]);
+    }
+  }
 }
 
 // The metadata is the caller's and unchecked (the Rust side's checked mode aside): a slot or
@@ -57,6 +99,10 @@ __global__ void write_rows(const KvWriteArgs a) {
   }
   const int64_t src = i * a.new_row_stride + hk * a.new_head_stride;
   const int64_t dst = page * a.page_stride + offset * a.row_stride + hk * a.head_stride;
+  if (a.cache_dtype == Dtype::E4M3) {
+    quantize_row(a, src, dst, hk);
+    return;
+  }
   // 16-byte chunks of 16-bit values: every stride and base is a multiple of 8 elements (host).
   const auto* kn = device_ptr<const uint4>(a.k_new) + src / 8;
   const auto* vn = device_ptr<const uint4>(a.v_new) + src / 8;
@@ -86,6 +132,10 @@ __global__ void advance_lengths(const KvWriteArgs a) {
 
 void kv_write(const KvWriteArgs& a, void* stream) {
   const bool append = a.slots == 0;
+  if (a.cache_dtype != a.dtype &&
+      (a.cache_dtype != Dtype::E4M3 || a.k_scale == 0 || a.v_scale == 0 ||
+       (a.dtype != Dtype::F16 && a.dtype != Dtype::BF16)))
+    throw Error("kv_write: a cache of another dtype than the new rows is e4m3, with scales");
   if (a.head_dim % 8 != 0 || a.kv_heads > 65535 || a.rows > INT32_MAX || a.pages < 1 ||
       (append && (a.batch < 1 || a.pages_per_seq * a.page_size > INT32_MAX)) ||
       (append && a.cu_new == 0 && a.n_new < 1))

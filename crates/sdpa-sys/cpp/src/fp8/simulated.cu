@@ -159,6 +159,7 @@ FwdArgs simulated_inputs(const FwdArgs& a, void* stream) {
   b.ops.k = reinterpret_cast<uintptr_t>(y[1]);
   b.ops.v = reinterpret_cast<uintptr_t>(y[2]);
   b.ops.dtype = a.out.dtype;
+  b.ops.kv_dtype = a.out.dtype;
   b.fp8 = FwdFp8{};
   b.scratch.workspace = 0;
   return b;

@@ -27,9 +27,23 @@
 // scanned; if it holds a NaN or an infinity, its columns' first non-finite keys are recorded and
 // zeroed, each (row, column) ORs the kinds its visible keys hold into a flag byte, and the
 // combined output adds the reference's term for them (common/nonfinite.cuh).
+//
+// An e4m3 K/V cache (F8) under 16-bit Q: its codes stream through kStagesF8 stages of their own
+// (half the bytes), and each thread widens the chunks it copied into one 16-bit tile pair that
+// the mma reads, in the same swizzled layout, so everything after (the non-finite check, the mma,
+// the masks) is the 16-bit path's. Widening is exact (every e4m3 value is an f16 and a bf16
+// value): the scales stay out of the tiles. A CTA reads one K/V head, so its K scale joins the
+// softmax scale and its V scale the output's normalization, once per row. One 16-bit tile pair
+// (a barrier before each widening) instead of one a stage keeps the CTA under half an SM's shared
+// memory, so two CTAs of 4 warps share an SM and hide each other's widening and mma latency, and
+// the splits fill two CTAs an SM.
 #pragma once
 
+#include <cuda_fp8.h>
+
+#include <cfloat>
 #include <cstdlib>
+#include <type_traits>
 
 #include "cutlass/sm80/sm80_fwd.cuh"
 
@@ -38,6 +52,8 @@ namespace sdpa::cutlass_sm80::decode {
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kStages = 3;
+// An e4m3 cache's code stages (16 KB each at D = 128, so four stay within two CTAs an SM).
+constexpr int kStagesF8 = 4;
 // Query tokens a decode step may have (speculative decoding's drafts included).
 constexpr int64_t kMaxTokens = 16;
 
@@ -55,6 +71,17 @@ struct Geo {
   static constexpr int kRecOffset = (kQOffset + kQElems) * int(sizeof(T));  // bytes
   static constexpr int kFlagOffset = kRecOffset + int(sizeof(NonFiniteCols<D>));
   static constexpr int kSmemBytes = kFlagOffset + kRows * D;
+  // An e4m3 cache: one 16-bit tile pair (K, V), the code stages ([key][D] bytes, K then V),
+  // then Q, the records and the flags; the end state lies over the tiles and the code stages.
+  static constexpr int kCodeTileBytes = kBN * D;
+  static constexpr int kCodeStageBytes = 2 * kCodeTileBytes;
+  static constexpr int kCodeOffset = kStageElems * int(sizeof(T));  // bytes
+  static constexpr int kQByteF8 = kCodeOffset + kStagesF8 * kCodeStageBytes;
+  static constexpr int kRecOffsetF8 = kQByteF8 + kQElems * int(sizeof(T));
+  static constexpr int kFlagOffsetF8 = kRecOffsetF8 + int(sizeof(NonFiniteCols<D>));
+  static constexpr int kSmemBytesF8 = kFlagOffsetF8 + kRows * D;
+  static_assert((2 * kWarps * kRows + kWarps * kRows * (D + 1)) * 4 <= kQByteF8,
+                "the end state fits the tiles and code stages");
   // The warps' states at the end, over the stages: m, l [warp][row], O [warp][row][D + 1].
   static constexpr int kOPitch = D + 1;
   static_assert((2 * kWarps * kRows + kWarps * kRows * kOPitch) * 4 <= kQOffset * int(sizeof(T)),
@@ -64,6 +91,10 @@ struct Geo {
 template <typename T, class Mask>
 struct Params {
   const T *q, *k, *v;
+  // An e4m3 cache instead of k, v: codes, and scales at b * scale_batch + hk * scale_head.
+  const uint8_t *kc, *vc;
+  const float *k_scale, *v_scale;
+  int scale_batch, scale_head;
   T* o;
   Strides qs, ks, vs, os;
   Mask mask;  // for the longest sequences; rebased to each
@@ -77,7 +108,86 @@ struct Params {
   float *ws_o, *ws_lse;  // splits > 1: [split][lse row][D], [split][lse row]
 };
 
-template <typename T, int D, int MT, class Mask>
+// Two e4m3 codes (low byte first) as two T values, exactly.
+template <typename T>
+__device__ __forceinline__ uint32_t widen2(uint16_t codes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(codes, __NV_E4M3);
+  if constexpr (std::is_same_v<T, cute::half_t>) {
+    return uint32_t(h.x) | (uint32_t(h.y) << 16);
+  } else {
+    const float2 f = __half22float2(__half2(h));
+    return pack2<T>(f.x, f.y);
+  }
+}
+
+// The K/V tiles of an e4m3 cache: thread tid copies 16-byte chunks of codes (chunk tid %
+// kRowThreads of rows tid / kRowThreads + kPassRows · i) into a code stage, zero past seq_k, and
+// later widens the same chunks into the 16-bit stage at C::off (visible to it alone until a
+// barrier: each thread widens only what its own cp.async brought).
+template <class C, typename T>
+struct CodeCopy {
+  static constexpr int D = C::kChunks * 8, BN = C::kBN;
+  static constexpr int kRowThreads = D / 16;
+  static constexpr int kPassRows = kThreads / kRowThreads;
+  static constexpr int kTileBytes = BN * D;
+  static_assert(BN % kPassRows == 0, "tiles of whole passes");
+  int crow, cchunk;
+  const uint8_t *kg, *vg;  // this thread's first row's chunk (a paged cache: row 0's)
+  bool paged;
+
+  __device__ __forceinline__ CodeCopy(const uint8_t* k, const uint8_t* v, const Strides& ks,
+                                      const Strides& vs, int b, int hk, int k0, bool paged_,
+                                      int tid)
+      : crow(tid / kRowThreads), cchunk(tid % kRowThreads), paged(paged_) {
+    const int64_t first_row = paged ? 0 : int64_t(k0) + crow;
+    kg = k + (int64_t(b) * ks.batch + int64_t(hk) * ks.head + first_row * ks.seq + cchunk * 16);
+    vg = v + (int64_t(b) * vs.batch + int64_t(hk) * vs.head + first_row * vs.seq + cchunk * 16);
+  }
+
+  __device__ __forceinline__ void load(uint8_t* stage, int n, int seq_k, const Strides& ks,
+                                       const Strides& vs, const SeqParams& seqs, int b) const {
+    constexpr int P = kPassRows;
+    const int rows = seq_k - n * BN - crow;
+    uint8_t* const sk = stage + crow * D + cchunk * 16;
+#pragma unroll
+    for (int i = 0; i < BN / P; ++i) {
+      const bool in = i * P < rows;
+      const int64_t row =
+          paged ? (in ? seqs.paged_row(b, n * BN + i * P + crow) : 0) : int64_t(n * BN + i * P);
+      cp_async16(sk + i * P * D, kg + row * ks.seq, in);
+      cp_async16(sk + kTileBytes + i * P * D, vg + row * vs.seq, in);
+    }
+  }
+
+  // The codes this thread copied into `stage`, as T into the 16-bit tiles `tile` (K, then V);
+  // whether its V codes hold a NaN (e4m3 has no infinities), for the non-finite V check.
+  __device__ __forceinline__ bool widen(const uint8_t* stage, T* tile) const {
+    uint32_t nan = 0;
+#pragma unroll
+    for (int i = 0; i < BN / kPassRows; ++i) {
+      const int row = i * kPassRows + crow;
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv) {
+        const uint4 c = lds16(stage + kv * kTileBytes + row * D + cchunk * 16);
+        const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+        if (kv == 1)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) nan |= __vcmpeq4(w[j] & 0x7f7f7f7fu, 0x7f7f7f7fu);
+        uint4 lo, hi;
+        lo.x = widen2<T>(uint16_t(w[0])), lo.y = widen2<T>(uint16_t(w[0] >> 16));
+        lo.z = widen2<T>(uint16_t(w[1])), lo.w = widen2<T>(uint16_t(w[1] >> 16));
+        hi.x = widen2<T>(uint16_t(w[2])), hi.y = widen2<T>(uint16_t(w[2] >> 16));
+        hi.z = widen2<T>(uint16_t(w[3])), hi.w = widen2<T>(uint16_t(w[3] >> 16));
+        T* const t = tile + kv * C::kTileElems;
+        *reinterpret_cast<uint4*>(t + C::off(row, cchunk * 16)) = lo;
+        *reinterpret_cast<uint4*>(t + C::off(row, cchunk * 16 + 8)) = hi;
+      }
+    }
+    return nan != 0;
+  }
+};
+
+template <typename T, int D, int MT, class Mask, bool F8>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_kernel(const __grid_constant__ Params<T, Mask> p) {
 #ifdef SDPA_SM80_DEVICE
@@ -85,13 +195,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   pdl_launch_dependents();
   using G = Geo<T, D, MT>;
   using C = typename G::C;
-  constexpr int BN = G::kBN, S = kStages, R = G::kRows;
+  constexpr int BN = G::kBN, S = F8 ? kStagesF8 : kStages, R = G::kRows;
   constexpr int kQK = D / 16, kON = D / 8;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   T* const smem = reinterpret_cast<T*>(smem_raw);
-  T* const sQ = smem + G::kQOffset;
-  NonFiniteCols<D>& nf = *reinterpret_cast<NonFiniteCols<D>*>(smem_raw + G::kRecOffset);
-  uint8_t* const flags = smem_raw + G::kFlagOffset;  // [row][col]: bits NaN, +Inf, -Inf seen
+  T* const sQ = F8 ? reinterpret_cast<T*>(smem_raw + G::kQByteF8) : smem + G::kQOffset;
+  NonFiniteCols<D>& nf =
+      *reinterpret_cast<NonFiniteCols<D>*>(smem_raw + (F8 ? G::kRecOffsetF8 : G::kRecOffset));
+  // [row][col]: bits NaN, +Inf, -Inf seen
+  uint8_t* const flags = smem_raw + (F8 ? G::kFlagOffsetF8 : G::kFlagOffset);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
@@ -112,13 +224,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = tid; i < R * D; i += kThreads) flags[i] = 0;
   float o[MT][kON][4], m_run[MT][2], l_run[MT][2];
   start_rows(o, m_run, l_run);
-  const float sl2 = p.scale_log2;
+  // An e4m3 cache: scores in code units, K's scale joined to the softmax scale (a negative or
+  // non-finite one has no softmax: its rows are NaN), V's scale to the output's.
+  float sl2 = p.scale_log2, v_mul = 1.f;
+  if constexpr (F8) {
+    const int64_t si = int64_t(b) * p.scale_batch + int64_t(hk) * p.scale_head;
+    const float ks = p.k_scale[si];
+    sl2 = ks >= 0.f && ks <= FLT_MAX ? sl2 * ks : __int_as_float(0x7fffffff);
+    v_mul = p.v_scale[si];
+  }
+  uint8_t* const codes = smem_raw + G::kCodeOffset;  // F8 only
 
   if (n_begin < n_end) {
-    const KvCopy<C, T> kv(p.k, p.v, p.ks, p.vs, b, hk, seq.k0, p.seqs.paged(), tid);
-    const int c_soff = kv.c_soff;
+    const auto kv = [&] {
+      if constexpr (F8)
+        return CodeCopy<C, T>(p.kc, p.vc, p.ks, p.vs, b, hk, seq.k0, p.seqs.paged(), tid);
+      else
+        return KvCopy<C, T>(p.k, p.v, p.ks, p.vs, b, hk, seq.k0, p.seqs.paged(), tid);
+    }();
+    // This thread's chunk of the 16-bit V tile (the non-finite check's), as KvCopy places it.
+    const int c_soff = C::off(tid / C::kRowThreads, (tid % C::kRowThreads) * 8);
     const auto load_kv = [&](int n, int s) {
-      kv.load(smem + s * G::kStageElems, n, seq_k, p.ks, p.vs, p.seqs, b);
+      if constexpr (F8)
+        kv.load(codes + s * G::kCodeStageBytes, n, seq_k, p.ks, p.vs, p.seqs, b);
+      else
+        kv.load(smem + s * G::kStageElems, n, seq_k, p.ks, p.vs, p.seqs, b);
     };
     // Q rows (token, head) of the CTA, zero past the sequence's tokens; with the first tile.
     for (int c = tid; c < R * (D / 8); c += kThreads) {
@@ -143,19 +273,35 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int n = n_begin; n < n_end; ++n) {
       const int s = (n - n_begin) % S;
       const int n0 = n * BN;
+      // The 16-bit tiles of this key tile (an e4m3 cache's one pair, widened into).
+      T* const stage = smem + (F8 ? 0 : s) * G::kStageElems;
       cute::cp_async_wait<S - 2>();
+      bool own_nan = false;  // F8: whether the V codes this thread widened hold a NaN
+      if constexpr (F8) {
+        // Every warp is done with the previous tile; these codes arrived for this thread alone
+        // (and their stage is refilled by this thread alone, after it widened them).
+        __syncthreads();
+        own_nan = kv.widen(codes + s * G::kCodeStageBytes, stage);
+      }
       // A tile that hides keys from some row (past seq_k aside) is checked for non-finite V.
       const bool partial = Mask::kMasksKeys && n0 + BN - 1 > mask.last_key(tok_lo) &&
                            mask.last_key(tok_lo) + 1 < seq_k;
       bool nonfinite = false;
-      if (partial)
-        nonfinite = __syncthreads_or(own_v_chunks_nonfinite<T, D, 4, 1>(
-                        smem + s * G::kStageElems + C::kTileElems + c_soff)) != 0;
-      else
+      if (partial) {
+        // The widened tile is not visible before this barrier: an e4m3 cache ORs what each
+        // thread saw while widening.
+        bool own;
+        if constexpr (F8)
+          own = own_nan;
+        else
+          own = own_v_chunks_nonfinite<T, D, 4, 1>(stage + C::kTileElems + c_soff);
+        nonfinite = __syncthreads_or(own) != 0;
+      } else {
         __syncthreads();
+      }
       if (n + S - 1 < n_end) load_kv(n + S - 1, (n - n_begin + S - 1) % S);
       cute::cp_async_fence();
-      const T* const sK = smem + s * G::kStageElems;
+      const T* const sK = stage;
       const T* const sV = sK + C::kTileElems;
       if (nonfinite) {  // rare; CTA-uniform
         record_and_zero<T, D, 4, 1, false>(const_cast<T*>(sV), nf, nf, tid);
@@ -274,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     float m2 = m * sl2;
     const float a = p.splits == 1 && p.sinks != nullptr ? fold_sink(m2, l, p.sinks[head]) : 1.f;
-    const float inv = l > 0.f ? a / l : 0.f;
+    const float inv = l > 0.f ? a * v_mul / l : 0.f;
     const float lse = l > 0.f ? (m2 + __log2f(l)) * 0.6931471805599453f : -INFINITY;
     const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
     T* const out = p.o + int64_t(b) * p.os.batch + int64_t(head) * p.os.head +
@@ -395,9 +541,28 @@ struct Plan {
 };
 
 template <int D>
-inline int smem_bytes(int mt) {
+inline int smem_bytes(int mt, bool f8) {
   // Geometry in bytes does not depend on the 16-bit type.
-  return mt == 1 ? Geo<cute::half_t, D, 1>::kSmemBytes : Geo<cute::half_t, D, 2>::kSmemBytes;
+  using G1 = Geo<cute::half_t, D, 1>;
+  using G2 = Geo<cute::half_t, D, 2>;
+  if (f8) return mt == 1 ? G1::kSmemBytesF8 : G2::kSmemBytesF8;
+  return mt == 1 ? G1::kSmemBytes : G2::kSmemBytes;
+}
+
+// Whether the K/V of `a` are an e4m3 cache under 16-bit Q.
+inline bool fp8_kv(const FwdArgs& a) {
+  return a.ops.kv_dtype == Dtype::E4M3 && a.ops.dtype != Dtype::E4M3;
+}
+
+// Why an e4m3 K/V cache problem is not a decode step this path takes (applies() false, or a
+// head dim without a decode kernel): the only path of this backend that reads one.
+inline std::string fp8_kv_refusal(const FwdArgs& a) {
+  return "an e4m3 K/V cache is read by the decode kernel only: head_dim 64 or 128, at most " +
+         std::to_string(kMaxTokens) +
+         " query tokens a sequence against at least 256 keys, no mask or causal bottom-right, no "
+         "softcap or ALiBi (this problem: head_dim " +
+         std::to_string(a.dims.head_dim) + ", seq_q " + std::to_string(a.dims.seq_q) + ", seq_k " +
+         std::to_string(a.dims.seq_k) + ")";
 }
 
 inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
@@ -412,7 +577,10 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   // SM, not the two that fit: fewer, longer splits pay the pipeline's fill and drain and the
   // combine fewer times, which outweighs the bytes more CTAs would keep in flight (measured:
   // docs/log/2026-11-perf-history.md, "Serving: decode, paged cache, varlen").
-  const int64_t slots = known(dev) ? dev.sms : 132;
+  // An e4m3 cache's CTAs take at most 110 KB of shared memory: two an SM where two fit (a
+  // Hopper's 228 KB; an unknown device is taken for an H100).
+  const bool two = fp8_kv(a) && (!known(dev) || dev.smem_per_sm >= (224 << 10));
+  const int64_t slots = (known(dev) ? dev.sms : 132) * (two ? 2 : 1);
   const int64_t base = a.dims.batch * a.dims.kv_heads * pl.row_blocks;
   int64_t splits = base >= slots ? 1 : slots / base;
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, tiles / 4));
@@ -437,18 +605,34 @@ inline int64_t workspace_bytes(const FwdArgs& a, const DeviceInfo& dev) {
 // `int`, and its shared memory.
 template <int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
+  std::string scales;
+  if (fp8_kv(a) && a.ops.k != 0 && (a.fp8.k_scale == 0 || a.fp8.v_scale == 0))
+    scales = "an e4m3 K/V cache needs k_scale and v_scale";
   return limits::first({limits::int_sequences(a, "cutlass-sm80", kMaxTileRows),
-                        limits::smem_per_block(dev, smem_bytes<D>(plan(a, dev).mt))});
+                        limits::smem_per_block(dev, smem_bytes<D>(plan(a, dev).mt, fp8_kv(a))),
+                        scales});
 }
 
-template <typename T, int D, int MT, class Mask>
+template <typename T, int D, int MT, class Mask, bool F8>
 void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Plan& pl,
             cudaStream_t stream) {
   using G = Geo<T, D, MT>;
   Params<T, Mask> p{};
   p.q = device_ptr<const T>(a.ops.q);
-  p.k = device_ptr<const T>(a.ops.k);
-  p.v = device_ptr<const T>(a.ops.v);
+  if constexpr (F8) {
+    p.kc = device_ptr<const uint8_t>(a.ops.k);
+    p.vc = device_ptr<const uint8_t>(a.ops.v);
+    p.k_scale = device_ptr<const float>(a.fp8.k_scale);
+    p.v_scale = device_ptr<const float>(a.fp8.v_scale);
+    // Per head: [batch][kv_heads] of dense K/V, [kv_heads] of packed or paged K/V (one
+    // sequence dimension, batch stride 0).
+    const bool dense = a.seqs.page_size == 0 && !a.seqs.packed_kv;
+    p.scale_head = a.fp8.per_head_scales ? 1 : 0;
+    p.scale_batch = a.fp8.per_head_scales && dense ? int(a.dims.kv_heads) : 0;
+  } else {
+    p.k = device_ptr<const T>(a.ops.k);
+    p.v = device_ptr<const T>(a.ops.v);
+  }
   p.o = device_ptr<T>(a.ops.o);
   p.qs = a.ops.q_stride;
   p.ks = a.ops.k_stride;
@@ -471,12 +655,13 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Pla
     p.ws_o = device_ptr<float>(a.scratch.workspace);
     p.ws_lse = p.ws_o + int64_t(pl.splits) * pl.lse_rows * D;
   }
-  const auto kernel = decode_kernel<T, D, MT, Mask>;
+  const auto kernel = decode_kernel<T, D, MT, Mask, F8>;
+  constexpr int smem = F8 ? G::kSmemBytesF8 : G::kSmemBytes;
   static std::atomic<uint64_t> configured{0};
-  opt_in_smem(reinterpret_cast<const void*>(kernel), G::kSmemBytes, configured);
+  opt_in_smem(reinterpret_cast<const void*>(kernel), smem, configured);
   const dim3 grid(unsigned(pl.splits), unsigned(a.dims.kv_heads * pl.row_blocks),
                   unsigned(a.dims.batch));
-  kernel<<<grid, kThreads, G::kSmemBytes, stream>>>(p);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
   SDPA_LAUNCH_CHECK("cutlass-sm80 decode_kernel launch");
   if (pl.splits > 1) {
     // On sm_90 the combine launches programmatically: its launch and start overlap the splits'
@@ -496,10 +681,19 @@ template <typename T, int D>
 void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   if ((a.out.has_lse && !a.out.lse) || (a.mods.sinks && !a.mods.sink_logits))
     throw Error("cutlass-sm80 decode: a log-sum-exp or sinks without a buffer");
+  const bool f8 = fp8_kv(a);
+  if (f8 && (a.fp8.k_scale == 0 || a.fp8.v_scale == 0))
+    throw Error("cutlass-sm80 decode: an e4m3 K/V cache without its k_scale and v_scale");
   const Plan pl = plan(a, dev);
   mask::dispatch_mask(a.mask.kind, int(a.dims.seq_q), int(a.dims.seq_k), [&](const auto& mask) {
-    if (pl.mt == 1) return launch<T, D, 1>(a, dev, mask, pl, stream);
-    launch<T, D, 2>(a, dev, mask, pl, stream);
+    if (f8) {
+      if (pl.mt == 1)
+        return launch<T, D, 1, std::decay_t<decltype(mask)>, true>(a, dev, mask, pl, stream);
+      return launch<T, D, 2, std::decay_t<decltype(mask)>, true>(a, dev, mask, pl, stream);
+    }
+    if (pl.mt == 1)
+      return launch<T, D, 1, std::decay_t<decltype(mask)>, false>(a, dev, mask, pl, stream);
+    launch<T, D, 2, std::decay_t<decltype(mask)>, false>(a, dev, mask, pl, stream);
   });
 }
 
