@@ -73,6 +73,61 @@ fn gather(buf: &[f16], shape: TensorShape, s: Strides) -> Vec<f64> {
         .collect()
 }
 
+/// Runs `p` on each of `backends` and on `Auto` with Q, K, V and the output in sequence-major
+/// buffers whose rows end in `pads` spare elements (Q, K, V, output) of NaN: checks the result
+/// against the float64 reference and that nothing but the output's own elements was written.
+/// Returns the backends that ran.
+fn padded_views_match_the_reference(
+    stream: &Arc<CudaStream>,
+    dev: &Device,
+    p: &Problem,
+    pads: [usize; 4],
+    backends: &[Backend],
+) -> Vec<Backend> {
+    let seed = fresh_seed();
+    let inputs = random_inputs(p, seed).unwrap();
+    let reference =
+        sdpa::reference(p, &inputs.values[0], &inputs.values[1], &inputs.values[2]).unwrap();
+    let [qshape, kshape, vshape, oshape] = [p.q_shape(), p.k_shape(), p.v_shape(), p.out_shape()];
+    let [qs, ks, vs, os] = [qshape, kshape, vshape, oshape]
+        .into_iter()
+        .zip(pads)
+        .map(|(shape, pad)| padded(shape, pad))
+        .collect::<Vec<_>>()
+        .try_into()
+        .unwrap();
+    let up = |t: usize, shape, s| {
+        stream
+            .clone_htod(&scatter(&inputs.bits[t], shape, s))
+            .unwrap()
+    };
+    let (q, k, v) = (up(0, qshape, qs), up(1, kshape, ks), up(2, vshape, vs));
+    let mut ran = Vec::new();
+    for &b in backends.iter().chain(&[Backend::Auto]) {
+        let mut out: CudaSlice<f16> = stream
+            .clone_htod(&vec![f16::NAN; extent(oshape, os)])
+            .unwrap();
+        let views = Views {
+            q: View::new(q.as_view(), qs),
+            k: View::new(k.as_view(), ks),
+            v: View::new(v.as_view(), vs),
+            out: ViewMut::new(out.as_view_mut(), os),
+        };
+        sdpa::forward(dev, p, b, views, sdpa::Extras::default()).unwrap();
+        let host = stream.clone_dtoh(&out).unwrap();
+        let r = compare(&gather(&host, oshape, os), &reference, DType::F16, seed);
+        assert!(r.pass(), "{b} on {p} with padded views: {r:?}");
+        let mut touched = vec![false; host.len()];
+        indices(oshape).for_each(|(b, h, i, d)| touched[os.offset(b, h, i, d)] = true);
+        assert!(
+            host.iter().zip(&touched).all(|(x, &t)| t || x.is_nan()),
+            "{b} on {p}: an element outside the output's own was written"
+        );
+        ran.push(b);
+    }
+    ran
+}
+
 /// Each GPU backend that takes strided views (the fused ones), and `Auto`, on Q, K and V read
 /// in place from sequence-major buffers with padding and an output written sequence-major with
 /// padding of its own: the float64 reference's result, and the padding untouched.
@@ -81,52 +136,14 @@ fn strided_views_match_the_reference() {
     let Some((stream, dev)) = callers_stream("strided views") else {
         return;
     };
-    let seed = fresh_seed();
     let p = Problem::new(2, 4, 130, 77, 64)
         .with_kv_heads(2)
         .with_causal(true);
-    let inputs = random_inputs(&p, seed).unwrap();
-    let reference =
-        sdpa::reference(&p, &inputs.values[0], &inputs.values[1], &inputs.values[2]).unwrap();
-    let (qshape, kshape) = (p.q_shape(), p.k_shape());
-    let (qs, ks, os) = (padded(qshape, 8), padded(kshape, 16), padded(qshape, 24));
-    let q = stream
-        .clone_htod(&scatter(&inputs.bits[0], qshape, qs))
-        .unwrap();
-    let k = stream
-        .clone_htod(&scatter(&inputs.bits[1], kshape, ks))
-        .unwrap();
-    let v = stream
-        .clone_htod(&scatter(&inputs.bits[2], kshape, ks))
-        .unwrap();
     let strided: Vec<Backend> = common::expected_backends(&dev)
         .into_iter()
         .filter(|&b| b != Backend::Cublas)
         .collect();
-    let mut ran = Vec::new();
-    for &b in strided.iter().chain(&[Backend::Auto]) {
-        let mut out: CudaSlice<f16> = stream
-            .clone_htod(&vec![f16::NAN; extent(qshape, os)])
-            .unwrap();
-        let views = Views {
-            q: View::new(q.as_view(), qs),
-            k: View::new(k.as_view(), ks),
-            v: View::new(v.as_view(), ks),
-            out: ViewMut::new(out.as_view_mut(), os),
-        };
-        sdpa::forward(&dev, &p, b, views, sdpa::Extras::default()).unwrap();
-        let host = stream.clone_dtoh(&out).unwrap();
-        let r = compare(&gather(&host, qshape, os), &reference, DType::F16, seed);
-        assert!(r.pass(), "{b} on {p} with strided views: {r:?}");
-        let written = indices(qshape).map(|(b, h, i, d)| os.offset(b, h, i, d));
-        let mut touched = vec![false; host.len()];
-        written.for_each(|i| touched[i] = true);
-        assert!(
-            host.iter().zip(&touched).all(|(x, &t)| t || x.is_nan()),
-            "{b}: the output's padding was written"
-        );
-        ran.push(b);
-    }
+    let ran = padded_views_match_the_reference(&stream, &dev, &p, [8, 16, 16, 24], &strided);
     common::assert_ran("strided views", &ran);
     assert_eq!(
         ran.len(),
@@ -146,57 +163,15 @@ fn narrowed_head_dims_read_and_write_their_own_columns_only() {
     let Some((stream, dev)) = callers_stream("narrowed views") else {
         return;
     };
-    let seed = fresh_seed();
     let p = Problem::new(2, 4, 130, 200, 80)
         .with_head_dim_v(48)
         .with_kv_heads(2)
         .with_causal(true);
-    let inputs = random_inputs(&p, seed).unwrap();
-    let reference =
-        sdpa::reference(&p, &inputs.values[0], &inputs.values[1], &inputs.values[2]).unwrap();
-    let [qshape, kshape, vshape, oshape] = [p.q_shape(), p.k_shape(), p.v_shape(), p.out_shape()];
-    let (qs, ks, vs, os) = (
-        padded(qshape, 48),
-        padded(kshape, 48),
-        padded(vshape, 80),
-        padded(oshape, 80),
-    );
-    let q = stream
-        .clone_htod(&scatter(&inputs.bits[0], qshape, qs))
-        .unwrap();
-    let k = stream
-        .clone_htod(&scatter(&inputs.bits[1], kshape, ks))
-        .unwrap();
-    let v = stream
-        .clone_htod(&scatter(&inputs.bits[2], vshape, vs))
-        .unwrap();
     let narrowing: Vec<Backend> = common::expected_backends(&dev)
         .into_iter()
         .filter(|b| matches!(b, Backend::Scalar | Backend::CutlassSm80 | Backend::Cutlass))
         .collect();
-    let mut ran = Vec::new();
-    for &b in narrowing.iter().chain(&[Backend::Auto]) {
-        let mut out: CudaSlice<f16> = stream
-            .clone_htod(&vec![f16::NAN; extent(oshape, os)])
-            .unwrap();
-        let views = Views {
-            q: View::new(q.as_view(), qs),
-            k: View::new(k.as_view(), ks),
-            v: View::new(v.as_view(), vs),
-            out: ViewMut::new(out.as_view_mut(), os),
-        };
-        sdpa::forward(&dev, &p, b, views, sdpa::Extras::default()).unwrap();
-        let host = stream.clone_dtoh(&out).unwrap();
-        let r = compare(&gather(&host, oshape, os), &reference, DType::F16, seed);
-        assert!(r.pass(), "{b} on {p}: {r:?}");
-        let mut touched = vec![false; host.len()];
-        indices(oshape).for_each(|(b, h, i, d)| touched[os.offset(b, h, i, d)] = true);
-        assert!(
-            host.iter().zip(&touched).all(|(x, &t)| t || x.is_nan()),
-            "{b}: an element past the output's own columns was written"
-        );
-        ran.push(b);
-    }
+    let ran = padded_views_match_the_reference(&stream, &dev, &p, [48, 48, 80, 80], &narrowing);
     common::assert_ran("narrowed views", &ran);
     assert_eq!(ran.len(), narrowing.len() + 1);
 }

@@ -82,7 +82,7 @@ pub(crate) fn strides_packed(l: &Layout) -> Strides {
 }
 
 /// How a paged cache `(pages, page_size, kv_heads, head_dim)` is stored, and its strides as sdpa
-/// reads it (the row space of `Problem::kv_shape`): pages whose rows follow each other (NHD, any
+/// reads it (the row space of `Problem::k_shape`): pages whose rows follow each other (NHD, any
 /// row and head strides), or pages stored head after head, each head's rows contiguous (HND,
 /// such as a `(pages, kv_heads, page_size, head_dim)` cache transposed to this shape).
 pub(crate) fn paged_layout(name: &str, l: &Layout) -> Result<(sdpa::PageLayout, Strides)> {

@@ -201,7 +201,7 @@ pub(crate) fn run_fp8_views<T: Element>(
 /// The operands of a call over an FP8 K/V cache ([`crate::Problem::with_kv_dtype`]) in the
 /// caller's memory: Q and the output of `T` (f16 or bf16, the problem's dtype), K and V as e4m3
 /// codes with their scales (one, or [`crate::fp8::scale_count`] of the problem's
-/// [`crate::Problem::kv_shape`] per-head: `[kv_heads]` for a paged cache).
+/// [`crate::Problem::k_shape`] per-head: `[kv_heads]` for a paged cache).
 ///
 /// A decode step of 16 sequences over a paged e4m3 cache with a scale per K/V head:
 ///

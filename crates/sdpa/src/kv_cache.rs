@@ -679,7 +679,7 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
         seqused_k: seqused,
         dtype: crate::ffi::dtype(p.dtype),
         cache_dtype: crate::ffi::dtype(kv_dtype),
-        // An e4m3 cache's own scales ([kv_heads] per head: a paged cache's kv_shape).
+        // An e4m3 cache's own scales ([kv_heads] per head: a paged cache's k_shape).
         k_scale: if p.is_fp8_kv() {
             a.k_cache.scales_ptr(dev)
         } else {

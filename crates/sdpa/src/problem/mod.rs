@@ -301,7 +301,7 @@ impl Problem {
     /// K and V are then e4m3 codes with dequantization scales, real value = code · scale (the
     /// convention of every e4m3 operand here, [`crate::fp8`]): one scale for K and one for V
     /// ([`Scaling::PerTensor`], vLLM's `k_scale` / `v_scale`), or with [`Scaling::PerHead`] (the
-    /// default) one per (batch, K/V head) pair of K's shape ([`Problem::kv_shape`]): `[batch,
+    /// default) one per (batch, K/V head) pair of K's shape ([`Problem::k_shape`]): `[batch,
     /// kv_heads]` for dense K/V (FlashAttention-3's `descale_k` / `descale_v`), `[kv_heads]` for
     /// a paged cache or packed K/V, whose pages every sequence shares. The scales travel with
     /// the codes: e4m3 [`crate::Tensor`]s ([`crate::Tensor::quantize`]) or [`crate::Fp8View`]s
