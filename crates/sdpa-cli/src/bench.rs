@@ -326,15 +326,7 @@ fn bench_one(
     let flops = sdpa_harness::check::flops(p, inputs.seq_meta.as_ref());
     let [q, k, v] = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.output_dtype(), p.out_len().unwrap())?;
-    let mut bufs = ExtraBuffers::new(
-        dev,
-        p,
-        inputs.alibi_slopes.as_deref(),
-        inputs.sinks.as_deref(),
-    )?;
-    if let Some(m) = &inputs.seq_meta {
-        bufs = bufs.with_meta(dev, m)?;
-    }
+    let mut bufs = ExtraBuffers::of_inputs(dev, p, &inputs)?;
     let mut call = |out: &mut Tensor| {
         let t = sdpa::Tensors {
             q: &q,

@@ -327,6 +327,20 @@ impl ExtraBuffers {
         })
     }
 
+    /// The buffers `p` asks for with `inputs`' slopes, sinks and sequence metadata uploaded.
+    pub fn of_inputs(dev: &Device, p: &Problem, inputs: &Inputs) -> Result<ExtraBuffers> {
+        let bufs = Self::new(
+            dev,
+            p,
+            inputs.alibi_slopes.as_deref(),
+            inputs.sinks.as_deref(),
+        )?;
+        match &inputs.seq_meta {
+            Some(m) => bufs.with_meta(dev, m),
+            None => Ok(bufs),
+        }
+    }
+
     /// The same buffers with `meta` uploaded too.
     pub fn with_meta(mut self, dev: &Device, meta: &SeqMeta) -> Result<ExtraBuffers> {
         let parts = [
@@ -426,15 +440,7 @@ pub fn run_backend_with_lse(
         (_, Some(dev)) => {
             let [q, k, v] = inputs.upload(dev, p.dtype)?;
             let mut out = Tensor::poisoned(dev, p.output_dtype(), p.out_len().unwrap())?;
-            let mut bufs = ExtraBuffers::new(
-                dev,
-                p,
-                inputs.alibi_slopes.as_deref(),
-                inputs.sinks.as_deref(),
-            )?;
-            if let Some(m) = &inputs.seq_meta {
-                bufs = bufs.with_meta(dev, m)?;
-            }
+            let mut bufs = ExtraBuffers::of_inputs(dev, p, inputs)?;
             let t = sdpa::Tensors {
                 q: &q,
                 k: &k,
