@@ -7,7 +7,7 @@ use crate::validate::{ProblemArgs, auto_note, backends, dtype_label, require_run
 use crate::{CliResult, chosen_backend, device_for, open_device, output};
 use sdpa::{Backend, DType, Device, Problem, Result, Tensor};
 use sdpa_harness::check::{ExtraBuffers, check_output, kv_bytes};
-use sdpa_harness::inputs::{fresh_seed, named_inputs};
+use sdpa_harness::inputs::{fresh_seed, named_inputs, tensors};
 use sdpa_harness::timing::{launch_floor, time_backend, time_gpu};
 use serde_json::json;
 use std::process::ExitCode;
@@ -324,16 +324,11 @@ fn bench_one(
     let inputs = named_inputs(name, p, seed)?;
     let kv = kv_bytes(p, inputs.seq_meta.as_ref());
     let flops = sdpa_harness::check::flops(p, inputs.seq_meta.as_ref());
-    let [q, k, v] = inputs.upload(dev, p.dtype)?;
+    let qkv = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.output_dtype(), p.out_len().unwrap())?;
     let mut bufs = ExtraBuffers::of_inputs(dev, p, &inputs)?;
     let mut call = |out: &mut Tensor| {
-        let t = sdpa::Tensors {
-            q: &q,
-            k: &k,
-            v: &v,
-            out,
-        };
+        let t = tensors(p, &qkv, out);
         sdpa::forward(dev, p, b, t, bufs.extras())
     };
     call(&mut out)?;

@@ -2,7 +2,7 @@
 //! inputs, the output poisoned with NaN before the run, rel_err and max abs error (and the
 //! cosine similarity), at the bar of the problem's dtype and FP8 mode.
 
-use crate::inputs::{Family, Inputs, random_inputs};
+use crate::inputs::{Family, Inputs, random_inputs, tensors};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use sdpa::{
     Backend, DType, Device, Error, MemoryKind, Problem, Result, SeqMeta, Tensor, decode, encode,
@@ -268,7 +268,9 @@ pub fn kv_bytes(p: &Problem, meta: Option<&SeqMeta>) -> f64 {
         Some(Ok(spans)) => spans.iter().map(|s| s.seq_k).sum(),
         _ => p.batch * p.seq_k,
     };
-    2.0 * (keys * p.kv_heads * p.head_dim * p.kv_dtype().size()) as f64
+    // K's columns and V's, which a problem reading V from K's rows does not read again.
+    let cols = p.head_dim + if p.v_in_k { 0 } else { p.v_dim() };
+    (keys * p.kv_heads * cols * p.kv_dtype().size()) as f64
 }
 
 /// Floating-point operations of a call, counting each sequence's visible scores (`Problem::flops`
@@ -438,15 +440,10 @@ pub fn run_backend_with_lse(
             Ok((decode(od, &encode(od, &o32)), lse))
         }
         (_, Some(dev)) => {
-            let [q, k, v] = inputs.upload(dev, p.dtype)?;
+            let qkv = inputs.upload(dev, p.dtype)?;
             let mut out = Tensor::poisoned(dev, p.output_dtype(), p.out_len().unwrap())?;
             let mut bufs = ExtraBuffers::of_inputs(dev, p, inputs)?;
-            let t = sdpa::Tensors {
-                q: &q,
-                k: &k,
-                v: &v,
-                out: &mut out,
-            };
+            let t = tensors(p, &qkv, &mut out);
             sdpa::forward(dev, p, backend, t, bufs.extras())?;
             Ok((out.to_f64(dev)?, bufs.lse(dev)?))
         }

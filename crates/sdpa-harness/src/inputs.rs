@@ -231,6 +231,17 @@ impl Inputs {
     }
 }
 
+/// Uploaded Q, K, V and an output as a call's operands: K itself as V where `p` reads V from K's
+/// rows ([`Problem::with_v_in_k`]).
+pub fn tensors<'a>(
+    p: &Problem,
+    [q, k, v]: &'a [Tensor; 3],
+    out: &'a mut Tensor,
+) -> sdpa::Tensors<'a> {
+    let v = if p.v_in_k { k } else { v };
+    sdpa::Tensors { q, k, v, out }
+}
+
 /// Draws fresh N(0, 1) inputs from `seed`, rounded to `p.dtype` (e4m3: quantized with amax
 /// scales per `p.fp8_scaling`). `p` must validate; inputs the host has no memory for are
 /// `Error::OutOfMemory` before anything is allocated.
@@ -261,7 +272,10 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
     }
     let mut rng = StdRng::seed_from_u64(seed);
     let mut draw = |n: usize| encode(p.dtype, &normals(&mut rng, n));
-    let bits = [draw(ql), draw(kl), draw(vl)];
+    let (q, k) = (draw(ql), draw(kl));
+    // V read from K's rows: its buffer holds K's values (the call passes K itself).
+    let v = if p.v_in_k { k.clone() } else { draw(vl) };
+    let bits = [q, k, v];
     let values = [
         decode(p.dtype, &bits[0]),
         decode(p.dtype, &bits[1]),

@@ -15,6 +15,9 @@ pub struct Named {
     pub dims: [usize; 6],
     /// V's and the output's head dim where it is not head_dim (the anchor's `dv`).
     pub head_dim_v: Option<usize>,
+    /// Whether V is the first head_dim_v columns of K's rows (MLA's latent cache,
+    /// [`Problem::with_v_in_k`]).
+    pub v_in_k: bool,
     /// Which keys each row sees.
     pub mask: Mask,
     /// The logit cap, if any.
@@ -52,6 +55,7 @@ impl Named {
                 Mask::None
             },
             head_dim_v: None,
+            v_in_k: false,
             softcap: None,
             sinks: false,
             seqs: NamedSeqs::Dense,
@@ -66,10 +70,21 @@ impl Named {
         }
     }
 
+    const fn mla(name: &'static str, [b, sk]: [usize; 2]) -> Named {
+        Named {
+            dims: [b, 128, 1, 1, sk, 576],
+            head_dim_v: Some(512),
+            v_in_k: true,
+            seqs: NamedSeqs::Paged(64),
+            ..Named::dense(name, [b, 128, sk, 576], false)
+        }
+    }
+
     fn base(&self) -> Problem {
         let [b, h, hkv, sq, sk, d] = self.dims;
         let mut p = Problem::new(b, h, sq, sk, d)
             .with_head_dim_v(self.head_dim_v.unwrap_or(d))
+            .with_v_in_k(self.v_in_k)
             .with_kv_heads(hkv)
             .with_mask(self.mask)
             .with_sinks(self.sinks);
@@ -127,6 +142,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
             right: Some(0),
         },
         head_dim_v: None,
+        v_in_k: false,
         softcap: None,
         sinks: false,
         seqs: NamedSeqs::Dense,
@@ -138,6 +154,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         dims: [1, 40, 8, 32768, 32768, 128],
         mask: Mask::Chunked { size: 8192 },
         head_dim_v: None,
+        v_in_k: false,
         softcap: None,
         sinks: false,
         seqs: NamedSeqs::Dense,
@@ -148,6 +165,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         dims: [1, 16, 16, 8192, 8192, 128],
         mask: Mask::CausalBottomRight,
         head_dim_v: None,
+        v_in_k: false,
         softcap: Some(30.0),
         sinks: false,
         seqs: NamedSeqs::Dense,
@@ -158,6 +176,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         dims: [1, 32, 8, 8192, 8192, 128],
         mask: Mask::CausalBottomRight,
         head_dim_v: None,
+        v_in_k: false,
         softcap: None,
         sinks: false,
         seqs: NamedSeqs::Dense,
@@ -210,6 +229,10 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         head_dim_v: Some(128),
         ..Named::dense("dsv3-prefill-s4k", [1, 128, 4096, 192], true)
     },
+    // DeepSeek V3 / R1 decode, MLA absorbed: 128 query heads of 576 (512 latent + 64 rotary)
+    // on one latent K/V head whose first 512 columns are V, in pages of 64 keys.
+    Named::mla("mla-decode-b64-k4k", [64, 4096]),
+    Named::mla("mla-decode-b16-k16k", [16, 16384]),
 ];
 
 /// The metadata of named problem `name` (None for dense ones and unknown names), a paged cache's
@@ -318,6 +341,35 @@ mod tests {
         assert!(p.is_causal());
         let visible = 4096.0 * 4097.0 / 2.0;
         assert_eq!(p.flops(), 2.0 * 128.0 * visible * (192.0 + 128.0));
+    }
+
+    #[test]
+    fn the_mla_decode_problems_read_v_from_the_latent_cache() {
+        // VARIANTS: b 64 / 16, h 128 on one latent head, one query, d 576, dv 512, pages of 64.
+        for (name, b, sk) in [
+            ("mla-decode-b64-k4k", 64, 4096),
+            ("mla-decode-b16-k16k", 16, 16384),
+        ] {
+            let p = named_problem(name).unwrap();
+            assert_eq!(
+                (
+                    p.batch,
+                    p.heads,
+                    p.kv_heads,
+                    p.seq_q,
+                    p.seq_k,
+                    p.head_dim,
+                    p.v_dim()
+                ),
+                (b, 128, 1, 1, sk, 576, 512)
+            );
+            assert!(p.v_in_k && !p.is_causal());
+            assert_eq!(p.v_strides(), p.k_strides());
+            let meta = named_meta(name, 0).unwrap();
+            // K/V bytes: the latent rows once (576 columns of 2 bytes), not V again.
+            let bytes = crate::check::kv_bytes(&p, Some(&meta));
+            assert_eq!(bytes, (b * sk * 576 * 2) as f64);
+        }
     }
 
     #[test]

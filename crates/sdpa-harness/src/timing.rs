@@ -4,6 +4,7 @@
 //! `us_host` is the host's time to check and enqueue one call (outside graphs: what a decode loop
 //! that does not capture pays each step on the CPU).
 
+use crate::inputs::tensors;
 use cudarc::driver::{CudaGraph, sys};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use sdpa::{Backend, Device, Error, Problem, Result, Tensor};
@@ -262,7 +263,7 @@ pub fn time_backend(
         return Ok(Timing::from_samples(&ts, &ts, &ts));
     }
     let dev = dev.expect("supports() requires a device for GPU backends");
-    let [q, k, v] = inputs.upload(dev, p.dtype)?;
+    let qkv = inputs.upload(dev, p.dtype)?;
     let mut out = Tensor::poisoned(dev, p.output_dtype(), p.out_len().unwrap())?;
     let mut bufs = crate::check::ExtraBuffers::new(
         dev,
@@ -273,12 +274,7 @@ pub fn time_backend(
     // Planned once, as a caller who runs a problem repeatedly does.
     let plan = sdpa::Plan::new(dev, p, backend)?;
     time_gpu(dev, budget_ms, || {
-        let t = sdpa::Tensors {
-            q: &q,
-            k: &k,
-            v: &v,
-            out: &mut out,
-        };
+        let t = tensors(p, &qkv, &mut out);
         plan.run(t, bufs.extras())
     })
 }

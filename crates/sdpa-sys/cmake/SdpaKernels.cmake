@@ -1,7 +1,7 @@
 # Generates the fused-kernel instantiations this build compiles: SDPA_KERNELS, the lines of
 # cpp/kernels.txt that crates/sdpa-sys/build.rs chose from the crate's features, as
 # `backend/dtype/head_dim` entries. One .cu per entry (from the backend folder's
-# instantiate.cu.in, or instantiate_e4m3.cu.in for e4m3, with its fast-mode sibling
+# instantiate.cu.in or its instantiate_d<head_dim>.cu.in, or instantiate_e4m3.cu.in for e4m3, with its fast-mode sibling
 # instantiate_e4m3_fast.cu.in where the folder has one) into ${CMAKE_CURRENT_BINARY_DIR}/gen,
 # and gen/registry.inc, one SDPA_INSTANCE(...) per line, which src/api.cu expands into
 # declarations and its dispatch table. Sets SDPA_KERNEL_SOURCES.
@@ -48,6 +48,11 @@ function(sdpa_generate_kernels kernels out_sources)
     set(enum "${_sdpa_enum_${dtype}}")
     set(SDPA_ELEM "${_sdpa_elem_${needs_cutlass}_${dtype}}")
     set(template "${CMAKE_CURRENT_SOURCE_DIR}/src/${folder}/instantiate.cu.in")
+    # A head dim with a kernel of its own (cutlass's 576: MLA decode) has a template of its own.
+    set(own "${CMAKE_CURRENT_SOURCE_DIR}/src/${folder}/instantiate_d${head_dim}.cu.in")
+    if(EXISTS "${own}")
+      set(template "${own}")
+    endif()
     if(dtype STREQUAL "e4m3")
       set(template "${CMAKE_CURRENT_SOURCE_DIR}/src/${folder}/instantiate_e4m3.cu.in")
     endif()

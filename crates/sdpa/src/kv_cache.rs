@@ -528,6 +528,12 @@ pub fn append_kv(dev: &Device, p: &Problem, a: KvAppend<'_>) -> Result<()> {
             p.v_dim()
         ));
     }
+    if p.v_in_k {
+        return Err(invalid!(
+            "append_kv writes K and V caches of their own; {p} reads V from K's rows (append its \
+             latent rows as K with a problem without with_v_in_k)"
+        ));
+    }
     // Past i32::MAX new rows a sequence the kernel's lengths (i32) could not advance.
     let new_len = (a.n_new <= i32::MAX as usize)
         .then(|| {

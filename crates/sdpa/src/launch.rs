@@ -6,7 +6,7 @@
 
 use crate::backend::Backend;
 use crate::buffers::Buffers;
-use crate::error::Result;
+use crate::error::{Result, invalid};
 use crate::extras::Extras;
 use crate::footprint::out_apart;
 use crate::plan::{Plan, Tensors};
@@ -52,6 +52,12 @@ pub(crate) struct Call<'t> {
 pub(crate) fn launch(plan: &Plan, call: Call<'_>, mut extras: Extras<'_>) -> Result<()> {
     let (dev, p) = (plan.device(), plan.checked());
     let [q, k, v, o] = &call.ops;
+    if p.v_in_k && (v.ptr != k.ptr || v.strides != k.strides) {
+        return Err(invalid!(
+            "{p} reads V from K's rows (with_v_in_k): pass K as V, the same tensor or a view at \
+             K's address with K's strides"
+        ));
+    }
     let names = ["q", "k", "v"];
     let scale_names = ["q's scales", "k's scales", "v's scales"];
     let mut inputs: Vec<(&str, &Range<u64>)> = names

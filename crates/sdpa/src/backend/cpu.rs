@@ -302,6 +302,8 @@ pub fn reference_seqs(
             seqs: Seqs::default(),
             alibi: p.alibi.map(|_| Alibi::PerHead),
             lse: true,
+            // V is gathered into a tensor of its own, even where it is read from K's rows.
+            v_in_k: false,
             ..*p
         };
         let gather =
@@ -377,6 +379,34 @@ mod tests {
     use super::*;
     use crate::problem::Layout;
     use approx::assert_relative_eq;
+
+    /// V read from K's rows (MLA's latent cache): the packed problem's reference is the one of
+    /// V materialized as K's first head_dim_v columns.
+    #[test]
+    fn v_read_from_k_rows_is_v_materialized() {
+        let (h, d, dv) = (4, 8, 6);
+        let (k_lens, tk) = ([5usize, 0, 9], 14);
+        let cu_k = vec![0, 5, 5, 14];
+        let p = Problem::new(3, h, 2, 9, d)
+            .with_kv_heads(1)
+            .with_head_dim_v(dv)
+            .with_causal(true)
+            .with_packed_kv(tk);
+        let val = |n: usize, s: f64| (0..n).map(|i| ((i as f64) * s).sin()).collect::<Vec<_>>();
+        let (q, k) = (val(3 * 2 * h * d, 0.37), val(tk * d, 0.91));
+        let v: Vec<f64> = k.chunks(d).flat_map(|row| row[..dv].to_vec()).collect();
+        let meta = SeqMeta {
+            cu_seqlens_k: Some(cu_k),
+            ..SeqMeta::default()
+        };
+        assert_eq!(k_lens.iter().sum::<usize>(), tk);
+        let latent = p.with_v_in_k(true);
+        let got = reference_seqs(&latent, &q, &k, &k, None, None, &meta).unwrap();
+        let want = reference_seqs(&p, &q, &k, &v, None, None, &meta).unwrap();
+        assert_eq!(got.out, want.out);
+        // V of its own under such a problem has K's length, not V's.
+        assert!(reference_seqs(&latent, &q, &k, &v, None, None, &meta).is_err());
+    }
 
     /// A packed batch is its sequences computed one by one: each against the dense reference of
     /// its own lengths (its causal diagonal at its own end), and a paged cache is the same keys

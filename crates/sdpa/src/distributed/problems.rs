@@ -85,6 +85,12 @@ pub fn check_problem(p: &Problem, world: usize) -> Result<Zigzag> {
             p.v_dim()
         )));
     }
+    if p.v_in_k {
+        return Err(refuse(
+            "ring attention exchanges K and V as tensors of their own, not V read from K's rows"
+                .into(),
+        ));
+    }
     if !p.seqs.is_dense() {
         return Err(refuse(
             "packed or paged sequences are not sharded; ring attention takes dense ones".into(),

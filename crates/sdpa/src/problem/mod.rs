@@ -65,6 +65,9 @@ pub struct Problem {
     pub head_dim: usize,
     /// Head dimension of V and the output; `None` means `head_dim` ([`Problem::v_dim`]).
     pub head_dim_v: Option<usize>,
+    /// Whether V is the first `head_dim_v` columns of K's rows rather than a tensor of its own
+    /// (MLA's absorbed form: one latent cache, [`Problem::with_v_in_k`]).
+    pub v_in_k: bool,
     /// Which keys each query row sees.
     pub mask: Mask,
     /// Softmax scale; `None` means 1/sqrt(head_dim).
@@ -117,6 +120,7 @@ impl Problem {
             seq_k,
             head_dim,
             head_dim_v: None,
+            v_in_k: false,
             mask: Mask::None,
             scale: None,
             softcap: None,
@@ -194,6 +198,30 @@ impl Problem {
     /// ```
     pub fn with_head_dim_v(mut self, head_dim_v: usize) -> Self {
         self.head_dim_v = Some(head_dim_v);
+        self
+    }
+    /// Reads V from K's rows: their first `head_dim_v` columns (DeepSeek's MLA decode in the
+    /// absorbed form, FlashMLA's layout: one latent cache of 576 columns whose first 512 are V).
+    /// The call's V is K itself (the same tensor, or a view at K's address with K's strides);
+    /// V's strides are K's ([`Problem::v_strides`]). Nothing is copied: cutlass (sm90) runs the
+    /// 576/512 decode step on a kernel of its own, scalar runs any such problem.
+    ///
+    /// ```
+    /// use sdpa::Problem;
+    ///
+    /// // 64 sequences of one token, 128 query heads, a latent cache of 4096 keys.
+    /// let p = Problem::new(64, 128, 1, 4096, 576)
+    ///     .with_kv_heads(1)
+    ///     .with_head_dim_v(512)
+    ///     .with_v_in_k(true);
+    /// p.validate()?;
+    /// assert_eq!(p.v_strides(), p.k_strides());
+    /// assert_eq!(p.v_len(), p.k_len());
+    /// assert_eq!(p.out_len(), Some(64 * 128 * 512));
+    /// # Ok::<(), sdpa::Error>(())
+    /// ```
+    pub fn with_v_in_k(mut self, v_in_k: bool) -> Self {
+        self.v_in_k = v_in_k;
         self
     }
     /// Head dimension of V and the output: `head_dim_v`, else `head_dim`.
@@ -591,6 +619,19 @@ impl Problem {
                 self.v_dim()
             ));
         }
+        if self.v_in_k && self.v_dim() > self.head_dim {
+            return Err(invalid!(
+                "V read from K's rows is their first head_dim_v columns: head_dim_v {} exceeds \
+                 head_dim {}",
+                self.v_dim(),
+                self.head_dim
+            ));
+        }
+        if self.v_in_k && (self.dtype == DType::E4m3 || self.is_fp8_kv()) {
+            return Err(invalid!(
+                "V read from K's rows takes 16-bit K/V (no e4m3 inputs or e4m3 K/V cache)"
+            ));
+        }
         if !self.seqs.is_dense() && self.dtype == DType::E4m3 {
             return Err(invalid!(
                 "e4m3 inputs take dense sequences only (no packed Q/K/V, paged cache or seqused_k)"
@@ -632,6 +673,9 @@ impl Problem {
     }
     /// Elements of V; `None` on overflow.
     pub fn v_len(&self) -> Option<usize> {
+        if self.v_in_k {
+            return self.k_len();
+        }
         self.key_len(self.v_dim())
     }
     fn key_len(&self, head_dim: usize) -> Option<usize> {
@@ -655,8 +699,11 @@ impl Problem {
     pub fn k_strides(&self) -> Strides {
         self.key_strides(self.head_dim)
     }
-    /// Strides of V (as K's, with rows of `head_dim_v`).
+    /// Strides of V (as K's, with rows of `head_dim_v`; K's own where V is read from K's rows).
     pub fn v_strides(&self) -> Strides {
+        if self.v_in_k {
+            return self.k_strides();
+        }
         self.key_strides(self.v_dim())
     }
     /// Q's, K's, V's and the output's strides in the problem's own layout, in that order.
@@ -763,6 +810,9 @@ impl fmt::Display for Problem {
         write!(f, " D{}", self.head_dim)?;
         if self.v_dim() != self.head_dim {
             write!(f, "/{}", self.v_dim())?;
+        }
+        if self.v_in_k {
+            f.write_str(" v-in-k")?;
         }
         write!(f, " {}", self.dtype)?;
         if self.is_fp8_kv() {

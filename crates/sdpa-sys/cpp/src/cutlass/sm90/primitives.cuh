@@ -7,9 +7,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "common/launch.cuh"  // pdl_wait, pdl_launch_dependents
-#include "common/smem.cuh"    // ld_shared_128
+#include "common/limits.cuh"
+#include "common/smem.cuh"  // ld_shared_128
 #include "sdpa/sdpa.h"
 
 namespace sdpa::cutlass_sm90 {
@@ -166,6 +168,13 @@ constexpr float kFoldLimit = 32768.f;
 __device__ __forceinline__ float scaled_base(float m, float scale) {
   // A row with nothing visible yet keeps m = -inf: base 0 keeps p = 0, not NaN.
   return m == -INFINITY ? 0.f : __fmul_rn(m, scale);
+}
+
+// wgmma, TMA, setmaxnreg and clusters as compiled for sm_90a: Hopper (H100, H200) alone.
+inline std::string sm90_only(const DeviceInfo& dev) {
+  if (!known(dev) || (dev.cc_major == 9 && dev.cc_minor == 0)) return "";
+  return "the sm_90a kernel runs on compute capability 9.0 (H100/H200), the GPU has " +
+         limits::cc(dev);
 }
 
 }  // namespace sdpa::cutlass_sm90

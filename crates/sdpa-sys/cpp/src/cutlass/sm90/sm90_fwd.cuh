@@ -422,13 +422,6 @@ std::string band_limits(const FwdArgs& a) {
   return mask::narrow_window(a, kBN, "cutlass-sm90");
 }
 
-// wgmma, TMA, setmaxnreg and clusters as compiled for sm_90a: Hopper (H100, H200) alone.
-inline std::string sm90_only(const DeviceInfo& dev) {
-  if (!known(dev) || (dev.cc_major == 9 && dev.cc_minor == 0)) return "";
-  return "the sm_90a kernel runs on compute capability 9.0 (H100/H200), the GPU has " +
-         limits::cc(dev);
-}
-
 // What this kernel (element types E, head dim D) takes beyond its instantiation: the 32-bit
 // limits, TMA addressing, an sm_90 device with its TileConfig's shared memory. (The small path
 // applies only where it fits too: small_forward.)
