@@ -142,12 +142,7 @@ pub(crate) fn run_fp8_views<T: Element>(
         let (sp, _g) = view.scales.device_ptr(view.scales.stream());
         scale_spans.push((name, sp..sp + (view.scales.len() * 4) as u64));
     }
-    let strides = [
-        qs.effective(q.strides),
-        ks.effective(k.strides),
-        vs.effective(v.strides),
-        os.effective(out.strides),
-    ];
+    let strides = p.effective_strides([q.strides, k.strides, v.strides, out.strides]);
     let stream = dev.stream();
     // The guards record cudarc's read/write events (where tracking is on) once dropped, after
     // the launch is queued.
@@ -297,12 +292,7 @@ pub(crate) fn run_fp8_kv_views<T: Element>(
         let (sp, _g) = view.scales.device_ptr(view.scales.stream());
         scale_spans.push(sp..sp + (view.scales.len() * 4) as u64);
     }
-    let strides = [
-        qs.effective(q.strides),
-        ks.effective(k.strides),
-        vs.effective(v.strides),
-        os.effective(out.strides),
-    ];
+    let strides = p.effective_strides([q.strides, k.strides, v.strides, out.strides]);
     let stream = dev.stream();
     // The guards record cudarc's read/write events (where tracking is on) once dropped, after
     // the launch is queued.

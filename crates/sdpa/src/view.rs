@@ -155,12 +155,7 @@ fn launch_views<T: Element, O: Element>(
         span("out", dev, &out.data, out.strides, os)?,
     ];
     rows_distinct(out.strides, os)?;
-    let strides = [
-        qs.effective(q.strides),
-        ks.effective(k.strides),
-        vs.effective(v.strides),
-        os.effective(out.strides),
-    ];
+    let strides = p.effective_strides([q.strides, k.strides, v.strides, out.strides]);
     let stream = dev.stream();
     // The guards record cudarc's read/write events (where tracking is on) once dropped, after
     // the launch is queued.

@@ -772,6 +772,13 @@ impl Checked {
         ]
         .map(Option::unwrap_or_default)
     }
+    /// Strides `given` to Q, K, V and the output as the kernels take them: each dimension of
+    /// size 1 at the problem's own stride ([`Problem::operand_strides`]; V read from K's rows
+    /// has K's), the others as given.
+    pub(crate) fn effective_strides(&self, given: [Strides; 4]) -> [Strides; 4] {
+        let (shapes, own) = (self.operand_shapes(), self.0.operand_strides());
+        std::array::from_fn(|i| shapes[i].effective(given[i], own[i]))
+    }
     /// Shapes of Q, K, V and the output, in that order.
     pub(crate) fn operand_shapes(&self) -> [TensorShape; 4] {
         [

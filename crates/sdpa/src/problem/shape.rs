@@ -64,11 +64,10 @@ impl TensorShape {
             },
         }
     }
-    /// `s` with the stride of each dimension of size 1 replaced by the layout's own
-    /// ([`TensorShape::strides`]): such a stride is never stepped, so any value a caller gives
-    /// is valid, and the kernels (TMA descriptors, 64-bit offsets) must not meet an absurd one.
-    pub(crate) fn effective(&self, s: Strides) -> Strides {
-        let own = self.strides();
+    /// `s` with the stride of each dimension of size 1 replaced by `own`'s (the problem's own
+    /// strides of this operand): such a stride is never stepped, so any value a caller gives is
+    /// valid, and the kernels (TMA descriptors, 64-bit offsets) must not meet an absurd one.
+    pub(crate) fn effective(&self, s: Strides, own: Strides) -> Strides {
         let pick = |size: usize, given: usize, own: usize| if size > 1 { given } else { own };
         Strides {
             batch: pick(self.batch, s.batch, own.batch),

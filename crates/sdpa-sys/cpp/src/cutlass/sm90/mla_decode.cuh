@@ -136,15 +136,26 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const bool paged = p.seqs.paged();
   const T* const kbase = elem(p.k, int64_t(b) * p.ks.batch + int64_t(hk) * p.ks.head +
                                        (paged ? 0 : int64_t(seq.k0)) * p.ks.seq);
-  const auto load_tile = [&](int n, int s) {
-    T* const stage = sk + s * G::kTileElems;
-    for (int i = tid; i < kBN * (kD / 8); i += kThreads) {
-      const int r = i / (kD / 8), c = (i % (kD / 8)) * 8, key = n * kBN + r;
-      const bool in = key < kv_end;
-      const int64_t row = !in ? 0 : paged ? p.seqs.paged_row(b, key) : int64_t(key);
-      Tensor half = make_tensor(make_smem_ptr(stage + (r / kHalf) * G::kHalfElems),
-                                typename G::KHalfLayout{});
-      cutlass_sm80::cp_async16(&half(r % kHalf, c), kbase + row * p.ks.seq + c, in);
+  // Copies: thread tid takes row tid / 4 of a tile (or of Q) and its 16-byte chunks tid % 4,
+  // + 4, ...: one row address a tile, looked up (a paged cache's block table) a tile ahead.
+  constexpr int kRowThreads = kThreads / kBN, kChunks = kD / 8 / kRowThreads;
+  static_assert(kThreads % kBN == 0 && (kD / 8) % kRowThreads == 0);
+  const int crow = tid / kRowThreads, cchunk = tid % kRowThreads;
+  // The cache row holding key crow of tile n, -1 past the token's keys.
+  const auto row_of = [&](int n) -> int64_t {
+    const int key = n * kBN + crow;
+    if (key >= kv_end) return -1;
+    return paged ? p.seqs.paged_row(b, key) : int64_t(key);
+  };
+  T* const crow_dst = sk + (crow / kHalf) * G::kHalfElems;
+  const auto load_tile = [&](int64_t row, int s) {
+    Tensor half =
+        make_tensor(make_smem_ptr(crow_dst + s * G::kTileElems), typename G::KHalfLayout{});
+    const T* const src = kbase + max(row, int64_t(0)) * p.ks.seq;
+    CUTE_UNROLL
+    for (int j = 0; j < kChunks; ++j) {
+      const int c = 8 * (cchunk + kRowThreads * j);
+      cutlass_sm80::cp_async16(&half(crow % kHalf, c), src + c, row >= 0);
     }
   };
 
@@ -159,21 +170,28 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 
   if (n_begin < n_end) {
     Tensor sQ = make_tensor(make_smem_ptr(sq), typename G::QLayout{});
-    for (int i = tid; i < kBM * (kD / 8); i += kThreads) {
-      const int r = i / (kD / 8), c = (i % (kD / 8)) * 8;
-      const bool in = r < rows;
-      const T* src = elem(p.q, int64_t(b) * p.qs.batch + int64_t(in ? head0 + r : 0) * p.qs.head +
-                                   int64_t(seq.q0 + tok) * p.qs.seq + c);
-      cutlass_sm80::cp_async16(&sQ(r, c), src, in);
+    {
+      const bool in = crow < rows;
+      const T* const src =
+          elem(p.q, int64_t(b) * p.qs.batch + int64_t(in ? head0 + crow : 0) * p.qs.head +
+                        int64_t(seq.q0 + tok) * p.qs.seq);
+      CUTE_UNROLL
+      for (int j = 0; j < kChunks; ++j) {
+        const int c = 8 * (cchunk + kRowThreads * j);
+        cutlass_sm80::cp_async16(&sQ(crow, c), src + c, in);
+      }
     }
-    load_tile(n_begin, 0);
+    load_tile(row_of(n_begin), 0);
     cute::cp_async_fence();
+    int64_t next_row = n_begin + 1 < n_end ? row_of(n_begin + 1) : -1;
 
     Tensor tSrQ = thr_s.partition_fragment_A(sQ);
     for (int n = n_begin; n < n_end; ++n) {
       const int s = (n - n_begin) % kStages;
-      if (n + 1 < n_end) load_tile(n + 1, (s + 1) % kStages);
+      if (n + 1 < n_end) load_tile(next_row, (s + 1) % kStages);
       cute::cp_async_fence();
+      // The row after, read while this tile computes.
+      if (n + 2 < n_end) next_row = row_of(n + 2);
       cute::cp_async_wait<1>();
       cutlass::arch::fence_view_async_shared();  // cp.async's writes, for wgmma's reads
       __syncthreads();
