@@ -34,6 +34,8 @@
 #include "common/seqs.cuh"
 #include "common/sinks.cuh"
 #include "cutlass/sm80/decode.cuh"
+#include "cutlass/sm90/mainloop_params.cuh"
+#include "cutlass/sm90/pipeline.cuh"
 #include "cutlass/sm90/primitives.cuh"
 #include "cutlass/sm90/tile_config.cuh"
 
@@ -69,8 +71,13 @@ struct Geo {
   static constexpr int kKOffset = kQElems;  // elements
   static constexpr int kPOffset = kKOffset + kStages * kTileElems;
   static constexpr int kRowOffset = (kPOffset + 2 * kPElems) * int(sizeof(T));  // bytes
-  // Row maxima [warpgroup][row], then row sums [warpgroup][row].
-  static constexpr int kSmemBytes = kRowOffset + 2 * 2 * kBM * int(sizeof(float));
+  // Row maxima [warpgroup][row], then row sums [warpgroup][row], then the stages' barriers.
+  static constexpr int kBarOffset = kRowOffset + 2 * 2 * kBM * int(sizeof(float));
+  static constexpr int kSmemBytes = kBarOffset + kStages * int(sizeof(uint64_t));
+
+  // A half tile by TMA: 32 rows of 576 columns, as nine boxes of 64 columns.
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<T, kD>>(),
+                                      KHalfLayout{}, Shape<Int<kHalf>, Int<kD>>{}, _1{}));
 
   using MmaS = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kHalf>, Int<kD>>, GMMA::Major::K,
@@ -80,7 +87,14 @@ struct Geo {
                                  GMMA::Major::MN>()));
 };
 
+template <typename T>
 struct Params {
+  // Key tiles by TMA (dense or packed K, pages of a multiple of 64 keys): the latent cache as
+  // (rows, 576, kv heads, outer), outer the batch (dense), 1 (packed) or the pages (paged, rows
+  // a page's). Else cp.async, row by row.
+  bool tma;
+  typename Geo<T>::TmaK tma_k;
+  int tma_rows, tma_outer, kv_heads;
   const void *q, *k;
   void* o;
   Strides qs, ks, os;
@@ -104,7 +118,8 @@ __device__ __forceinline__ int frag_row(int wtid, int r2) {
 __device__ __forceinline__ int frag_col(int wtid, int j) { return 8 * j + 2 * (wtid % 4); }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kThreads, 1)
+    mla_decode_kernel(const __grid_constant__ Params<T> p) {
 #ifdef SDPA_SM90_DEVICE
   using G = Geo<T>;
   pdl_launch_dependents();  // the combine may launch; it waits for this grid's completion
@@ -115,6 +130,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   T* const sp = smem + G::kPOffset;
   float* const row_max = reinterpret_cast<float*>(smem_raw + G::kRowOffset);
   float* const row_sum = row_max + 2 * kBM;
+  uint64_t* const full = reinterpret_cast<uint64_t*>(smem_raw + G::kBarOffset);
+  using Bar = cutlass::arch::ClusterTransactionBarrier;
 
   const int tid = threadIdx.x, wg = tid / 128, wtid = tid % 128;
   const int split = blockIdx.x, b = blockIdx.z;
@@ -159,6 +176,44 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     }
   };
 
+  // TMA: tile n into stage s, issued by one thread; the stage's barrier counts its bytes.
+  const auto issue_tile = [&](int n, int s) {
+    const int key0 = n * kBN;
+    int row, outer;
+    if (paged) {
+      row = key0 & ((1 << p.seqs.page_shift) - 1);
+      outer = int(p.seqs.page(b, key0 >> p.seqs.page_shift));
+    } else {
+      row = seq.k0 + key0;
+      outer = p.seqs.cu_k != nullptr ? 0 : b;
+    }
+    Bar::arrive_and_expect_tx(&full[s], uint32_t(G::kTileElems * sizeof(T)));
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.tma_rows, Int<kD>{}, p.kv_heads, p.tma_outer));
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      Tensor gK = local_tile(domain_offset(make_coord(row + h * kHalf, 0), mK(_, _, hk, outer)),
+                             Shape<Int<kHalf>, Int<kD>>{}, make_coord(0, 0));
+      Tensor sH = make_tensor(make_smem_ptr(sk + s * G::kTileElems + h * G::kHalfElems),
+                              typename G::KHalfLayout{});
+      auto tK = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sH),
+                              group_modes<0, 2>(gK));
+      copy(p.tma_k.with(full[s]), get<0>(tK), get<1>(tK));
+    }
+  };
+  // TMA reads whole tiles: the last one's rows past the token's keys (pages past seqused_k, the
+  // next token's row) are zeroed before any mma reads them (P is 0 there, and 0 · NaN is not).
+  const auto zero_tail = [&](int n, int s) {
+    const int first = kv_end - n * kBN;
+    for (int i = tid; i < (kBN - first) * (kD / 8); i += kThreads) {
+      const int r = first + i / (kD / 8), c = (i % (kD / 8)) * 8;
+      Tensor half = make_tensor(make_smem_ptr(sk + s * G::kTileElems + (r / kHalf) * G::kHalfElems),
+                                typename G::KHalfLayout{});
+      *reinterpret_cast<uint4*>(&half(r % kHalf, c)) = make_uint4(0, 0, 0, 0);
+    }
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+  };
+
   typename G::MmaS mma_s;
   typename G::MmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(wtid);
@@ -181,20 +236,41 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         cutlass_sm80::cp_async16(&sQ(crow, c), src + c, in);
       }
     }
-    load_tile(row_of(n_begin), 0);
+    if (p.tma) {
+      if (tid == 0) {
+        mbar_init(&full[0], 1);
+        mbar_init(&full[1], 1);
+        cutlass::arch::fence_barrier_init();
+      }
+      __syncthreads();
+      if (tid == 0) issue_tile(n_begin, 0);
+    } else {
+      load_tile(row_of(n_begin), 0);
+    }
     cute::cp_async_fence();
-    int64_t next_row = n_begin + 1 < n_end ? row_of(n_begin + 1) : -1;
+    int64_t next_row = !p.tma && n_begin + 1 < n_end ? row_of(n_begin + 1) : -1;
 
     Tensor tSrQ = thr_s.partition_fragment_A(sQ);
     for (int n = n_begin; n < n_end; ++n) {
       const int s = (n - n_begin) % kStages;
-      if (n + 1 < n_end) load_tile(next_row, (s + 1) % kStages);
-      cute::cp_async_fence();
-      // The row after, read while this tile computes.
-      if (n + 2 < n_end) next_row = row_of(n + 2);
-      cute::cp_async_wait<1>();
-      cutlass::arch::fence_view_async_shared();  // cp.async's writes, for wgmma's reads
-      __syncthreads();
+      if (p.tma) {
+        if (tid == 0 && n + 1 < n_end) issue_tile(n + 1, (s + 1) % kStages);
+        if (n == n_begin) {  // Q
+          cute::cp_async_wait<0>();
+          cutlass::arch::fence_view_async_shared();
+          __syncthreads();
+        }
+        Bar::wait(&full[s], ((n - n_begin) / kStages) & 1);
+        if ((n + 1) * kBN > kv_end) zero_tail(n, s);
+      } else {
+        if (n + 1 < n_end) load_tile(next_row, (s + 1) % kStages);
+        cute::cp_async_fence();
+        // The row after, read while this tile computes.
+        if (n + 2 < n_end) next_row = row_of(n + 2);
+        cute::cp_async_wait<1>();
+        cutlass::arch::fence_view_async_shared();  // cp.async's writes, for wgmma's reads
+        __syncthreads();
+      }
 
       // S = Q·Kᵀ over this warpgroup's 32 keys.
       T* const stage = sk + s * G::kTileElems;
@@ -395,7 +471,26 @@ void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   if ((a.out.has_lse && !a.out.lse) || (a.mods.sinks && !a.mods.sink_logits))
     throw Error("MLA decode: a log-sum-exp or sinks without a buffer");
   const Plan pl = plan(a, dev);
-  Params p{};
+  Params<T> p{};
+  const SeqParams seqs = SeqParams::of(a);
+  p.tma = a.seqs.page_size == 0 || a.seqs.page_size % kBN == 0;
+  p.kv_heads = int(a.dims.kv_heads);
+  if (p.tma) {
+    Strides st = a.ops.k_stride;
+    int64_t rows = a.seqs.packed_kv ? a.seqs.kv_rows : a.dims.seq_k,
+            outer = a.seqs.packed_kv ? 1 : a.dims.batch;
+    if (seqs.paged()) {
+      rows = a.seqs.page_size;
+      outer = seqs.pages;
+      st.batch = seqs.page_rows * st.seq;
+    }
+    p.tma_rows = int(rows);
+    p.tma_outer = int(outer);
+    p.tma_k = make_tma_copy(
+        SM90_TMA_LOAD{},
+        operand_tensor(device_ptr<const T>(a.ops.k), rows, kD, a.dims.kv_heads, outer, st),
+        typename Geo<T>::KHalfLayout{}, Shape<Int<kHalf>, Int<kD>>{}, _1{});
+  }
   p.q = device_ptr<const void>(a.ops.q);
   p.k = device_ptr<const void>(a.ops.k);
   p.o = device_ptr<void>(a.ops.o);
@@ -411,7 +506,7 @@ void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   p.scale_log2 = a.mods.scale * 1.4426950408889634f;
   p.lse = a.out.has_lse ? device_ptr<float>(a.out.lse) : nullptr;
   p.sinks = a.mods.sinks ? device_ptr<const float>(a.mods.sink_logits) : nullptr;
-  p.seqs = SeqParams::of(a);
+  p.seqs = seqs;
   p.splits = pl.splits;
   p.split_tiles = pl.split_tiles;
   p.lse_rows = pl.lse_rows;
