@@ -16,7 +16,7 @@ use sdpa::{
     Backend, DType, Device, Error, Fp8KvViews, Fp8View, KvScales, Mask, NewRows, PageLayout,
     PagedCache, Placement, Problem, Scaling, Tensor, View, ViewMut, fp8,
 };
-use sdpa_harness::check::{ExtraBuffers, check_output, compare_lse, fp8_kv_tolerance};
+use sdpa_harness::check::{ExtraBuffers, check_output, fp8_kv_tolerance};
 use sdpa_harness::inputs::{Family, Inputs, family_inputs, fresh_seed, random_inputs};
 use sdpa_harness::seqs::paged;
 
@@ -27,29 +27,6 @@ fn fp8kv_backends(dev: &Device) -> Vec<Backend> {
         .into_iter()
         .filter(|b| matches!(b, Backend::CutlassSm80 | Backend::Cutlass))
         .collect()
-}
-
-/// Runs `b` on `x` (owned tensors) and checks output and log-sum-exp against the reference on
-/// the dequantized cache; a failure's description, or None. Prints rel_err.
-fn check(dev: &Device, p: &Problem, b: Backend, x: &Inputs, what: &str) -> Option<String> {
-    let want = x.reference(p).unwrap();
-    let (got, lse) =
-        sdpa_harness::check::run_backend_with_lse(Some(dev), p, b, x, Some(&want)).unwrap();
-    let r = check_output(&got, &want.out, p, x, 0).unwrap();
-    eprintln!(
-        "{b} {p} [{what}, {}]: rel_err {:.2e} (bar {:.1e}), max_err {:.2e}",
-        x.family, r.rel_err, r.tol.rel, r.max_err
-    );
-    if !r.pass() {
-        return Some(format!("{b} {p} [{what}, {}]: {r:?}", x.family));
-    }
-    if let Some(lse) = lse {
-        let (err, bad) = compare_lse(&lse, &want.lse);
-        if bad > 0 || err > sdpa_harness::check::LSE_TOLERANCE {
-            return Some(format!("{b} {p} [{what}]: lse {err} ({bad} rows off)"));
-        }
-    }
-    None
 }
 
 /// Decode (1 token) and speculative decode (4 tokens, causal) over dense and paged e4m3 caches:
@@ -107,7 +84,7 @@ fn fp8_kv_decode_matches_the_reference() {
             let x = family_inputs(&p, family, fresh_seed()).unwrap();
             for &b in &backends {
                 ran.push((b, p));
-                failures.extend(check(&dev, &p, b, &x, "dense"));
+                failures.extend(common::check_reference(&dev, &p, b, &x, "dense"));
             }
         }
     }
@@ -122,7 +99,7 @@ fn fp8_kv_decode_matches_the_reference() {
     let x = random_inputs(&p, fresh_seed()).unwrap();
     for &b in &backends {
         ran.push((b, p));
-        failures.extend(check(&dev, &p, b, &x, "dense, seqused_k"));
+        failures.extend(common::check_reference(&dev, &p, b, &x, "dense, seqused_k"));
     }
     // Paged: sequences of 0 keys, of whole pages, of a page and one key; pages of 16 to 128.
     let k_lens: &[usize] = &[300, 16, 0, 257, 64, 1];
@@ -144,7 +121,7 @@ fn fp8_kv_decode_matches_the_reference() {
         let x = random_inputs(&p, fresh_seed()).unwrap().with_meta(meta);
         for &b in &backends {
             ran.push((b, p));
-            failures.extend(check(&dev, &p, b, &x, "paged"));
+            failures.extend(common::check_reference(&dev, &p, b, &x, "paged"));
         }
     }
     common::assert_ran("fp8 kv decode", &ran);

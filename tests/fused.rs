@@ -76,14 +76,10 @@ fn trial(
 
 /// Kernel `k` on the grid against the reference.
 fn run_grid(k: Instance) -> Result<(), Skip> {
-    let Instance {
-        backend,
-        dtype,
-        head_dim,
-    } = k;
+    let backend = k.backend;
     let test = format!("{k} grid");
     let dev = common::gpu(&test)?;
-    let probe = Problem::new(1, 1, 8, 8, head_dim).with_dtype(dtype);
+    let probe = grid_problem(k, 0, 8, 8, false);
     // E.g. the sm_90a kernel on an A100: say so, do not pass silently. A backend this GPU is
     // expected to run panics in backend_runs_here instead.
     common::backend_runs_here(&test, &dev, backend, &probe)
@@ -99,12 +95,7 @@ fn run_grid(k: Instance) -> Result<(), Skip> {
             } else {
                 Layout::Bshd
             };
-            let (heads, kv_heads) = [(2, 2), (4, 2), (4, 1)][i % 3];
-            let p = Problem::new(2, heads, sq, sk, head_dim)
-                .with_kv_heads(kv_heads)
-                .with_causal(causal)
-                .with_dtype(dtype)
-                .with_layout(layout);
+            let p = grid_problem(k, i, sq, sk, causal).with_layout(layout);
             let rep = check_backend(Some(&dev), &p, backend, seed + ran.len() as u64).unwrap();
             ran.push((backend, p));
             if !rep.pass() {
@@ -121,6 +112,27 @@ fn run_grid(k: Instance) -> Result<(), Skip> {
         failures.join("\n")
     );
     Ok(())
+}
+
+/// Grid point `i` of kernel `k`: 2 sequences of sq queries against sk keys, GQA rotating
+/// through MHA, 2 and 4 query heads a K/V head. cutlass's 576 kernel runs MLA's absorbed decode
+/// only: its points are decode steps of 1, 2 or 16 tokens of 128, 64 or 16 query heads on one
+/// latent head whose first 512 columns are V.
+fn grid_problem(k: Instance, i: usize, sq: usize, sk: usize, causal: bool) -> Problem {
+    if k.backend == Backend::Cutlass && k.head_dim == 576 {
+        let (tokens, heads) = [(1, 128), (2, 64), (16, 16)][i % 3];
+        return Problem::new(2, heads, tokens.min(sq.max(1)), sk, 576)
+            .with_kv_heads(1)
+            .with_head_dim_v(512)
+            .with_v_in_k(true)
+            .with_causal(causal)
+            .with_dtype(k.dtype);
+    }
+    let (heads, kv_heads) = [(2, 2), (4, 2), (4, 1)][i % 3];
+    Problem::new(2, heads, sq, sk, k.head_dim)
+        .with_kv_heads(kv_heads)
+        .with_causal(causal)
+        .with_dtype(k.dtype)
 }
 
 /// Same inputs twice must give bit-identical output: a moving result is a race.

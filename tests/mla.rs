@@ -1,9 +1,9 @@
 //! MLA decode in the absorbed form on the GPU: 576-wide query heads against one latent K/V head
 //! whose first 512 columns are V (`Problem::with_v_in_k`), against the float64 reference: one
 //! token and several (MTP, speculative decode, causal), dense and paged latent caches (pages of
-//! 16 and 64), one split and several, 128 query heads and fewer, sinks and the log-sum-exp,
-//! owned tensors and views; pages of NaN past seqused_k; and the typed refusals when V is not
-//! K's rows. Fresh inputs every run, outputs poisoned first.
+//! 16 and 64: cutlass's cp.async and TMA paths), one split and several, 128 query heads and
+//! fewer, sinks and the log-sum-exp, owned tensors and views; pages of NaN past seqused_k; and
+//! the typed refusals when V is not K's rows. Fresh inputs every run, outputs poisoned first.
 //!
 //! Backends: cutlass (sm_90a: the MLA decode kernel) and scalar (any 576-wide problem, the GPU
 //! reference path).
@@ -12,7 +12,7 @@ mod common;
 
 use half::bf16;
 use sdpa::{Backend, DType, Device, Error, Extras, Problem, View, ViewMut, Views};
-use sdpa_harness::check::{check_output, compare_lse};
+use sdpa_harness::check::check_output;
 use sdpa_harness::inputs::{Inputs, fresh_seed, random_inputs};
 use sdpa_harness::seqs::paged;
 
@@ -31,29 +31,6 @@ fn latent(batch: usize, heads: usize, tokens: usize, keys: usize) -> Problem {
         .with_head_dim_v(512)
         .with_v_in_k(true)
         .with_causal(tokens > 1)
-}
-
-/// Runs `b` on `x` and checks output and log-sum-exp against the reference; a failure's
-/// description, or None. Prints rel_err.
-fn check(dev: &Device, p: &Problem, b: Backend, x: &Inputs, what: &str) -> Option<String> {
-    let want = x.reference(p).unwrap();
-    let (got, lse) =
-        sdpa_harness::check::run_backend_with_lse(Some(dev), p, b, x, Some(&want)).unwrap();
-    let r = check_output(&got, &want.out, p, x, 0).unwrap();
-    eprintln!(
-        "{b} {p} [{what}]: rel_err {:.2e} (bar {:.1e}), max_err {:.2e}",
-        r.rel_err, r.tol.rel, r.max_err
-    );
-    if !r.pass() {
-        return Some(format!("{b} {p} [{what}]: {r:?}"));
-    }
-    if let Some(lse) = lse {
-        let (err, bad) = compare_lse(&lse, &want.lse);
-        if bad > 0 || err > sdpa_harness::check::LSE_TOLERANCE {
-            return Some(format!("{b} {p} [{what}]: lse {err} ({bad} rows off)"));
-        }
-    }
-    None
 }
 
 #[test]
@@ -87,7 +64,7 @@ fn mla_decode_matches_the_reference() {
         let x = random_inputs(&p, fresh_seed()).unwrap();
         for &b in &backends {
             ran.push((b, p));
-            failures.extend(check(&dev, &p, b, &x, "dense"));
+            failures.extend(common::check_reference(&dev, &p, b, &x, "dense"));
         }
     }
     // Paged: sequences of 0 keys, of whole pages, of a page and one key; pages of 64 and 16.
@@ -101,7 +78,7 @@ fn mla_decode_matches_the_reference() {
         let x = random_inputs(&p, fresh_seed()).unwrap().with_meta(meta);
         for &b in &backends {
             ran.push((b, p));
-            failures.extend(check(&dev, &p, b, &x, "paged"));
+            failures.extend(common::check_reference(&dev, &p, b, &x, "paged"));
         }
     }
     common::assert_ran("mla decode", &ran);

@@ -141,3 +141,33 @@ pub fn backend_runs_here(
         Err(e) => Err(e.to_string()),
     }
 }
+
+/// Runs `b` on `x` (owned tensors) against the f64 reference, output and log-sum-exp; a
+/// failure's description, or None. Prints rel_err and the bar, tagged `what` and the inputs'
+/// family.
+pub fn check_reference(
+    dev: &Device,
+    p: &Problem,
+    b: Backend,
+    x: &sdpa_harness::inputs::Inputs,
+    what: &str,
+) -> Option<String> {
+    use sdpa_harness::check::{LSE_TOLERANCE, check_output, compare_lse, run_backend_with_lse};
+    let want = x.reference(p).unwrap();
+    let (got, lse) = run_backend_with_lse(Some(dev), p, b, x, Some(&want)).unwrap();
+    let r = check_output(&got, &want.out, p, x, 0).unwrap();
+    eprintln!(
+        "{b} {p} [{what}, {}]: rel_err {:.2e} (bar {:.1e}), max_err {:.2e}",
+        x.family, r.rel_err, r.tol.rel, r.max_err
+    );
+    if !r.pass() {
+        return Some(format!("{b} {p} [{what}, {}]: {r:?}", x.family));
+    }
+    if let Some(lse) = lse {
+        let (err, bad) = compare_lse(&lse, &want.lse);
+        if bad > 0 || err > LSE_TOLERANCE {
+            return Some(format!("{b} {p} [{what}]: lse {err} ({bad} rows off)"));
+        }
+    }
+    None
+}

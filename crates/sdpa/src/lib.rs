@@ -41,6 +41,7 @@
 //! | a paged K/V cache, decode steps | [`Problem::with_paged_kv`], [`Problem::with_page_layout`], [`Extras::block_table`] | [`write_kv`]; `examples/decode_loop.rs` (prefill, then decode as a graph) |
 //! | new K/V rows into a cache, by slot or per request | [`write_kv`] (your buffers), [`append_kv`] (the crate's tensors) | [`write_kv`], [`append_kv`] |
 //! | FP8 (e4m3) inputs | [`Fp8Views`], [`Tensor::quantize`], [`Problem::with_fp8_mode`] | [`Fp8Views`]; [`fp8`] (the codec, no GPU) |
+//! | V of its own head dim; MLA decode on one latent cache (V is K's first columns) | [`Problem::with_head_dim_v`], [`Problem::with_v_in_k`] | [`Problem::with_v_in_k`] (no GPU) |
 //! | an FP8 (e4m3) K/V cache under 16-bit Q | [`Problem::with_kv_dtype`], [`Fp8KvViews`], [`write_kv`] into an e4m3 cache | [`Problem::with_kv_dtype`] (no GPU), [`Fp8KvViews`] |
 //! | candle tensors | the `sdpa-candle` crate: candle-flash-attn's functions | its front page; `sdpa-candle/examples/serve_decoder.rs` |
 #![cfg_attr(

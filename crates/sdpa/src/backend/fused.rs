@@ -376,6 +376,20 @@ mod tests {
         }
     }
 
+    /// A problem of instance `i`'s head dim and dtype, 2 sequences of seq_q queries against seq_k
+    /// keys, 8 heads; cutlass's 576 runs MLA's absorbed decode only: one token of 128 query heads
+    /// on one latent head whose first 512 columns are V.
+    fn own_problem(i: &Instance, seq_q: usize, seq_k: usize) -> Problem {
+        if i.backend == Backend::Cutlass && i.head_dim == 576 {
+            return Problem::new(2, 128, 1, seq_k, 576)
+                .with_kv_heads(1)
+                .with_head_dim_v(512)
+                .with_v_in_k(true)
+                .with_dtype(i.dtype);
+        }
+        Problem::new(2, 8, seq_q, seq_k, i.head_dim).with_dtype(i.dtype)
+    }
+
     /// The parts each kernel ships on take every instance of it, causal or not, at a size with
     /// several tiles; the unknown device (no GPU) too.
     #[test]
@@ -384,6 +398,12 @@ mod tests {
             let parts: &[DeviceInfo] = match i.backend {
                 Backend::Cutlass => &[H100, DeviceInfo::default()],
                 // Head dims 192 and 256 take 120 and 160 KB: an A100's or a Hopper's SM.
+                // Scalar at 576 takes 152 KB: not an sm_86's 100.
+                Backend::Scalar if i.head_dim > 256 => {
+                    let p = own_problem(&i, 1000, 1100);
+                    refuses(i.backend, &SM86, &p, "bytes of shared memory per block");
+                    &[A100, H100, DeviceInfo::default()]
+                }
                 Backend::CutlassSm80 if i.head_dim > 128 => {
                     let p = Problem::new(2, 8, 1000, 1100, i.head_dim).with_dtype(i.dtype);
                     refuses(i.backend, &SM86, &p, "bytes of shared memory per block");
@@ -393,9 +413,7 @@ mod tests {
             };
             for info in parts {
                 for causal in [false, true] {
-                    let p = Problem::new(2, 8, 1000, 1100, i.head_dim)
-                        .with_dtype(i.dtype)
-                        .with_causal(causal);
+                    let p = own_problem(&i, 1000, 1100).with_causal(causal);
                     assert_eq!(
                         can_implement_on(kernel(i.backend), info, &p),
                         Ok(()),
@@ -422,7 +440,14 @@ mod tests {
                 assert_eq!(can_implement_on(kernel(b), &H100, &p(d, dv)), Ok(()), "{b}");
             }
             refuses(b, &H100, &p(84, 84), "multiples of 8");
-            refuses(b, &H100, &p(128, 260), "is not instantiated");
+            refuses(b, &H100, &p(128, 600), "is not instantiated");
+        }
+        // Past 256: scalar's 576 takes any pair, cutlass's runs MLA decode only.
+        if built(Backend::Scalar) && has(Backend::Scalar) {
+            assert_eq!(can_implement_on(kernel(Backend::Scalar), &H100, &p(320, 264)), Ok(()));
+        }
+        if built(Backend::Cutlass) && has(Backend::Cutlass) {
+            refuses(Backend::Cutlass, &H100, &p(320, 264), "MLA's absorbed decode only");
         }
         if built(Backend::Wmma) && has(Backend::Wmma) {
             refuses(Backend::Wmma, &H100, &p(80, 80), "is not instantiated");
@@ -692,7 +717,7 @@ mod tests {
         assert!(!all.is_empty(), "sdpa-sys/cpp/kernels.txt lists no kernel");
         for (n, k) in all.iter().enumerate() {
             assert!(!all[..n].contains(k), "{k} is listed twice");
-            let p = Problem::new(1, 1, 8, 8, k.head_dim).with_dtype(k.dtype);
+            let p = own_problem(k, 8, 8);
             let kernel = k.backend.fused_kernel().unwrap();
             assert_eq!(instantiated(k.backend.name(), &p), Ok(()), "{k}");
             let built = !matches!(k.backend, Backend::Cutlass | Backend::CutlassSm80)

@@ -47,8 +47,12 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 // 32 rows per CTA: the mission problem (B2 H8 S256) then launches 128 CTAs on 132 SMs, and
 // RPW = 8 rows per warp reuses each K value loaded from shared memory 8 times.
-constexpr int kBM = 32;
-constexpr int kRPW = kBM / kWarps;
+// Above head dim 256 (the 576 instance) 16 rows: 8 rows a warp of 288 column pairs would spill
+// their accumulators.
+template <int D>
+constexpr int kBM = D > 256 ? 16 : 32;
+template <int D>
+constexpr int kRPW = kBM<D> / kWarps;
 constexpr int kBN = 32;  // one key per lane
 
 template <class Mask>
@@ -71,10 +75,10 @@ struct Params {
 // The shared memory of one CTA at head dim D (dynamic: over 48 KB at D = 256).
 template <int D>
 struct Smem {
-  float q[kBM][D];
+  float q[kBM<D>][D];
   uint32_t k[kBN][D / 2 + 1];  // padded: lane j reads row j, banks (j + w) % 32 differ
   uint32_t v[kBN][D / 2];
-  float p[kWarps][kRPW][kBN];
+  float p[kWarps][kRPW<D>][kBN];
 };
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -105,7 +109,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
   auto& sP = sm.p;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t m0 = int64_t(blockIdx.x) * kBM;
+  const int64_t m0 = int64_t(blockIdx.x) * kBM<D>;
   const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
   // Sequence b (the Band kernel only): its queries from row q0, its keys from k0 or in pages; the
   // grid covers the longest.
@@ -127,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
   const int64_t alibi_diag = seq_k - seq_q;
 
   // Q tile -> f32, pre-scaled. Rows past seq_q are zero and never stored.
-  for (int c = tid; c < kBM * CH; c += kThreads) {
+  for (int c = tid; c < kBM<D> * CH; c += kThreads) {
     const int r = c / CH, col = (c % CH) * 8;
     float4 lo = make_float4(0, 0, 0, 0), hi = lo;
     if (m0 + r < seq_q && (!kBand || c % CH < pm.qk_chunks)) {
@@ -143,18 +147,18 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
   }
 
   // Keys this CTA's rows see.
-  const int64_t n_begin = mask.key_begin(m0, kBM), n_end = mask.key_end(m0, kBM);
+  const int64_t n_begin = mask.key_begin(m0, kBM<D>), n_end = mask.key_end(m0, kBM<D>);
 
-  float acc[kRPW][2 * CPL];
-  float m[kRPW], l[kRPW];
+  float acc[kRPW<D>][2 * CPL];
+  float m[kRPW<D>], l[kRPW<D>];
 #pragma unroll
-  for (int r = 0; r < kRPW; ++r) {
+  for (int r = 0; r < kRPW<D>; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.f;
 #pragma unroll
     for (int c = 0; c < 2 * CPL; ++c) acc[r][c] = 0.f;
   }
-  const int64_t row0 = m0 + warp * kRPW;
+  const int64_t row0 = m0 + warp * kRPW<D>;
 
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kBN) {
     __syncthreads();  // previous tile fully consumed (and, first time, sQ visible after next)
@@ -177,16 +181,16 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
     __syncthreads();
 
     // S = Q·Kᵀ for this warp's rows; lane = key.
-    float s[kRPW];
+    float s[kRPW<D>];
 #pragma unroll
-    for (int r = 0; r < kRPW; ++r) s[r] = 0.f;
+    for (int r = 0; r < kRPW<D>; ++r) s[r] = 0.f;
 #pragma unroll 4
     for (int w = 0; w < W; w += 2) {  // D % 4 == 0: W is even
       const float2 k01 = P2::to_float2(sK[lane][w]);
       const float2 k23 = P2::to_float2(sK[lane][w + 1]);
 #pragma unroll
-      for (int r = 0; r < kRPW; ++r) {
-        const float4 q = *reinterpret_cast<const float4*>(&sQ[warp * kRPW + r][2 * w]);
+      for (int r = 0; r < kRPW<D>; ++r) {
+        const float4 q = *reinterpret_cast<const float4*>(&sQ[warp * kRPW<D> + r][2 * w]);
         s[r] = fmaf(q.x, k01.x, fmaf(q.y, k01.y, fmaf(q.z, k23.x, fmaf(q.w, k23.y, s[r]))));
       }
     }
@@ -195,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
     // rescale.
     const int64_t j = n0 + lane;
 #pragma unroll
-    for (int r = 0; r < kRPW; ++r) {
+    for (int r = 0; r < kRPW<D>; ++r) {
       if (pm.cap2 > 0.f) s[r] = pm.cap2 * tanhf(s[r] * pm.inv_cap2);
       if (pm.alibi) s[r] -= slope2 * float(llabs(row0 + r + alibi_diag - j));
       const bool visible = j < seq_k && mask.sees(row0 + r, j);
@@ -230,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
             v[t][c] = lane + 32 * c < W ? P2::to_float2(sV[jj + t][lane + 32 * c])
                                         : make_float2(0.f, 0.f);
 #pragma unroll
-        for (int r = 0; r < kRPW; ++r) {
+        for (int r = 0; r < kRPW<D>; ++r) {
           const float4 pr = *reinterpret_cast<const float4*>(&sP[warp][r][jj]);
           const float pv[4] = {pr.x, pr.y, pr.z, pr.w};
 #pragma unroll
@@ -245,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
         }
       }
     };
-    if (mask.tile_hides(row0, kRPW, n0, kBN))
+    if (mask.tile_hides(row0, kRPW<D>, n0, kBN))
       accumulate(std::true_type{});
     else
       accumulate(std::false_type{});
@@ -255,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
   uint8_t* ob = p.o + 2 * (b * p.os.batch + h * p.os.head + seq.q0 * p.os.seq);
   const float sink = pm.sinks ? pm.sinks[h] : -INFINITY;
 #pragma unroll
-  for (int r = 0; r < kRPW; ++r) {
+  for (int r = 0; r < kRPW<D>; ++r) {
     float lsum = warp_sum(l[r]);
     const int64_t i = row0 + r;
     if (i >= seq_q) continue;
@@ -298,7 +302,7 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
     static std::atomic<uint64_t> configured{0};
     opt_in_smem(reinterpret_cast<const void*>(kernel), kSmem, configured);
   }
-  const dim3 grid(unsigned((a.dims.seq_q + kBM - 1) / kBM), unsigned(a.dims.heads),
+  const dim3 grid(unsigned((a.dims.seq_q + kBM<D> - 1) / kBM<D>), unsigned(a.dims.heads),
                   unsigned(a.dims.batch));
   kernel<<<grid, kThreads, kSmem, stream>>>(p);
   SDPA_LAUNCH_CHECK("scalar fwd_kernel launch");
@@ -309,7 +313,7 @@ void launch(const FwdArgs& a, const Mask& mask, cudaStream_t stream) {
 // the shared memory of its Smem<D>.
 template <typename T, int D>
 std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
-  return limits::first({limits::narrowed_head_dims(a, D), limits::grid_of_query_tiles(a, kBM),
+  return limits::first({limits::narrowed_head_dims(a, D), limits::grid_of_query_tiles(a, kBM<D>),
                         limits::sm80_or_newer(dev),
                         limits::smem_per_block(dev, int(sizeof(Smem<D>)))});
 }

@@ -565,6 +565,21 @@ inline std::string fp8_kv_refusal(const FwdArgs& a) {
          std::to_string(a.dims.seq_k) + ")";
 }
 
+// The split of `tiles` key tiles among CTAs where `base` CTAs of work meet `slots` CTA slots:
+// enough splits to fill the slots, each at least 4 tiles (SDPA_DECODE_SPLITS=n in the
+// environment sets the count instead, read once, for measuring); their count and tiles each.
+inline void split_keys(int64_t tiles, int64_t base, int64_t slots, int& splits, int& split_tiles) {
+  int64_t n = base >= slots ? 1 : slots / base;
+  n = std::max<int64_t>(1, std::min<int64_t>(n, tiles / 4));
+  static const int64_t forced = [] {
+    const char* e = std::getenv("SDPA_DECODE_SPLITS");
+    return e != nullptr ? std::atoll(e) : 0;
+  }();
+  if (forced > 0) n = std::min<int64_t>(forced, tiles);
+  split_tiles = int((tiles + n - 1) / n);
+  splits = int((tiles + split_tiles - 1) / split_tiles);
+}
+
 inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   Plan pl{};
   const int64_t group = a.dims.heads / a.dims.kv_heads, rows = a.dims.seq_q * group;
@@ -581,17 +596,8 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   // Hopper's 228 KB; an unknown device is taken for an H100).
   const bool two = fp8_kv(a) && (!known(dev) || dev.smem_per_sm >= (224 << 10));
   const int64_t slots = (known(dev) ? dev.sms : 132) * (two ? 2 : 1);
-  const int64_t base = a.dims.batch * a.dims.kv_heads * pl.row_blocks;
-  int64_t splits = base >= slots ? 1 : slots / base;
-  splits = std::max<int64_t>(1, std::min<int64_t>(splits, tiles / 4));
-  // SDPA_DECODE_SPLITS=n in the environment sets the count instead (read once), for measuring.
-  static const int64_t forced = [] {
-    const char* e = std::getenv("SDPA_DECODE_SPLITS");
-    return e != nullptr ? std::atoll(e) : 0;
-  }();
-  if (forced > 0) splits = std::min<int64_t>(forced, tiles);
-  pl.split_tiles = int((tiles + splits - 1) / splits);
-  pl.splits = int((tiles + pl.split_tiles - 1) / pl.split_tiles);
+  split_keys(tiles, a.dims.batch * a.dims.kv_heads * pl.row_blocks, slots, pl.splits,
+             pl.split_tiles);
   return pl;
 }
 

@@ -7,8 +7,11 @@
 // cutlass-sm80's combine kernel). All of a CTA's rows belong to one token, so a causal mask is a
 // shorter key range for the whole CTA: no key the CTA loads is hidden from one of its rows.
 //
-// Two warpgroups, no producer: every thread copies its share of the next key tile (cp.async,
-// 16-byte chunks, any page size) while both compute on the current one:
+// Two warpgroups, no producer warpgroup. Key tiles stream through two stages, the next one's
+// copy issued as the current one's compute begins: by one thread's TMA (dense or packed caches,
+// pages of a multiple of 64 keys, so a tile is one page's rows; the last tile's rows past the
+// token's keys are zeroed in shared memory before any mma reads them), else by every thread's
+// cp.async (16-byte chunks, any page size, rows past the keys zero-filled). Each tile:
 //   - S = Q·Kᵀ: warpgroup w takes keys [32w, 32w + 32) of the tile (m64n32k16 over 576 columns);
 //   - the row maxima meet in shared memory, so both keep the same running max; each warpgroup
 //     writes its P half (16-bit) to shared memory;
@@ -427,11 +430,9 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   const int64_t tiles = (a.dims.seq_k + kBN - 1) / kBN;
   // Splits fill one CTA an SM (an unknown device: an H100's 132), each at least 4 tiles.
   const int64_t slots = known(dev) ? dev.sms : 132;
-  const int64_t base = a.dims.batch * a.dims.kv_heads * a.dims.seq_q * pl.head_blocks;
-  int64_t splits = base >= slots ? 1 : slots / base;
-  splits = std::max<int64_t>(1, std::min<int64_t>(splits, tiles / 4));
-  pl.split_tiles = int((tiles + splits - 1) / splits);
-  pl.splits = int((tiles + pl.split_tiles - 1) / pl.split_tiles);
+  cutlass_sm80::decode::split_keys(tiles,
+                                   a.dims.batch * a.dims.kv_heads * a.dims.seq_q * pl.head_blocks,
+                                   slots, pl.splits, pl.split_tiles);
   return pl;
 }
 
@@ -443,8 +444,10 @@ inline int64_t workspace_bytes(const FwdArgs& a, const DeviceInfo& dev) {
 
 inline std::string refusal(const FwdArgs& a) {
   if (!applies(a))
-    return "cutlass runs head_dim 576 as MLA's absorbed decode only: head_dim_v 512 with V read "
-           "from K's rows (Problem::with_v_in_k; scalar runs other 576-wide problems)";
+    return "head_dim " + std::to_string(a.dims.head_dim) + " with head_dim_v " +
+           std::to_string(a.dims.head_dim_v) +
+           ": cutlass runs head dims above 256 as MLA's absorbed decode only, 576 with V read from "
+           "K's rows as its first 512 columns (Problem::with_v_in_k); scalar runs the others";
   if (a.ops.dtype == Dtype::E4M3 || a.out.dtype != a.ops.dtype || a.ops.kv_dtype != a.ops.dtype)
     return "MLA decode: f16 or bf16 Q, K/V and output";
   if (a.mask.kind != Mask::NoMask && a.mask.kind != Mask::CausalBottomRight)
