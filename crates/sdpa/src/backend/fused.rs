@@ -444,10 +444,18 @@ mod tests {
         }
         // Past 256: scalar's 576 takes any pair, cutlass's runs MLA decode only.
         if built(Backend::Scalar) && has(Backend::Scalar) {
-            assert_eq!(can_implement_on(kernel(Backend::Scalar), &H100, &p(320, 264)), Ok(()));
+            assert_eq!(
+                can_implement_on(kernel(Backend::Scalar), &H100, &p(320, 264)),
+                Ok(())
+            );
         }
         if built(Backend::Cutlass) && has(Backend::Cutlass) {
-            refuses(Backend::Cutlass, &H100, &p(320, 264), "MLA's absorbed decode only");
+            refuses(
+                Backend::Cutlass,
+                &H100,
+                &p(320, 264),
+                "MLA's absorbed decode only",
+            );
         }
         if built(Backend::Wmma) && has(Backend::Wmma) {
             refuses(Backend::Wmma, &H100, &p(80, 80), "is not instantiated");
