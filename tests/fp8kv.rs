@@ -128,6 +128,65 @@ fn fp8_kv_decode_matches_the_reference() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// Prefill over an e4m3 cache (the kernels' 16-bit path on widened copies of the cache): dense
+/// causal with GQA and the log-sum-exp, chunked prefill of 40 tokens a sequence over a paged
+/// cache, a sliding window, head_dim 256; scales per K/V head and per tensor.
+#[test]
+fn fp8_kv_prefill_matches_the_reference() {
+    let Some(dev) = common::device("fp8 kv prefill") else {
+        return;
+    };
+    let backends = fp8kv_backends(&dev);
+    let (mut ran, mut failures) = (Vec::new(), Vec::new());
+    let kv = |p: Problem, dtype, scaling| {
+        p.with_dtype(dtype)
+            .with_kv_dtype(DType::E4m3)
+            .with_fp8_scaling(scaling)
+    };
+    let dense = [
+        kv(
+            Problem::new(2, 8, 300, 300, 128)
+                .with_kv_heads(2)
+                .with_causal(true)
+                .with_lse(true),
+            DType::Bf16,
+            Scaling::PerHead,
+        ),
+        kv(
+            Problem::new(1, 4, 200, 700, 64).with_mask(Mask::Window {
+                left: Some(256),
+                right: Some(0),
+            }),
+            DType::F16,
+            Scaling::PerTensor,
+        ),
+        kv(
+            Problem::new(2, 4, 1, 500, 256).with_kv_heads(2),
+            DType::Bf16,
+            Scaling::PerHead,
+        ),
+    ];
+    for p in dense {
+        let x = random_inputs(&p, fresh_seed()).unwrap();
+        for &b in &backends {
+            ran.push((b, p));
+            failures.extend(common::check_reference(&dev, &p, b, &x, "prefill"));
+        }
+    }
+    let base = Problem::new(1, 8, 40, 1, 128)
+        .with_kv_heads(2)
+        .with_causal(true);
+    let (p, meta) = paged(base, &[300, 128, 41, 1000], 128, fresh_seed());
+    let p = kv(p, DType::Bf16, Scaling::PerHead);
+    let x = random_inputs(&p, fresh_seed()).unwrap().with_meta(meta);
+    for &b in &backends {
+        ran.push((b, p));
+        failures.extend(common::check_reference(&dev, &p, b, &x, "paged prefill"));
+    }
+    common::assert_ran("fp8 kv prefill", &ran);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// Sets every K and V code of a paged NHD cache that no sequence's first `seqused_k` keys hold
 /// (the rest of each sequence's pages, and the pages no sequence uses) to NaN.
 fn nan_past_seqused(p: &Problem, x: &mut Inputs) -> usize {
@@ -605,8 +664,8 @@ fn append_kv_then_decode_over_an_e4m3_cache() {
 
 /// Without a GPU: what an e4m3 K/V cache problem may be (typed `InvalidArgument` otherwise), and
 /// which backends refuse it, each by name (`Unsupported`): scalar, wmma and cublas read no such
-/// cache; cutlass-sm80 and cutlass read it in decode steps only (not prefill, head_dim 256 or a
-/// window); cpu runs any.
+/// cache; cutlass-sm80 and cutlass take decode steps (their decode kernels read the codes) and
+/// the rest (prefill, windows, head_dim 256: on 16-bit copies); cpu runs any.
 #[test]
 fn fp8_kv_problems_and_refusals_are_typed() {
     let decode = Problem::new(4, 32, 1, 4096, 128)
@@ -674,15 +733,8 @@ fn fp8_kv_problems_and_refusals_are_typed() {
             continue;
         }
         // Without a device, a problem the kernel takes is refused only for want of a GPU.
-        refused(b, &decode, "needs a GPU");
-        for p in [&prefill, &window] {
-            refused(b, p, "an e4m3 K/V cache is read by the decode kernel only");
-        }
-        if sdpa_sys::INSTANCES
-            .iter()
-            .any(|i| i.backend == b.name() && i.head_dim == 256)
-        {
-            refused(b, &d256, "head_dim 64 or 128");
+        for p in [&decode, &prefill, &window, &d256] {
+            refused(b, p, "needs a GPU");
         }
     }
 }

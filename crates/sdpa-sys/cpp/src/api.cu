@@ -94,6 +94,28 @@ bool simulated(Kernel kernel, const FwdArgs& a) {
     if (i.kernel == kernel && i.dtype == Dtype::E4M3) return false;
   return true;
 }
+
+// An e4m3 K/V cache under 16-bit Q.
+bool fp8_kv(const FwdArgs& a) {
+  return a.ops.kv_dtype == Dtype::E4M3 && a.ops.dtype != Dtype::E4M3;
+}
+
+// `a` (an e4m3 K/V cache) as the 16-bit problem on its widened copies (fp8/simulated.cu), before
+// they exist.
+FwdArgs widened_problem(const FwdArgs& a) {
+  FwdArgs b = a;
+  b.ops.kv_dtype = a.ops.dtype;
+  b.ops.k = b.ops.v = 0;
+  b.fp8 = FwdFp8{};
+  return b;
+}
+
+// Whether instance `i` runs `a`, an e4m3 K/V cache, on 16-bit copies of it: where its own path
+// (the decode kernels, which read the codes) does not take `a` and its 16-bit path does.
+bool widens_kv(const Instance& i, const FwdArgs& a, const DeviceInfo& dev) {
+  return fp8_kv(a) && !i.can_implement(a, dev).empty() &&
+         i.can_implement(widened_problem(a), dev).empty();
+}
 }  // namespace
 
 std::string can_implement(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) {
@@ -105,7 +127,8 @@ std::string can_implement(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev
              ": only an e4m3 K/V cache under f16/bf16 Q differs from Q's dtype";
     if (kernel != Kernel::Cutlass && kernel != Kernel::CutlassSm80)
       return std::string(name(kernel)) +
-             " reads no e4m3 K/V cache (the cutlass and cutlass-sm80 decode kernels do)";
+             " reads no e4m3 K/V cache (cutlass and cutlass-sm80 do: their decode kernels the "
+             "codes, their prefill kernels 16-bit copies)";
   }
   if (a.ops.dtype != Dtype::E4M3 && a.out.dtype != a.ops.dtype &&
       !(a.out.dtype == Dtype::F32 && kernel == Kernel::Cutlass))
@@ -133,6 +156,9 @@ std::string can_implement(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev
            (narrows_head_dims(kernel) ? ""
                                       : "; this kernel runs the head dims of its instances only "
                                         "(scalar and cutlass-sm80 run others)");
+  // An e4m3 K/V cache the decode kernel does not take: its 16-bit copies, on the 16-bit path.
+  if (fp8_kv(a) && !i->can_implement(a, dev).empty())
+    return i->can_implement(widened_problem(a), dev);
   return i->can_implement(a, dev);
 }
 
@@ -168,8 +194,14 @@ KernelPlan plan(Kernel kernel, const FwdArgs& a, const DeviceInfo& dev) {
   p.kernel = kernel;
   p.instance = int32_t(i - kInstances);
   p.simulated = sim;
-  // Scratch: the simulated path's 16-bit copies, else what the instance asks for.
-  p.workspace_bytes = sim ? simulated_workspace_bytes(a) : i->workspace(a, dev);
+  // Scratch: the simulated path's 16-bit copies, an e4m3 K/V cache's copies and what the instance
+  // asks for on them, else what the instance asks for.
+  if (sim)
+    p.workspace_bytes = simulated_workspace_bytes(a);
+  else if (widens_kv(*i, a, dev))
+    p.workspace_bytes = widened_kv_bytes(a) + i->workspace(widened_problem(a), dev);
+  else
+    p.workspace_bytes = i->workspace(a, dev);
   return p;
 }
 
@@ -178,6 +210,11 @@ void forward(const KernelPlan& plan, const FwdArgs& a, const DeviceInfo& dev, vo
   const Instance& i = planned(plan, a);
   const auto s = static_cast<cudaStream_t>(stream);
   if (!plan.simulated) {
+    if (widens_kv(i, a, dev)) {
+      const FwdArgs b = widened_kv(a, stream);
+      check(i, b, dev);
+      return i.forward(b, dev, s);
+    }
     check(i, a, dev);
     return i.forward(a, dev, s);
   }

@@ -118,7 +118,82 @@ Plan plan(const FwdArgs& a) {
   return p;
 }
 
+// An e4m3 K/V cache under 16-bit Q: K and V alone, into copies of Q's dtype. Packed and paged
+// caches are one sequence dimension of kv_rows rows, their scales one a K/V head.
+Plan kv_plan(const FwdArgs& a) {
+  Plan p{};
+  const bool one_seq = a.seqs.page_size > 0 || a.seqs.packed_kv;
+  const int64_t batch = one_seq ? 1 : a.dims.batch;
+  const int64_t rows = one_seq ? a.seqs.kv_rows : a.dims.seq_k;
+  const auto map = [&](int64_t n, const Strides& s) -> ScaleMap {
+    if (!a.fp8.per_head_scales) return {1, n, n};
+    // One group per kv head across the whole sequence dimension: a per-batch step no index
+    // reaches (a multiple of 8, for the 8-code chunks).
+    return {a.dims.kv_heads, s.head, one_seq ? int64_t(1) << 62 : s.batch};
+  };
+  const int64_t nk = extent(batch, a.dims.kv_heads, rows, a.dims.head_dim, a.ops.k_stride);
+  const int64_t nv = extent(batch, a.dims.kv_heads, rows, a.dims.head_dim_v, a.ops.v_stride);
+  p.seg[0] = {device_ptr<const uint8_t>(a.ops.k), nk, map(nk, a.ops.k_stride),
+              device_ptr<const float>(a.fp8.k_scale)};
+  p.seg[1] = {device_ptr<const uint8_t>(a.ops.v), nv, map(nv, a.ops.v_stride),
+              device_ptr<const float>(a.fp8.v_scale)};
+  p.seg[2] = {p.seg[0].x, 0, p.seg[0].map, p.seg[0].scale};  // none
+  p.offset[0] = 0;
+  p.offset[1] = aligned(nk * 2);
+  p.offset[2] = p.offset[1] + aligned(nv * 2);
+  p.bytes = p.offset[2];
+  return p;
+}
+
+// Launches the dequantization of `tensors` of p's segments into `y` (Out of the 16-bit type).
+void dequantize(const Plan& p, void* const (&y)[3], int tensors, Dtype out, cudaStream_t s) {
+  // Whole 8-code chunks share one scale group where the group boundaries (multiples of inner
+  // and per_batch), the lengths and the addresses all fall on multiples of 8.
+  bool vec = true;
+  int64_t most = 0;
+  for (int t = 0; t < tensors; ++t) {
+    const Segment& g = p.seg[t];
+    vec = vec && g.n % 8 == 0 && g.map.inner % 8 == 0 && g.map.per_batch % 8 == 0 &&
+          reinterpret_cast<uintptr_t>(g.x) % 8 == 0 && reinterpret_cast<uintptr_t>(y[t]) % 16 == 0;
+    most = std::max(most, g.n);
+  }
+  most /= vec ? 8 : 1;
+  const int64_t blocks = (most + kThreads - 1) / kThreads;
+  const dim3 grid(unsigned(blocks < 2048 ? blocks : 2048), unsigned(tensors));  // grid-stride
+  if (out == Dtype::F16)
+    dequantize3<__half>
+        <<<grid, kThreads, 0, s>>>(p.seg[0], p.seg[1], p.seg[2], static_cast<__half*>(y[0]),
+                                   static_cast<__half*>(y[1]), static_cast<__half*>(y[2]), vec);
+  else
+    dequantize3<__nv_bfloat16><<<grid, kThreads, 0, s>>>(
+        p.seg[0], p.seg[1], p.seg[2], static_cast<__nv_bfloat16*>(y[0]),
+        static_cast<__nv_bfloat16*>(y[1]), static_cast<__nv_bfloat16*>(y[2]), vec);
+  SDPA_LAUNCH_CHECK("e4m3 dequantize launch");
+}
+
 }  // namespace
+
+int64_t widened_kv_bytes(const FwdArgs& a) { return kv_plan(a).bytes; }
+
+FwdArgs widened_kv(const FwdArgs& a, void* stream) {
+  if (!a.fp8.k_scale || !a.fp8.v_scale) throw Error("an e4m3 K/V cache needs k_scale and v_scale");
+  const Plan p = kv_plan(a);
+  if (a.scratch.workspace == 0)
+    throw Error(
+        "an e4m3 K/V cache outside the decode kernels needs a workspace of "
+        "workspace_bytes() >= " +
+        std::to_string(p.bytes) + " bytes");
+  auto* ws = device_ptr<uint8_t>(a.scratch.workspace);
+  void* const y[3] = {ws + p.offset[0], ws + p.offset[1], ws + p.offset[2]};
+  dequantize(p, y, 2, a.ops.dtype, static_cast<cudaStream_t>(stream));
+  FwdArgs b = a;
+  b.ops.k = reinterpret_cast<uintptr_t>(y[0]);
+  b.ops.v = reinterpret_cast<uintptr_t>(y[1]);
+  b.ops.kv_dtype = a.ops.dtype;
+  b.fp8 = FwdFp8{};
+  b.scratch.workspace = reinterpret_cast<uintptr_t>(ws + p.bytes);  // the kernel's own
+  return b;
+}
 
 int64_t simulated_workspace_bytes(const FwdArgs& a) { return plan(a).bytes; }
 
@@ -132,28 +207,8 @@ FwdArgs simulated_inputs(const FwdArgs& a, void* stream) {
     throw Error("e4m3 (simulated): needs a workspace of workspace_bytes() = " +
                 std::to_string(p.bytes) + " bytes");
   auto* ws = device_ptr<uint8_t>(a.scratch.workspace);
-  void* y[3] = {ws + p.offset[0], ws + p.offset[1], ws + p.offset[2]};
-  const auto s = static_cast<cudaStream_t>(stream);
-  // Whole 8-code chunks share one scale group where the group boundaries (multiples of inner
-  // and per_batch), the lengths and the addresses all fall on multiples of 8.
-  bool vec = true;
-  for (int t = 0; t < 3; ++t) {
-    const Segment& g = p.seg[t];
-    vec = vec && g.n % 8 == 0 && g.map.inner % 8 == 0 && g.map.per_batch % 8 == 0 &&
-          reinterpret_cast<uintptr_t>(g.x) % 8 == 0 && reinterpret_cast<uintptr_t>(y[t]) % 16 == 0;
-  }
-  const int64_t most = std::max(p.seg[0].n, std::max(p.seg[1].n, p.seg[2].n)) / (vec ? 8 : 1);
-  const int64_t blocks = (most + kThreads - 1) / kThreads;
-  const dim3 grid(unsigned(blocks < 2048 ? blocks : 2048), 3);  // grid-stride beyond
-  if (a.out.dtype == Dtype::F16)
-    dequantize3<__half>
-        <<<grid, kThreads, 0, s>>>(p.seg[0], p.seg[1], p.seg[2], static_cast<__half*>(y[0]),
-                                   static_cast<__half*>(y[1]), static_cast<__half*>(y[2]), vec);
-  else
-    dequantize3<__nv_bfloat16><<<grid, kThreads, 0, s>>>(
-        p.seg[0], p.seg[1], p.seg[2], static_cast<__nv_bfloat16*>(y[0]),
-        static_cast<__nv_bfloat16*>(y[1]), static_cast<__nv_bfloat16*>(y[2]), vec);
-  SDPA_LAUNCH_CHECK("e4m3 (simulated) dequantize launch");
+  void* const y[3] = {ws + p.offset[0], ws + p.offset[1], ws + p.offset[2]};
+  dequantize(p, y, 3, a.out.dtype, static_cast<cudaStream_t>(stream));
   FwdArgs b = a;
   b.ops.q = reinterpret_cast<uintptr_t>(y[0]);
   b.ops.k = reinterpret_cast<uintptr_t>(y[1]);
