@@ -18,7 +18,7 @@ use sdpa::{
 };
 use sdpa_harness::check::{ExtraBuffers, check_output, fp8_kv_tolerance};
 use sdpa_harness::inputs::{Family, Inputs, family_inputs, fresh_seed, random_inputs};
-use sdpa_harness::seqs::paged;
+use sdpa_harness::seqs::{paged, varlen};
 
 /// The backends that read an e4m3 K/V cache and run on `dev`: cutlass-sm80 (sm_80 and newer),
 /// cutlass (its decode path, sm_90a).
@@ -130,7 +130,8 @@ fn fp8_kv_decode_matches_the_reference() {
 
 /// Prefill over an e4m3 cache (the kernels' 16-bit path on widened copies of the cache): dense
 /// causal with GQA and the log-sum-exp, chunked prefill of 40 tokens a sequence over a paged
-/// cache, a sliding window, head_dim 256; scales per K/V head and per tensor.
+/// cache, packed (varlen) sequences, a sliding window, head_dim 256; scales per K/V head and per
+/// tensor.
 #[test]
 fn fp8_kv_prefill_matches_the_reference() {
     let Some(dev) = common::device("fp8 kv prefill") else {
@@ -182,6 +183,17 @@ fn fp8_kv_prefill_matches_the_reference() {
     for &b in &backends {
         ran.push((b, p));
         failures.extend(common::check_reference(&dev, &p, b, &x, "paged prefill"));
+    }
+    // Varlen: packed Q and K/V, sequences of their own lengths, causal.
+    let base = Problem::new(1, 8, 1, 1, 64)
+        .with_kv_heads(4)
+        .with_causal(true);
+    let (p, meta) = varlen(base, &[100, 1, 257, 30], &[100, 64, 300, 30]);
+    let p = kv(p, DType::F16, Scaling::PerHead);
+    let x = random_inputs(&p, fresh_seed()).unwrap().with_meta(meta);
+    for &b in &backends {
+        ran.push((b, p));
+        failures.extend(common::check_reference(&dev, &p, b, &x, "varlen prefill"));
     }
     common::assert_ran("fp8 kv prefill", &ran);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
