@@ -29,6 +29,13 @@ fn fp8kv_backends(dev: &Device) -> Vec<Backend> {
         .collect()
 }
 
+/// `p` with Q (and the output) of `dtype` over an e4m3 K/V cache with scales of `scaling`.
+fn kv(p: Problem, dtype: DType, scaling: Scaling) -> Problem {
+    p.with_dtype(dtype)
+        .with_kv_dtype(DType::E4m3)
+        .with_fp8_scaling(scaling)
+}
+
 /// Decode (1 token) and speculative decode (4 tokens, causal) over dense and paged e4m3 caches:
 /// bf16 and f16 Q, head_dim 64 and 128, scales per tensor and per K/V head, GQA and MHA, one
 /// split and several, seqused_k on a dense cache, sinks and the log-sum-exp; dense problems on
@@ -40,11 +47,6 @@ fn fp8_kv_decode_matches_the_reference() {
     };
     let backends = fp8kv_backends(&dev);
     let (mut ran, mut failures) = (Vec::new(), Vec::new());
-    let kv = |p: Problem, dtype, scaling| {
-        p.with_dtype(dtype)
-            .with_kv_dtype(DType::E4m3)
-            .with_fp8_scaling(scaling)
-    };
     // Dense: (problem, families).
     let dense = [
         // Several splits (2 K/V heads x 3 sequences fill few SMs).
@@ -139,11 +141,6 @@ fn fp8_kv_prefill_matches_the_reference() {
     };
     let backends = fp8kv_backends(&dev);
     let (mut ran, mut failures) = (Vec::new(), Vec::new());
-    let kv = |p: Problem, dtype, scaling| {
-        p.with_dtype(dtype)
-            .with_kv_dtype(DType::E4m3)
-            .with_fp8_scaling(scaling)
-    };
     let dense = [
         kv(
             Problem::new(2, 8, 300, 300, 128)

@@ -619,6 +619,22 @@ std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
                         scales});
 }
 
+// Merges the splits' partial outputs into the output: combine_kernel over (tokens / 4, heads,
+// batch). On sm_90 it launches programmatically: its launch and start overlap the splits' tail,
+// and it waits for their completion before reading the partials.
+template <typename T, int D, class Mask>
+void launch_combine(const Params<T, Mask>& p, const FwdArgs& a, const DeviceInfo& dev,
+                    cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim =
+      dim3(unsigned((a.dims.seq_q + 3) / 4), unsigned(a.dims.heads), unsigned(a.dims.batch));
+  cfg.blockDim = dim3(128);
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[1];
+  if (dev.cc_major >= 9) add_pdl(cfg, attrs);
+  SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, combine_kernel<T, D, Mask>, p));
+}
+
 template <typename T, int D, int MT, class Mask, bool F8>
 void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Plan& pl,
             cudaStream_t stream) {
@@ -669,18 +685,7 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Pla
                   unsigned(a.dims.batch));
   kernel<<<grid, kThreads, smem, stream>>>(p);
   SDPA_LAUNCH_CHECK("cutlass-sm80 decode_kernel launch");
-  if (pl.splits > 1) {
-    // On sm_90 the combine launches programmatically: its launch and start overlap the splits'
-    // tail, and it waits for their completion before reading the partials.
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim =
-        dim3(unsigned((a.dims.seq_q + 3) / 4), unsigned(a.dims.heads), unsigned(a.dims.batch));
-    cfg.blockDim = dim3(128);
-    cfg.stream = stream;
-    cudaLaunchAttribute attrs[1];
-    if (dev.cc_major >= 9) add_pdl(cfg, attrs);
-    SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, combine_kernel<T, D, Mask>, p));
-  }
+  if (pl.splits > 1) launch_combine<T, D>(p, a, dev, stream);
 }
 
 template <typename T, int D>

@@ -541,14 +541,7 @@ void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   c.lse_rows = pl.lse_rows;
   c.ws_o = p.ws_o;
   c.ws_lse = p.ws_lse;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim =
-      dim3(unsigned((a.dims.seq_q + 3) / 4), unsigned(a.dims.heads), unsigned(a.dims.batch));
-  cfg.blockDim = dim3(128);
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[1];
-  add_pdl(cfg, attrs);
-  SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, cutlass_sm80::decode::combine_kernel<T, kDV, Mask0>, c));
+  cutlass_sm80::decode::launch_combine<T, kDV>(c, a, dev, stream);
 }
 
 template <typename T>
