@@ -17,8 +17,12 @@ pub struct Args {
     #[arg(long)]
     k: PathBuf,
     /// V as .npy: K's shape but for its head dim (the last axis), which the output takes.
-    #[arg(long)]
-    v: PathBuf,
+    #[arg(long, required_unless_present = "v_in_k", conflicts_with = "v_in_k")]
+    v: Option<PathBuf>,
+    /// Instead of --v: V is the first N columns of K's rows (MLA's latent cache, as FlashMLA
+    /// takes it: K 576 wide, V its first 512), read from K itself.
+    #[arg(long, value_name = "N")]
+    v_in_k: Option<usize>,
     /// Output .npy (float32, Q's shape with V's head dim).
     #[arg(long)]
     out: PathBuf,
@@ -85,7 +89,8 @@ fn dims4(shape: &[usize], what: &str) -> Result<[usize; 4]> {
 /// Checks `--out` and `--lse` before anything is read or run: each can be written, and neither
 /// is an input or the other.
 fn check_outputs(a: &Args) -> Result<()> {
-    let mut inputs: Vec<output::Named> = vec![("--q", &a.q), ("--k", &a.k), ("--v", &a.v)];
+    let mut inputs: Vec<output::Named> = vec![("--q", &a.q), ("--k", &a.k)];
+    inputs.extend(a.v.as_deref().map(|p| ("--v", p)));
     inputs.extend(a.alibi.as_deref().map(|p| ("--alibi", p)));
     inputs.extend(a.sinks.as_deref().map(|p| ("--sinks", p)));
     let mut outputs: Vec<output::Named> = vec![("--out", &a.out)];
@@ -207,7 +212,17 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     check_outputs(&a)?;
     let (q, qshape) = npy::read(&a.q)?;
     let (k, kshape) = npy::read(&a.k)?;
-    let (v, vshape) = npy::read(&a.v)?;
+    // V read from K's rows: K's values, its shape but for the head dim.
+    let (v, vshape) = match (&a.v, a.v_in_k) {
+        (Some(path), _) => npy::read(path)?,
+        (None, n) => {
+            let mut shape = kshape.clone();
+            if let Some(last) = shape.last_mut() {
+                *last = n.unwrap_or(*last);
+            }
+            (k.clone(), shape)
+        }
+    };
     let (qd, kd) = (dims4(&qshape, "q")?, dims4(&kshape, "k")?);
     // V is K's shape but for its head dim (the last axis in either layout), which is the
     // output's.
@@ -221,8 +236,10 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         .into());
     }
     let dv = dims4(&vshape, "v")?[3];
-    for (flag, path, x) in [("--q", &a.q, &q), ("--k", &a.k, &k), ("--v", &a.v, &v)] {
-        check_fits(flag, path, x, dtype)?;
+    check_fits("--q", &a.q, &q, dtype)?;
+    check_fits("--k", &a.k, &k, dtype)?;
+    if let Some(path) = &a.v {
+        check_fits("--v", path, &v, dtype)?;
     }
     // Per layout: (batch, heads, seq, head_dim).
     let split = |d: [usize; 4]| match layout {
@@ -241,6 +258,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     let mut p = Problem::new(b, h, sq, sk, dq)
         .with_kv_heads(hk)
         .with_head_dim_v(dv)
+        .with_v_in_k(a.v_in_k.is_some())
         .with_causal(a.causal)
         .with_dtype(dtype)
         .with_layout(layout)
@@ -322,7 +340,9 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                 DType::E4m3 => Tensor::quantize_f32(dev, x, shapes[i], scaling),
                 _ => Tensor::from_f32(dev, dtype, x),
             };
-            let (qt, kt, vt) = (up(&q, 0)?, up(&k, 1)?, up(&v, 2)?);
+            let (qt, kt) = (up(&q, 0)?, up(&k, 1)?);
+            // V read from K's rows is K itself.
+            let vt = if p.v_in_k { None } else { Some(up(&v, 2)?) };
             let mut ot = Tensor::poisoned(dev, od, out_len)?;
             let mut bufs = sdpa_harness::check::ExtraBuffers::new(
                 dev,
@@ -333,7 +353,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
             let t = sdpa::Tensors {
                 q: &qt,
                 k: &kt,
-                v: &vt,
+                v: vt.as_ref().unwrap_or(&kt),
                 out: &mut ot,
             };
             sdpa::forward(dev, &p, backend, t, bufs.extras())?;

@@ -98,6 +98,52 @@ fn run_matches_the_reference_with_v_of(dv: usize) {
     }
 }
 
+/// `run --v-in-k N`: V is the first N columns of K's rows (MLA's latent cache), no V file; the
+/// output is the reference's with V materialized as those columns, and `--v` with it is refused.
+#[test]
+fn run_reads_v_from_k_rows() {
+    let (b, h, sq, sk, d, dv) = (2, 8, 2, 40, 64, 48);
+    let (q, k) = (values(b * h * sq * d, 7), values(b * sk * d, 8));
+    let v: Vec<f32> = k.chunks(d).flat_map(|row| row[..dv].to_vec()).collect();
+    let paths = [tmp("lq.npy"), tmp("lk.npy"), tmp("lo.npy"), tmp("lv.npy")];
+    write_npy(&paths[0], &q, &[b as u64, h as u64, sq as u64, d as u64]);
+    write_npy(&paths[1], &k, &[b as u64, 1, sk as u64, d as u64]);
+    write_npy(&paths[3], &v, &[b as u64, 1, sk as u64, dv as u64]);
+    let (q_arg, k_arg) = (paths[0].to_str().unwrap(), paths[1].to_str().unwrap());
+    let out = sdpa()
+        .args(["run", "--backend", "cpu", "--causal", "--dtype", "bf16"])
+        .args(["--q", q_arg, "--k", k_arg, "--v-in-k", &dv.to_string()])
+        .args(["--out", paths[2].to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let bytes = std::fs::read(&paths[2]).unwrap();
+    let npy = npyz::NpyFile::new(&bytes[..]).unwrap();
+    assert_eq!(npy.shape(), &[b as u64, h as u64, sq as u64, dv as u64]);
+    let got: Vec<f32> = npy.into_vec().unwrap();
+    let p = sdpa::Problem::new(b, h, sq, sk, d)
+        .with_kv_heads(1)
+        .with_head_dim_v(dv)
+        .with_causal(true);
+    let round = |x: &[f32]| sdpa::decode(sdpa::DType::Bf16, &sdpa::encode(sdpa::DType::Bf16, x));
+    let want = sdpa::reference(&p, &round(&q), &round(&k), &round(&v)).unwrap();
+    for (g, w) in got.iter().zip(&want) {
+        assert!((f64::from(*g) - w).abs() < 1e-6, "{g} vs {w}");
+    }
+    let both = sdpa()
+        .args(["run", "--backend", "cpu", "--q", q_arg, "--k", k_arg])
+        .args([
+            "--v",
+            paths[3].to_str().unwrap(),
+            "--v-in-k",
+            &dv.to_string(),
+        ])
+        .args(["--out", paths[2].to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!both.status.success());
+}
+
 /// `run` with a sliding window, softcap, ALiBi slopes from a file and the log-sum-exp written to
 /// one: what the library's reference gives on the same rounded inputs.
 #[test]
