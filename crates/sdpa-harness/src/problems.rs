@@ -341,6 +341,9 @@ mod tests {
         assert!(p.is_causal());
         let visible = 4096.0 * 4097.0 / 2.0;
         assert_eq!(p.flops(), 2.0 * 128.0 * visible * (192.0 + 128.0));
+        // K/V bytes: K's 192 columns and V's 128, two bytes each.
+        let bytes = crate::check::kv_bytes(&p, None);
+        assert_eq!(bytes, (4096 * 128 * (192 + 128) * 2) as f64);
     }
 
     #[test]
