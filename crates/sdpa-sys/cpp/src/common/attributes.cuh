@@ -13,11 +13,12 @@
 namespace sdpa {
 
 // `kernels` = {non-causal, causal} or {non-causal, causal, band} (the general path of the
-// kernels that have one: windows, top-left causal, softcap, ALiBi); `dynamic_smem` = bytes the
+// kernels that have one: windows, top-left causal, softcap, ALiBi); `dynamic_smem` = bytes each
 // launch requests (cudaFuncGetAttributes only knows static shared memory).
 template <int N>
 void push_attributes(std::vector<KernelAttr>& out, const char* backend, const char* dtype,
-                     int head_dim, const void* const (&kernels)[N], int32_t dynamic_smem) {
+                     int head_dim, const void* const (&kernels)[N],
+                     const int32_t (&dynamic_smem)[N]) {
   static_assert(N == 2 || N == 3);
   constexpr const char* kSuffix[3] = {"", "_causal", "_band"};
   for (int i = 0; i < N; ++i) {
@@ -25,9 +26,18 @@ void push_attributes(std::vector<KernelAttr>& out, const char* backend, const ch
     SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernels[i]));
     out.push_back({backend,
                    std::string("fwd_") + dtype + "_d" + std::to_string(head_dim) + kSuffix[i],
-                   fa.numRegs, int32_t(fa.sharedSizeBytes), dynamic_smem,
+                   fa.numRegs, int32_t(fa.sharedSizeBytes), dynamic_smem[i],
                    int32_t(fa.localSizeBytes), fa.maxThreadsPerBlock});
   }
+}
+
+// Kernels that all request the same dynamic shared memory.
+template <int N>
+void push_attributes(std::vector<KernelAttr>& out, const char* backend, const char* dtype,
+                     int head_dim, const void* const (&kernels)[N], int32_t dynamic_smem) {
+  int32_t smem[N];
+  for (int i = 0; i < N; ++i) smem[i] = dynamic_smem;
+  push_attributes(out, backend, dtype, head_dim, kernels, smem);
 }
 
 }  // namespace sdpa

@@ -69,9 +69,9 @@ struct Consumer {
   // into exp2 scores; once P·V is done its V stage is released and P_n is written over P_{n-1}.
   // Every wgmma sits on an unconditional path of its round: wgmmas under a branch make ptxas
   // serialize them. With turns, each warpgroup waits for its turn barrier before a round's
-  // wgmmas and hands the turn over after issuing them; warpgroup 0 goes first, warpgroup 1
-  // pre-arrives once per tile and skips its very last hand-over, so both barriers see matched
-  // counts.
+  // wgmmas and hands the turn to the next (a ring: 0, 1, 0, ... or 0, 1, 2, 0, ...) after issuing
+  // them; warpgroup 0 goes first, the last warpgroup pre-arrives on 0's barrier once per tile and
+  // skips its very last hand-over, so every barrier sees matched counts.
   template <class Ops, class TO, class Softmax>
   __device__ __forceinline__ static void mma(const Params& p, typename C::Smem& sm, const Ops& ops,
                                              int m0, const KeyTiles& kt, int& it, int qi, TO& tOrO,
@@ -171,7 +171,9 @@ struct Consumer {
       T::v_ring(sm).wait(i, use, K::checked_uses(kt), v_phase);
     };
 
-    if (wg == 1) turn_arrive(0);
+    constexpr int kLast = C::kWG - 1;
+    const int next = wg == kLast ? 0 : wg + 1;  // whose turn follows this warpgroup's
+    if (wg == kLast) turn_arrive(0);
     T::q_slot(sm).wait(qi);
 
     // Round 0.
@@ -183,7 +185,7 @@ struct Consumer {
       warpgroup_arrive();
       issue_s(k.stage());
       warpgroup_commit_batch();
-      turn_arrive(wg ^ 1);
+      turn_arrive(next);
       warpgroup_wait<0>();
       fence_all();
       T::k_ring(sm).release(k);
@@ -208,7 +210,7 @@ struct Consumer {
       warpgroup_arrive();
       issue_pv(v.stage());
       warpgroup_commit_batch();
-      turn_arrive(wg ^ 1);
+      turn_arrive(next);
       warpgroup_wait<1>();  // S_n done; P_{n-1}·V_{n-1} may still run
       warpgroup_fence_operand(tSrS);
       T::k_ring(sm).release(k);
@@ -231,7 +233,7 @@ struct Consumer {
       warpgroup_arrive();
       issue_pv(v.stage());
       warpgroup_commit_batch();
-      if (wg == 0) turn_arrive(1);
+      if (wg != kLast) turn_arrive(next);
       warpgroup_wait<0>();
       fence_all();
       T::v_ring(sm).ring.release(v);

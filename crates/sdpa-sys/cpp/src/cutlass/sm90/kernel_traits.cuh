@@ -16,9 +16,9 @@ namespace sdpa::cutlass_sm90 {
 // Named barriers (0 is __syncthreads).
 enum NamedBarrier : int {
   kTurnBarrier = 1,      // + w: consumer warpgroup w may issue (turns)
-  kEpilogueBarrier = 3,  // + w: warpgroup w's output staging
-  kCheckBarrier = 5,     // the producer's spare warps (non-finite V check)
-  kStagingBarrier = 6,   // kAliasO: both consumer warpgroups are done reading Q
+  kEpilogueBarrier = 4,  // + w: warpgroup w's output staging
+  kCheckBarrier = 7,     // the producer's spare warps (non-finite V check)
+  kStagingBarrier = 8,   // kAliasO: every consumer warpgroup is done reading Q
 };
 
 template <class E, int D, class Mask>
@@ -40,10 +40,13 @@ struct KernelTraits {
   using Seqs = std::conditional_t<kBand, VarSeqs<kLog2BN>, DenseSeqs>;
 
   // Whether the masked (causal, band) 16-bit kernels walk the tile feed (a persistent grid where
-  // there is a counter): up to D = 128. At D = 192 and 256 the producer's TMA thread, which
-  // issues three or four copies a tile, has no registers left for the walk (ptxas spills), and
-  // the e4m3 kernels keep their one tile a CTA: they run one tile a CTA.
-  static constexpr bool kFeed = Mask::kMasksKeys && !E::kFp8 && D <= 128;
+  // there is a counter): up to D = 128, with two consumer warpgroups. At D = 192 and 256 the
+  // producer's TMA thread, which issues three or four copies a tile, has no registers left for
+  // the walk (ptxas spills); with three consumer warpgroups the feed's 48 producer registers
+  // leave a consumer 152, where the causal kernel spills and runs slower than on one tile a CTA
+  // (measured: docs/log/2026-11-notebook.md, "three consumer warpgroups"); and the e4m3 kernels
+  // keep their one tile a CTA: they run one tile a CTA.
+  static constexpr bool kFeed = Mask::kMasksKeys && !E::kFp8 && D <= 128 && C::kWG == 2;
   // Whether a CTA runs one work tile only: the masked kernels without the feed. The unmasked
   // kernel walks its tiles statically (a persistent grid).
   static constexpr bool kOneTile = Mask::kMasksKeys && !kFeed;

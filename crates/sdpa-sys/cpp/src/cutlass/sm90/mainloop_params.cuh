@@ -22,7 +22,7 @@ struct MainloopParams {
   typename C::TmaV tma_v;
   int seq_q, seq_k, heads, kv_heads, batch;
   float scale_log2;  // scale * log2(e)
-  int turns;         // 1: the two consumers take turns issuing (C::kPingPong)
+  int turns;         // 1: the consumers take turns issuing (C::kPingPong)
   FastDiv div_group;
   // E4M3 only: dequantization scales, one per tensor or one per (batch, head) (per_head).
   const float *q_scale, *k_scale, *v_scale;

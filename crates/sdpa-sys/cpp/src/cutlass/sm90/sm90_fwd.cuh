@@ -1,5 +1,5 @@
 // CUTLASS/CuTe backend for sm_90a (Hopper): FlashAttention-2 style forward on wgmma, with Q, K
-// and V brought into swizzled shared memory by TMA; a TMA producer warpgroup and one or two
+// and V brought into swizzled shared memory by TMA; a TMA producer warpgroup and one to three
 // consumer warpgroups of 64 query rows on a ring of K/V stages; e4m3 inputs on the same kernel
 // (S on e4m3 wgmma; P·V on f16, or in fast mode on e4m3). The kernel is role dispatch over its
 // collectives:
@@ -40,11 +40,11 @@
 // registers to the consumers (setmaxnreg: 24 a producer thread, 240 a consumer thread, which is
 // what 2 x 128 x (240 - 168) = 128 x (168 - 24) allows from the 168 x 384 the CTA launches with;
 // more makes the consumers' setmaxnreg wait forever; the band kernel's producer, which also
-// looks up a paged cache's block table, and the kernels on the tile feed keep 40 or 48:
-// kProducerRegs); and values the compiler would otherwise hoist out of the tile loops and hold
-// across the main loop (addresses, coordinates, the grid stride) are recomputed from an opaque copy
-// of their input (`asm volatile("" : "+r"(x))`), which keeps the producer within 24 registers and
-// the consumers free of spills.
+// looks up a paged cache's block table, and the kernels on the tile feed keep 40 or 48; three
+// consumer warpgroups share what 128 x 512 leaves: kConsumerRegs); and values the compiler would
+// otherwise hoist out of the tile loops and hold across the main loop (addresses, coordinates, the
+// grid stride) are recomputed from an opaque copy of their input (`asm volatile("" : "+r"(x))`),
+// which keeps the producer within 24 registers and the consumers free of spills.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -103,12 +103,15 @@ struct FwdCollectives {
   using Params = KernelParams<E, D, Mask>;
 
   // Registers of a producer and of a consumer thread (see the top of this file). Kernels on the
-  // tile feed (masked, 16-bit, D <= 128) walk it in the producer's TMA thread: 48 and 224. The
-  // band kernel's producer also reads a paged cache's block table: 40 at D >= 192, where its
-  // consumers need 232 (more of O to hold).
+  // tile feed (masked, 16-bit, D <= 128) walk it in the producer's TMA thread: 48. The band
+  // kernel's producer also reads a paged cache's block table: 40. The consumers take what the
+  // producer gives up, shared among them, up to 240: with two consumer warpgroups 224, 232 or
+  // 240, with three 152 or 160.
+  static constexpr int kLaunchRegs = 65536 / Traits::C::kThreads / 8 * 8;
   static constexpr int kProducerRegs = Traits::kFeed ? 48 : Traits::kBand ? 40 : 24;
-  static constexpr int kConsumerRegs = Traits::kFeed ? 224 : Traits::kBand ? 232 : 240;
-  static_assert(2 * (kConsumerRegs - 168) <= 168 - kProducerRegs,
+  static constexpr int kConsumerRegs =
+      std::min(240, (kLaunchRegs + (kLaunchRegs - kProducerRegs) / Traits::C::kWG) / 8 * 8);
+  static_assert(Traits::C::kWG * (kConsumerRegs - kLaunchRegs) <= kLaunchRegs - kProducerRegs,
                 "the consumers' setmaxnreg would wait forever");
 };
 
@@ -201,7 +204,7 @@ __device__ __forceinline__ void fwd_body(const typename K::Params& p) {
   cutlass::arch::warpgroup_reg_alloc<uint32_t(K::kConsumerRegs)>();
   const int ctid = tid - 128;       // 0 .. consumers - 1
   const int wg = ctid / 128;        // this consumer warpgroup: rows [64 wg, 64 wg + 64)
-  const int bm = 64 * p.sched.wgs;  // query rows per tile (the Q buffer always holds BM = 128)
+  const int bm = 64 * p.sched.wgs;  // query rows per tile (the Q buffer always holds BM)
   typename C::MmaPV mma_pv;
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<C::kBM>, Int<C::kDV>>{});
   Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
@@ -294,15 +297,16 @@ template <class E, int D, class Mask>
 KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   using Sched = TileScheduler<Mask::kMasksKeys>;
   KernelParams<E, D, Mask> p{};
-  p.sched = Sched::make(a.dims.seq_q, a.dims.heads, a.dims.batch, sms, a.seqs.total_q,
-                        device_ptr<const int32_t>(a.seqs.cu_seqlens_q));
+  p.sched = Sched::make(a.dims.seq_q, a.dims.heads, a.dims.batch, sms, TileConfig<E, D>::kWG,
+                        a.seqs.total_q, device_ptr<const int32_t>(a.seqs.cu_seqlens_q));
   // A kernel on the feed is persistent where the caller gave a tile counter (tile_feed.cuh).
   if constexpr (KernelTraits<E, D, Mask>::kFeed)
     p.sched.counter = forced_ctas() < 0 ? nullptr : device_ptr<int32_t>(a.scratch.tile_counter);
   // Non-masked grids are persistent past one wave (Sched::grid_size), as are those on the feed
   // with a counter; turns only pay where every CTA runs a single tile.
-  const bool turns = p.sched.wgs == 2 && ((Mask::kMasksKeys && p.sched.counter == nullptr) ||
-                                          p.sched.tiles <= persistent_ctas(p.sched, sms));
+  const bool turns = p.sched.wgs == TileConfig<E, D>::kWG && p.sched.wgs > 1 &&
+                     ((Mask::kMasksKeys && p.sched.counter == nullptr) ||
+                      p.sched.tiles <= persistent_ctas(p.sched, sms));
   // E4M3 with the pre-pass: V is its copy in the workspace (v_prepass.cuh).
   const void* v = device_ptr<const void>(E::kPrepass ? a.scratch.workspace : a.ops.v);
   const Strides vs = E::kPrepass && !E::kFp8PV ? packed_v_strides(a) : a.ops.v_stride;
@@ -427,6 +431,10 @@ std::string band_limits(const FwdArgs& a) {
 // applies only where it fits too: small_forward.)
 template <class E, int D>
 std::string can_implement_elems(const FwdArgs& a, const DeviceInfo& dev) {
+  // The general path runs on the band kernel's element types.
+  if constexpr (!std::is_same_v<BandElems<E, D>, E> && !E::kFp8 && !E::kF32Out)
+    if (narrowed<E, D>(a) || mask::needs_band(a))
+      return can_implement_elems<BandElems<E, D>, D>(a, dev);
   return limits::first({band_limits<E, D>(a), int_limits<E, D>(a), tma_limits<E, D>(a),
                         sm90_only(dev), limits::smem_per_block(dev, TileConfig<E, D>::kSmemBytes)});
 }
@@ -468,7 +476,13 @@ void forward_elems(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream)
   if ((a.mods.alibi && !a.mods.alibi_slopes) || (a.mods.sinks && !a.mods.sink_logits) ||
       (a.out.has_lse && !a.out.lse))
     throw Error("cutlass-sm90: the ALiBi slopes, the sinks or the log-sum-exp buffer is missing");
-  const auto run = [&](auto m) { launch<E, D, decltype(m)>(a, dev, stream); };
+  const auto run = [&](auto m) {
+    using M = decltype(m);
+    if constexpr (mask::kIsBand<M>)
+      launch<BandElems<E, D>, D, M>(a, dev, stream);
+    else
+      launch<E, D, M>(a, dev, stream);
+  };
   if constexpr (E::kFp8 || E::kF32Out)
     mask::dispatch_mask(a.mask.kind, int(a.dims.seq_q), int(a.dims.seq_k), run);
   else
@@ -554,9 +568,12 @@ void push_elems_attributes(std::vector<KernelAttr>& out, const char* name) {
     const void* const fns[2] = {fn(mask::NoMask<int>{}), fn(mask::CausalBottomRight<int>{})};
     push_attributes(out, "cutlass-sm90", name, D, fns, TileConfig<E, D>::kSmemBytes);
   } else {
+    using B = BandElems<E, D>;
     const void* const fns[3] = {fn(mask::NoMask<int>{}), fn(mask::CausalBottomRight<int>{}),
-                                fn(mask::Band<int>{})};
-    push_attributes(out, "cutlass-sm90", name, D, fns, TileConfig<E, D>::kSmemBytes);
+                                reinterpret_cast<const void*>(fwd_kernel<B, D, mask::Band<int>>)};
+    const int32_t smem[3] = {TileConfig<E, D>::kSmemBytes, TileConfig<E, D>::kSmemBytes,
+                             TileConfig<B, D>::kSmemBytes};
+    push_attributes(out, "cutlass-sm90", name, D, fns, smem);
   }
 }
 

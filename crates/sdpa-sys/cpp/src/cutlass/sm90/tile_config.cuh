@@ -33,9 +33,14 @@ using namespace cute;
 
 // The tuning table: every choice that depends on the head dim, in one place. A head dim without
 // an entry does not compile; adding one is an entry here and a line in cpp/kernels.txt.
+//   kWGs         consumer warpgroups of 64 query rows each (tiles of 64 kWGs rows). D = 64
+//                16-bit: three, as FA3 and fa4 run it: there the exponentials (MUFU) take as long
+//                as the wgmmas, and a third softmax in flight keeps the SFU busier (measured:
+//                docs/log/2026-11-notebook.md, "three consumer warpgroups"). The registers left
+//                a consumer follow from it (FwdCollectives).
 //   kStages      K/V ring depth. D = 128 f16/bf16: Q 32 + O 32 + 2 x (K 32 + V 32) = 192 KB, a
 //                third stage does not fit; e4m3 at D = 128: Q 16 + O 32 + 3 x (K 16 + V 32).
-//   kPingPong    whether the two consumer warpgroups may take turns issuing (Params::turns
+//   kPingPong    whether the consumer warpgroups may take turns issuing (Params::turns
 //                decides per launch). At D = 128 the turns cost more than the ordering gains
 //                on the problems that matter, so they are compiled out (measured:
 //                docs/log/2026-11-perf-history.md, "Next to FlashAttention-4").
@@ -56,6 +61,7 @@ template <int D, bool kFp8>
 struct Tuning;
 template <bool kFp8>
 struct Tuning<64, kFp8> {
+  static constexpr int kWGs = kFp8 ? 2 : 3;
   static constexpr int kStages = 3;
   static constexpr bool kPingPong = true;
   static constexpr bool kOneExpLoop = false;
@@ -65,6 +71,7 @@ struct Tuning<64, kFp8> {
 };
 template <bool kFp8>
 struct Tuning<128, kFp8> {
+  static constexpr int kWGs = 2;
   static constexpr int kStages = kFp8 ? 3 : 2;
   static constexpr bool kPingPong = false;
   static constexpr bool kOneExpLoop = true;
@@ -74,6 +81,7 @@ struct Tuning<128, kFp8> {
 };
 template <bool kFp8>
 struct Tuning<192, kFp8> {
+  static constexpr int kWGs = 2;
   static constexpr int kStages = 2;
   static constexpr bool kPingPong = false;
   static constexpr bool kOneExpLoop = true;
@@ -83,6 +91,7 @@ struct Tuning<192, kFp8> {
 };
 template <bool kFp8>
 struct Tuning<256, kFp8> {
+  static constexpr int kWGs = 2;
   static constexpr int kStages = 2;
   static constexpr bool kPingPong = false;
   static constexpr bool kOneExpLoop = true;
@@ -97,15 +106,19 @@ struct Tuning<256, kFp8> {
 // a partial result that is merged before it is rounded; Out then only sizes the unused
 // staging area, so the shared-memory layout is Same<T>'s); e4m3 runs P·V in f16 (E4m3,
 // accurate mode) or in e4m3 (E4m3Fast, fast mode). kDV_: V's and O's head dim where it is
-// narrower than Q's and K's (SameDV; 0: the same), which their tiles then take.
+// narrower than Q's and K's (SameDV; 0: the same), which their tiles then take. kWGs_: consumer
+// warpgroups other than the tuning table's (0: the table's; WithWGs).
 template <typename QK_, typename PV_, typename Out_, bool kConvertV_ = false, bool kF32Out_ = false,
-          int kDV_ = 0>
+          int kDV_ = 0, int kWGs_ = 0>
 struct Elems {
   using QK = QK_;
   using PV = PV_;
   using Out = Out_;
   static constexpr bool kF32Out = kF32Out_;
   static constexpr int kDV = kDV_;
+  static constexpr int kWGs = kWGs_;
+  template <int W>
+  using WithWGs = Elems<QK_, PV_, Out_, kConvertV_, kF32Out_, kDV_, W>;
   // E4M3: dequantization scales, and V converted to PV either by a pre-pass the attention grid
   // overlaps (kPrepass: programmatic launch, the grid waits before its first V load instead of
   // at the start), or in shared memory by the producer warpgroup's spare warps (kConvertV).
@@ -176,7 +189,8 @@ struct TileConfig {
   using PV = typename E::PV;
   using Out = typename E::Out;
   using Tune = Tuning<D, E::kFp8>;
-  static constexpr int kWG = 2;  // consumer warpgroups at most, each 64 query rows
+  // Consumer warpgroups at most, each 64 query rows.
+  static constexpr int kWG = E::kWGs > 0 ? E::kWGs : Tune::kWGs;
   static constexpr int kThreads = 128 * (kWG + 1);  // + the producer warpgroup
   static constexpr int kBM = 64 * kWG;
   static constexpr int kBN = Tune::kBN;
@@ -310,6 +324,14 @@ struct TileConfig {
   static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit");
 };
+
+// The element types the band kernel (the general path) of E runs on: E, with two consumer
+// warpgroups where the table gives more. Its short rows (windows, varlen) want the tile feed's
+// persistent grid, whose producer registers two warpgroups afford, and its mask and mods more
+// registers than three leave a consumer.
+template <class E, int D>
+using BandElems =
+    std::conditional_t<TileConfig<E, D>::kWG == 2, E, typename E::template WithWGs<2>>;
 
 // Aligns the dynamic shared memory base up to 1024 bytes.
 template <class Smem>

@@ -36,12 +36,14 @@ struct TileScheduler {
   // 32-bit tile numbers: can_implement (sm90_fwd.cuh) keeps ceil(seq_q / 128) x batch x heads
   // <= 2^30 (tiles, and t + gridDim.x in the tile loops).
   struct Params {
-    int wgs;       // consumer warpgroups in this launch (1 or 2); tiles of 64 * wgs rows
+    int wgs;       // consumer warpgroups in this launch (1, or the kernel's 2 or 3); tiles of
+                   // 64 * wgs rows
     int m_blocks;  // query tiles per (batch, head)
     int tiles;     // m_blocks * heads * batch
     int heads;
     int tail_bh;  // kVaries: the first (batch, head) pair of the interleaved tail group
     FastDiv div_m_blocks, div_heads, div_tail;  // div_tail: by bh - tail_bh
+    FastDiv div_rows;                           // by the tile's rows, 64 * wgs
     const int32_t* cu_q;                        // packed Q: cu_seqlens_q (else null)
     int batch;                                  // packed Q: the sequences
     // kVaries: the counter a persistent grid hands tiles out with (tile_feed.cuh); null: one
@@ -49,27 +51,24 @@ struct TileScheduler {
     int32_t* counter;
   };
 
-  // 64-row tiles when 128-row tiles would leave more than half the SMs idle: twice the CTAs to
-  // spread a small problem's latency over (measured: docs/log/2026-11-notebook.md, the sm90
-  // tuning log). Where one head's heaviest tile would overrun the rest of the work by more than
-  // 0.12 of an SM's share (in per-head order it starts when about one head's work, m_blocks^2 / 2
-  // tiles, is left to all SMs, and overruns the rest by about m_blocks - m_blocks^2 / (2 sms),
-  // against bh m_blocks^2 / (2 sms) per SM in all), the last `tail` heads are interleaved, just
-  // enough of them that their work per SM outlasts the heaviest tile twice:
-  // tail m_blocks^2 / 2 >= 2 sms m_blocks. Below that threshold the interleaved heads' K/V crowd
-  // L2 and cost more than the overrun they save (the threshold and the tail's size: measured,
-  // the same log).
-  static Params make(int64_t seq_q, int64_t heads, int64_t batch, int sms) {
-    return make(seq_q, heads, batch, sms, 0, nullptr);
-  }
-  // total_q > 0: packed Q with offsets cu_q.
-  static Params make(int64_t seq_q, int64_t heads, int64_t batch, int sms, int64_t total_q,
-                     const int32_t* cu_q) {
+  // 64-row tiles when tiles of the kernel's rows (64 * max_wgs) would leave more than half the
+  // SMs idle: more CTAs to spread a small problem's latency over (measured:
+  // docs/log/2026-11-notebook.md, the sm90 tuning log). Where one head's heaviest tile would
+  // overrun the rest of the work by more than 0.12 of an SM's share (in per-head order it starts
+  // when about one head's work, m_blocks^2 / 2 tiles, is left to all SMs, and overruns the rest by
+  // about m_blocks - m_blocks^2 / (2 sms), against bh m_blocks^2 / (2 sms) per SM in all), the last
+  // `tail` heads are interleaved, just enough of them that their work per SM outlasts the heaviest
+  // tile twice: tail m_blocks^2 / 2 >= 2 sms m_blocks. Below that threshold the interleaved heads'
+  // K/V crowd L2 and cost more than the overrun they save (the threshold and the tail's size:
+  // measured, the same log). total_q > 0: packed Q with offsets cu_q.
+  static Params make(int64_t seq_q, int64_t heads, int64_t batch, int sms, int max_wgs,
+                     int64_t total_q, const int32_t* cu_q) {
     Params p{};
     const int bh = int(heads * batch);
+    const int max_rows = 64 * max_wgs;
     if (kVaries && total_q > 0) {
       const auto tiles_of = [&](int rows) { return int((total_q + rows - 1) / rows + batch); };
-      p.wgs = 2 * tiles_of(128) * heads <= sms ? 1 : 2;
+      p.wgs = 2 * tiles_of(max_rows) * heads <= sms ? 1 : max_wgs;
       p.m_blocks = tiles_of(64 * p.wgs);  // tiles a head, at most
       p.tiles = p.m_blocks * int(heads);
       p.heads = int(heads);
@@ -77,12 +76,13 @@ struct TileScheduler {
       p.div_m_blocks = FastDiv(p.m_blocks);
       p.div_heads = FastDiv(p.heads);
       p.div_tail = FastDiv(1);
+      p.div_rows = FastDiv(64 * p.wgs);
       p.cu_q = cu_q;
       p.batch = int(batch);
       return p;
     }
-    const int tiles128 = int((seq_q + 127) / 128) * bh;
-    p.wgs = 2 * tiles128 <= sms ? 1 : 2;
+    const int tiles_max = int((seq_q + max_rows - 1) / max_rows) * bh;
+    p.wgs = 2 * tiles_max <= sms ? 1 : max_wgs;
     p.m_blocks = int((seq_q + 64 * p.wgs - 1) / (64 * p.wgs));
     p.tiles = p.m_blocks * bh;
     p.heads = int(heads);
@@ -96,6 +96,7 @@ struct TileScheduler {
     p.div_m_blocks = FastDiv(p.m_blocks);
     p.div_heads = FastDiv(p.heads);
     p.div_tail = FastDiv(std::max(1, tail));
+    p.div_rows = FastDiv(64 * p.wgs);
     return p;
   }
 
@@ -125,11 +126,10 @@ struct TileScheduler {
   // Packed Q: tile r of head h is the sequence's tile its running count of tiles reaches.
   __device__ __forceinline__ static WorkTile decode_packed(const Params& p, int t) {
     const int r = p.div_heads.div(t), h = t - r * p.heads;
-    const int shift = p.wgs == 1 ? 6 : 7;  // log2 of the tile's rows
     int seen = 0, start = __ldg(p.cu_q);
     for (int b = 0; b < p.batch; ++b) {
       const int end = __ldg(p.cu_q + b + 1);
-      const int n = (end - start + (1 << shift) - 1) >> shift;
+      const int n = p.div_rows.div(end - start + p.div_rows.d - 1);
       if (r < seen + n) return {seen + n - 1 - r, h, b};
       seen += n;
       start = end;
