@@ -303,9 +303,11 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   if constexpr (KernelTraits<E, D, Mask>::kFeed)
     p.sched.counter = forced_ctas() < 0 ? nullptr : device_ptr<int32_t>(a.scratch.tile_counter);
   // Non-masked grids are persistent past one wave (Sched::grid_size), as are those on the feed
-  // with a counter; turns only pay where every CTA runs a single tile.
-  const bool turns = p.sched.wgs == TileConfig<E, D>::kWG && p.sched.wgs > 1 &&
-                     ((Mask::kMasksKeys && p.sched.counter == nullptr) ||
+  // with a counter; two warpgroups' turns only pay where every CTA runs a single tile, three's
+  // on every grid.
+  constexpr int kWG = TileConfig<E, D>::kWG;
+  const bool turns = p.sched.wgs == kWG && kWG > 1 &&
+                     (kWG == 3 || (Mask::kMasksKeys && p.sched.counter == nullptr) ||
                       p.sched.tiles <= persistent_ctas(p.sched, sms));
   // E4M3 with the pre-pass: V is its copy in the workspace (v_prepass.cuh).
   const void* v = device_ptr<const void>(E::kPrepass ? a.scratch.workspace : a.ops.v);
