@@ -24,10 +24,12 @@ against torch's float32 SDPA on the dequantized inputs), max_rel (max |O - ref| 
 cudnn (backend version), frontend (its version), device.
 Exit status: 2 if the frontend cannot be loaded, 1 if any shape could not be built or run.
 """
-import argparse, glob, json, math, os, statistics, sys, traceback
+import argparse, glob, json, math, os, sys, traceback
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
+
+from anchor_timing import time_events
 
 SHAPES = {  # name: (batch, heads, seq, head_dim, causal), as in shared/anchors/sdpa_anchor.py
     "mission": (2, 8, 256, 64, False),
@@ -148,20 +150,6 @@ class Fp8Sdpa:
 
     def __call__(self):
         self.graph.execute(self.pack, self.ws, handle=self.handle)
-
-
-def time_events(fn, calls, rounds):
-    """Median us per call: `calls` calls back to back between two CUDA events, `rounds` times."""
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(rounds):
-        s.record()
-        for _ in range(calls):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / calls)
-    return statistics.median(ts)
 
 
 def time_graph(op, calls, rounds):

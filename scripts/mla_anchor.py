@@ -24,8 +24,10 @@ max_err (max |out - ref| on the first 2 sequences against a float32 torch refere
 it over max |ref|).
 A backend that fails to import or run prints why and the others go on; exit 0 if any ran.
 """
-import argparse, inspect, json, math, statistics, sys, traceback
+import argparse, inspect, json, math, sys, traceback
 import torch
+
+from anchor_timing import time_events
 
 H_Q, D_QK, D_V, PAGE = 128, 576, 512, 64
 PROBLEMS = {  # name: (batch, seq_k)
@@ -58,17 +60,9 @@ def time_graph(fn, replays, rounds):
     for _ in range(10):
         g.replay()
     torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(rounds):
-        s.record()
-        for _ in range(replays):
-            g.replay()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / replays)
+    us = time_events(g.replay, replays, rounds)
     del g
-    return statistics.median(ts)
+    return us
 
 
 def time_plain(fn, calls, rounds):
@@ -76,16 +70,7 @@ def time_plain(fn, calls, rounds):
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(rounds):
-        s.record()
-        for _ in range(calls):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / calls)
-    return statistics.median(ts)
+    return time_events(fn, calls, rounds)
 
 
 class Inputs:

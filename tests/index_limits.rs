@@ -154,21 +154,31 @@ fn wmma_key_tile_offsets() {
 
 #[test]
 fn cutlass_sequence_lengths() {
-    let at = INT_MAX - 127;
-    for b in [Backend::CutlassSm80, Backend::Cutlass] {
+    // Rows and keys are indexed up to a tile past the end: 2^31 less the kernel's largest tile
+    // (cutlass at D = 64 takes 192 query rows on three consumer warpgroups). One query against
+    // many keys is a decode step, whose kernel's tile is 128: the 192-row kernel's key limit is
+    // checked with a tile of queries.
+    for (b, d, tile, queries) in [
+        (Backend::CutlassSm80, 64, 128, 1),
+        (Backend::Cutlass, 128, 128, 1),
+        (Backend::Cutlass, 64, 192, 64),
+    ] {
+        let at = INT_MAX - (tile - 1);
+        let limit = format!("2^31 - {tile}");
         rejects(
             b,
-            &Problem::new(1, 1, at + 1, 1, 64),
-            &["seq_q = 2147483521", "2^31 - 128"],
+            &Problem::new(1, 1, at + 1, 1, d),
+            &[&format!("seq_q = {}", at + 1), &limit],
         );
         rejects(
             b,
-            &Problem::new(1, 1, 1, at + 1, 64),
-            &["seq_k = 2147483521", "2^31 - 128"],
+            &Problem::new(1, 1, queries, at + 1, d),
+            &[&format!("seq_k = {}", at + 1), &limit],
         );
-        passes(b, &Problem::new(1, 1, at, at, 64));
+        passes(b, &Problem::new(1, 1, at, at, d));
     }
     // Scalar holds rows and keys in 64 bits.
+    let at = INT_MAX - 127;
     passes(Backend::Scalar, &Problem::new(1, 1, at + 1, at + 1, 64));
 }
 

@@ -702,6 +702,11 @@ fn named_backends(list: &[KernelLine], value: &str) -> Vec<String> {
             all.join(", ")
         ));
     }
+    // cutlass's instances hand decode steps and FP8 K/V caches to cutlass-sm80's (as the sm90
+    // feature brings both): it does not link without them.
+    if built.iter().any(|b| b == "cutlass") && !built.iter().any(|b| b == "cutlass-sm80") {
+        built.push("cutlass-sm80".to_string());
+    }
     built
 }
 

@@ -12,7 +12,7 @@
 namespace sdpa::cutlass_sm90 {
 
 // 32-bit sizes, rows and keys (offsets are 64-bit): can_implement (sm90_fwd.cuh) keeps seq_q,
-// seq_k <= 2^31 - 128 (row and key indices reach a tile past the end) and masked seq_q + seq_k
+// seq_k <= 2^31 - the tile (row and key indices reach a tile past the end) and masked seq_q + seq_k
 // <= 2^31 - 1 (the producer's diagonal).
 template <class E, int D>
 struct MainloopParams {
