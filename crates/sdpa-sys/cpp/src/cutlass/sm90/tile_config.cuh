@@ -33,11 +33,11 @@ using namespace cute;
 
 // The tuning table: every choice that depends on the head dim, in one place. A head dim without
 // an entry does not compile; adding one is an entry here and a line in cpp/kernels.txt.
-//   kWGs         consumer warpgroups of 64 query rows each (tiles of 64 kWGs rows). D = 64
-//                16-bit: three, as FA3 and fa4 run it: there the exponentials (MUFU) take as long
-//                as the wgmmas, and a third softmax in flight keeps the SFU busier (measured:
-//                docs/log/2026-11-notebook.md, "three consumer warpgroups"). The registers left
-//                a consumer follow from it (FwdCollectives).
+//   kWGs         consumer warpgroups of 64 query rows each (tiles of 64 kWGs rows). D = 64:
+//                three, as FA3 and fa4 run it (e4m3 fast mode keeps two: E4m3Fast): there the
+//                exponentials (MUFU) take as long as the wgmmas, and a third softmax in flight
+//                keeps the SFU busier (measured: docs/log/2026-11-notebook.md, "three consumer
+//                warpgroups"). The registers left a consumer follow from it (FwdCollectives).
 //   kStages      K/V ring depth. D = 128 f16/bf16: Q 32 + O 32 + 2 x (K 32 + V 32) = 192 KB, a
 //                third stage does not fit; e4m3 at D = 128: Q 16 + O 32 + 3 x (K 16 + V 32).
 //   kPingPong    whether the consumer warpgroups may take turns issuing (Params::turns
@@ -61,7 +61,7 @@ template <int D, bool kFp8>
 struct Tuning;
 template <bool kFp8>
 struct Tuning<64, kFp8> {
-  static constexpr int kWGs = kFp8 ? 2 : 3;
+  static constexpr int kWGs = 3;
   static constexpr int kStages = 3;
   static constexpr bool kPingPong = true;
   static constexpr bool kOneExpLoop = false;
@@ -144,9 +144,11 @@ using SameDV = Elems<T, T, T, false, false, DV>;
 // than bf16; V's codes are exact in both).
 template <typename Out, int D>
 using E4m3 = Elems<cute::float_e4m3_t, cute::half_t, Out, Tuning<D, true>::kConvertV>;
-// Fast mode: E4M3 Q, K, V and P, O in Out; V transposed by the pre-pass at every head dim.
+// Fast mode: E4M3 Q, K, V and P, O in Out; V transposed by the pre-pass at every head dim. Two
+// consumer warpgroups at every head dim: its two-level accumulation's second O does not fit
+// the 160 registers three leave a consumer at D = 64 (ptxas spills).
 template <typename Out>
-using E4m3Fast = Elems<cute::float_e4m3_t, cute::float_e4m3_t, Out, false>;
+using E4m3Fast = Elems<cute::float_e4m3_t, cute::float_e4m3_t, Out, false, false, 0, 2>;
 
 // The widest GMMA K-major swizzle atom whose row (128, 64 or 32 bytes) divides a row of D
 // elements of T: 128 bytes for the 16-bit types and e4m3 at D = 128, 64 bytes for e4m3 at
