@@ -199,32 +199,15 @@ fn fp8_kv_prefill_matches_the_reference() {
 /// Sets every K and V code of a paged NHD cache that no sequence's first `seqused_k` keys hold
 /// (the rest of each sequence's pages, and the pages no sequence uses) to NaN.
 fn nan_past_seqused(p: &Problem, x: &mut Inputs) -> usize {
-    let sdpa::KvRows::Paged {
-        pages, page_size, ..
-    } = p.seqs.kv
-    else {
-        unreachable!("a paged problem")
-    };
-    let meta = x.seq_meta.clone().unwrap();
-    let (used, table) = (meta.seqused_k.unwrap(), meta.block_table.unwrap());
-    let per_seq = table.len() / p.batch;
+    let dead = common::rows_past_seqused(p, x.seq_meta.as_ref().unwrap());
     let row = p.kv_heads * p.head_dim;
-    let mut live = vec![false; pages * page_size];
-    for b in 0..p.batch {
-        for j in 0..used[b] as usize {
-            let page = table[b * per_seq + j / page_size] as usize;
-            live[page * page_size + j % page_size] = true;
-        }
-    }
-    let mut poisoned = 0;
-    for (r, _) in live.iter().enumerate().filter(|(_, l)| !**l) {
+    for &r in &dead {
         for e in r * row..(r + 1) * row {
             x.set_value(1, e, f64::NAN, DType::E4m3);
             x.set_value(2, e, f64::NAN, DType::E4m3);
         }
-        poisoned += 1;
     }
-    poisoned
+    dead.len()
 }
 
 /// The hostile cache: every row past each sequence's seqused_k (the rest of its last page, its

@@ -103,18 +103,7 @@ fn nan_pages_past_seqused_k_do_not_leak() {
     let mut x = random_inputs(&p, fresh_seed())
         .unwrap()
         .with_meta(meta.clone());
-    let sdpa::KvRows::Paged { pages, .. } = p.seqs.kv else {
-        unreachable!("a paged problem")
-    };
-    let (used, table) = (meta.seqused_k.unwrap(), meta.block_table.unwrap());
-    let per_seq = table.len() / p.batch;
-    let mut live = vec![false; pages * 64];
-    for b in 0..p.batch {
-        for j in 0..used[b] as usize {
-            live[table[b * per_seq + j / 64] as usize * 64 + j % 64] = true;
-        }
-    }
-    let dead: Vec<usize> = (0..live.len()).filter(|&r| !live[r]).collect();
+    let dead = common::rows_past_seqused(&p, &meta);
     assert!(!dead.is_empty(), "{p}: no row past seqused_k");
     for &r in &dead {
         // K's buffer is V's too: both copies of the values say NaN.

@@ -171,3 +171,27 @@ pub fn check_reference(
     }
     None
 }
+
+/// The rows of `p`'s paged cache that no sequence's first `seqused_k` keys hold (the rest of each
+/// sequence's pages, and the pages no sequence uses), by row index (page * page_size + slot):
+/// the rows a hostile cache fills with NaN to show that no kernel reads them.
+pub fn rows_past_seqused(p: &Problem, meta: &sdpa::SeqMeta) -> Vec<usize> {
+    let sdpa::KvRows::Paged {
+        pages, page_size, ..
+    } = p.seqs.kv
+    else {
+        unreachable!("a paged problem")
+    };
+    let (used, table) = (
+        meta.seqused_k.as_ref().expect("seqused_k"),
+        meta.block_table.as_ref().expect("a block table"),
+    );
+    let per_seq = table.len() / p.batch;
+    let mut live = vec![false; pages * page_size];
+    for b in 0..p.batch {
+        for j in 0..used[b] as usize {
+            live[table[b * per_seq + j / page_size] as usize * page_size + j % page_size] = true;
+        }
+    }
+    (0..live.len()).filter(|&r| !live[r]).collect()
+}
