@@ -1,5 +1,6 @@
 """Timing shared by the anchor scripts that run on the GPU machine (mla_anchor.py,
-cudnn_fp8_anchor.py): CUDA events around calls made back to back, the median over rounds."""
+cudnn_fp8_anchor.py, flashinfer_anchor.py): CUDA events around calls made back to back, the median
+over rounds."""
 import statistics
 
 import torch

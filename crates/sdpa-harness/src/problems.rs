@@ -189,6 +189,11 @@ pub const NAMED_PROBLEMS: &[Named] = &[
     Named::decode("decode-b1-k32k", [1, 1, 32768], false),
     Named::decode("decode-b16-k8k", [16, 1, 8192], false),
     Named::decode("decode-b64-k4k", [64, 1, 4096], false),
+    // Short contexts at small batches: a decode step's latency (launches, a split, a combine)
+    // more than its bandwidth.
+    Named::decode("decode-b1-k1k", [1, 1, 1024], false),
+    Named::decode("decode-b1-k4k", [1, 1, 4096], false),
+    Named::decode("decode-b8-k2k", [8, 1, 2048], false),
     Named {
         seqs: NamedSeqs::Paged(128),
         ..Named::decode("decode-b16-k8k-paged", [16, 1, 8192], false)
@@ -388,6 +393,9 @@ mod tests {
             ("decode-b1-k32k", 1, 1, 32768),
             ("decode-b16-k8k", 16, 1, 8192),
             ("decode-b64-k4k", 64, 1, 4096),
+            ("decode-b1-k1k", 1, 1, 1024),
+            ("decode-b1-k4k", 1, 1, 4096),
+            ("decode-b8-k2k", 8, 1, 2048),
             ("decode-b16-k8k-paged", 16, 1, 8192),
             ("spec-b16-q8-k8k", 16, 8, 8192),
         ] {

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "common/check.cuh"
+#include "common/launch.cuh"
 #include "sdpa/sdpa.h"
 
 namespace sdpa {
@@ -72,6 +73,8 @@ __device__ void quantize_row(const KvWriteArgs& a, int64_t src, int64_t dst, int
 // position outside the cache or the sequence's pages drops the row, a block-table entry is
 // clamped into the cache, so no value writes outside it.
 __global__ void write_rows(const KvWriteArgs a) {
+  pdl_launch_dependents();  // the lengths' launch may start; it waits for this grid
+  pdl_wait();               // launched programmatically on sm_90: the grid before has completed
   const int64_t i = blockIdx.x, hk = blockIdx.y;
   int64_t page, offset;
   if (a.slots != 0) {
@@ -117,6 +120,8 @@ __global__ void write_rows(const KvWriteArgs a) {
 // Each length grows by its sequence's new rows, within [0, capacity]: a length never points
 // past the sequence's pages (nor overflows), whatever it was.
 __global__ void advance_lengths(const KvWriteArgs a) {
+  pdl_launch_dependents();
+  pdl_wait();  // every copy has read the lengths
   const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= a.batch) return;
   int64_t n = a.n_new;
@@ -143,15 +148,20 @@ void kv_write(const KvWriteArgs& a, void* stream) {
         "kv_write: head_dim a multiple of 8, kv_heads at most 65535, rows below 2^31, at least "
         "one page; an append needs sequences, n_new or cu_new, and a sequence's pages below "
         "2^31 keys");
-  const auto s = static_cast<cudaStream_t>(stream);
-  if (a.rows > 0) {
-    write_rows<<<dim3(unsigned(a.rows), unsigned(a.kv_heads)), 32, 0, s>>>(a);
-    SDPA_LAUNCH_CHECK("kv_write rows launch");
-  }
-  if (append) {
-    advance_lengths<<<unsigned((a.batch + 127) / 128), 128, 0, s>>>(a);
-    SDPA_LAUNCH_CHECK("kv_write lengths launch");
-  }
+  // Programmatically on sm_90: each launch overlaps the tail of the grid before it on the
+  // stream (the previous step's attention, then the rows' copy), each kernel waiting for it.
+  const bool pdl = current_device_has_pdl();
+  const auto launch = [&](auto kernel, dim3 grid, unsigned threads) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(threads);
+    cfg.stream = static_cast<cudaStream_t>(stream);
+    cudaLaunchAttribute attrs[1];
+    if (pdl) add_pdl(cfg, attrs);
+    SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+  };
+  if (a.rows > 0) launch(write_rows, dim3(unsigned(a.rows), unsigned(a.kv_heads)), 32);
+  if (append) launch(advance_lengths, dim3(unsigned((a.batch + 127) / 128)), 128);
 }
 
 }  // namespace sdpa

@@ -86,6 +86,22 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Whether the current device launches programmatically (sm_90 and later), asked once a device:
+// for launchers that have no DeviceInfo.
+inline bool current_device_has_pdl() {
+  static std::atomic<uint64_t> known{0}, has{0};
+  int dev = 0;
+  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+  if (bit != 0 && (known.load(std::memory_order_acquire) & bit))
+    return (has.load(std::memory_order_relaxed) & bit) != 0;
+  int major = 0;
+  SDPA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (major >= 9) has.fetch_or(bit, std::memory_order_relaxed);
+  known.fetch_or(bit, std::memory_order_release);
+  return major >= 9;
+}
+
 // Appends the programmatic-serialization attribute to `cfg` (whose attrs point into `attrs`,
 // room for one more) when PDL is enabled.
 inline void add_pdl(cudaLaunchConfig_t& cfg, cudaLaunchAttribute* attrs) {

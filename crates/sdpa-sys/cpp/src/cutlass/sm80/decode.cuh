@@ -191,8 +191,15 @@ template <typename T, int D, int MT, class Mask, bool F8>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_kernel(const __grid_constant__ Params<T, Mask> p) {
 #ifdef SDPA_SM80_DEVICE
-  // The combine grid (sm_90) may launch and wait for this one's completion already.
-  pdl_launch_dependents();
+  // With several splits the combine (sm_90) may launch and wait for this grid's completion
+  // already. With one, the grid after is the next step's, which must not: a one-wave grid's
+  // CTAs each want an SM of their own, and the next grid's CTAs, resident early, take the second
+  // slot of SMs still loading and crowd the next wave onto fewer SMs (measured:
+  // docs/log/2026-11-notebook.md, "decode launched programmatically").
+  if (p.splits > 1) pdl_launch_dependents();
+  // Launched programmatically on sm_90 (launch()): the grid before it on the stream may still
+  // run; nothing global is read or written before it completes.
+  pdl_wait();
   using G = Geo<T, D, MT>;
   using C = typename G::C;
   constexpr int BN = G::kBN, S = F8 ? kStagesF8 : kStages, R = G::kRows;
@@ -462,7 +469,8 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Pa
   constexpr int kPer = D / 64;  // column pairs a lane
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int tok = blockIdx.x * 4 + warp, head = blockIdx.y, b = blockIdx.z, n = p.splits;
-  pdl_wait();  // launched programmatically on sm_90: the splits' partials are complete
+  pdl_launch_dependents();  // the next decode step's grid may launch and wait for this one
+  pdl_wait();               // launched programmatically on sm_90: the splits' partials are complete
   const Seq<int> seq = seq_of<int>(p.seqs, b, p.mask.seq_q, p.mask.seq_k);
   if (tok >= seq.seq_q) return;
   const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
@@ -566,11 +574,13 @@ inline std::string fp8_kv_refusal(const FwdArgs& a) {
 }
 
 // The split of `tiles` key tiles among CTAs where `base` CTAs of work meet `slots` CTA slots:
-// enough splits to fill the slots, each at least 4 tiles (SDPA_DECODE_SPLITS=n in the
+// enough splits to fill the slots, down to one tile each (SDPA_DECODE_SPLITS=n in the
 // environment sets the count instead, read once, for measuring); their count and tiles each.
+// Short contexts want the most splits: the combine's merge is short next to a tile's load
+// latency (measured: docs/log/2026-11-notebook.md, "decode launched programmatically").
 inline void split_keys(int64_t tiles, int64_t base, int64_t slots, int& splits, int& split_tiles) {
   int64_t n = base >= slots ? 1 : slots / base;
-  n = std::max<int64_t>(1, std::min<int64_t>(n, tiles / 4));
+  n = std::max<int64_t>(1, std::min<int64_t>(n, tiles));
   static const int64_t forced = [] {
     const char* e = std::getenv("SDPA_DECODE_SPLITS");
     return e != nullptr ? std::atoll(e) : 0;
@@ -681,10 +691,17 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Pla
   constexpr int smem = F8 ? G::kSmemBytesF8 : G::kSmemBytes;
   static std::atomic<uint64_t> configured{0};
   opt_in_smem(reinterpret_cast<const void*>(kernel), smem, configured);
-  const dim3 grid(unsigned(pl.splits), unsigned(a.dims.kv_heads * pl.row_blocks),
-                  unsigned(a.dims.batch));
-  kernel<<<grid, kThreads, smem, stream>>>(p);
-  SDPA_LAUNCH_CHECK("cutlass-sm80 decode_kernel launch");
+  // On sm_90 programmatically: the launch and the CTAs' start overlap the tail of the grid
+  // before it on the stream (a decode step's previous combine, or the previous layer's kernel).
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim =
+      dim3(unsigned(pl.splits), unsigned(a.dims.kv_heads * pl.row_blocks), unsigned(a.dims.batch));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[1];
+  if (dev.cc_major >= 9) add_pdl(cfg, attrs);
+  SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
   if (pl.splits > 1) launch_combine<T, D>(p, a, dev, stream);
 }
 

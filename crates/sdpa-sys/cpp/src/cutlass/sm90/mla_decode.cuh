@@ -125,7 +125,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     mla_decode_kernel(const __grid_constant__ Params<T> p) {
 #ifdef SDPA_SM90_DEVICE
   using G = Geo<T>;
-  pdl_launch_dependents();  // the combine may launch; it waits for this grid's completion
+  // The combine may launch and wait for this grid's completion; with one split the next grid is
+  // another step's, which waits for the end (the decode kernel's reason, decode.cuh).
+  if (p.splits > 1) pdl_launch_dependents();
+  pdl_wait();  // launched programmatically: the grid before it on the stream has completed
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   T* const smem = reinterpret_cast<T*>(smem_raw);
   T* const sq = smem;
@@ -522,10 +525,16 @@ void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   const auto kernel = mla_decode_kernel<T>;
   static std::atomic<uint64_t> configured{0};
   opt_in_smem(reinterpret_cast<const void*>(kernel), Geo<T>::kSmemBytes, configured);
-  const dim3 grid(unsigned(pl.splits), unsigned(a.dims.kv_heads * a.dims.seq_q * pl.head_blocks),
-                  unsigned(a.dims.batch));
-  kernel<<<grid, kThreads, Geo<T>::kSmemBytes, stream>>>(p);
-  SDPA_LAUNCH_CHECK("cutlass MLA decode kernel launch");
+  // Programmatically: the launch and the CTAs' start overlap the tail of the grid before it.
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(pl.splits), unsigned(a.dims.kv_heads * a.dims.seq_q * pl.head_blocks),
+                     unsigned(a.dims.batch));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = Geo<T>::kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[1];
+  add_pdl(cfg, attrs);
+  SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
   if (pl.splits == 1) return;
   // The splits' merge: cutlass-sm80's decode combine at 512 columns, launched programmatically.
   using Mask0 = mask::NoMask<int>;
