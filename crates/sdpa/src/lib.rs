@@ -95,6 +95,7 @@ mod view;
 
 pub use backend::Backend;
 pub use backend::cpu::{Reference, reference, reference_fp8_fast, reference_seqs, reference_with};
+pub use backend::cpu_grad::{Gradients, reference_backward, reference_backward_seqs};
 pub use codec::{decode, encode};
 pub use device::{Device, driver_present};
 pub use error::{CudaError, Error, MemoryKind, Result};

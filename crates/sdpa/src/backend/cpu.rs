@@ -112,27 +112,7 @@ fn attend(
         ));
     }
     check_operand_lens(p, q, k, v)?;
-    match (p.alibi, alibi_slopes) {
-        (None, None) => {}
-        (Some(a), Some(s)) if s.len() == a.len(p.batch, p.heads) => {}
-        (Some(a), Some(s)) => {
-            return Err(invalid!(
-                "reference: {} ALiBi slopes, the problem's {a:?} layout needs {}",
-                s.len(),
-                a.len(p.batch, p.heads)
-            ));
-        }
-        (Some(_), None) => {
-            return Err(invalid!(
-                "reference: the problem has ALiBi, no slopes given"
-            ));
-        }
-        (None, Some(_)) => {
-            return Err(invalid!(
-                "reference: ALiBi slopes given for a problem without ALiBi"
-            ));
-        }
-    }
+    check_alibi(p, alibi_slopes)?;
     check_sinks(p, sinks)?;
     // The per-head blocks and the output they are copied into.
     let ol = p.out_len().unwrap();
@@ -243,38 +223,10 @@ pub fn reference_seqs(
     }
     check_sinks(p, sinks)?;
     let (qs, os, d, dv) = (p.q_strides(), p.out_strides(), p.head_dim, p.v_dim());
-    let packed_q = p.seqs.packed_q.is_some();
-    // Where row i of sequence b (and head h) lives in Q (or the output: `rows` at their
-    // strides), and key j in K (or V).
-    let q_at = |rows: &Strides, b: usize, sp: &SeqSpan, h: usize, i: usize| match packed_q {
-        true => rows.offset(0, h, sp.q_start + i, 0),
-        false => rows.offset(b, h, i, 0),
-    };
-    let k_at = |ks: &Strides, b: usize, sp: &SeqSpan, hk: usize, j: usize| match p.seqs.kv {
-        KvRows::Dense => ks.offset(b, hk, j, 0),
-        KvRows::Packed { .. } => ks.offset(0, hk, sp.k_start + j, 0),
-        KvRows::Paged {
-            page_size,
-            pages_per_seq,
-            ..
-        } => {
-            let table = meta.block_table.as_deref().unwrap_or(&[]);
-            let page = table[b * pages_per_seq + j / page_size] as usize;
-            let page_rows = p.seqs.page_layout.page_rows(page_size, p.kv_heads);
-            ks.offset(0, hk, page * page_rows + j % page_size, 0)
-        }
-    };
-    let (qs_at, os_at) = (
-        |b, sp, h, i| q_at(&qs, b, sp, h, i),
-        |b, sp, h, i| q_at(&os, b, sp, h, i),
-    );
     let (ks, vs) = (p.k_strides(), p.v_strides());
+    let rows = SeqRows { p, meta };
     let mut out = vec![0.0; p.out_len().unwrap()];
     let mut lse = vec![f64::NEG_INFINITY; p.lse_len()];
-    let lse_at = |b: usize, sp: &SeqSpan, h: usize, i: usize| match packed_q {
-        true => h * p.seqs.packed_q.unwrap_or(0) + sp.q_start + i,
-        false => (b * p.heads + h) * p.seq_q + i,
-    };
     for (b, sp) in spans.iter().enumerate() {
         if sp.seq_q > 0 && sp.seq_k == 0 {
             // Rows that see no key: zeros and log-sum-exp -inf, or their head's sink alone.
@@ -285,16 +237,87 @@ pub fn reference_seqs(
                     false => (0.0, s),
                 };
                 for i in 0..sp.seq_q {
-                    out[os_at(b, sp, h, i)..][..dv].fill(o);
-                    lse[lse_at(b, sp, h, i)] = l;
+                    out[rows.q_at(&os, b, sp, h, i)..][..dv].fill(o);
+                    lse[rows.lse_at(b, sp, h, i)] = l;
                 }
             }
         }
         if sp.seq_q == 0 || sp.seq_k == 0 {
             continue;
         }
-        // The sequence as a dense BSHD problem of one batch entry.
-        let one = Problem {
+        let qb = gather(q, p.heads, sp.seq_q, d, |h, i| rows.q_at(&qs, b, sp, h, i));
+        let kb = gather(k, p.kv_heads, sp.seq_k, d, |hk, j| {
+            rows.k_at(&ks, b, sp, hk, j)
+        });
+        let vb = gather(v, p.kv_heads, sp.seq_k, dv, |hk, j| {
+            rows.k_at(&vs, b, sp, hk, j)
+        });
+        let slopes = rows.slopes(b, alibi_slopes);
+        let r = reference_with(&rows.one(sp), &qb, &kb, &vb, slopes.as_deref(), sinks)?;
+        for i in 0..sp.seq_q {
+            for h in 0..p.heads {
+                out[rows.q_at(&os, b, sp, h, i)..][..dv]
+                    .copy_from_slice(&r.out[(i * p.heads + h) * dv..][..dv]);
+                lse[rows.lse_at(b, sp, h, i)] = r.lse[h * sp.seq_q + i];
+            }
+        }
+    }
+    Ok(Reference { out, lse })
+}
+
+/// Where the rows of a batch of sequences of different lengths live ([`reference_seqs`] and its
+/// gradient): row i of sequence b and head h in Q or the output, key j in K or V (dense,
+/// packed or paged), its log-sum-exp, and each sequence as a dense problem of its own.
+pub(super) struct SeqRows<'a> {
+    pub(super) p: &'a Problem,
+    pub(super) meta: &'a SeqMeta,
+}
+
+impl SeqRows<'_> {
+    /// Row i of sequence b, head h, in a tensor of Q's rows at strides `rows` (Q or the output).
+    pub(super) fn q_at(&self, rows: &Strides, b: usize, sp: &SeqSpan, h: usize, i: usize) -> usize {
+        match self.p.seqs.packed_q.is_some() {
+            true => rows.offset(0, h, sp.q_start + i, 0),
+            false => rows.offset(b, h, i, 0),
+        }
+    }
+
+    /// Key j of sequence b, K/V head hk, in K or V at strides `ks`.
+    pub(super) fn k_at(&self, ks: &Strides, b: usize, sp: &SeqSpan, hk: usize, j: usize) -> usize {
+        match self.p.seqs.kv {
+            KvRows::Dense => ks.offset(b, hk, j, 0),
+            KvRows::Packed { .. } => ks.offset(0, hk, sp.k_start + j, 0),
+            KvRows::Paged {
+                page_size,
+                pages_per_seq,
+                ..
+            } => {
+                let table = self.meta.block_table.as_deref().unwrap_or(&[]);
+                let page = table[b * pages_per_seq + j / page_size] as usize;
+                let page_rows = self
+                    .p
+                    .seqs
+                    .page_layout
+                    .page_rows(page_size, self.p.kv_heads);
+                ks.offset(0, hk, page * page_rows + j % page_size, 0)
+            }
+        }
+    }
+
+    /// Row i of sequence b, head h, in the log-sum-exp (`[heads, total_q]` for packed Q).
+    pub(super) fn lse_at(&self, b: usize, sp: &SeqSpan, h: usize, i: usize) -> usize {
+        let p = self.p;
+        match p.seqs.packed_q {
+            Some(total_q) => h * total_q + sp.q_start + i,
+            None => (b * p.heads + h) * p.seq_q + i,
+        }
+    }
+
+    /// Sequence `sp` as a dense BSHD problem of one batch entry (V gathered into a tensor of
+    /// its own, even where it is read from K's rows).
+    pub(super) fn one(&self, sp: &SeqSpan) -> Problem {
+        let p = self.p;
+        Problem {
             batch: 1,
             seq_q: sp.seq_q,
             seq_k: sp.seq_k,
@@ -302,47 +325,60 @@ pub fn reference_seqs(
             seqs: Seqs::default(),
             alibi: p.alibi.map(|_| Alibi::PerHead),
             lse: true,
-            // V is gathered into a tensor of its own, even where it is read from K's rows.
             v_in_k: false,
             ..*p
-        };
-        let gather =
-            |x: &[f64], heads: usize, rows: usize, d: usize, at: &dyn Fn(usize, usize) -> usize| {
-                let mut g = Vec::with_capacity(rows * heads * d);
-                for r in 0..rows {
-                    for h in 0..heads {
-                        g.extend_from_slice(&x[at(h, r)..][..d]);
-                    }
-                }
-                g
-            };
-        let qb = gather(q, p.heads, sp.seq_q, d, &|h, i| qs_at(b, sp, h, i));
-        let kb = gather(k, p.kv_heads, sp.seq_k, d, &|hk, j| k_at(&ks, b, sp, hk, j));
-        let vb = gather(v, p.kv_heads, sp.seq_k, dv, &|hk, j| {
-            k_at(&vs, b, sp, hk, j)
-        });
-        let slopes = match (p.alibi, alibi_slopes) {
-            (Some(a), Some(s)) => Some(
-                (0..p.heads)
-                    .map(|h| s[a.index(b, h, p.heads)])
-                    .collect::<Vec<_>>(),
-            ),
-            _ => None,
-        };
-        let r = reference_with(&one, &qb, &kb, &vb, slopes.as_deref(), sinks)?;
-        for i in 0..sp.seq_q {
-            for h in 0..p.heads {
-                out[os_at(b, sp, h, i)..][..dv]
-                    .copy_from_slice(&r.out[(i * p.heads + h) * dv..][..dv]);
-                lse[lse_at(b, sp, h, i)] = r.lse[h * sp.seq_q + i];
-            }
         }
     }
-    Ok(Reference { out, lse })
+
+    /// Sequence b's ALiBi slopes, one per head.
+    pub(super) fn slopes(&self, b: usize, alibi_slopes: Option<&[f32]>) -> Option<Vec<f32>> {
+        let p = self.p;
+        match (p.alibi, alibi_slopes) {
+            (Some(a), Some(s)) => Some((0..p.heads).map(|h| s[a.index(b, h, p.heads)]).collect()),
+            _ => None,
+        }
+    }
+}
+
+/// The `rows` x `heads` rows of `d` values of `x` at `at(head, row)`, as a BSHD tensor of one
+/// batch entry.
+pub(super) fn gather(
+    x: &[f64],
+    heads: usize,
+    rows: usize,
+    d: usize,
+    at: impl Fn(usize, usize) -> usize,
+) -> Vec<f64> {
+    let mut g = Vec::with_capacity(rows * heads * d);
+    for r in 0..rows {
+        for h in 0..heads {
+            g.extend_from_slice(&x[at(h, r)..][..d]);
+        }
+    }
+    g
+}
+
+/// The ALiBi slopes are given exactly where the problem has ALiBi, in its layout.
+pub(super) fn check_alibi(p: &Problem, alibi_slopes: Option<&[f32]>) -> Result<()> {
+    match (p.alibi, alibi_slopes) {
+        (None, None) => Ok(()),
+        (Some(a), Some(s)) if s.len() == a.len(p.batch, p.heads) => Ok(()),
+        (Some(a), Some(s)) => Err(invalid!(
+            "reference: {} ALiBi slopes, the problem's {a:?} layout needs {}",
+            s.len(),
+            a.len(p.batch, p.heads)
+        )),
+        (Some(_), None) => Err(invalid!(
+            "reference: the problem has ALiBi, no slopes given"
+        )),
+        (None, Some(_)) => Err(invalid!(
+            "reference: ALiBi slopes given for a problem without ALiBi"
+        )),
+    }
 }
 
 /// Q, K and V hold exactly the elements the problem's shapes give them.
-fn check_operand_lens(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Result<()> {
+pub(super) fn check_operand_lens(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Result<()> {
     let want = [p.q_len(), p.k_len(), p.v_len()].map(Option::unwrap_or_default);
     for ((name, len), want) in [("q", q.len()), ("k", k.len()), ("v", v.len())]
         .into_iter()
@@ -358,7 +394,7 @@ fn check_operand_lens(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Result<()
 }
 
 /// The sink logits are given exactly where the problem has sinks, one per query head.
-fn check_sinks(p: &Problem, sinks: Option<&[f32]>) -> Result<()> {
+pub(super) fn check_sinks(p: &Problem, sinks: Option<&[f32]>) -> Result<()> {
     match (p.sinks, sinks) {
         (false, None) => Ok(()),
         (true, Some(s)) if s.len() == p.heads => Ok(()),

@@ -2,6 +2,7 @@
 
 pub mod auto;
 pub mod cpu;
+pub mod cpu_grad;
 pub(crate) mod cublas;
 pub(crate) mod fused;
 
