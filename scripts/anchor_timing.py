@@ -19,3 +19,25 @@ def time_events(fn, calls, rounds):
         e.synchronize()
         ts.append(s.elapsed_time(e) * 1e3 / calls)
     return statistics.median(ts)
+
+
+def time_graph(fn, calls, rounds):
+    """Median us per call: `calls` calls of fn captured in one CUDA graph (after three warm-up
+    calls on a side stream), the graph replayed `rounds` times: the kernels without launch gaps,
+    as `sdpa bench`'s us_graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    us = time_events(g.replay, 1, rounds) / calls
+    del g
+    return us

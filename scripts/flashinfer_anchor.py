@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from anchor_timing import time_events
+from anchor_timing import time_events, time_graph
 
 PROBLEMS = {  # name: dims, as in sdpa_anchor.py's VARIANTS and sdpa-harness's problems.rs
     "decode-b1-k32k": dict(b=1, h=32, hkv=8, sk=32768, d=128),
@@ -91,26 +91,6 @@ def nvcc_version():
         return f"{nvcc}: " + next((l.strip() for l in out.splitlines() if "release" in l), out.strip() or "?")
     except Exception as ex:  # noqa: BLE001 - reported, the JIT then fails with its own message
         return f"{nvcc}: not runnable ({why(ex)})"
-
-
-def time_graph(fn, calls, rounds):
-    """Median us per call: `calls` calls captured in one CUDA graph, the graph replayed `rounds` times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    us = time_events(g.replay, 1, rounds) / calls
-    del g
-    return us
 
 
 class Inputs:

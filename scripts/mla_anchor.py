@@ -16,8 +16,8 @@ Backends: flashmla (sgl-flash-mla / FlashMLA: SM90 dense decode; the sgl fork re
 use_legacy=True), flashinfer (BatchMLAPagedAttentionWrapper with separate ckv 512 / kpe 64 caches;
 only if an importable flashinfer is on the path: its SM90 kernels are JIT-built with nvcc at plan),
 torch (opt-in: two batched matmuls over a contiguous cache; a floor, not an anchor).
-Each record (JSON lines): backend, problem, us (median us per call over CUDA-graph replays of one
-captured call; null if capture fails), us_sustained (median us per call of plain back-to-back
+Each record (JSON lines): backend, problem, us (median us per call of --replays calls captured in one
+CUDA graph, as `sdpa bench`'s us_graph; null if capture fails), us_sustained (median us per call of plain back-to-back
 launches, Python dispatch included), tflops (2*b*128*seq_k*(576+512) flops / us), gbps (latent
 cache bytes b*seq_k*576*2 / us; both from us_sustained where us is null),
 max_err (max |out - ref| on the first 2 sequences against a float32 torch reference; rel_err is
@@ -27,7 +27,7 @@ A backend that fails to import or run prints why and the others go on; exit 0 if
 import argparse, inspect, json, math, sys, traceback
 import torch
 
-from anchor_timing import time_events
+from anchor_timing import time_events, time_graph
 
 H_Q, D_QK, D_V, PAGE = 128, 576, 512, 64
 PROBLEMS = {  # name: (batch, seq_k)
@@ -43,26 +43,6 @@ def why(ex):
     """One line for a failure: the exception type and its first message line."""
     msg = str(ex).strip().splitlines()
     return f"{type(ex).__name__}: {msg[0] if msg else ''}"[:300]
-
-
-def time_graph(fn, replays, rounds):
-    """Median us per call: one call captured in a CUDA graph, replayed back to back."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(10):
-        g.replay()
-    torch.cuda.synchronize()
-    us = time_events(g.replay, replays, rounds)
-    del g
-    return us
 
 
 def time_plain(fn, calls, rounds):
@@ -182,7 +162,7 @@ def main():
     ap.add_argument("--backends", default="flashmla,flashinfer", help=f"of {','.join(BACKENDS)}")
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--json", help="write one JSON line per (backend, problem) here")
-    ap.add_argument("--replays", type=int, default=150, help="graph replays (or plain calls) per round")
+    ap.add_argument("--replays", type=int, default=150, help="calls in the graph (or plain calls) per round")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -63,22 +63,7 @@ pub fn reference_backward(
              gradient takes dense ones"
         ));
     }
-    if p.v_in_k {
-        return Err(invalid!(
-            "reference_backward: V read from K's rows has no gradient of its own; pass V as a \
-             tensor"
-        ));
-    }
-    check_operand_lens(p, q, k, v)?;
-    let ol = p.out_len().unwrap();
-    if dout.len() != ol {
-        return Err(invalid!(
-            "reference_backward: dout has {} elements, the output {ol}",
-            dout.len()
-        ));
-    }
-    check_alibi(p, alibi_slopes)?;
-    check_sinks(p, sinks)?;
+    check_args(p, [q, k, v, dout], alibi_slopes, sinks)?;
     let (ql, kl, vl) = (p.q_len().unwrap(), p.k_len().unwrap(), p.v_len().unwrap());
     crate::memory::check_host((ql + kl + vl).checked_mul(2 * std::mem::size_of::<f64>()))?;
 
@@ -204,22 +189,7 @@ pub fn reference_backward_seqs(
 ) -> Result<Gradients> {
     p.validate()?;
     let spans = check_metadata(p, meta)?;
-    check_operand_lens(p, q, k, v)?;
-    if p.v_in_k {
-        return Err(invalid!(
-            "reference_backward_seqs: V read from K's rows has no gradient of its own; pass V \
-             as a tensor"
-        ));
-    }
-    let ol = p.out_len().unwrap();
-    if dout.len() != ol {
-        return Err(invalid!(
-            "reference_backward_seqs: dout has {} elements, the output {ol}",
-            dout.len()
-        ));
-    }
-    check_alibi(p, alibi_slopes)?;
-    check_sinks(p, sinks)?;
+    check_args(p, [q, k, v, dout], alibi_slopes, sinks)?;
     let (qs, os, ks, vs) = (p.q_strides(), p.out_strides(), p.k_strides(), p.v_strides());
     let (d, dv) = (p.head_dim, p.v_dim());
     let rows = SeqRows { p, meta };
@@ -272,6 +242,32 @@ pub fn reference_backward_seqs(
         }
     }
     Ok(grads)
+}
+
+/// What both reference gradients ask of their arguments beyond the problem: V a tensor of its
+/// own, Q, K, V and dO of the problem's lengths, the ALiBi slopes and sinks it has.
+fn check_args(
+    p: &Problem,
+    [q, k, v, dout]: [&[f64]; 4],
+    alibi_slopes: Option<&[f32]>,
+    sinks: Option<&[f32]>,
+) -> Result<()> {
+    if p.v_in_k {
+        return Err(invalid!(
+            "reference_backward: V read from K's rows has no gradient of its own; pass V as a \
+             tensor"
+        ));
+    }
+    check_operand_lens(p, q, k, v)?;
+    let ol = p.out_len().unwrap();
+    if dout.len() != ol {
+        return Err(invalid!(
+            "reference_backward: dout has {} elements, the output {ol}",
+            dout.len()
+        ));
+    }
+    check_alibi(p, alibi_slopes)?;
+    check_sinks(p, sinks)
 }
 
 /// One (batch, K/V head) task's gradients: its query heads' dQ rows `[group][seq_q][d]`, its
