@@ -67,6 +67,53 @@ impl Call<'_> {
                 .then(|| CpuStorage::F32(vec![f32::NEG_INFINITY; self.lse_shape.elem_count()]));
             return Ok((host::storage(q.dtype(), &vec![0.0; out_len]), lse));
         };
+        let h = self.on_host(p, [(q, q_l), (k, k_l), (v, v_l)])?;
+        let r = sdpa::reference_seqs(
+            &h.problem,
+            &h.values[0],
+            &h.values[1],
+            &h.values[2],
+            h.slopes.as_deref(),
+            h.sinks.as_deref(),
+            &h.meta,
+        )
+        .map_err(candle_core::Error::wrap)?;
+        let lse = with_lse.then(|| CpuStorage::F32(r.lse.iter().map(|&x| x as f32).collect()));
+        Ok((host::storage(q.dtype(), &r.out), lse))
+    }
+
+    /// The call's gradients on the CPU (sdpa's float64 reference gradient) for `dout`, the
+    /// loss's gradient against the output: dQ, dK and dV in Q's dtype, contiguous in Q's, K's
+    /// and V's shapes. The sinks take no gradient here (they are not an input of the op).
+    pub fn cpu_backward(
+        &self,
+        (q, q_l): (&CpuStorage, &Layout),
+        (k, k_l): (&CpuStorage, &Layout),
+        (v, v_l): (&CpuStorage, &Layout),
+        (dout, dout_l): (&CpuStorage, &Layout),
+    ) -> Result<[CpuStorage; 3]> {
+        let zeros = |l: &Layout| host::storage(q.dtype(), &vec![0.0; l.shape().elem_count()]);
+        let Some(p) = &self.problem else {
+            return Ok([zeros(q_l), zeros(k_l), zeros(v_l)]);
+        };
+        let h = self.on_host(p, [(q, q_l), (k, k_l), (v, v_l)])?;
+        let g = sdpa::reference_backward_seqs(
+            &h.problem,
+            &h.values[0],
+            &h.values[1],
+            &h.values[2],
+            &host::values(dout, dout_l)?,
+            h.slopes.as_deref(),
+            h.sinks.as_deref(),
+            &h.meta,
+        )
+        .map_err(candle_core::Error::wrap)?;
+        Ok([&g.dq, &g.dk, &g.dv].map(|x| host::storage(q.dtype(), x)))
+    }
+
+    /// What the CPU reference takes of the call: `p` with a paged cache in NHD order, the
+    /// metadata, ALiBi slopes and sinks on the host, and Q, K and V as f64 values.
+    fn on_host(&self, p: &Problem, ops: [(&CpuStorage, &Layout); 3]) -> Result<OnHost> {
         let meta = self.host_meta()?;
         let slopes = match self.alibi {
             Some(t) => Some(
@@ -80,26 +127,20 @@ impl Call<'_> {
             Some(t) => Some(host::on_cpu("sinks", t)?.flatten_all()?.to_vec1::<f32>()?),
             None => None,
         };
-        let (qv, kv, vv) = (
-            host::values(q, q_l)?,
-            host::values(k, k_l)?,
-            host::values(v, v_l)?,
-        );
-        // The values are gathered in each operand's logical row-major order: a paged cache's
-        // in NHD order, however it is stored.
-        let p = p.with_page_layout(sdpa::PageLayout::Nhd);
-        let r = sdpa::reference_seqs(
-            &p,
-            &qv,
-            &kv,
-            &vv,
-            slopes.as_deref(),
-            sinks.as_deref(),
-            &meta,
-        )
-        .map_err(candle_core::Error::wrap)?;
-        let lse = with_lse.then(|| CpuStorage::F32(r.lse.iter().map(|&x| x as f32).collect()));
-        Ok((host::storage(q.dtype(), &r.out), lse))
+        let [(q, q_l), (k, k_l), (v, v_l)] = ops;
+        Ok(OnHost {
+            // The values are gathered in each operand's logical row-major order: a paged
+            // cache's in NHD order, however it is stored.
+            problem: p.with_page_layout(sdpa::PageLayout::Nhd),
+            meta,
+            slopes,
+            sinks,
+            values: [
+                host::values(q, q_l)?,
+                host::values(k, k_l)?,
+                host::values(v, v_l)?,
+            ],
+        })
     }
 
     /// Host copies of the metadata, as sdpa's i32 values.
@@ -125,6 +166,16 @@ impl Call<'_> {
             block_table,
         })
     }
+}
+
+/// A call as the CPU reference takes it (`Call::on_host`).
+struct OnHost {
+    problem: Problem,
+    meta: SeqMeta,
+    slopes: Option<Vec<f32>>,
+    sinks: Option<Vec<f32>>,
+    /// Q, K and V.
+    values: [Vec<f64>; 3],
 }
 
 /// The layout of ALiBi slopes for `heads` query heads of `batch` sequences: f32, `(heads)` or
@@ -196,15 +247,47 @@ pub(crate) fn cuda_fwd(
     Ok((crate::cuda::run(&call, q, k, v, false)?.0, call.out_shape))
 }
 
-/// The backward an op does not have yet.
-pub(crate) fn no_backward(
-    op: &impl CustomOp3,
+/// The op's backward (its `CustomOp3::bwd`): dQ, dK and dV for `grad_out`, on the CPU through
+/// sdpa's float64 reference gradient. On a GPU there is no backward kernel yet: a backward pass
+/// through the op there is `Error::BackwardNotSupported`.
+pub(crate) fn backward(
+    op: &(impl Resolve + CustomOp3),
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    grad_out: &Tensor,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-    Err(candle_core::Error::BackwardNotSupported { op: op.name() }.bt())
+    let ((qs, q_l), (ks, k_l), (vs, v_l), (gs, g_l)) = (
+        q.storage_and_layout(),
+        k.storage_and_layout(),
+        v.storage_and_layout(),
+        grad_out.storage_and_layout(),
+    );
+    let call = op.resolve(q.dtype(), q_l, k_l, v_l)?;
+    let (Storage::Cpu(qc), Storage::Cpu(kc), Storage::Cpu(vc), Storage::Cpu(gc)) =
+        (&*qs, &*ks, &*vs, &*gs)
+    else {
+        return Err(candle_core::Error::BackwardNotSupported { op: op.name() }.bt());
+    };
+    let grads = call.cpu_backward((qc, q_l), (kc, k_l), (vc, v_l), (gc, g_l))?;
+    let [dq, dk, dv] = grads;
+    let tensor = |s: CpuStorage, t: &Tensor| {
+        Tensor::from_storage(
+            Storage::Cpu(s),
+            t.shape().clone(),
+            BackpropOp::none(),
+            false,
+        )
+    };
+    Ok((
+        Some(tensor(dq, q)),
+        Some(tensor(dk, k)),
+        Some(tensor(dv, v)),
+    ))
 }
 
 /// `CustomOp3` for an op that resolves its calls ([`Resolve`]): forward on the CPU and the GPU
-/// through this module, and a backward hook that says there is none yet.
+/// through this module, and the backward ([`backward`]).
 macro_rules! custom_op3 {
     ($op:ty, $name:literal) => {
         impl candle_core::CustomOp3 for $op {
@@ -239,17 +322,17 @@ macro_rules! custom_op3 {
 
             fn bwd(
                 &self,
-                _q: &candle_core::Tensor,
-                _k: &candle_core::Tensor,
-                _v: &candle_core::Tensor,
+                q: &candle_core::Tensor,
+                k: &candle_core::Tensor,
+                v: &candle_core::Tensor,
                 _out: &candle_core::Tensor,
-                _grad_out: &candle_core::Tensor,
+                grad_out: &candle_core::Tensor,
             ) -> candle_core::Result<(
                 Option<candle_core::Tensor>,
                 Option<candle_core::Tensor>,
                 Option<candle_core::Tensor>,
             )> {
-                $crate::call::no_backward(self)
+                $crate::call::backward(self, q, k, v, grad_out)
             }
         }
     };
