@@ -5,6 +5,7 @@
 #   here:    ../shared/gpu/stage --xz --only bin:sdpa      # .gpu/: the sdpa bundle
 #            mkdir -p .gpu-fa4 && ../shared/anchors/fa4-pack .gpu-fa4/fa4.txz
 #            cp ../shared/anchors/sdpa_anchor.py .gpu-fa4/
+#            scripts/flashinfer-pack .gpu-fa4/flashinfer.txz   # optional: FlashInfer on the decode problems
 #   call 1, carry [".gpu"]:      bash scripts/anchor-table.sh ours $OUT PROBLEMS [bench args]
 #   call 2, carry [".gpu-fa4"], right after (the machine is given back after ~30 s idle):
 #                                bash scripts/anchor-table.sh anchors $OUT PROBLEMS [bench args]
@@ -14,7 +15,9 @@
 # to the anchors). Call 1 unpacks the bundle into /tmp/gpu-bundle and benches ours; call 2 runs
 # the anchors, then ours again from call 1's bundle: ours and the anchors share call 2, and the
 # two passes of ours show the spread between calls. Call 2 stops (status 3) if the machine was
-# given back in between. Outputs: ours1.json, ours2.json, anchors.json and their .txt under $OUT.
+# given back in between. With .gpu-fa4/flashinfer.txz, call 2 also times FlashInfer on the
+# decode-* problems but the -fp8kv ones (scripts/flashinfer_anchor.py). Outputs: ours1.json, ours2.json,
+# anchors.json (flashinfer.json) and their .txt under $OUT.
 set -uo pipefail
 mode=${1:?usage: anchor-table.sh ours|anchors OUT PROBLEMS [sdpa bench args]}
 out=${2:?usage: anchor-table.sh ours|anchors OUT PROBLEMS [sdpa bench args]}
@@ -44,6 +47,12 @@ case $mode in
     [ -n "$dtypes" ] || dtypes=bf16
     python3 .gpu-fa4/sdpa_anchor.py --backends fa4,cudnn --shapes "$problems" --dtypes "$dtypes" \
       --json "$out/anchors.json" 2>&1 | tee "$out/anchors.txt"
+    decode=$(tr , '\n' <<< "$problems" | grep -E '^decode-' | grep -v -- '-fp8kv$' | paste -sd, -)
+    if [ -f .gpu-fa4/flashinfer.txz ] && [ -n "$decode" ]; then
+      mkdir -p /tmp/flashinfer && tar -C /tmp/flashinfer -xf .gpu-fa4/flashinfer.txz
+      PYTHONPATH=/tmp/flashinfer python3 scripts/flashinfer_anchor.py --problems "$decode" \
+        --dtype bf16 --json "$out/flashinfer.json" 2>&1 | tee "$out/flashinfer.txt"
+    fi
     bench ours2 "$@" 2>&1 | tee "$out/ours2.txt"
     ;;
   *)
