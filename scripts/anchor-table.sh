@@ -16,7 +16,7 @@
 # the anchors, then ours again from call 1's bundle: ours and the anchors share call 2, and the
 # two passes of ours show the spread between calls. Call 2 stops (status 3) if the machine was
 # given back in between. With .gpu-fa4/flashinfer.txz, call 2 also times FlashInfer on the
-# decode-* problems but the -fp8kv ones (scripts/flashinfer_anchor.py). Outputs: ours1.json, ours2.json,
+# decode-* problems (scripts/flashinfer_anchor.py). Outputs: ours1.json, ours2.json,
 # anchors.json (flashinfer.json) and their .txt under $OUT.
 set -uo pipefail
 mode=${1:?usage: anchor-table.sh ours|anchors OUT PROBLEMS [sdpa bench args]}
@@ -47,7 +47,7 @@ case $mode in
     [ -n "$dtypes" ] || dtypes=bf16
     python3 .gpu-fa4/sdpa_anchor.py --backends fa4,cudnn --shapes "$problems" --dtypes "$dtypes" \
       --json "$out/anchors.json" 2>&1 | tee "$out/anchors.txt"
-    decode=$(tr , '\n' <<< "$problems" | grep -E '^decode-' | grep -v -- '-fp8kv$' | paste -sd, -)
+    decode=$(tr , '\n' <<< "$problems" | grep -E '^decode-' | paste -sd, -)
     if [ -f .gpu-fa4/flashinfer.txz ] && [ -n "$decode" ]; then
       mkdir -p /tmp/flashinfer && tar -C /tmp/flashinfer -xf .gpu-fa4/flashinfer.txz
       PYTHONPATH=/tmp/flashinfer python3 scripts/flashinfer_anchor.py --problems "$decode" \

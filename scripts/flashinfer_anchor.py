@@ -22,11 +22,13 @@ sizes 16 and 128 (names suffixed /page16, /page128): the dense problems' K/V are
 seq_k, kv_heads, 128] tensors seen as pages in order; decode-b16-k8k-paged's pages are scattered by
 a random block table, as in the project's paged problem. The batch-1 problems also run through
 single_decode_with_kv_cache on the contiguous [seq_k, kv_heads, 128] K/V (suffix /single).
-gptoss-decode-b32-k8k-sink is skipped with its reason: the decode wrapper takes sinks= only on
-backends that do not run on SM90 (its fa2/fa3 paths drop them).
+decode-b16-k8k-fp8kv and decode-b64-k4k-fp8kv read an e4m3 cache (codes of N(0, 1) / scale, one
+scale a tensor: flashinfer's k_scale and v_scale, the latter an elementwise multiply of O after the
+kernel) under bf16 Q. gptoss-decode-b32-k8k-sink is skipped with its reason: the decode wrapper
+takes sinks= only on backends that do not run on SM90 (its fa2/fa3 paths drop them).
 Each record (a JSON list, like sdpa_anchor.py's): name (problem/variant), problem, backend
 (flashinfer-page16, flashinfer-page128, flashinfer-single), api, page, page_order, batch, heads,
-kv_heads, seq_q, seq_k, head_dim, causal, dtype, us_graph (median us per call over CUDA-graph
+kv_heads, seq_q, seq_k, head_dim, causal, dtype, kv_dtype, us_graph (median us per call over CUDA-graph
 replays of --graph-calls run() calls captured after plan(); the us_event figure where capture
 fails, timing says which), us_event (median us per call of plain run() calls back to back between
 CUDA events, Python dispatch included), us (= us_graph), tflops
@@ -53,6 +55,10 @@ PROBLEMS = {  # name: dims, as in sdpa_anchor.py's VARIANTS and sdpa-harness's p
     "decode-b1-k4k": dict(b=1, h=32, hkv=8, sk=4096, d=128),
     "decode-b8-k2k": dict(b=8, h=32, hkv=8, sk=2048, d=128),
     "gptoss-decode-b32-k8k-sink": dict(b=32, h=64, hkv=8, sk=8192, d=64, sink=True),
+    # An e4m3 K/V cache under 16-bit Q (one scale a tensor: flashinfer's k_scale / v_scale floats;
+    # the project's problems default to a scale per K/V head, the same bytes read).
+    "decode-b16-k8k-fp8kv": dict(b=16, h=32, hkv=8, sk=8192, d=128, kv8=True),
+    "decode-b64-k4k-fp8kv": dict(b=64, h=32, hkv=8, sk=4096, d=128, kv8=True),
 }
 SINK_SKIP = ("BatchDecodeWithPagedKVCacheWrapper.run takes sinks= only on its trtllm-gen and cute-dsl "
              "(SM100+) and cudnn (cudnn-frontend >= 1.30 FROST engines) backends; its SM90 paths (fa2 "
@@ -104,8 +110,17 @@ class Inputs:
         self.q = torch.randn(b, h, d, device="cuda", dtype=dt)
         self.k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dt)
         self.v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dt)
+        self.kv_dt, self.k_scale, self.v_scale = dt, None, None
+        if p.get("kv8"):  # e4m3 codes of x / scale, the scale a tensor's amax / 448
+            self.kv_dt = torch.float8_e4m3fn
+            self.k_scale = self.k.abs().max().item() / 448.0
+            self.v_scale = self.v.abs().max().item() / 448.0
+            self.k = (self.k.float() / self.k_scale).to(self.kv_dt)
+            self.v = (self.v.float() / self.v_scale).to(self.kv_dt)
         q0 = self.q[0].double().reshape(hkv, h // hkv, d)              # query heads grouped by K/V head
         k0, v0 = self.k[0].double(), self.v[0].double()                 # [sk, hkv, d]
+        if p.get("kv8"):  # the reference sees the values the codes stand for
+            k0, v0 = k0 * self.k_scale, v0 * self.v_scale
         s = torch.einsum("kgd,skd->kgs", q0, k0) * self.scale
         self.ref = torch.einsum("kgs,skd->kgd", s.softmax(-1), v0).reshape(h, d)
         del q0, k0, v0, s
@@ -128,22 +143,22 @@ def jit_module(kind, x, log):
     """Builds (or loads from the JIT cache) the module a plan() / single decode call of this dtype
     and head_dim will use, timed on its own; flashinfer caches it for the call that follows."""
     import flashinfer.decode as fd
-    dt, d = x.dt, x.p["d"]
-    key = (kind, dt, d)
+    dt, kv, d = x.dt, x.kv_dt, x.p["d"]
+    key = (kind, dt, kv, d)
     if key in log:
         return log[key]
     t = time.perf_counter()
     try:
         if kind == "batch":  # plan(): (q, kv, o dtypes, indptr dtype, d_qk, d_vo, posenc NONE, no window, no cap)
-            fd.get_batch_decode_module(dt, dt, dt, torch.int32, d, d, 0, False, False)
+            fd.get_batch_decode_module(dt, kv, dt, torch.int32, d, d, 0, False, False)
         else:
-            fd.get_single_decode_module(dt, dt, dt, d, d, 0, False, False)
+            fd.get_single_decode_module(dt, kv, dt, d, d, 0, False, False)
     except (AttributeError, TypeError) as ex:  # another flashinfer: the first call builds it, untimed
         print(f"# jit: could not build the {kind} module ahead ({why(ex)}); its first call builds it", flush=True)
         log[key] = None
         return None
     log[key] = time.perf_counter() - t
-    print(f"# jit: {kind}_decode {str(dt).split('.')[-1]} d{d}: {log[key]:.1f} s (build, or load from "
+    print(f"# jit: {kind}_decode {str(dt).split('.')[-1]} kv {str(kv).split('.')[-1]} d{d}: {log[key]:.1f} s (build, or load from "
           f"{os.environ['FLASHINFER_WORKSPACE_BASE']})", flush=True)
     return log[key]
 
@@ -158,7 +173,7 @@ def make_batch(x, page, fi_cuda_graph):
     npg = sk // page
     if p.get("random_pages"):
         table = torch.randperm(b * npg, device="cuda", dtype=torch.int32).reshape(b, npg)
-        kc = torch.empty(b * npg, page, hkv, d, device="cuda", dtype=dt)
+        kc = torch.empty(b * npg, page, hkv, d, device="cuda", dtype=x.kv_dt)
         vc = torch.empty_like(kc)
         kc[table.flatten().long()] = x.k.reshape(b * npg, page, hkv, d)
         vc[table.flatten().long()] = x.v.reshape(b * npg, page, hkv, d)
@@ -177,12 +192,12 @@ def make_batch(x, page, fi_cuda_graph):
     else:
         bufs = ()
         w = BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD")
-    w.plan(indptr, indices, last, h, hkv, d, page, q_data_type=dt, kv_data_type=dt, sm_scale=x.scale)
+    w.plan(indptr, indices, last, h, hkv, d, page, q_data_type=dt, kv_data_type=x.kv_dt, sm_scale=x.scale)
     out = torch.empty(b, h, d, device="cuda", dtype=dt)
     q = x.q
 
-    def fn():
-        return w.run(q, (kc, vc), out=out)
+    def fn():  # an e4m3 cache: flashinfer folds k_scale into sm_scale and multiplies O by v_scale
+        return w.run(q, (kc, vc), out=out, k_scale=x.k_scale, v_scale=x.v_scale)
     keep = (w, kc, vc, indptr, indices, last, bufs)
     return fn, out, keep, order, getattr(w, "resolved_backend", "?")
 
@@ -193,7 +208,8 @@ def make_single(x):
     box = {}
 
     def fn():
-        box["out"] = single_decode_with_kv_cache(q0, k0, v0, kv_layout="NHD", sm_scale=x.scale)
+        box["out"] = single_decode_with_kv_cache(q0, k0, v0, kv_layout="NHD", sm_scale=x.scale,
+                                                 k_scale=x.k_scale, v_scale=x.v_scale)
         return box["out"]
     return fn, box
 
@@ -239,6 +255,7 @@ def run_variant(name, x, variant, a, dev, lib, jit_log):
                 page=page, page_order=order, fi_cuda_graph=bool(a.fi_cuda_graph) if page else None,
                 batch=b, heads=h, kv_heads=hkv, seq_q=1, seq_k=sk, head_dim=d, head_dim_v=d, causal=False,
                 window=None, softcap=None, varlen=None, sink=False, dtype=a.dtype,
+                kv_dtype="e4m3" if p.get("kv8") else a.dtype,
                 us_graph=us_graph, us_event=us_event, us=us_graph, timing=timing, calls=a.graph_calls, tflops=tf,
                 kv_gbps=gbs,
                 rel_err=rel, max_rel=max_rel, jit_s=jit_s, resolved=resolved, lib=lib, device=dev)
