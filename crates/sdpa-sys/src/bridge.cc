@@ -50,8 +50,8 @@ void add_nonfinite_v(const NonFiniteVArgs& a, std::size_t stream) {
   sdpa::add_nonfinite_v(a, reinterpret_cast<void*>(stream));
 }
 
-void kv_write(const KvWriteArgs& a, std::size_t stream) {
-  sdpa::kv_write(a, reinterpret_cast<void*>(stream));
+void kv_write(const KvWriteArgs& a, const DeviceInfo& dev, std::size_t stream) {
+  sdpa::kv_write(a, dev, reinterpret_cast<void*>(stream));
 }
 
 void e4m3_encode(uint64_t x, uint64_t y, int64_t n, float inv_scale, std::size_t stream) {

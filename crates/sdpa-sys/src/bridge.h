@@ -28,7 +28,7 @@ KernelPlan plan(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
 void forward(const KernelPlan& plan, const FwdArgs& args, const DeviceInfo& dev,
              std::size_t stream);
 void masked_softmax(const SoftmaxArgs& args, std::size_t stream);
-void kv_write(const KvWriteArgs& args, std::size_t stream);
+void kv_write(const KvWriteArgs& args, const DeviceInfo& dev, std::size_t stream);
 void sanitize_v(const NonFiniteVArgs& args, std::size_t stream);
 void add_nonfinite_v(const NonFiniteVArgs& args, std::size_t stream);
 void e4m3_encode(uint64_t x, uint64_t y, int64_t n, float inv_scale, std::size_t stream);

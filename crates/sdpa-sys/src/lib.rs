@@ -77,8 +77,8 @@ pub mod ffi {
         unsafe fn masked_softmax(args: &SoftmaxArgs, stream: usize) -> Result<()>;
         /// # Safety
         /// The buffers of `args` must be live device buffers of the sizes sdpa.h gives, on the
-        /// current context; `stream` a valid stream there.
-        unsafe fn kv_write(args: &KvWriteArgs, stream: usize) -> Result<()>;
+        /// current context, which `dev` describes; `stream` a valid stream there.
+        unsafe fn kv_write(args: &KvWriteArgs, dev: &DeviceInfo, stream: usize) -> Result<()>;
         /// # Safety
         /// `args.v` must hold what its shape and strides address, `args.v_finite` and
         /// `args.first_keys` the elements their comments give; all live device buffers of the

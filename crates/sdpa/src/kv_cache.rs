@@ -432,7 +432,7 @@ fn launch(dev: &Device, args: &KvWriteArgs, streams: &[Arc<CudaStream>]) -> Resu
     let raw = dev.raw_stream()?;
     // SAFETY: every buffer of `args` was checked for its length, alignment and context; the
     // kernel drops or clamps whatever the device-side metadata would place outside them.
-    let ran = unsafe { sdpa_sys::ffi::kv_write(args, raw) }.map_err(Into::into);
+    let ran = unsafe { sdpa_sys::ffi::kv_write(args, &dev.info(), raw) }.map_err(Into::into);
     order.finish(ran)
 }
 

@@ -81,8 +81,9 @@ void forward(const KernelPlan& plan, const FwdArgs& args, const DeviceInfo& dev,
 // block_table[b * pages_per_seq + j / page_size]; then seqused_k[b] grows by its rows, up to
 // pages_per_seq · page_size. Slots outside the cache and positions outside a sequence's pages
 // are dropped, table entries outside [0, pages) clamped into it. One or two launches on
-// `stream`, nothing on the host: capturable in a CUDA graph.
-void kv_write(const KvWriteArgs& args, void* stream);
+// `stream` (programmatic where `dev` is sm_90 or later), nothing on the host: capturable in a
+// CUDA graph.
+void kv_write(const KvWriteArgs& args, const DeviceInfo& dev, void* stream);
 
 // y[i] = E4M3(x[i] * inv_scale), saturating to +-448, round to nearest even (the GPU's own
 // conversion). x: f32 device buffer, y: byte device buffer, both n long.

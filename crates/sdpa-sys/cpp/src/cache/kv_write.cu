@@ -135,7 +135,7 @@ __global__ void advance_lengths(const KvWriteArgs a) {
 
 }  // namespace
 
-void kv_write(const KvWriteArgs& a, void* stream) {
+void kv_write(const KvWriteArgs& a, const DeviceInfo& dev, void* stream) {
   const bool append = a.slots == 0;
   if (a.cache_dtype != a.dtype &&
       (a.cache_dtype != Dtype::E4M3 || a.k_scale == 0 || a.v_scale == 0 ||
@@ -150,18 +150,12 @@ void kv_write(const KvWriteArgs& a, void* stream) {
         "2^31 keys");
   // Programmatically on sm_90: each launch overlaps the tail of the grid before it on the
   // stream (the previous step's attention, then the rows' copy), each kernel waiting for it.
-  const bool pdl = current_device_has_pdl();
-  const auto launch = [&](auto kernel, dim3 grid, unsigned threads) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(threads);
-    cfg.stream = static_cast<cudaStream_t>(stream);
-    cudaLaunchAttribute attrs[1];
-    if (pdl) add_pdl(cfg, attrs);
-    SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
-  };
-  if (a.rows > 0) launch(write_rows, dim3(unsigned(a.rows), unsigned(a.kv_heads)), 32);
-  if (append) launch(advance_lengths, dim3(unsigned((a.batch + 127) / 128)), 128);
+  const auto s = static_cast<cudaStream_t>(stream);
+  const bool pdl = dev.cc_major >= 9;
+  if (a.rows > 0)
+    launch_kernel(write_rows, dim3(unsigned(a.rows), unsigned(a.kv_heads)), dim3(32), 0, s, pdl, a);
+  if (append)
+    launch_kernel(advance_lengths, dim3(unsigned((a.batch + 127) / 128)), dim3(128), 0, s, pdl, a);
 }
 
 }  // namespace sdpa

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <utility>
 
 #include "common/check.cuh"
 #include "sdpa/sdpa.h"
@@ -86,22 +87,6 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// Whether the current device launches programmatically (sm_90 and later), asked once a device:
-// for launchers that have no DeviceInfo.
-inline bool current_device_has_pdl() {
-  static std::atomic<uint64_t> known{0}, has{0};
-  int dev = 0;
-  SDPA_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-  if (bit != 0 && (known.load(std::memory_order_acquire) & bit))
-    return (has.load(std::memory_order_relaxed) & bit) != 0;
-  int major = 0;
-  SDPA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  if (major >= 9) has.fetch_or(bit, std::memory_order_relaxed);
-  known.fetch_or(bit, std::memory_order_release);
-  return major >= 9;
-}
-
 // Appends the programmatic-serialization attribute to `cfg` (whose attrs point into `attrs`,
 // room for one more) when PDL is enabled.
 inline void add_pdl(cudaLaunchConfig_t& cfg, cudaLaunchAttribute* attrs) {
@@ -110,6 +95,22 @@ inline void add_pdl(cudaLaunchConfig_t& cfg, cudaLaunchAttribute* attrs) {
   at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   at.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attrs;
+}
+
+// Launches `kernel` on `stream` (grid, block, dynamic shared memory bytes) with `args`,
+// programmatically where `programmatic` (the device is sm_90 or later, and the kernel waits
+// with pdl_wait before its first global access) and PDL is enabled.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, bool programmatic, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[1];
+  if (programmatic) add_pdl(cfg, attrs);
+  SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
 }  // namespace sdpa

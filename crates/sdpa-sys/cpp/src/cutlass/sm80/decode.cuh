@@ -635,14 +635,10 @@ std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
 template <typename T, int D, class Mask>
 void launch_combine(const Params<T, Mask>& p, const FwdArgs& a, const DeviceInfo& dev,
                     cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim =
-      dim3(unsigned((a.dims.seq_q + 3) / 4), unsigned(a.dims.heads), unsigned(a.dims.batch));
-  cfg.blockDim = dim3(128);
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[1];
-  if (dev.cc_major >= 9) add_pdl(cfg, attrs);
-  SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, combine_kernel<T, D, Mask>, p));
+  launch_kernel(
+      combine_kernel<T, D, Mask>,
+      dim3(unsigned((a.dims.seq_q + 3) / 4), unsigned(a.dims.heads), unsigned(a.dims.batch)),
+      dim3(128), 0, stream, dev.cc_major >= 9, p);
 }
 
 template <typename T, int D, int MT, class Mask, bool F8>
@@ -693,15 +689,10 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Pla
   opt_in_smem(reinterpret_cast<const void*>(kernel), smem, configured);
   // On sm_90 programmatically: the launch and the CTAs' start overlap the tail of the grid
   // before it on the stream (a decode step's previous combine, or the previous layer's kernel).
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim =
-      dim3(unsigned(pl.splits), unsigned(a.dims.kv_heads * pl.row_blocks), unsigned(a.dims.batch));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[1];
-  if (dev.cc_major >= 9) add_pdl(cfg, attrs);
-  SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  launch_kernel(
+      kernel,
+      dim3(unsigned(pl.splits), unsigned(a.dims.kv_heads * pl.row_blocks), unsigned(a.dims.batch)),
+      dim3(kThreads), smem, stream, dev.cc_major >= 9, p);
   if (pl.splits > 1) launch_combine<T, D>(p, a, dev, stream);
 }
 

@@ -526,15 +526,10 @@ void forward(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   static std::atomic<uint64_t> configured{0};
   opt_in_smem(reinterpret_cast<const void*>(kernel), Geo<T>::kSmemBytes, configured);
   // Programmatically: the launch and the CTAs' start overlap the tail of the grid before it.
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(pl.splits), unsigned(a.dims.kv_heads * a.dims.seq_q * pl.head_blocks),
-                     unsigned(a.dims.batch));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = Geo<T>::kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[1];
-  add_pdl(cfg, attrs);
-  SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  launch_kernel(kernel,
+                dim3(unsigned(pl.splits), unsigned(a.dims.kv_heads * a.dims.seq_q * pl.head_blocks),
+                     unsigned(a.dims.batch)),
+                dim3(kThreads), Geo<T>::kSmemBytes, stream, true, p);
   if (pl.splits == 1) return;
   // The splits' merge: cutlass-sm80's decode combine at 512 columns, launched programmatically.
   using Mask0 = mask::NoMask<int>;

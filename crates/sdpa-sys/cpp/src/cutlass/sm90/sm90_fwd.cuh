@@ -455,15 +455,10 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   }
   launch_v_prepass<E, D>(a, sms, stream);
   const KernelParams<E, D, Mask> p = make_params<E, D, Mask>(a, sms);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(
-      unsigned(TileScheduler<Mask::kMasksKeys>::grid_size(p.sched, persistent_ctas(p.sched, sms))));
-  cfg.blockDim = dim3(unsigned(128 * (p.sched.wgs + 1)));
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[1];
-  add_pdl(cfg, attrs);
-  SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  launch_kernel(kernel,
+                dim3(unsigned(TileScheduler<Mask::kMasksKeys>::grid_size(
+                    p.sched, persistent_ctas(p.sched, sms)))),
+                dim3(unsigned(128 * (p.sched.wgs + 1))), kSmem, stream, true, p);
 }
 
 // The small-problem path at D = 64 (sm90_small.cuh, instantiated in fwd_small_<dtype>_d64.cu)
