@@ -482,12 +482,14 @@ fn fix_up_toolkit(cuda: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// cpp/kernels.txt: one (backend, dtype, head_dim) per line, the fused-kernel instantiations.
+/// cpp/kernels.txt: one (backend, dtype, head_dim) per line, the fused-kernel instantiations,
+/// and whether the backend's backward is instantiated for it too (`bwd`).
 #[derive(Clone)]
 struct KernelLine {
     backend: String,
     dtype: String,
     head_dim: usize,
+    backward: bool,
 }
 
 fn read_kernel_list(list: &Path) -> Vec<KernelLine> {
@@ -499,11 +501,13 @@ fn read_kernel_list(list: &Path) -> Vec<KernelLine> {
             continue;
         }
         let f: Vec<&str> = line.split_whitespace().collect();
-        let [backend, dtype, head_dim] = f[..] else {
-            fail(&format!(
-                "{}: expected 'backend dtype head_dim', got '{line}'",
+        let (backend, dtype, head_dim, backward) = match f[..] {
+            [backend, dtype, head_dim] => (backend, dtype, head_dim, false),
+            [backend, dtype, head_dim, "bwd"] => (backend, dtype, head_dim, true),
+            _ => fail(&format!(
+                "{}: expected 'backend dtype head_dim [bwd]', got '{line}'",
                 list.display()
-            ));
+            )),
         };
         let head_dim: usize = head_dim
             .parse()
@@ -512,6 +516,7 @@ fn read_kernel_list(list: &Path) -> Vec<KernelLine> {
             backend: backend.to_string(),
             dtype: dtype.to_string(),
             head_dim,
+            backward,
         });
     }
     lines
@@ -670,12 +675,15 @@ impl Selection {
     }
 
     /// The chosen instantiations as the CMake list SdpaKernels.cmake reads:
-    /// `backend/dtype/head_dim;...`.
+    /// `backend/dtype/head_dim[/bwd];...`.
     fn cmake_list(&self) -> String {
         let entries: Vec<String> = self
             .kernels
             .iter()
-            .map(|l| format!("{}/{}/{}", l.backend, l.dtype, l.head_dim))
+            .map(|l| {
+                let bwd = if l.backward { "/bwd" } else { "" };
+                format!("{}/{}/{}{bwd}", l.backend, l.dtype, l.head_dim)
+            })
             .collect();
         entries.join(";")
     }
@@ -726,8 +734,8 @@ fn write_instances(kernels: &[KernelLine], out_dir: &Path) {
     let mut rust = String::from("&[\n");
     for l in kernels {
         rust.push_str(&format!(
-            "    Instance {{ backend: {:?}, dtype: {:?}, head_dim: {} }},\n",
-            l.backend, l.dtype, l.head_dim
+            "    Instance {{ backend: {:?}, dtype: {:?}, head_dim: {}, backward: {} }},\n",
+            l.backend, l.dtype, l.head_dim, l.backward
         ));
     }
     rust.push(']');

@@ -247,9 +247,9 @@ pub(crate) fn cuda_fwd(
     Ok((crate::cuda::run(&call, q, k, v, false)?.0, call.out_shape))
 }
 
-/// The op's backward (its `CustomOp3::bwd`): dQ, dK and dV for `grad_out`, on the CPU through
-/// sdpa's float64 reference gradient. On a GPU there is no backward kernel yet: a backward pass
-/// through the op there is `Error::BackwardNotSupported`.
+/// The op's backward (its `CustomOp3::bwd`): dQ, dK and dV for `grad_out`, contiguous in Q's,
+/// K's and V's shapes: on the GPU through sdpa's backward (the forward recomputed for its
+/// log-sum-exp), on the CPU through sdpa's float64 reference gradient.
 pub(crate) fn backward(
     op: &(impl Resolve + CustomOp3),
     q: &Tensor,
@@ -257,6 +257,10 @@ pub(crate) fn backward(
     v: &Tensor,
     grad_out: &Tensor,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        return cuda_backward(op, q, k, v, grad_out);
+    }
     let ((qs, q_l), (ks, k_l), (vs, v_l), (gs, g_l)) = (
         q.storage_and_layout(),
         k.storage_and_layout(),
@@ -283,6 +287,51 @@ pub(crate) fn backward(
         Some(tensor(dq, q)),
         Some(tensor(dk, k)),
         Some(tensor(dv, v)),
+    ))
+}
+
+/// The op's backward on the GPU ([`backward`]): the operands made contiguous, so that each
+/// gradient takes its operand's strides.
+#[cfg(feature = "cuda")]
+fn cuda_backward(
+    op: &(impl Resolve + CustomOp3),
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    grad_out: &Tensor,
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let (q, k, v, g) = (
+        q.contiguous()?,
+        k.contiguous()?,
+        v.contiguous()?,
+        grad_out.contiguous()?,
+    );
+    let ((qs, q_l), (ks, k_l), (vs, v_l), (gs, g_l)) = (
+        q.storage_and_layout(),
+        k.storage_and_layout(),
+        v.storage_and_layout(),
+        g.storage_and_layout(),
+    );
+    let (Storage::Cuda(qc), Storage::Cuda(kc), Storage::Cuda(vc), Storage::Cuda(gc)) =
+        (&*qs, &*ks, &*vs, &*gs)
+    else {
+        bail!("sdpa-candle: the backward's q, k, v and grad_out must all be on the GPU");
+    };
+    let call = op.resolve(q.dtype(), q_l, k_l, v_l)?;
+    let grads = crate::cuda::backward(&call, (qc, q_l), (kc, k_l), (vc, v_l), (gc, g_l))?;
+    let [dq, dk, dv] = grads;
+    let tensor = |s: candle_core::CudaStorage, t: &Tensor| {
+        Tensor::from_storage(
+            Storage::Cuda(s),
+            t.shape().clone(),
+            BackpropOp::none(),
+            false,
+        )
+    };
+    Ok((
+        Some(tensor(dq, &q)),
+        Some(tensor(dk, &k)),
+        Some(tensor(dv, &v)),
     ))
 }
 

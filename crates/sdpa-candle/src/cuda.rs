@@ -6,7 +6,7 @@ use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::{DType, Layout, Result, Storage, StorageRef, Tensor, bail};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtrMut, ValidAsZeroBits};
 use half::{bf16, f16};
-use sdpa::{Backend, Extras, View, ViewMut, Views};
+use sdpa::{Backend, BackwardViews, DqReduction, Extras, View, ViewMut, Views};
 use std::sync::{Arc, Mutex};
 
 /// One sdpa handle per candle stream, made on first use: it keeps the cuBLAS state and scratch
@@ -96,6 +96,83 @@ fn run_t<T: sdpa::Element + CudaDType + ValidAsZeroBits>(
     }
     let lse = lse.map(|l| CudaStorage::wrap_cuda_slice(l, cdev.clone()));
     Ok((CudaStorage::wrap_cuda_slice(out, cdev), lse))
+}
+
+/// The gradients of `call` on candle's contiguous buffers for `d_out` (contiguous, the output's
+/// shape): dQ, dK and dV as new contiguous buffers of Q's, K's and V's shapes. The forward runs
+/// again first, for the log-sum-exp the backward reads (candle's op keeps none), then sdpa's
+/// backward, both on candle's stream.
+pub(crate) fn backward(
+    call: &Call<'_>,
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    d_out: (&CudaStorage, &Layout),
+) -> Result<[CudaStorage; 3]> {
+    match q.0.dtype() {
+        DType::F16 => backward_t::<f16>(call, q, k, v, d_out),
+        DType::BF16 => backward_t::<bf16>(call, q, k, v, d_out),
+        other => bail!("sdpa-candle: {other:?} tensors are not supported (f16 or bf16)"),
+    }
+}
+
+fn backward_t<T: sdpa::Element + CudaDType + ValidAsZeroBits>(
+    call: &Call<'_>,
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    (g, g_l): (&CudaStorage, &Layout),
+) -> Result<[CudaStorage; 3]> {
+    let cdev = q.0.device().clone();
+    let stream = cdev.cuda_stream();
+    let alloc = |l: &Layout| cdev.alloc_zeros::<T>(l.shape().elem_count());
+    let (mut dq, mut dk, mut dv) = (alloc(q.1)?, alloc(k.1)?, alloc(v.1)?);
+    let wrap = |x| CudaStorage::wrap_cuda_slice(x, cdev.clone());
+    // No query rows or no keys: no attention ran, every gradient is zero.
+    let Some(p) = &call.problem else {
+        return Ok([dq, dk, dv].map(wrap));
+    };
+    let (out, lse) = run(call, q, k, v, true)?;
+    let lse = lse.expect("asked for the log-sum-exp");
+    let dev = handle(&stream)?;
+    let seqused = match (call.meta.paged, call.meta.cu_seqlens_k) {
+        (true, Some(cu)) => Some(lengths(cu)?),
+        _ => None,
+    };
+    let cu_q = storage(call.meta.cu_seqlens_q);
+    let cu_k = storage(call.meta.cu_seqlens_k.filter(|_| !call.meta.paged));
+    let used = storage(seqused.as_ref());
+    let table = storage(call.meta.block_table);
+    let alibi = storage(call.alibi);
+    let sinks = storage(call.sinks);
+    let extras = Extras {
+        alibi_slopes: view_f32("alibi_slopes", &alibi)?,
+        sinks: view_f32("sinks", &sinks)?,
+        lse: None,
+        cu_seqlens_q: view_i32("seqlens_q", &cu_q)?,
+        cu_seqlens_k: view_i32("seqlens_k", &cu_k)?,
+        seqused_k: view_i32("seqlens_k", &used)?,
+        block_table: view_i32("block_table", &table)?,
+    };
+    let [q_s, k_s, v_s] = call.strides;
+    let ops = BackwardViews {
+        q: View::new(q.0.as_cuda_slice::<T>()?.slice(q.1.start_offset()..), q_s),
+        k: View::new(k.0.as_cuda_slice::<T>()?.slice(k.1.start_offset()..), k_s),
+        v: View::new(v.0.as_cuda_slice::<T>()?.slice(v.1.start_offset()..), v_s),
+        out: View::new(out.as_cuda_slice::<T>()?.as_view(), call.out_strides),
+        d_out: View::new(
+            g.as_cuda_slice::<T>()?.slice(g_l.start_offset()..),
+            call.out_strides,
+        ),
+        lse: lse.as_cuda_slice::<f32>()?.as_view(),
+        dq: ViewMut::new(dq.as_view_mut(), q_s),
+        dk: ViewMut::new(dk.as_view_mut(), k_s),
+        dv: ViewMut::new(dv.as_view_mut(), v_s),
+        dsinks: None,
+    };
+    sdpa::backward(&dev, p, Backend::Auto, DqReduction::Atomic, ops, extras)
+        .map_err(candle_core::Error::wrap)?;
+    Ok([dq, dk, dv].map(wrap))
 }
 
 /// `n` f32 of -inf (the log-sum-exp of a row that sees no key, which no kernel writes), on

@@ -41,10 +41,10 @@
 //! queue on candle's stream (no copy, no synchronisation); on the CPU they run sdpa's float64
 //! reference, for tests and small models (candle-flash-attn has no CPU path). Unlike
 //! candle-flash-attn, no function panics or reads out of bounds on bad shapes or metadata: each
-//! is an error. The ops record themselves in candle's graph: on the CPU a backward pass through
-//! them gives dQ, dK and dV (sdpa's float64 reference gradient; the sinks take none), so
-//! `loss.backward()` trains small models there; on a GPU there is no backward kernel yet, and a
-//! backward pass is `Error::BackwardNotSupported`.
+//! is an error. The ops record themselves in candle's graph, so `loss.backward()` through them
+//! gives dQ, dK and dV (the sinks take none): on a GPU from sdpa's backward (the forward runs
+//! again for its log-sum-exp, which the op cannot keep; a paged cache has no backward), on the
+//! CPU from sdpa's float64 reference gradient.
 
 mod cache;
 mod call;

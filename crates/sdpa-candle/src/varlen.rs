@@ -350,8 +350,8 @@ impl FlashAttnVarLen {
         }
     }
 
-    /// The op on Q, K and V, recorded in candle's graph (a backward through it: the CPU
-    /// reference's gradients, `BackwardNotSupported` on a GPU).
+    /// The op on Q, K and V, recorded in candle's graph (a backward through it: sdpa's
+    /// backward on a GPU, the float64 reference's gradients on the CPU).
     pub fn forward(self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         q.apply_op3(k, v, self)
     }

@@ -1,8 +1,8 @@
 //! Training through the op: a small attention block (Q, K and V projections, grouped-query
 //! causal attention, the output projection) fitted to a fixed teacher block by plain gradient
-//! descent, with `loss.backward()` running through `sdpa_candle::flash_attn`. On the CPU (sdpa's
-//! float64 reference gradient; a GPU backward does not exist yet), next to the same block on
-//! candle's own attention.
+//! descent, with `loss.backward()` running through `sdpa_candle::flash_attn`, its first step's
+//! gradients checked against the same block on candle's own attention: on the CPU (sdpa's
+//! float64 reference gradient) and on a GPU (sdpa's backward; feature `cuda`).
 
 mod common;
 
@@ -76,12 +76,11 @@ fn unfused(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     attention_unfused(q, k, v, 1.0 / (HEAD_DIM as f32).sqrt(), true)
 }
 
-#[test]
-fn gradient_descent_through_the_op_fits_a_teacher_block() -> Result<()> {
-    let dev = Device::Cpu;
-    let x = randn((BATCH, SEQ, HIDDEN), DType::F32, &dev)?;
-    let target = Block::new(&dev)?.forward(&x, unfused)?;
-    let student = Block::new(&dev)?;
+/// Fits a student block to a teacher block on `dev` by gradient descent through the op.
+fn fit(dev: &Device) -> Result<()> {
+    let x = randn((BATCH, SEQ, HIDDEN), DType::F32, dev)?;
+    let target = Block::new(dev)?.forward(&x, unfused)?;
+    let student = Block::new(dev)?;
     let mse = |y: Tensor| (y - &target)?.sqr()?.mean_all();
 
     // The first step's gradients, through the op and through candle's attention.
@@ -105,10 +104,27 @@ fn gradient_descent_through_the_op_fits_a_teacher_block() -> Result<()> {
         }
     }
     let (first, last) = (losses[0], losses[losses.len() - 1]);
-    eprintln!("loss over {} steps: {first} -> {last}", losses.len());
+    eprintln!(
+        "{dev:?}: loss over {} steps: {first} -> {last}",
+        losses.len()
+    );
     assert!(
         last < 0.5 * first && losses.windows(2).filter(|w| w[1] > w[0]).count() <= 3,
         "the loss went {losses:?}"
     );
     Ok(())
+}
+
+#[test]
+fn gradient_descent_through_the_op_fits_a_teacher_block() -> Result<()> {
+    fit(&Device::Cpu)
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn gradient_descent_through_the_op_fits_a_teacher_block_on_the_gpu() -> Result<()> {
+    let Some(dev) = common::gpu("gpu training") else {
+        return Ok(());
+    };
+    fit(&dev)
 }

@@ -38,6 +38,7 @@ mod progress;
 mod ring;
 mod run;
 mod validate;
+mod validate_backward;
 
 use clap::{Parser, Subcommand};
 use sdpa::{Backend, Device, Problem};

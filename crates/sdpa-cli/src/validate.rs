@@ -320,6 +320,13 @@ pub struct Args {
     /// Seed for the random inputs; default: fresh every run.
     #[arg(long)]
     seed: Option<u64>,
+    /// Check the gradients (dQ, dK, dV, and the sinks') against the float64 reference gradient
+    /// instead of the output; the backends default to every GPU backend.
+    #[arg(long)]
+    backward: bool,
+    /// With --backward: dQ summed in a fixed order (bitwise repeatable) instead of with atomics.
+    #[arg(long, requires = "backward")]
+    deterministic: bool,
 }
 
 pub fn main(a: Args) -> CliResult<ExitCode> {
@@ -327,6 +334,21 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         .problems
         .problems(&["mission", "s1k-d64", "s2k-d128"], "both")?;
     let named = !a.backend.is_empty();
+    if a.backward {
+        let backends = match named {
+            true => backends(&a.backend)?,
+            false => Backend::GPU.to_vec(),
+        };
+        let dev = Device::new(0).map_err(|e| {
+            sdpa::Error::NoDevice(format!("{e}; validate --backward runs on a GPU"))
+        })?;
+        let reduction = match a.deterministic {
+            true => sdpa::DqReduction::Deterministic,
+            false => sdpa::DqReduction::Atomic,
+        };
+        let seed = a.seed.unwrap_or_else(fresh_seed);
+        return crate::validate_backward::run(&dev, &problems, &backends, reduction, seed);
+    }
     let mut backends = backends(&a.backend)?;
     let dev = device_for(&backends, named)?;
     if named {

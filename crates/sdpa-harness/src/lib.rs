@@ -4,6 +4,7 @@
 //!
 //! - [`check`]: accuracy checks against the float64 reference (output poisoned with NaN, the
 //!   tolerances every backend is held to, per dtype and FP8 mode).
+//! - [`grad`]: the backward's checks against the float64 reference gradient.
 //! - [`inputs`]: fresh random inputs from a seed, and the input distributions the fast FP8
 //!   mode's bars are stated for.
 //! - [`timing`]: GPU timing with CUDA events and graphs, warm-up first, medians.
@@ -27,6 +28,7 @@
 #![warn(missing_docs)]
 
 pub mod check;
+pub mod grad;
 pub mod info;
 pub mod inputs;
 pub mod problems;

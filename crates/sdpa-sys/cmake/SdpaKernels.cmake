@@ -4,7 +4,9 @@
 # instantiate.cu.in or its instantiate_d<head_dim>.cu.in, or instantiate_e4m3.cu.in for e4m3, with its fast-mode sibling
 # instantiate_e4m3_fast.cu.in where the folder has one) into ${CMAKE_CURRENT_BINARY_DIR}/gen,
 # and gen/registry.inc, one SDPA_INSTANCE(...) per line, which src/api.cu expands into
-# declarations and its dispatch table. Sets SDPA_KERNEL_SOURCES.
+# declarations and its dispatch table. An entry ending in /bwd (`bwd` in kernels.txt) also gets
+# its backward, from the folder's instantiate_bwd.cu.in, and a line SDPA_BWD_INSTANCE(...) in
+# gen/registry_bwd.inc, the backward's table. Sets SDPA_KERNEL_SOURCES.
 # Files are rewritten only when their text changes, so a re-configure rebuilds nothing.
 
 # Per backend: source folder, C++ namespace, sdpa::Kernel enumerator, needs CUTLASS.
@@ -27,11 +29,21 @@ function(sdpa_generate_kernels kernels out_sources)
   set(gen "${CMAKE_CURRENT_BINARY_DIR}/gen")
   set(sources "")
   set(registry "// Generated from cpp/kernels.txt by cmake/SdpaKernels.cmake; do not edit.\n")
+  set(registry_bwd "${registry}")
   foreach(entry IN LISTS kernels)
     string(REPLACE "/" ";" fields "${entry}")
     list(GET fields 0 backend)
     list(GET fields 1 dtype)
     list(GET fields 2 head_dim)
+    set(backward FALSE)
+    list(LENGTH fields nfields)
+    if(nfields GREATER 3)
+      list(GET fields 3 flag)
+      if(NOT flag STREQUAL "bwd")
+        message(FATAL_ERROR "SDPA_KERNELS: unknown flag '${flag}' in '${entry}'")
+      endif()
+      set(backward TRUE)
+    endif()
     if(NOT DEFINED _sdpa_${backend})
       message(FATAL_ERROR "SDPA_KERNELS: unknown backend '${backend}' in '${entry}'")
     endif()
@@ -74,8 +86,21 @@ function(sdpa_generate_kernels kernels out_sources)
       list(APPEND sources "${out}")
     endif()
     string(APPEND registry "SDPA_INSTANCE(${ns}, ${kernel}, ${enum}, ${head_dim}, ${dtype})\n")
+    if(backward)
+      set(bwd "${CMAKE_CURRENT_SOURCE_DIR}/src/${folder}/instantiate_bwd.cu.in")
+      if(NOT EXISTS "${bwd}")
+        message(FATAL_ERROR "SDPA_KERNELS: ${backend} has no ${bwd} for '${entry}'")
+      endif()
+      set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${bwd}")
+      set(out "${gen}/${folder}/bwd_${dtype}_d${head_dim}.cu")
+      configure_file("${bwd}" "${out}" @ONLY)
+      list(APPEND sources "${out}")
+      string(APPEND registry_bwd
+             "SDPA_BWD_INSTANCE(${ns}, ${kernel}, ${enum}, ${head_dim}, ${dtype})\n")
+    endif()
   endforeach()
   file(CONFIGURE OUTPUT "${gen}/registry.inc" CONTENT "${registry}")
+  file(CONFIGURE OUTPUT "${gen}/registry_bwd.inc" CONTENT "${registry_bwd}")
   # Instantiations taken out of the list: their generated sources go too.
   file(GLOB_RECURSE old "${gen}/*.cu")
   foreach(f IN LISTS old)

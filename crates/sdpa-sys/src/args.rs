@@ -191,6 +191,36 @@ mod blocks {
         scratch: FwdScratch,
     }
 
+    /// The backward's operands beyond the forward's (`BwdArgs::fwd`, whose `ops.o` is the
+    /// forward's output, read, and `out.lse` its log-sum-exp, read): dO, the loss's gradient
+    /// against the output, at do_stride (the output's dtype and head dim); dQ, dK, dV written
+    /// at their strides (Q's, K's and V's dtype and head dims); dsinks, f32 [heads], written
+    /// where the problem has sinks (0: not asked for). deterministic: dQ summed in a fixed
+    /// order (bitwise the same every run), else with f32 atomics. workspace:
+    /// `KernelPlan::workspace_bytes` of `plan_backward`, owned by the caller.
+    #[derive(Debug, Clone, Copy)]
+    struct BwdGrads {
+        d_o: u64,
+        do_stride: Strides,
+        dq: u64,
+        dk: u64,
+        dv: u64,
+        dq_stride: Strides,
+        dk_stride: Strides,
+        dv_stride: Strides,
+        dsinks: u64,
+        deterministic: bool,
+        workspace: u64,
+    }
+
+    /// One attention backward call: the forward's argument block (its inputs, its output and
+    /// log-sum-exp now read) and the gradients'.
+    #[derive(Debug, Clone, Copy)]
+    struct BwdArgs {
+        fwd: FwdArgs,
+        grads: BwdGrads,
+    }
+
     /// What `plan` decided for one problem on one device, which every run of that problem
     /// reads: the kernel, the core's index of its instantiation (only `plan` writes it),
     /// whether e4m3 inputs go through the simulated path (dequantized copies and the 16-bit

@@ -18,6 +18,19 @@ void forward(const KernelPlan& plan, const FwdArgs& args, const DeviceInfo& dev,
   sdpa::forward(plan, args, dev, reinterpret_cast<void*>(stream));
 }
 
+rust::String can_implement_backward(Kernel kernel, const BwdArgs& args, const DeviceInfo& dev) {
+  return sdpa::can_implement_backward(kernel, args, dev);
+}
+
+KernelPlan plan_backward(Kernel kernel, const BwdArgs& args, const DeviceInfo& dev) {
+  return sdpa::plan_backward(kernel, args, dev);
+}
+
+void backward(const KernelPlan& plan, const BwdArgs& args, const DeviceInfo& dev,
+              std::size_t stream) {
+  sdpa::backward(plan, args, dev, reinterpret_cast<void*>(stream));
+}
+
 void absmax(uint64_t x, bool x_is_f32, Dtype dtype, int64_t n, ScaleMap m, uint64_t amax,
             int64_t groups, std::size_t stream) {
   sdpa::absmax(reinterpret_cast<const void*>(x), x_is_f32, dtype, n, m,

@@ -11,6 +11,7 @@
 
 namespace sdpa_bridge {
 struct KernelAttr;
+using sdpa::BwdArgs;
 using sdpa::DeviceInfo;
 using sdpa::Dtype;
 using sdpa::FwdArgs;
@@ -27,6 +28,10 @@ rust::String can_implement(Kernel kernel, const FwdArgs& args, const DeviceInfo&
 KernelPlan plan(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
 void forward(const KernelPlan& plan, const FwdArgs& args, const DeviceInfo& dev,
              std::size_t stream);
+rust::String can_implement_backward(Kernel kernel, const BwdArgs& args, const DeviceInfo& dev);
+KernelPlan plan_backward(Kernel kernel, const BwdArgs& args, const DeviceInfo& dev);
+void backward(const KernelPlan& plan, const BwdArgs& args, const DeviceInfo& dev,
+              std::size_t stream);
 void masked_softmax(const SoftmaxArgs& args, std::size_t stream);
 void kv_write(const KvWriteArgs& args, const DeviceInfo& dev, std::size_t stream);
 void sanitize_v(const NonFiniteVArgs& args, std::size_t stream);

@@ -37,6 +37,7 @@ pub mod ffi {
         type Dtype = crate::args::Dtype;
         type Kernel = crate::Kernel;
         type FwdArgs = crate::args::FwdArgs;
+        type BwdArgs = crate::args::BwdArgs;
         type KernelPlan = crate::args::KernelPlan;
         type DeviceInfo = crate::args::DeviceInfo;
         type SoftmaxArgs = crate::args::SoftmaxArgs;
@@ -68,6 +69,28 @@ pub mod ffi {
         unsafe fn forward(
             plan: &KernelPlan,
             args: &FwdArgs,
+            dev: &DeviceInfo,
+            stream: usize,
+        ) -> Result<()>;
+        /// Why `kernel`'s backward cannot run `args` on `dev`, or "" where it can (as
+        /// `can_implement`; sdpa.h). Calls nothing on the GPU.
+        fn can_implement_backward(
+            kernel: Kernel,
+            args: &BwdArgs,
+            dev: &DeviceInfo,
+        ) -> Result<String>;
+        /// What `kernel`'s backward runs for the problem of `args` on `dev`, decided once: the
+        /// instantiation and the workspace bytes. Calls nothing on the GPU.
+        fn plan_backward(kernel: Kernel, args: &BwdArgs, dev: &DeviceInfo) -> Result<KernelPlan>;
+        /// # Safety
+        /// `plan` must come from `plan_backward` for the problem of `args`; `args` must
+        /// describe live device buffers of the sizes its shapes and strides address (the
+        /// gradients apart from every input and from each other), its workspace at least
+        /// `plan.workspace_bytes`, on the device current on this thread, which `dev`
+        /// describes; `stream` a valid stream there.
+        unsafe fn backward(
+            plan: &KernelPlan,
+            args: &BwdArgs,
             dev: &DeviceInfo,
             stream: usize,
         ) -> Result<()>;
@@ -179,6 +202,8 @@ pub struct Instance {
     pub dtype: &'static str,
     /// Head dimension.
     pub head_dim: usize,
+    /// Whether the backend's backward is instantiated for it too.
+    pub backward: bool,
 }
 
 /// Every instantiation the core was generated with: the lines of cpp/kernels.txt that the

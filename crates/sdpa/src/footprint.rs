@@ -65,12 +65,22 @@ pub(crate) fn span<T>(
 
 /// That the output's bytes `out` overlap none of the `inputs` the kernels read while writing it.
 pub(crate) fn out_apart(out: &Range<u64>, inputs: &[(&str, &Range<u64>)]) -> Result<()> {
-    match inputs
+    apart("out", out, inputs)
+}
+
+/// That the bytes of the written operand `written` overlap none of `others` (the inputs the
+/// kernels read while writing it, and the call's other outputs).
+pub(crate) fn apart(
+    written: &str,
+    span: &Range<u64>,
+    others: &[(&str, &Range<u64>)],
+) -> Result<()> {
+    match others
         .iter()
-        .find(|(_, r)| r.start < out.end && out.start < r.end)
+        .find(|(_, r)| r.start < span.end && span.start < r.end)
     {
         Some((name, _)) => Err(invalid!(
-            "out overlaps {name}: the kernels read {name} while out is written"
+            "{written} overlaps {name}: the kernels read or write {name} while {written} is written"
         )),
         None => Ok(()),
     }
@@ -79,7 +89,7 @@ pub(crate) fn out_apart(out: &Range<u64>, inputs: &[(&str, &Range<u64>)]) -> Res
 /// That the output's strides give each element its own address: ordered by stride, each
 /// dimension it runs over steps past everything the inner ones span (a zero or overlapping
 /// stride would have two CTAs write one element).
-pub(crate) fn rows_distinct(s: Strides, shape: TensorShape) -> Result<()> {
+pub(crate) fn rows_distinct(name: &str, s: Strides, shape: TensorShape) -> Result<()> {
     let mut dims = [
         (s.seq, shape.seq),
         (s.head, shape.heads),
@@ -90,7 +100,7 @@ pub(crate) fn rows_distinct(s: Strides, shape: TensorShape) -> Result<()> {
     for (stride, size) in dims.into_iter().filter(|&(_, n)| n > 1) {
         if stride < spanned {
             return Err(invalid!(
-                "out's strides {s:?} make elements of shape {shape} share addresses"
+                "{name}'s strides {s:?} make elements of shape {shape} share addresses"
             ));
         }
         spanned += stride * (size - 1);
@@ -131,9 +141,10 @@ mod tests {
             head: 100 * 64,
             seq: 64,
         };
-        rows_distinct(dense, s).unwrap();
+        rows_distinct("out", dense, s).unwrap();
         // Sequence-major with padding, and heads interleaved: still distinct.
         rows_distinct(
+            "out",
             Strides {
                 batch: 100 * 4 * 72,
                 head: 72,
@@ -150,10 +161,10 @@ mod tests {
                 ..dense
             },
         ] {
-            let e = rows_distinct(bad, s).unwrap_err();
+            let e = rows_distinct("out", bad, s).unwrap_err();
             assert!(e.to_string().contains("share addresses"), "{bad:?}: {e}");
         }
         // A dimension of size one has no stride to speak of.
-        rows_distinct(Strides { batch: 0, ..dense }, shape(1, 4, 100)).unwrap();
+        rows_distinct("out", Strides { batch: 0, ..dense }, shape(1, 4, 100)).unwrap();
     }
 }

@@ -116,7 +116,7 @@ pub(crate) fn run_fp8_views<T: Element>(
         span("v", dev, &v.codes, v.strides, vs)?,
         span("out", dev, &out.data, out.strides, os)?,
     ];
-    rows_distinct(out.strides, os)?;
+    rows_distinct("out", out.strides, os)?;
     let groups = |heads: usize| match p.fp8_scaling {
         Scaling::PerTensor => 1,
         Scaling::PerHead => p.batch * heads,
@@ -273,7 +273,7 @@ pub(crate) fn run_fp8_kv_views<T: Element>(
         span("v", dev, &v.codes, v.strides, vs)?,
         span("out", dev, &out.data, out.strides, os)?,
     ];
-    rows_distinct(out.strides, os)?;
+    rows_distinct("out", out.strides, os)?;
     let need = crate::fp8::scale_count(&ks, p.fp8_scaling);
     let mut scale_spans = Vec::with_capacity(2);
     for (name, view) in [("k's scales", &k), ("v's scales", &v)] {

@@ -52,6 +52,7 @@
     not(feature = "distributed"),
     doc = "| several GPUs: ring attention over NCCL | `distributed` (feature `distributed`) | `distributed::Ring` |"
 )]
+//! | gradients (dQ, dK, dV, the sinks'): training | [`BackwardPlan`], [`BackwardViews`], [`backward`](fn@backward); [`reference_backward`] (float64) | [`BackwardPlan`]; [`reference_backward`] (no GPU) |
 //! | check a result | [`reference`](fn@reference), [`reference_with`], [`reference_seqs`] (float64, no GPU) | below; [`reference_with`] |
 //!
 //! The float64 reference needs no GPU:
@@ -72,6 +73,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+mod backward;
 mod buffers;
 mod codec;
 mod device;
@@ -96,6 +98,7 @@ mod view;
 pub use backend::Backend;
 pub use backend::cpu::{Reference, reference, reference_fp8_fast, reference_seqs, reference_with};
 pub use backend::cpu_grad::{Gradients, reference_backward, reference_backward_seqs};
+pub use backward::{BackwardPlan, BackwardViews, DqReduction};
 pub use codec::{decode, encode};
 pub use device::{Device, driver_present};
 pub use error::{CudaError, Error, MemoryKind, Result};
@@ -162,4 +165,20 @@ pub fn forward<O: Operands>(
     extras: Extras<'_>,
 ) -> Result<()> {
     Plan::new(dev, p, backend)?.run(ops, extras)
+}
+
+/// Runs the backward of `p` on `dev`'s stream once: [`BackwardPlan::new`] then
+/// [`BackwardPlan::run`] (a training loop plans once per shape). `ops` are Q, K, V, the
+/// forward's output and log-sum-exp and dO in, dQ, dK, dV (and dsinks) out; `extras` the
+/// forward's ALiBi slopes, sinks and sequence metadata. Every argument is checked before
+/// anything is launched; nothing is written on error.
+pub fn backward<T: Element>(
+    dev: &Device,
+    p: &Problem,
+    backend: Backend,
+    reduction: DqReduction,
+    ops: BackwardViews<'_, '_, T>,
+    extras: Extras<'_>,
+) -> Result<()> {
+    BackwardPlan::new(dev, p, backend, reduction)?.run(ops, extras)
 }

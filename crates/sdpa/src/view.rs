@@ -154,7 +154,7 @@ fn launch_views<T: Element, O: Element>(
         span("v", dev, &v.data, v.strides, vs)?,
         span("out", dev, &out.data, out.strides, os)?,
     ];
-    rows_distinct(out.strides, os)?;
+    rows_distinct("out", out.strides, os)?;
     let strides = p.effective_strides([q.strides, k.strides, v.strides, out.strides]);
     let stream = dev.stream();
     // The guards record cudarc's read/write events (where tracking is on) once dropped, after

@@ -223,6 +223,109 @@ void forward(const KernelPlan& plan, const FwdArgs& a, const DeviceInfo& dev, vo
   i.forward(b, dev, s);
 }
 
+// The backward's instantiations (gen/registry_bwd.inc: the `bwd` lines of cpp/kernels.txt),
+// each defining can_implement_backward_<dtype>_d<D>, backward_..., workspace_backward_... and
+// attributes_backward_... in its backend's namespace.
+#define SDPA_BWD_INSTANCE(ns, kernel, dtype, d, tag)                                  \
+  namespace ns {                                                                      \
+  std::string can_implement_backward_##tag##_d##d(const BwdArgs&, const DeviceInfo&); \
+  void backward_##tag##_d##d(const BwdArgs&, const DeviceInfo&, cudaStream_t);        \
+  int64_t workspace_backward_##tag##_d##d(const BwdArgs&, const DeviceInfo&);         \
+  void attributes_backward_##tag##_d##d(std::vector<KernelAttr>&, const DeviceInfo&); \
+  }
+#include "registry_bwd.inc"
+#undef SDPA_BWD_INSTANCE
+
+namespace {
+struct BwdInstance {
+  Kernel kernel;
+  Dtype dtype;
+  int64_t head_dim;
+  std::string (*can_implement)(const BwdArgs&, const DeviceInfo&);
+  void (*backward)(const BwdArgs&, const DeviceInfo&, cudaStream_t);
+  int64_t (*workspace)(const BwdArgs&, const DeviceInfo&);
+  void (*attributes)(std::vector<KernelAttr>&, const DeviceInfo&);
+};
+
+#define SDPA_BWD_INSTANCE(ns, kernel, dtype, d, tag)   \
+  BwdInstance{Kernel::kernel,                          \
+              Dtype::dtype,                            \
+              d,                                       \
+              ns::can_implement_backward_##tag##_d##d, \
+              ns::backward_##tag##_d##d,               \
+              ns::workspace_backward_##tag##_d##d,     \
+              ns::attributes_backward_##tag##_d##d},
+// A build may have no backward instance (SDPA_BACKENDS without scalar): the table then holds
+// a sentinel no lookup matches.
+const BwdInstance kBwdInstances[] = {
+#include "registry_bwd.inc"
+    BwdInstance{Kernel(-1), Dtype::F32, 0, nullptr, nullptr, nullptr, nullptr},
+};
+#undef SDPA_BWD_INSTANCE
+constexpr int64_t kBwdCount = sizeof(kBwdInstances) / sizeof(kBwdInstances[0]) - 1;
+
+// The backward instance that runs head dims (d, dv): the smallest as wide as both (the
+// backward kernels read a problem's own columns only).
+const BwdInstance* find_backward(Kernel kernel, const BwdArgs& a) {
+  const BwdInstance* best = nullptr;
+  for (int64_t n = 0; n < kBwdCount; ++n) {
+    const BwdInstance& i = kBwdInstances[n];
+    if (i.kernel != kernel || i.dtype != a.fwd.ops.dtype) continue;
+    if (i.head_dim >= a.fwd.dims.head_dim && i.head_dim >= a.fwd.dims.head_dim_v &&
+        (best == nullptr || i.head_dim < best->head_dim))
+      best = &i;
+  }
+  return best;
+}
+}  // namespace
+
+std::string can_implement_backward(Kernel kernel, const BwdArgs& a, const DeviceInfo& dev) {
+  const FwdArgs& f = a.fwd;
+  if (f.ops.dtype != Dtype::F16 && f.ops.dtype != Dtype::BF16)
+    return std::string("the backward takes f16 or bf16 inputs, not ") + name(f.ops.dtype);
+  if (f.ops.kv_dtype != f.ops.dtype || f.out.dtype != f.ops.dtype)
+    return "the backward takes K, V and the output in Q's dtype";
+  const BwdInstance* i = find_backward(kernel, a);
+  if (i == nullptr) {
+    bool any = false;
+    for (int64_t n = 0; n < kBwdCount; ++n) any |= kBwdInstances[n].kernel == kernel;
+    if (!any)
+      return std::string(name(kernel)) +
+             " has no backward yet (scalar has, in builds that include it: cpp/kernels.txt's "
+             "`bwd` lines)";
+    return std::string("the backward of dtype ") + name(f.ops.dtype) + " is not instantiated " +
+           "as wide as head_dim " + std::to_string(f.dims.head_dim) + " and head_dim_v " +
+           std::to_string(f.dims.head_dim_v) + " (cpp/kernels.txt's `bwd` lines)";
+  }
+  return i->can_implement(a, dev);
+}
+
+KernelPlan plan_backward(Kernel kernel, const BwdArgs& a, const DeviceInfo& dev) {
+  if (!known(dev)) throw Error(std::string(name(kernel)) + ": a plan needs a known device");
+  const std::string why = can_implement_backward(kernel, a, dev);
+  if (!why.empty()) throw Error(std::string(name(kernel)) + " backward: " + why);
+  const BwdInstance* i = find_backward(kernel, a);
+  KernelPlan p{};
+  p.kernel = kernel;
+  p.instance = int32_t(i - kBwdInstances);
+  p.simulated = false;
+  p.workspace_bytes = i->workspace(a, dev);
+  return p;
+}
+
+void backward(const KernelPlan& plan, const BwdArgs& a, const DeviceInfo& dev, void* stream) {
+  if (!known(dev)) throw Error(std::string(name(plan.kernel)) + ": backward needs a known device");
+  if (plan.instance < 0 || plan.instance >= kBwdCount)
+    throw Error("backward: a plan that plan_backward() did not make");
+  const BwdInstance& i = kBwdInstances[plan.instance];
+  if (i.kernel != plan.kernel || &i != find_backward(plan.kernel, a) ||
+      plan.workspace_bytes < i.workspace(a, dev))
+    throw Error(std::string(name(plan.kernel)) + ": backward: the plan is for another problem");
+  const std::string why = i.can_implement(a, dev);
+  if (!why.empty()) throw Error(std::string(name(i.kernel)) + " backward: " + why);
+  i.backward(a, dev, static_cast<cudaStream_t>(stream));
+}
+
 __global__ void empty() {}
 
 void empty_kernel(int32_t blocks, void* stream) {
@@ -233,6 +336,7 @@ void empty_kernel(int32_t blocks, void* stream) {
 std::vector<KernelAttr> kernel_attributes(const DeviceInfo& dev) {
   std::vector<KernelAttr> out;
   for (const Instance& i : kInstances) i.attributes(out, dev);
+  for (int64_t n = 0; n < kBwdCount; ++n) kBwdInstances[n].attributes(out, dev);
   return out;
 }
 

@@ -16,8 +16,8 @@ use cudarc::driver::{CudaSlice, DevicePtrMut};
 use sdpa_sys::INSTANCES;
 use sdpa_sys::Kernel;
 use sdpa_sys::args::{
-    DeviceInfo, FwdArgs, FwdDims, FwdFp8, FwdOperands, FwdOutput, FwdScoreMods, FwdScratch,
-    FwdSeqs, KernelPlan,
+    BwdArgs, DeviceInfo, FwdArgs, FwdDims, FwdFp8, FwdOperands, FwdOutput, FwdScoreMods,
+    FwdScratch, FwdSeqs, KernelPlan,
 };
 use std::fmt;
 use std::sync::MutexGuard;
@@ -166,6 +166,22 @@ pub(crate) fn forward(plan: &KernelPlan, dev: &Device, p: &Checked, b: &Buffers)
     Ok(())
 }
 
+/// Runs the planned backward (`plan_backward`'s plan) on `args`, its workspace the device's
+/// scratch (grown when too small; the lock held until the launches are queued, as `forward`).
+pub(crate) fn backward(plan: &KernelPlan, dev: &Device, mut args: BwdArgs) -> Result<()> {
+    let mut scratch = lock_scratch(dev)?;
+    grow(dev, &mut scratch, plan.workspace_bytes as usize)?;
+    args.grads.workspace = scratch.as_mut().unwrap().device_ptr_mut(dev.stream()).0;
+    let stream = dev.raw_stream()?;
+    // SAFETY: the plan is the core's for the problem of `args`; the caller checked every
+    // buffer's context, extent at its strides and alignment against it, the gradients apart
+    // from every input and each other; the workspace holds the bytes the plan asked for (its
+    // pre-pass writes every byte a later launch reads).
+    unsafe { sdpa_sys::ffi::backward(plan, &args, &dev.info(), stream)? };
+    drop(scratch);
+    Ok(())
+}
+
 /// Grows the device's scratch to what `plan` asks for, so that a later run (one captured into
 /// a graph, say) allocates nothing.
 pub(crate) fn reserve(plan: &KernelPlan, dev: &Device) -> Result<()> {
@@ -195,7 +211,7 @@ fn grow(dev: &Device, scratch: &mut Scratch, bytes: usize) -> Result<()> {
 }
 
 /// The argument block the C++ core takes for `p`, with no buffers (every pointer 0).
-fn problem_args(p: &Problem) -> FwdArgs {
+pub(crate) fn problem_args(p: &Problem) -> FwdArgs {
     let [qs, ks, vs, os] = p.operand_strides().map(|s| s.as_i64());
     let fp8 = p.dtype == DType::E4m3 || p.is_fp8_kv();
     let (page_size, page_rows, pages_per_seq) = match p.seqs.kv {
@@ -276,7 +292,7 @@ fn problem_args(p: &Problem) -> FwdArgs {
 }
 
 /// The argument block of a launch; built only from checked arguments.
-fn fwd_args(p: &Problem, b: &Buffers) -> FwdArgs {
+pub(crate) fn fwd_args(p: &Problem, b: &Buffers) -> FwdArgs {
     let [mut qs, mut ks, mut vs, mut os] = b.strides.map(|s| s.as_i64());
     // Packed and paged tensors are one sequence dimension: the kernels add no batch offset.
     if p.seqs.packed_q.is_some() {

@@ -73,6 +73,14 @@ KernelPlan plan(Kernel kernel, const FwdArgs& args, const DeviceInfo& dev);
 // pointers the problem asks for) is checked again, and refused with the kernel's reason.
 void forward(const KernelPlan& plan, const FwdArgs& args, const DeviceInfo& dev, void* stream);
 
+// The backward (BwdArgs): why `kernel` cannot run it on `dev` ("" where it can), as
+// can_implement for the forward; what it runs, decided once (the instance of the backward's
+// table, the workspace bytes a run needs in args.grads.workspace); and a run, enqueued on
+// `stream`: dQ, dK, dV (and dsinks) written from Q, K, V, O, dO and the LSE.
+std::string can_implement_backward(Kernel kernel, const BwdArgs& args, const DeviceInfo& dev);
+KernelPlan plan_backward(Kernel kernel, const BwdArgs& args, const DeviceInfo& dev);
+void backward(const KernelPlan& plan, const BwdArgs& args, const DeviceInfo& dev, void* stream);
+
 // Writes new key and value rows into a paged cache, at the cache's strides (NHD or HND pages):
 // row i to slot slots[i] (page slot / page_size, offset slot % page_size; vLLM's slot_mapping),
 // or, without slots, to its sequence's next positions (FlashAttention's flash_attn_with_kvcache
