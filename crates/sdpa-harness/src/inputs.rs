@@ -7,6 +7,7 @@
 //! ([`crate::check::fast_fp8_tolerance`]).
 
 use rand::{RngExt, SeedableRng, rngs::StdRng};
+use rayon::prelude::*;
 use sdpa::{
     DType, Device, Error, Problem, Result, Scaling, SeqMeta, Tensor, TensorShape, decode, encode,
     fp8,
@@ -270,11 +271,12 @@ pub fn random_inputs(p: &Problem, seed: u64) -> Result<Inputs> {
             .map(|x| x.into_iter().map(|a| a as f32).collect::<Vec<_>>());
         return Inputs::quantized(p, &q, &k, &v);
     }
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut draw = |n: usize| encode(p.dtype, &normals(&mut rng, n));
-    let (q, k) = (draw(ql), draw(kl));
+    // Q, K and V each from a stream of its own (so a tensor's values do not depend on the
+    // sizes of the ones before it).
+    let draw = |which: u64, n: usize| encode(p.dtype, &normals_seeded(seed ^ which << 56, n));
+    let (q, k) = (draw(1, ql), draw(2, kl));
     // V read from K's rows: its buffer holds K's values (the call passes K itself).
-    let v = if p.v_in_k { k.clone() } else { draw(vl) };
+    let v = if p.v_in_k { k.clone() } else { draw(3, vl) };
     let bits = [q, k, v];
     let values = [
         decode(p.dtype, &bits[0]),
@@ -306,12 +308,12 @@ pub fn quantize_kv(p: &Problem, mut i: Inputs) -> Result<Inputs> {
     let mut unquantized: [Vec<f64>; 3] = [i.values[0].clone(), Vec::new(), Vec::new()];
     for t in 1..3 {
         let shape = if t == 1 { p.k_shape() } else { p.v_shape() };
-        let x: Vec<f32> = i.values[t].iter().map(|&a| a as f32).collect();
+        let x: Vec<f32> = i.values[t].par_iter().map(|&a| a as f32).collect();
         let (codes, s) = fp8::quantize_host(&x, &shape, p.fp8_scaling)?;
         let values = fp8::dequantize_host(&codes, &s, &shape, p.fp8_scaling)?;
         unquantized[t] = std::mem::take(&mut i.values[t]);
-        i.values[t] = values.into_iter().map(f64::from).collect();
-        i.bits[t] = codes.into_iter().map(u16::from).collect();
+        i.values[t] = values.into_par_iter().map(f64::from).collect();
+        i.bits[t] = codes.into_par_iter().map(u16::from).collect();
         scales[t] = s;
     }
     i.fp8 = Some(Fp8Inputs {
@@ -329,7 +331,21 @@ pub fn quantize_kv(p: &Problem, mut i: Inputs) -> Result<Inputs> {
 /// value (the kernels' work and power do not depend on values repeating; accuracy checks use
 /// [`random_inputs`]).
 pub fn normal_bits(dtype: DType, n: usize, seed: u64) -> Vec<u16> {
-    encode(dtype, &normals(&mut StdRng::seed_from_u64(seed), n))
+    encode(dtype, &normals_seeded(seed, n))
+}
+
+/// `n` draws of N(0, 1) from `seed`, drawn on every core: block i of 2^16 values from a
+/// generator of its own, seeded from (`seed`, i), so the values depend on the seed alone.
+fn normals_seeded(seed: u64, n: usize) -> Vec<f32> {
+    const BLOCK: usize = 1 << 16;
+    let mut v = vec![0f32; n];
+    v.par_chunks_mut(BLOCK).enumerate().for_each(|(i, block)| {
+        let mut rng = StdRng::seed_from_u64(
+            seed.wrapping_add((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+        );
+        block.copy_from_slice(&normals(&mut rng, block.len()));
+    });
+    v
 }
 
 /// `n` draws of N(0, 1) from `rng` (Box–Muller, two normals per pair of uniforms), as f32.

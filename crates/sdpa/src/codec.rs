@@ -5,6 +5,7 @@
 use crate::error::Result;
 use crate::problem::DType;
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 /// The quiet-NaN bit pattern of a dtype, in its low `dtype.size()` bytes: what poisons outputs
 /// before a run.
@@ -66,17 +67,27 @@ pub(crate) fn try_encode(dtype: DType, data: &[f32]) -> Result<Vec<u16>> {
     Ok(bits)
 }
 
+/// Values a thread takes at a time in the codecs (inputs of hundreds of millions of values are
+/// encoded and decoded on every core).
+const CHUNK: usize = 1 << 16;
+
 fn fill(dtype: DType, data: &[f32], bits: &mut [u16]) {
-    for (b, &x) in bits.chunks_exact_mut(words(dtype)).zip(data) {
-        encode_one(dtype, x, b);
-    }
+    let w = words(dtype);
+    bits.par_chunks_mut(CHUNK * w)
+        .zip(data.par_chunks(CHUNK))
+        .for_each(|(bits, data)| {
+            for (b, &x) in bits.chunks_exact_mut(w).zip(data) {
+                encode_one(dtype, x, b);
+            }
+        });
 }
 
 /// Decodes bit patterns of `dtype` ([`encode`]'s words) to f64 (exact; e4m3 codes unscaled);
 /// for f32 a trailing lone word, half a value, is left out. Allocated as [`encode`]'s result
 /// is.
 pub fn decode(dtype: DType, bits: &[u16]) -> Vec<f64> {
-    bits.chunks_exact(words(dtype))
+    bits.par_chunks_exact(words(dtype))
+        .with_min_len(CHUNK)
         .map(|b| decode_one(dtype, b))
         .collect()
 }

@@ -21,6 +21,7 @@
 
 use crate::error::{Result, invalid};
 use crate::problem::{Scaling, TensorShape};
+use rayon::prelude::*;
 
 /// Number of scales a tensor of `shape` has under `scaling` (a shape whose size overflows has
 /// no per-head count: `usize::MAX`, which no scale vector matches).
@@ -43,13 +44,26 @@ pub(crate) fn group(shape: &TensorShape, scaling: Scaling, i: usize) -> usize {
 /// exactly the elements of `shape`.
 pub fn absmax_host(x: &[f32], shape: &TensorShape, scaling: Scaling) -> Result<Vec<f32>> {
     check_len(x.len(), shape, "absmax_host")?;
-    let mut amax = vec![0f32; scale_count(shape, scaling)];
-    for (i, &v) in x.iter().enumerate() {
-        let g = &mut amax[group(shape, scaling, i)];
-        if v.abs() > *g {
-            *g = v.abs();
-        }
-    }
+    let groups = scale_count(shape, scaling);
+    // Per block of 2^16 elements on every core, then the blocks' maxima folded.
+    const BLOCK: usize = 1 << 16;
+    let amax = x
+        .par_chunks(BLOCK)
+        .enumerate()
+        .map(|(b, block)| {
+            let mut amax = vec![0f32; groups];
+            for (j, &v) in block.iter().enumerate() {
+                let g = &mut amax[group(shape, scaling, b * BLOCK + j)];
+                if v.abs() > *g {
+                    *g = v.abs();
+                }
+            }
+            amax
+        })
+        .reduce(
+            || vec![0f32; groups],
+            |a, b| a.iter().zip(&b).map(|(x, y)| x.max(*y)).collect(),
+        );
     Ok(amax)
 }
 
@@ -103,7 +117,8 @@ pub fn quantize_host(
 ) -> Result<(Vec<u8>, Vec<f32>)> {
     let scales = scales_from_amax(&absmax_host(x, shape, scaling)?)?;
     let codes = x
-        .iter()
+        .par_iter()
+        .with_min_len(1 << 16)
         .enumerate()
         .map(|(i, &v)| e4m3_from_f32(v / scales[group(shape, scaling, i)]))
         .collect();
@@ -122,7 +137,8 @@ pub fn dequantize_host(
     check_len(codes.len(), shape, "dequantize_host")?;
     check_scale_count(scales.len(), shape, scaling, "dequantize_host")?;
     Ok(codes
-        .iter()
+        .par_iter()
+        .with_min_len(1 << 16)
         .enumerate()
         .map(|(i, &c)| e4m3_to_f32(c) * scales[group(shape, scaling, i)])
         .collect())
@@ -157,22 +173,25 @@ pub(crate) fn check_len(n: usize, shape: &TensorShape, what: &str) -> Result<()>
 /// Largest finite E4M3 magnitude.
 pub const E4M3_MAX: f32 = 448.0;
 
-/// Decodes one E4M3 byte (exact).
+/// Decodes one E4M3 byte (exact): built from its bits (the exponent rebiased from 7 to f32's
+/// 127, the 3 mantissa bits at the top of f32's 23), subnormals as m · 2^-9.
 pub fn e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let exp = i32::from((b >> 3) & 0x0F);
-    let man = f32::from(b & 0x07);
-    if exp == 0x0F && b & 0x07 == 0x07 {
+    let sign = u32::from(b & 0x80) << 24;
+    let (exp, man) = (u32::from((b >> 3) & 0x0F), u32::from(b & 0x07));
+    if exp == 0x0F && man == 0x07 {
         return f32::NAN;
     }
     if exp == 0 {
-        sign * man * 2f32.powi(-9) // subnormal: m/8 * 2^-6
-    } else {
-        sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+        // m · 2^-9, exact in f32.
+        return f32::from_bits(sign | (man as f32 * (1.0 / 512.0)).to_bits());
     }
+    f32::from_bits(sign | (exp + 127 - 7) << 23 | man << 20)
 }
 
-/// Encodes one f32 as E4M3: round to nearest even, saturate to ±448, NaN -> 0x7F.
+/// Encodes one f32 as E4M3: round to nearest even, saturate to ±448, NaN -> 0x7F. From the
+/// f32's bits: below 2^-6 the E4M3 grid is uniform in steps of 2^-9 (a · 2^9 is exact, rounded
+/// to an integer code); above, the top 3 of the 23 mantissa bits stay, the 20 below round them
+/// (a carry out moves the value up a binade).
 pub fn e4m3_from_f32(x: f32) -> u8 {
     if x.is_nan() {
         return 0x7F;
@@ -182,47 +201,86 @@ pub fn e4m3_from_f32(x: f32) -> u8 {
     if a >= E4M3_MAX {
         return sign | 0x7E; // 448 (inf included: SATFINITE)
     }
-    // Work in units of the smallest subnormal (2^-9): below 2^-6 the grid is uniform in those
-    // units; above, each binade [2^e, 2^(e+1)) has 8 steps of 2^(e-3).
-    let exp = if a < 2f32.powi(-6) {
-        -6
-    } else {
-        a.log2().floor() as i32
-    };
-    // Guard the log2 rounding at binade edges.
-    let exp = if a >= 2f32.powi(exp + 1) {
-        exp + 1
-    } else {
-        exp
-    };
-    let step = 2f64.powi(exp - 3);
-    let q = f64::from(a) / step; // exact: a is an f32, step a power of two
-    let mut n = q.floor();
-    let frac = q - n;
-    if frac > 0.5 || (frac == 0.5 && n % 2.0 == 1.0) {
-        n += 1.0;
+    let bits = a.to_bits();
+    let exp = (bits >> 23) as i32 - 127;
+    if exp < -6 {
+        // Codes 0..=8: m · 2^-9 (8 is 2^-6, the smallest normal, whose code is 8 too).
+        return sign | (a * 512.0).round_ties_even() as u8;
     }
-    let value = n * step; // the rounded magnitude
-    if value >= f64::from(E4M3_MAX) {
-        return sign | 0x7E;
-    }
-    if value == 0.0 {
-        return sign;
-    }
-    // Re-encode the exact rounded value (it may have moved up a binade).
-    let v = value as f32;
-    if v < 2f32.powi(-6) {
-        return sign | (v / 2f32.powi(-9)) as u8;
-    }
-    let e = v.log2().floor() as i32;
-    let e = if v >= 2f32.powi(e + 1) { e + 1 } else { e };
-    let m = ((v / 2f32.powi(e) - 1.0) * 8.0).round() as u8;
-    sign | (((e + 7) as u8) << 3) | m
+    let (upper, lower) = ((bits >> 20) & 0x07, bits & 0x000F_FFFF);
+    let round_up = lower > 0x8_0000 || (lower == 0x8_0000 && upper & 1 == 1);
+    // A carry from mantissa 7 lands on the next binade's code: (exp + 7) << 3 | upper, plus one.
+    let code = (((exp + 7) as u32) << 3 | upper) + u32::from(round_up);
+    // a < 448 rounds to at most 448 (0x7E): no NaN code.
+    sign | code as u8
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The arithmetic statement of the encoding (the binade from log2, round to nearest even on
+    /// its step): what the bit-level encoder must agree with.
+    fn e4m3_from_f32_spec(x: f32) -> u8 {
+        if x.is_nan() {
+            return 0x7F;
+        }
+        let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+        let a = f64::from(x.abs());
+        if a >= f64::from(E4M3_MAX) {
+            return sign | 0x7E;
+        }
+        let exp = if a < 2f64.powi(-6) {
+            -6
+        } else {
+            a.log2().floor() as i32
+        };
+        let exp = if a >= 2f64.powi(exp + 1) {
+            exp + 1
+        } else {
+            exp
+        };
+        let step = 2f64.powi(exp - 3);
+        let (n, frac) = ((a / step).floor(), a / step - (a / step).floor());
+        let n = if frac > 0.5 || (frac == 0.5 && n % 2.0 == 1.0) {
+            n + 1.0
+        } else {
+            n
+        };
+        let value = n * step;
+        // The code of the exact rounded value, by search over the positive codes.
+        let code = (0..=0x7Eu8)
+            .find(|&c| f64::from(e4m3_to_f32(c)) == value)
+            .expect("on the grid");
+        sign | code
+    }
+
+    /// The bit-level encoder agrees with the arithmetic statement on every f32 of 2^23 evenly
+    /// spread bit patterns (both signs, every binade, subnormals, the ties) and on every midpoint
+    /// between neighbouring codes.
+    #[test]
+    fn the_encoder_agrees_with_its_arithmetic_statement() {
+        for i in 0..(1u32 << 23) {
+            let x = f32::from_bits(i.wrapping_mul(511));
+            assert_eq!(
+                e4m3_from_f32(x),
+                e4m3_from_f32_spec(x),
+                "{x:e} ({:#x})",
+                x.to_bits()
+            );
+        }
+        for c in 0..0x7Eu8 {
+            let mid = (e4m3_to_f32(c) + e4m3_to_f32(c + 1)) / 2.0;
+            for x in [
+                mid,
+                -mid,
+                f32::from_bits(mid.to_bits() + 1),
+                f32::from_bits(mid.to_bits() - 1),
+            ] {
+                assert_eq!(e4m3_from_f32(x), e4m3_from_f32_spec(x), "{x:e}");
+            }
+        }
+    }
 
     #[test]
     fn scales_are_powers_of_two_covering_amax() {
