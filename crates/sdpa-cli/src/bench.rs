@@ -5,8 +5,9 @@ use crate::energy::{Energy, Meter};
 use crate::progress::Progress;
 use crate::validate::{ProblemArgs, auto_note, backends, dtype_label, require_runnable};
 use crate::{CliResult, chosen_backend, device_for, open_device, output};
-use sdpa::{Backend, DType, Device, Problem, Result, Tensor};
+use sdpa::{Backend, BackwardPlan, DType, Device, DqReduction, Problem, Result, Tensor};
 use sdpa_harness::check::{ExtraBuffers, check_output, kv_bytes};
+use sdpa_harness::grad::{BackwardCase, Half};
 use sdpa_harness::inputs::{fresh_seed, named_inputs, tensors};
 use sdpa_harness::timing::{launch_floor, time_backend, time_gpu};
 use serde_json::json;
@@ -16,6 +17,9 @@ use std::process::ExitCode;
 /// (minutes of CPU time; fast FP8 problems compute an emulated reference too); `sdpa validate`
 /// covers them.
 const REFERENCE_FLOP_LIMIT: f64 = 2e11;
+/// The same for the backward's check (the reference gradient recomputes the forward and runs
+/// five products a score, against the forward's two): its work counted as 2.5x the forward's.
+const BACKWARD_REFERENCE_FLOP_LIMIT: f64 = 2e10;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -38,6 +42,13 @@ pub struct Args {
     /// counter, NVML), mean power and SM clock.
     #[arg(long, allow_negative_numbers = true)]
     energy_s: Option<f64>,
+    /// Time the backward (dQ, dK, dV from the forward's output, its log-sum-exp and dO) instead
+    /// of the forward; TFLOP/s count 2.5x the forward's work, as FlashAttention's do.
+    #[arg(long, conflicts_with = "energy_s")]
+    backward: bool,
+    /// With --backward: dQ summed in a fixed order instead of with atomics.
+    #[arg(long, requires = "backward")]
+    deterministic: bool,
 }
 
 /// Refuses a duration that is not a finite number above zero (an infinite `--energy-s` would
@@ -126,10 +137,18 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
     let unix_time = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
+    let reduction = match a.deterministic {
+        true => DqReduction::Deterministic,
+        false => DqReduction::Atomic,
+    };
     let progress = Progress::new(problems.len() * backends.len(), "bench");
     for (name, p) in &problems {
         for &b in &backends {
-            let chosen = chosen_backend(dev.as_ref(), p, b);
+            // The backward's plan resolves `Auto` itself, among the backends with a backward.
+            let chosen = match a.backward {
+                true => Ok(b),
+                false => chosen_backend(dev.as_ref(), p, b),
+            };
             let note = chosen.as_ref().map_or(String::new(), |&c| auto_note(b, c));
             let what = format!("bench {name} {} {}{note} ... ", dtype_label(p), b.name());
             // On a terminal the bar names the run; in a log the line starts before it.
@@ -141,7 +160,11 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                 true => progress.done(format!("{what}{result}")),
                 false => note!("{result}"),
             };
-            match chosen.and_then(|c| bench_one(dev.as_ref(), name, p, c, a.budget_ms, energy)) {
+            let measured = chosen.and_then(|c| match a.backward {
+                true => bench_backward(dev.as_ref(), name, p, c, a.budget_ms, reduction),
+                false => bench_one(dev.as_ref(), name, p, c, a.budget_ms, energy),
+            });
+            match measured {
                 Ok(Measured {
                     t,
                     rel_err,
@@ -185,6 +208,7 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
                     // one problem stay apart (outside the literal: json! recursion limit).
                     record["fp8_mode"] = json!((p.dtype == DType::E4m3).then(|| p.fp8_mode.name()));
                     record["us_host"] = json!(t.us_host);
+                    record["direction"] = json!(if a.backward { "backward" } else { "forward" });
                     records.push(record);
                 }
                 Err(e @ sdpa::Error::Unsupported { .. }) => said(format!("skipped: {e}")),
@@ -283,6 +307,70 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
+    })
+}
+
+/// Checks the backward's gradients once (where the reference gradient is affordable), then
+/// times `b`'s backward on `p` (f16 or bf16): the plan's run alone, on the forward's output and
+/// log-sum-exp of the scalar kernel.
+fn bench_backward(
+    dev: Option<&Device>,
+    name: &str,
+    p: &Problem,
+    b: Backend,
+    budget_ms: f64,
+    reduction: DqReduction,
+) -> Result<Measured> {
+    let Some(dev) = dev else {
+        return Err(sdpa::Error::Unsupported {
+            backend: b.name(),
+            reason: "bench --backward times GPU backwards".to_string(),
+        });
+    };
+    match p.dtype {
+        DType::F16 => bench_backward_t::<half::f16>(dev, name, p, b, budget_ms, reduction),
+        DType::Bf16 => bench_backward_t::<half::bf16>(dev, name, p, b, budget_ms, reduction),
+        d => Err(sdpa::Error::Unsupported {
+            backend: b.name(),
+            reason: format!("the backward takes f16 or bf16, not {d}"),
+        }),
+    }
+}
+
+fn bench_backward_t<T: Half>(
+    dev: &Device,
+    name: &str,
+    p: &Problem,
+    b: Backend,
+    budget_ms: f64,
+    reduction: DqReduction,
+) -> Result<Measured> {
+    let plan = BackwardPlan::new(dev, p, b, reduction)?;
+    let seed = fresh_seed();
+    let inputs = named_inputs(name, &p.with_lse(true), seed)?;
+    let kv = kv_bytes(p, inputs.seq_meta.as_ref());
+    let flops = 2.5 * sdpa_harness::check::flops(p, inputs.seq_meta.as_ref());
+    let mut case = BackwardCase::<T>::with_inputs(dev, p, inputs, seed)?;
+    plan.reserve()?;
+    let rel_err = if flops <= BACKWARD_REFERENCE_FLOP_LIMIT {
+        let r = case.check(dev, &plan, seed)?;
+        if !r.pass() {
+            return Err(sdpa::Error::Cuda(
+                format!("wrong gradients before timing: {r:?}").into(),
+            ));
+        }
+        r.reports.iter().map(|x| x.rel_err).reduce(f64::max)
+    } else {
+        None
+    };
+    let mut grads = case.grad_buffers(dev)?;
+    let t = time_gpu(dev, budget_ms, || case.run(&plan, &mut grads))?;
+    Ok(Measured {
+        t,
+        rel_err,
+        kv,
+        flops,
+        energy: None,
     })
 }
 

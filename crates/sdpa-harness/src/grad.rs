@@ -95,11 +95,29 @@ pub struct BackwardCase<T> {
     extras: ExtraBuffers,
 }
 
+/// Gradient buffers a timed backward writes into, again and again.
+pub struct GradBuffers<T> {
+    dq: CudaSlice<T>,
+    dk: CudaSlice<T>,
+    dv: CudaSlice<T>,
+    dsinks: Option<CudaSlice<f32>>,
+}
+
 impl<T: Half> BackwardCase<T> {
     /// Fresh N(0, 1) inputs and dO from `seed` for `p` (in `T`'s dtype), and their forward.
     pub fn new(dev: &Device, p: &Problem, seed: u64) -> Result<BackwardCase<T>> {
         let p = p.with_dtype(T::DTYPE).with_lse(true);
-        let inputs = random_inputs(&p, seed)?;
+        Self::with_inputs(dev, &p, random_inputs(&p, seed)?, seed)
+    }
+
+    /// [`BackwardCase::new`] on given inputs of `p` (a named problem's, say), dO from `seed`.
+    pub fn with_inputs(
+        dev: &Device,
+        p: &Problem,
+        inputs: Inputs,
+        seed: u64,
+    ) -> Result<BackwardCase<T>> {
+        let p = p.with_dtype(T::DTYPE).with_lse(true);
         let dout_bits = normal_bits(T::DTYPE, p.out_len().unwrap_or_default(), seed ^ 0xd0);
         let [q, k, v] = [0, 1, 2].map(|i| upload::<T>(dev, &inputs.bits[i]));
         let (q, k, v) = (q?, k?, v?);
@@ -134,19 +152,24 @@ impl<T: Half> BackwardCase<T> {
         })
     }
 
-    /// The backward on `plan`, every gradient poisoned first.
-    pub fn backward(&mut self, dev: &Device, plan: &BackwardPlan) -> Result<Grads> {
+    /// Gradient buffers of the problem's sizes, poisoned with NaN.
+    pub fn grad_buffers(&self, dev: &Device) -> Result<GradBuffers<T>> {
         let p = self.p;
         let [ql, kl, vl] = [p.q_len(), p.k_len(), p.v_len()].map(Option::unwrap_or_default);
-        let (mut dq, mut dk, mut dv) = (
-            poisoned::<T>(dev, ql)?,
-            poisoned::<T>(dev, kl)?,
-            poisoned::<T>(dev, vl)?,
-        );
-        let mut dsinks = match p.sinks {
-            true => Some(dev.stream().clone_htod(&vec![f32::NAN; p.heads])?),
-            false => None,
-        };
+        Ok(GradBuffers {
+            dq: poisoned::<T>(dev, ql)?,
+            dk: poisoned::<T>(dev, kl)?,
+            dv: poisoned::<T>(dev, vl)?,
+            dsinks: match p.sinks {
+                true => Some(dev.stream().clone_htod(&vec![f32::NAN; p.heads])?),
+                false => None,
+            },
+        })
+    }
+
+    /// The backward on `plan` into `g`, queued (what a timing loop repeats).
+    pub fn run(&mut self, plan: &BackwardPlan, g: &mut GradBuffers<T>) -> Result<()> {
+        let p = self.p;
         let [qs, ks, vs, os] = [p.q_strides(), p.k_strides(), p.v_strides(), p.out_strides()];
         let mut extras = self.extras.extras();
         extras.lse = None; // the forward's output; the backward reads it from its operands
@@ -158,22 +181,28 @@ impl<T: Half> BackwardCase<T> {
                 out: View::new(self.out.as_view(), os),
                 d_out: View::new(self.d_out.as_view(), os),
                 lse: self.lse.as_view(),
-                dq: ViewMut::new(dq.as_view_mut(), qs),
-                dk: ViewMut::new(dk.as_view_mut(), ks),
-                dv: ViewMut::new(dv.as_view_mut(), vs),
-                dsinks: dsinks.as_mut().map(|d| d.as_view_mut()),
+                dq: ViewMut::new(g.dq.as_view_mut(), qs),
+                dk: ViewMut::new(g.dk.as_view_mut(), ks),
+                dv: ViewMut::new(g.dv.as_view_mut(), vs),
+                dsinks: g.dsinks.as_mut().map(|d| d.as_view_mut()),
             },
             extras,
-        )?;
+        )
+    }
+
+    /// The backward on `plan`, every gradient poisoned first, read back.
+    pub fn backward(&mut self, dev: &Device, plan: &BackwardPlan) -> Result<Grads> {
+        let mut g = self.grad_buffers(dev)?;
+        self.run(plan, &mut g)?;
         let s = dev.stream();
-        let dsinks = match dsinks {
-            Some(d) => Some(s.clone_dtoh(&d)?.into_iter().map(f64::from).collect()),
+        let dsinks = match &g.dsinks {
+            Some(d) => Some(s.clone_dtoh(d)?.into_iter().map(f64::from).collect()),
             None => None,
         };
         Ok(Grads {
-            dq: values(s, &dq)?,
-            dk: values(s, &dk)?,
-            dv: values(s, &dv)?,
+            dq: values(s, &g.dq)?,
+            dk: values(s, &g.dk)?,
+            dv: values(s, &g.dv)?,
             dsinks,
         })
     }
@@ -241,38 +270,46 @@ fn check_backward_t<T: Half>(
 ) -> Result<GradReport> {
     let mut case = BackwardCase::<T>::new(dev, p, seed)?;
     let plan = BackwardPlan::new(dev, &case.p, backend, reduction)?;
-    let got = case.backward(dev, &plan)?;
-    let want = case.reference()?;
-    let tol = grad_tolerance(T::DTYPE);
-    let reports = [
-        (&got.dq, &want.dq),
-        (&got.dk, &want.dk),
-        (&got.dv, &want.dv),
-    ]
-    .map(|(g, w)| compare_with(g, w, tol, seed));
-    let dsinks = match (&got.dsinks, &want.dsinks) {
-        (Some(g), Some(w)) => {
-            let err = g
-                .iter()
-                .zip(w)
-                .map(|(a, b)| {
-                    if a.is_nan() != b.is_nan() {
-                        f64::INFINITY
-                    } else {
-                        (a - b).abs()
-                    }
-                })
-                .fold(0.0, f64::max);
-            // Each head's rows contribute terms of size ≤ max |D_i|; the bar is the dtype's
-            // relative one over their count.
-            let rows = (p.lse_len() / p.heads.max(1)) as f64;
-            Some((err, tol.rel * rows.sqrt().max(1.0)))
-        }
-        _ => None,
-    };
-    Ok(GradReport {
-        backend: plan.backend(),
-        reports,
-        dsinks,
-    })
+    case.check(dev, &plan, seed)
+}
+
+impl<T: Half> BackwardCase<T> {
+    /// The backward on `plan` against the reference gradient.
+    pub fn check(&mut self, dev: &Device, plan: &BackwardPlan, seed: u64) -> Result<GradReport> {
+        let p = self.p;
+        let got = self.backward(dev, plan)?;
+        let want = self.reference()?;
+        let tol = grad_tolerance(T::DTYPE);
+        let reports = [
+            (&got.dq, &want.dq),
+            (&got.dk, &want.dk),
+            (&got.dv, &want.dv),
+        ]
+        .map(|(g, w)| compare_with(g, w, tol, seed));
+        let dsinks = match (&got.dsinks, &want.dsinks) {
+            (Some(g), Some(w)) => {
+                let err = g
+                    .iter()
+                    .zip(w)
+                    .map(|(a, b)| {
+                        if a.is_nan() != b.is_nan() {
+                            f64::INFINITY
+                        } else {
+                            (a - b).abs()
+                        }
+                    })
+                    .fold(0.0, f64::max);
+                // Each head's rows contribute terms of size ≤ max |D_i|; the bar is the dtype's
+                // relative one over their count.
+                let rows = (p.lse_len() / p.heads.max(1)) as f64;
+                Some((err, tol.rel * rows.sqrt().max(1.0)))
+            }
+            _ => None,
+        };
+        Ok(GradReport {
+            backend: plan.backend(),
+            reports,
+            dsinks,
+        })
+    }
 }
