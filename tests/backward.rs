@@ -254,3 +254,61 @@ fn bad_operands_are_refused() {
     let g = f.backward(&dev, &plan).expect("the well-formed call runs");
     assert!(g.dq.iter().all(|x| x.is_finite()));
 }
+
+/// Owned tensors run as views of their buffers: the deterministic reduction gives the same bits
+/// through `BackwardTensors` as through `BackwardViews`; a tensor of another dtype is refused.
+#[test]
+fn owned_tensors_give_what_views_give() {
+    let Some(dev) = common::device("owned_tensors_give_what_views_give") else {
+        return;
+    };
+    let p = Problem::new(1, 4, 70, 90, 64)
+        .with_kv_heads(2)
+        .with_causal(true);
+    let mut f = BackwardCase::<bf16>::new(&dev, &p, fresh_seed()).unwrap();
+    let plan = BackwardPlan::new(&dev, &f.p, Backend::Auto, DqReduction::Deterministic).unwrap();
+    let through_views = f.backward(&dev, &plan).unwrap();
+    let own = |x: &CudaSlice<bf16>| sdpa::Tensor::from_cuda_slice(&dev, x.clone()).unwrap();
+    let (q, k, v, out, d_out) = (own(&f.q), own(&f.k), own(&f.v), own(&f.out), own(&f.d_out));
+    let grad = |n: usize| sdpa::Tensor::poisoned(&dev, DType::Bf16, n).unwrap();
+    let (mut dq, mut dk, mut dv) = (
+        grad(p.q_len().unwrap()),
+        grad(p.k_len().unwrap()),
+        grad(p.v_len().unwrap()),
+    );
+    let ops = sdpa::BackwardTensors {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &out,
+        d_out: &d_out,
+        lse: f.lse.as_view(),
+        dq: &mut dq,
+        dk: &mut dk,
+        dv: &mut dv,
+        dsinks: None,
+    };
+    plan.run(ops, Extras::default()).unwrap();
+    let vals = |t: &sdpa::Tensor| t.to_f64(&dev).unwrap();
+    assert_eq!(vals(&dq), through_views.dq);
+    assert_eq!(vals(&dk), through_views.dk);
+    assert_eq!(vals(&dv), through_views.dv);
+
+    let mut wrong = sdpa::Tensor::zeros(&dev, DType::F16, p.q_len().unwrap()).unwrap();
+    let ops = sdpa::BackwardTensors {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &out,
+        d_out: &d_out,
+        lse: f.lse.as_view(),
+        dq: &mut wrong,
+        dk: &mut dk,
+        dv: &mut dv,
+        dsinks: None,
+    };
+    match plan.run(ops, Extras::default()) {
+        Err(sdpa::Error::InvalidArgument(m)) => assert!(m.contains("dq is f16"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+}

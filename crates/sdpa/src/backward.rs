@@ -11,7 +11,7 @@ use crate::error::{Error, Result, invalid};
 use crate::extras::Extras;
 use crate::footprint::{apart, rows_distinct, span};
 use crate::problem::{Checked, DType, KvRows, Problem, Strides};
-use crate::tensor::Element;
+use crate::tensor::{Element, Tensor};
 use crate::view::{View, ViewMut};
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
 use sdpa_sys::args::{BwdArgs, BwdGrads, KernelPlan};
@@ -161,7 +161,12 @@ impl BackwardPlan {
     /// input and from each other); nothing is written on error. `extras` are the forward's
     /// ALiBi slopes, sinks and sequence metadata (not its `lse`: the backward reads it from
     /// `ops`).
-    pub fn run<T: Element>(
+    pub fn run<O: BackwardOperands>(&self, ops: O, extras: Extras<'_>) -> Result<()> {
+        ops.run(self, extras)
+    }
+
+    /// The run on views, which every storage comes to.
+    fn run_views<T: Element>(
         &self,
         ops: BackwardViews<'_, '_, T>,
         mut extras: Extras<'_>,
@@ -385,6 +390,113 @@ pub struct BackwardViews<'a, 'g, T> {
     /// dL/d(sink logit), f32 `[heads]` (summed over the batch), for a problem with sinks;
     /// `None`: not computed.
     pub dsinks: Option<CudaViewMut<'g, f32>>,
+}
+
+/// The operands of a backward run, by name, whatever their storage: [`BackwardViews`] (views of
+/// the caller's memory at any strides) and [`BackwardTensors`] (owned tensors in the problem's
+/// layout). Sealed: the crate checks each kind.
+pub trait BackwardOperands: sealed::Sealed {
+    #[doc(hidden)]
+    fn run(self, plan: &BackwardPlan, extras: Extras<'_>) -> Result<()>;
+}
+
+impl<T: Element> BackwardOperands for BackwardViews<'_, '_, T> {
+    fn run(self, plan: &BackwardPlan, extras: Extras<'_>) -> Result<()> {
+        plan.run_views(self, extras)
+    }
+}
+
+/// The operands of a backward run as owned tensors ([`Tensor`]), in the problem's layout: the
+/// forward's Q, K, V and output, dO; dQ, dK and dV written (each of the problem's dtype, f16 or
+/// bf16, and length). The log-sum-exp and dsinks as in [`BackwardViews`].
+#[derive(Debug)]
+pub struct BackwardTensors<'a> {
+    /// Queries, `p.q_len()` elements.
+    pub q: &'a Tensor,
+    /// Keys, `p.k_len()` elements.
+    pub k: &'a Tensor,
+    /// Values, `p.v_len()` elements.
+    pub v: &'a Tensor,
+    /// The forward's output, `p.out_len()` elements.
+    pub out: &'a Tensor,
+    /// The loss's gradient against the output, as the output.
+    pub d_out: &'a Tensor,
+    /// The forward's log-sum-exp ([`Problem::lse_len`] values).
+    pub lse: CudaView<'a, f32>,
+    /// dL/dQ, as Q; written only on success.
+    pub dq: &'a mut Tensor,
+    /// dL/dK, as K.
+    pub dk: &'a mut Tensor,
+    /// dL/dV, as V.
+    pub dv: &'a mut Tensor,
+    /// dL/d(sink logit), f32 `[heads]`, for a problem with sinks; `None`: not computed.
+    pub dsinks: Option<CudaViewMut<'a, f32>>,
+}
+
+impl BackwardOperands for BackwardTensors<'_> {
+    fn run(self, plan: &BackwardPlan, extras: Extras<'_>) -> Result<()> {
+        match plan.p.dtype {
+            DType::F16 => tensors_as_views::<half::f16>(plan, self, extras),
+            DType::Bf16 => tensors_as_views::<half::bf16>(plan, self, extras),
+            d => Err(invalid!(
+                "the backward takes f16 or bf16 tensors, the problem is {d}"
+            )),
+        }
+    }
+}
+
+/// Owned tensors run as views of their buffers at the problem's own strides (each tensor's
+/// dtype checked first).
+fn tensors_as_views<T: Element>(
+    plan: &BackwardPlan,
+    t: BackwardTensors<'_>,
+    extras: Extras<'_>,
+) -> Result<()> {
+    let p = &plan.p;
+    let named = [
+        ("q", t.q),
+        ("k", t.k),
+        ("v", t.v),
+        ("out", t.out),
+        ("d_out", t.d_out),
+    ];
+    for (name, x) in named
+        .into_iter()
+        .chain([("dq", &*t.dq), ("dk", &*t.dk), ("dv", &*t.dv)])
+    {
+        if x.dtype() != T::DTYPE {
+            return Err(invalid!(
+                "{name} is {}, the problem says {}",
+                x.dtype(),
+                T::DTYPE
+            ));
+        }
+    }
+    let [qs, ks, vs, os] = [p.q_strides(), p.k_strides(), p.v_strides(), p.out_strides()];
+    let (dq, dk, dv) = (
+        t.dq.typed_mut::<T>()?,
+        t.dk.typed_mut::<T>()?,
+        t.dv.typed_mut::<T>()?,
+    );
+    let views = BackwardViews {
+        q: View::new(t.q.typed::<T>()?, qs),
+        k: View::new(t.k.typed::<T>()?, ks),
+        v: View::new(t.v.typed::<T>()?, vs),
+        out: View::new(t.out.typed::<T>()?, os),
+        d_out: View::new(t.d_out.typed::<T>()?, os),
+        lse: t.lse,
+        dq: ViewMut::new(dq, qs),
+        dk: ViewMut::new(dk, ks),
+        dv: ViewMut::new(dv, vs),
+        dsinks: t.dsinks,
+    };
+    plan.run_views(views, extras)
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl<T: crate::tensor::Element> Sealed for super::BackwardViews<'_, '_, T> {}
+    impl Sealed for super::BackwardTensors<'_> {}
 }
 
 /// What no backward takes yet, refused with a typed error before any backend is asked.

@@ -98,7 +98,7 @@ mod view;
 pub use backend::Backend;
 pub use backend::cpu::{Reference, reference, reference_fp8_fast, reference_seqs, reference_with};
 pub use backend::cpu_grad::{Gradients, reference_backward, reference_backward_seqs};
-pub use backward::{BackwardPlan, BackwardViews, DqReduction};
+pub use backward::{BackwardOperands, BackwardPlan, BackwardTensors, BackwardViews, DqReduction};
 pub use codec::{decode, encode};
 pub use device::{Device, driver_present};
 pub use error::{CudaError, Error, MemoryKind, Result};
@@ -169,15 +169,16 @@ pub fn forward<O: Operands>(
 
 /// Runs the backward of `p` on `dev`'s stream once: [`BackwardPlan::new`] then
 /// [`BackwardPlan::run`] (a training loop plans once per shape). `ops` are Q, K, V, the
-/// forward's output and log-sum-exp and dO in, dQ, dK, dV (and dsinks) out; `extras` the
+/// forward's output and log-sum-exp and dO in, dQ, dK, dV (and dsinks) out, as
+/// [`BackwardViews`] or [`BackwardTensors`]; `extras` the
 /// forward's ALiBi slopes, sinks and sequence metadata. Every argument is checked before
 /// anything is launched; nothing is written on error.
-pub fn backward<T: Element>(
+pub fn backward<O: BackwardOperands>(
     dev: &Device,
     p: &Problem,
     backend: Backend,
     reduction: DqReduction,
-    ops: BackwardViews<'_, '_, T>,
+    ops: O,
     extras: Extras<'_>,
 ) -> Result<()> {
     BackwardPlan::new(dev, p, backend, reduction)?.run(ops, extras)

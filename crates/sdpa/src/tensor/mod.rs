@@ -9,7 +9,7 @@ use crate::device::{Device, StreamOrder};
 use crate::error::{Error, Result, invalid};
 use crate::memory::host_vec;
 use crate::problem::{DType, Scaling, TensorShape};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, sys};
 use std::sync::Arc;
 
 /// A contiguous device buffer of `len` elements of `dtype`, owned by Rust and freed on drop.
@@ -160,6 +160,34 @@ impl Tensor {
         // SAFETY: as in from_cuda_slice, the other way round (`T` has the tensor's dtype, so
         // its width).
         Ok(unsafe { stream.upgrade_device_ptr::<T>(ptr, len) })
+    }
+    /// The tensor's 16-bit or f32 buffer as elements of `T` (which must be its dtype), for the
+    /// calls that take views.
+    pub(crate) fn typed<T: Element>(&self) -> Result<CudaView<'_, T>> {
+        let view = match (&self.buf, self.dtype == T::DTYPE) {
+            // SAFETY: the buffer holds `len` elements of the tensor's dtype, `T`'s width.
+            (Buf::Half(b), true) => unsafe { b.transmute::<T>(b.len()) },
+            (Buf::Single(b), true) => unsafe { b.transmute::<T>(b.len()) },
+            _ => None,
+        };
+        view.ok_or_else(|| invalid!("the tensor is {}, not {}", self.dtype, T::DTYPE))
+    }
+    /// [`Tensor::typed`], writable.
+    pub(crate) fn typed_mut<T: Element>(&mut self) -> Result<CudaViewMut<'_, T>> {
+        let dtype = self.dtype;
+        let view = match (&mut self.buf, dtype == T::DTYPE) {
+            // SAFETY: as in `typed`.
+            (Buf::Half(b), true) => {
+                let n = b.len();
+                unsafe { b.transmute_mut::<T>(n) }
+            }
+            (Buf::Single(b), true) => {
+                let n = b.len();
+                unsafe { b.transmute_mut::<T>(n) }
+            }
+            _ => None,
+        };
+        view.ok_or_else(|| invalid!("the tensor is {dtype}, not {}", T::DTYPE))
     }
     /// Uploads `data`, rounded to `dtype` (f16 or bf16; f32 as it is; e4m3 needs scales: see
     /// [`Tensor::quantize_f32`]). The rounded copy is made on the host first: where the host
