@@ -34,6 +34,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "common/check.cuh"
@@ -495,13 +496,17 @@ void opt_in() {
   }
 }
 
-template <typename T, int D>
-void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
+// The backward's launches around a dK/dV pass: the D pre-pass, `dkdv(pm, atomic_dq)` (this
+// kernel's, or a faster backend's on the same Params and workspace), then dQ (the atomic mode's
+// conversion, or the deterministic dQ kernel) and the sinks' gradient. `who` names the backend
+// in errors.
+template <typename T, int D, class DkDv>
+void run_backward(const BwdArgs& a, cudaStream_t stream, const char* who, DkDv&& dkdv) {
   const FwdArgs& f = a.fwd;
   if (!f.out.lse || !a.grads.workspace || (f.mods.alibi && !f.mods.alibi_slopes) ||
       (f.mods.sinks && !f.mods.sink_logits))
-    throw Error(
-        "scalar backward: the LSE, the workspace, the ALiBi slopes or the sinks is missing");
+    throw Error(std::string(who) +
+                " backward: the LSE, the workspace, the ALiBi slopes or the sinks is missing");
   Params pm = make_params(a);
   auto* ws = device_ptr<uint8_t>(a.grads.workspace);
   pm.delta = reinterpret_cast<float*>(ws);
@@ -513,27 +518,39 @@ void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
   constexpr int kSmem = int(sizeof(Smem<D>));
 
   delta_kernel<T, D><<<rows_grid, kThreads, 0, stream>>>(pm);
-  SDPA_LAUNCH_CHECK("scalar delta_kernel launch");
-  const dim3 keys_grid(unsigned((f.dims.seq_k + kBN - 1) / kBN), unsigned(f.dims.kv_heads), batch);
+  SDPA_LAUNCH_CHECK("backward delta_kernel launch");
+  dkdv(pm, !a.grads.deterministic);
   if (a.grads.deterministic) {
-    opt_in<dkdv_kernel<T, D, false>, kSmem>();
-    dkdv_kernel<T, D, false><<<keys_grid, kThreads, kSmem, stream>>>(pm);
-    SDPA_LAUNCH_CHECK("scalar dkdv_kernel launch");
     opt_in<dq_kernel<T, D>, kSmem>();
     const dim3 q_grid(unsigned((f.dims.seq_q + kBM - 1) / kBM), heads, batch);
     dq_kernel<T, D><<<q_grid, kThreads, kSmem, stream>>>(pm);
-    SDPA_LAUNCH_CHECK("scalar dq_kernel launch");
+    SDPA_LAUNCH_CHECK("backward dq_kernel launch");
   } else {
-    opt_in<dkdv_kernel<T, D, true>, kSmem>();
-    dkdv_kernel<T, D, true><<<keys_grid, kThreads, kSmem, stream>>>(pm);
-    SDPA_LAUNCH_CHECK("scalar dkdv_kernel launch");
     convert_kernel<T, D><<<rows_grid, kThreads, 0, stream>>>(pm);
-    SDPA_LAUNCH_CHECK("scalar convert_kernel launch");
+    SDPA_LAUNCH_CHECK("backward convert_kernel launch");
   }
   if (pm.dsinks != nullptr) {
     dsinks_kernel<T, D><<<heads, kThreads, 0, stream>>>(pm);
-    SDPA_LAUNCH_CHECK("scalar dsinks_kernel launch");
+    SDPA_LAUNCH_CHECK("backward dsinks_kernel launch");
   }
+}
+
+template <typename T, int D>
+void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
+  const FwdArgs& f = a.fwd;
+  const dim3 keys_grid(unsigned((f.dims.seq_k + kBN - 1) / kBN), unsigned(f.dims.kv_heads),
+                       unsigned(f.dims.batch));
+  constexpr int kSmem = int(sizeof(Smem<D>));
+  run_backward<T, D>(a, stream, "scalar", [&](const Params& pm, bool atomic_dq) {
+    if (atomic_dq) {
+      opt_in<dkdv_kernel<T, D, true>, kSmem>();
+      dkdv_kernel<T, D, true><<<keys_grid, kThreads, kSmem, stream>>>(pm);
+    } else {
+      opt_in<dkdv_kernel<T, D, false>, kSmem>();
+      dkdv_kernel<T, D, false><<<keys_grid, kThreads, kSmem, stream>>>(pm);
+    }
+    SDPA_LAUNCH_CHECK("scalar dkdv_kernel launch");
+  });
 }
 
 template <typename T, int D>
