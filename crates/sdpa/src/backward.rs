@@ -598,7 +598,10 @@ mod tests {
         assert!(why.contains("not instantiated as wide"), "{why}");
         // cutlass-sm80's tensor-core backward: head dim 64, with every variant the scalar one
         // takes there; the other head dims go to scalar.
-        for v in variants.iter().filter(|v| v.head_dim == 64 && v.v_dim() == 64) {
+        for v in variants
+            .iter()
+            .filter(|v| v.head_dim == 64 && v.v_dim() == 64)
+        {
             assert_eq!(ask(Backend::CutlassSm80, v), "", "{v}");
         }
         let why = ask(Backend::CutlassSm80, &Problem { head_dim: 32, ..p });

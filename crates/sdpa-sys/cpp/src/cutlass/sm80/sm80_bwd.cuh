@@ -1,7 +1,8 @@
 // cutlass-sm80's backward: the dK/dV pass on mma.sync (m16n8k16, f32 accumulators), inside the
 // scalar backward's launches (scalar/scalar_bwd.cuh, run_backward: the D pre-pass, dQ's
 // conversion or deterministic kernel, the sinks' gradient), on the same Params and workspace.
-// Head dim 64 (head_dim = head_dim_v = 64); can_implement (below) sends the others to scalar.
+// Head dims 64 and 128 (head_dim = head_dim_v = D); can_implement (below) sends the others to
+// scalar.
 //
 // A CTA takes 64 keys of one K/V head, 4 warps of 16 keys; K and V stay in shared memory while
 // it walks the 64-row query tiles of its group's heads that see them (the scalar kernel's tile
@@ -20,7 +21,7 @@
 //                           rows, added to the f32 accumulator with atomics.
 // The deterministic mode runs the scalar dQ kernel after this pass.
 //
-// Shared memory tiles are [64][64] with each row's 16-byte chunks XOR-swizzled by the row
+// Shared memory tiles are [64][D] with each row's 16-byte chunks XOR-swizzled by the row
 // (chunk c at c ^ (row % 8)), so ldmatrix (plain and transposed) and the row copies are free
 // of bank conflicts. A value a row does not see is zeroed in P and dS, but the products still
 // multiply it by the other operand: a non-finite Q, dO, K or V element at a position some row
@@ -42,7 +43,6 @@
 
 namespace sdpa::cutlass_sm80::bwd {
 
-constexpr int kD = 64;
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kBN = 64;  // keys a CTA
@@ -54,34 +54,39 @@ using scalar::bwd::Params;
 template <typename T>
 using native_t = std::conditional_t<std::is_same_v<T, cute::half_t>, __half, __nv_bfloat16>;
 
-template <typename T>
+template <typename T, int D>
 struct Smem {
-  T k[kBN * kD], v[kBN * kD], q[kBM * kD], d_o[kBM * kD];
+  T k[kBN * D], v[kBN * D], q[kBM * D], d_o[kBM * D];
   T ds[kBN * kBM];  // dSᵀ [key][q], the atomic mode's dQ operand
   float lse2[kBM], delta[kBM];
 };
 
-// Element offset of (row, col) in a swizzled [rows][64] tile.
-__device__ __forceinline__ int off(int row, int col) { return row * kD + (col ^ ((row & 7) << 3)); }
+// Element offset of (row, col) in a swizzled [rows][W] tile (W = 64 or 128: rows of whole
+// 128-byte lines, the XOR within each line's 8 chunks).
+template <int W>
+__device__ __forceinline__ int off(int row, int col) {
+  return row * W + (col ^ ((row & 7) << 3));
+}
 
-// Rows [0, 64) of a tensor at `base` (row stride `rs` elements) into a swizzled tile; rows at or
-// past `rows` as zeros.
-template <typename T>
+// Rows [0, 64) of a tensor at `base` (row stride `rs` elements, D wide) into a swizzled tile;
+// rows at or past `rows` as zeros.
+template <int D, typename T>
 __device__ __forceinline__ void load_tile(T* tile, const T* base, int64_t rs, int64_t rows) {
-  for (int c = threadIdx.x; c < 64 * 8; c += kThreads) {
-    const int r = c / 8, ch = c % 8;
+  constexpr int CH = D / 8;
+  for (int c = threadIdx.x; c < 64 * CH; c += kThreads) {
+    const int r = c / CH, ch = c % CH;
     uint4 u = make_uint4(0, 0, 0, 0);
     if (r < rows) u = *reinterpret_cast<const uint4*>(base + r * rs + ch * 8);
-    *reinterpret_cast<uint4*>(tile + off(r, ch * 8)) = u;
+    *reinterpret_cast<uint4*>(tile + off<D>(r, ch * 8)) = u;
   }
 }
 
-template <typename T, bool kAtomicDq>
-__global__ void __launch_bounds__(kThreads) dkdv_kernel(const __grid_constant__ Params pm) {
+template <typename T, int D, bool kAtomicDq>
+__global__ void __launch_bounds__(kThreads) mma_dkdv_kernel(const __grid_constant__ Params pm) {
 #ifdef SDPA_SM80_DEVICE
   const KernelParams& p = pm.base;
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<Smem<T>*>(smem_raw);
+  auto& sm = *reinterpret_cast<Smem<T, D>*>(smem_raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t n0 = int64_t(blockIdx.x) * kBN, hk = blockIdx.y, b = blockIdx.z;
   const scalar::bwd::SeqView s = scalar::bwd::seq_view(pm, b);
@@ -92,11 +97,11 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const __grid_constant__ 
                 (b * p.ks.batch + hk * p.ks.head + (s.seq.k0 + n0) * p.ks.seq);
   const T* vb = reinterpret_cast<const T*>(p.v) +
                 (b * p.vs.batch + hk * p.vs.head + (s.seq.k0 + n0) * p.vs.seq);
-  load_tile(sm.k, kb, p.ks.seq, seq_k - n0);
-  load_tile(sm.v, vb, p.vs.seq, seq_k - n0);
+  load_tile<D>(sm.k, kb, p.ks.seq, seq_k - n0);
+  load_tile<D>(sm.v, vb, p.vs.seq, seq_k - n0);
 
   const int kr0 = warp * 16;  // the warp's keys in the tile
-  float dk[8][4] = {}, dv[8][4] = {};
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   for (int64_t gi = 0; gi < p.group; ++gi) {
     const int64_t h = hk * p.group + gi;
     const float slope2 = scalar::bwd::slope2_of(pm, b, h);
@@ -107,8 +112,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const __grid_constant__ 
     for (int64_t m0 = 0; m0 < seq_q; m0 += kBM) {
       if (s.mask.key_end(m0, kBM) <= n0 || s.mask.key_begin(m0, kBM) >= n0 + kBN) continue;
       __syncthreads();  // the previous tile is consumed (and, the first time, K and V stored)
-      load_tile(sm.q, qb + m0 * p.qs.seq, p.qs.seq, seq_q - m0);
-      load_tile(sm.d_o, gb + m0 * pm.dos.seq, pm.dos.seq, seq_q - m0);
+      load_tile<D>(sm.q, qb + m0 * p.qs.seq, p.qs.seq, seq_q - m0);
+      load_tile<D>(sm.d_o, gb + m0 * pm.dos.seq, pm.dos.seq, seq_q - m0);
       for (int r = threadIdx.x; r < kBM; r += kThreads) {
         float lse2 = -INFINITY, delta = 0.f;
         if (m0 + r < seq_q) {
@@ -124,18 +129,18 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const __grid_constant__ 
       // Sᵀ and dPᵀ: 16 keys x 64 queries a warp.
       float sc[8][4] = {}, dp[8][4] = {};
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
+      for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t ka[4], va[4];
         const int ar = kr0 + (lane % 8) + 8 * ((lane / 8) % 2), ac = kk * 16 + 8 * (lane / 16);
-        ldsm(ka, &sm.k[off(ar, ac)]);
-        ldsm(va, &sm.v[off(ar, ac)]);
+        ldsm(ka, &sm.k[off<D>(ar, ac)]);
+        ldsm(va, &sm.v[off<D>(ar, ac)]);
 #pragma unroll
         for (int nn = 0; nn < kBM / 16; ++nn) {
           const int br = nn * 16 + (lane % 8) + 8 * (lane / 16),
                     bc = kk * 16 + 8 * ((lane / 8) % 2);
           uint32_t qf[4], gf[4];
-          ldsm(qf, &sm.q[off(br, bc)]);
-          ldsm(gf, &sm.d_o[off(br, bc)]);
+          ldsm(qf, &sm.q[off<D>(br, bc)]);
+          ldsm(gf, &sm.d_o[off<D>(br, bc)]);
           mma<T>(sc[2 * nn], ka, qf[0], qf[1]);
           mma<T>(sc[2 * nn + 1], ka, qf[2], qf[3]);
           mma<T>(dp[2 * nn], va, gf[0], gf[1]);
@@ -177,12 +182,12 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const __grid_constant__ 
                                 pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
                                 pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
 #pragma unroll
-        for (int nn = 0; nn < kD / 16; ++nn) {
+        for (int nn = 0; nn < D / 16; ++nn) {
           const int br = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2),
                     bc = nn * 16 + 8 * (lane / 16);
           uint32_t gf[4], qf[4];
-          ldsm_t(gf, &sm.d_o[off(br, bc)]);
-          ldsm_t(qf, &sm.q[off(br, bc)]);
+          ldsm_t(gf, &sm.d_o[off<D>(br, bc)]);
+          ldsm_t(qf, &sm.q[off<D>(br, bc)]);
           mma<T>(dv[2 * nn], pa, gf[0], gf[1]);
           mma<T>(dv[2 * nn + 1], pa, gf[2], gf[3]);
           mma<T>(dk[2 * nn], da, qf[0], qf[1]);
@@ -194,25 +199,25 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const __grid_constant__ 
         // dSᵀ [key][q] into shared memory, then dQ = dS·K for the warp's 16 query rows.
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
-          *reinterpret_cast<uint32_t*>(&sm.ds[off(kr0 + g, 8 * n + 2 * t)]) =
+          *reinterpret_cast<uint32_t*>(&sm.ds[off<kBM>(kr0 + g, 8 * n + 2 * t)]) =
               pack2<T>(dp[n][0], dp[n][1]);
-          *reinterpret_cast<uint32_t*>(&sm.ds[off(kr0 + g + 8, 8 * n + 2 * t)]) =
+          *reinterpret_cast<uint32_t*>(&sm.ds[off<kBM>(kr0 + g + 8, 8 * n + 2 * t)]) =
               pack2<T>(dp[n][2], dp[n][3]);
         }
         __syncthreads();
         const int qr0 = warp * 16;
-        float dq[8][4] = {};
+        float dq[D / 8][4] = {};
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; ++kk) {
           uint32_t a[4];
-          ldsm_t(a,
-                 &sm.ds[off(kk * 16 + (lane % 8) + 8 * (lane / 16), qr0 + 8 * ((lane / 8) % 2))]);
+          ldsm_t(
+              a,
+              &sm.ds[off<kBM>(kk * 16 + (lane % 8) + 8 * (lane / 16), qr0 + 8 * ((lane / 8) % 2))]);
 #pragma unroll
-          for (int nn = 0; nn < kD / 16; ++nn) {
+          for (int nn = 0; nn < D / 16; ++nn) {
             uint32_t kf[4];
-            ldsm_t(
-                kf,
-                &sm.k[off(kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2), nn * 16 + 8 * (lane / 16))]);
+            ldsm_t(kf, &sm.k[off<D>(kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2),
+                                    nn * 16 + 8 * (lane / 16))]);
             mma<T>(dq[2 * nn], a, kf[0], kf[1]);
             mma<T>(dq[2 * nn + 1], a, kf[2], kf[3]);
           }
@@ -224,7 +229,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const __grid_constant__ 
           float* row =
               pm.dq_acc + lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, i) * pm.head_dim;
 #pragma unroll
-          for (int n = 0; n < 8; ++n) {
+          for (int n = 0; n < D / 8; ++n) {
             atomicAdd(row + 8 * n + 2 * t, dq[n][2 * half]);
             atomicAdd(row + 8 * n + 2 * t + 1, dq[n][2 * half + 1]);
           }
@@ -243,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const __grid_constant__ 
     T* dv_row = reinterpret_cast<T*>(pm.dv) +
                 (b * pm.dvs.batch + hk * pm.dvs.head + (s.seq.k0 + j) * pm.dvs.seq);
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
+    for (int n = 0; n < D / 8; ++n) {
       *reinterpret_cast<uint32_t*>(dk_row + 8 * n + 2 * t) =
           pack2<T>(dk[n][2 * half], dk[n][2 * half + 1]);
       *reinterpret_cast<uint32_t*>(dv_row + 8 * n + 2 * t) =
@@ -255,12 +260,13 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const __grid_constant__ 
 
 template <typename T, int D>
 std::string can_implement(const BwdArgs& a, const DeviceInfo& dev) {
-  static_assert(D == kD, "the mma backward is written for head dim 64");
+  static_assert(D == 64 || D == 128, "the mma backward's instances: head dims 64 and 128");
   const FwdArgs& f = a.fwd;
-  if (f.dims.head_dim != kD || f.dims.head_dim_v != kD)
-    return "cutlass-sm80's backward runs head_dim = head_dim_v = 64 (scalar runs the others)";
+  if (f.dims.head_dim != D || f.dims.head_dim_v != D)
+    return "cutlass-sm80's backward runs head_dim = head_dim_v = " + std::to_string(D) +
+           " on this instance (scalar runs the others)";
   return limits::first({scalar::bwd::can_implement<native_t<T>, D>(a, dev),
-                        limits::smem_per_block(dev, int(sizeof(Smem<T>)))});
+                        limits::smem_per_block(dev, int(sizeof(Smem<T, D>)))});
 }
 
 template <typename T, int D>
@@ -268,15 +274,15 @@ void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
   const FwdArgs& f = a.fwd;
   const dim3 grid(unsigned((f.dims.seq_k + kBN - 1) / kBN), unsigned(f.dims.kv_heads),
                   unsigned(f.dims.batch));
-  constexpr int kSmem = int(sizeof(Smem<T>));
+  constexpr int kSmem = int(sizeof(Smem<T, D>));
   scalar::bwd::run_backward<native_t<T>, D>(
       a, stream, "cutlass-sm80", [&](const Params& pm, bool atomic_dq) {
         if (atomic_dq) {
-          scalar::bwd::opt_in<dkdv_kernel<T, true>, kSmem>();
-          dkdv_kernel<T, true><<<grid, kThreads, kSmem, stream>>>(pm);
+          scalar::bwd::opt_in<mma_dkdv_kernel<T, D, true>, kSmem>();
+          mma_dkdv_kernel<T, D, true><<<grid, kThreads, kSmem, stream>>>(pm);
         } else {
-          scalar::bwd::opt_in<dkdv_kernel<T, false>, kSmem>();
-          dkdv_kernel<T, false><<<grid, kThreads, kSmem, stream>>>(pm);
+          scalar::bwd::opt_in<mma_dkdv_kernel<T, D, false>, kSmem>();
+          mma_dkdv_kernel<T, D, false><<<grid, kThreads, kSmem, stream>>>(pm);
         }
         SDPA_LAUNCH_CHECK("cutlass-sm80 dkdv_kernel launch");
       });
@@ -286,13 +292,13 @@ template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
   const std::string tag = std::string(dtype_name<T>()) + "_d" + std::to_string(D);
   const std::pair<const char*, const void*> kernels[] = {
-      {"bwd_dkdv_", reinterpret_cast<const void*>(dkdv_kernel<T, false>)},
-      {"bwd_dkdv_atomic_", reinterpret_cast<const void*>(dkdv_kernel<T, true>)}};
+      {"bwd_dkdv_", reinterpret_cast<const void*>(mma_dkdv_kernel<T, D, false>)},
+      {"bwd_dkdv_atomic_", reinterpret_cast<const void*>(mma_dkdv_kernel<T, D, true>)}};
   for (const auto& [name, kernel] : kernels) {
     cudaFuncAttributes fa;
     SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
     out.push_back({"cutlass-sm80", name + tag, fa.numRegs, int32_t(fa.sharedSizeBytes),
-                   int32_t(sizeof(Smem<T>)), int32_t(fa.localSizeBytes), fa.maxThreadsPerBlock});
+                   int32_t(sizeof(Smem<T, D>)), int32_t(fa.localSizeBytes), fa.maxThreadsPerBlock});
   }
 }
 
