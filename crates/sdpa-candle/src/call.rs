@@ -275,18 +275,9 @@ pub(crate) fn backward(
     };
     let grads = call.cpu_backward((qc, q_l), (kc, k_l), (vc, v_l), (gc, g_l))?;
     let [dq, dk, dv] = grads;
-    let tensor = |s: CpuStorage, t: &Tensor| {
-        Tensor::from_storage(
-            Storage::Cpu(s),
-            t.shape().clone(),
-            BackpropOp::none(),
-            false,
-        )
-    };
-    Ok((
-        Some(tensor(dq, q)),
-        Some(tensor(dk, k)),
-        Some(tensor(dv, v)),
+    Ok(gradients(
+        [Storage::Cpu(dq), Storage::Cpu(dk), Storage::Cpu(dv)],
+        [q, k, v],
     ))
 }
 
@@ -320,19 +311,25 @@ fn cuda_backward(
     let call = op.resolve(q.dtype(), q_l, k_l, v_l)?;
     let grads = crate::cuda::backward(&call, (qc, q_l), (kc, k_l), (vc, v_l), (gc, g_l))?;
     let [dq, dk, dv] = grads;
-    let tensor = |s: candle_core::CudaStorage, t: &Tensor| {
-        Tensor::from_storage(
-            Storage::Cuda(s),
-            t.shape().clone(),
-            BackpropOp::none(),
-            false,
-        )
-    };
-    Ok((
-        Some(tensor(dq, &q)),
-        Some(tensor(dk, &k)),
-        Some(tensor(dv, &v)),
+    Ok(gradients(
+        [Storage::Cuda(dq), Storage::Cuda(dk), Storage::Cuda(dv)],
+        [&q, &k, &v],
     ))
+}
+
+/// dQ, dK and dV as the backward's tensors (outside candle's graph), in Q's, K's and V's shapes.
+fn gradients(
+    [dq, dk, dv]: [Storage; 3],
+    [q, k, v]: [&Tensor; 3],
+) -> (Option<Tensor>, Option<Tensor>, Option<Tensor>) {
+    let tensor = |s: Storage, t: &Tensor| {
+        Tensor::from_storage(s, t.shape().clone(), BackpropOp::none(), false)
+    };
+    (
+        Some(tensor(dq, q)),
+        Some(tensor(dk, k)),
+        Some(tensor(dv, v)),
+    )
 }
 
 /// `CustomOp3` for an op that resolves its calls ([`Resolve`]): forward on the CPU and the GPU

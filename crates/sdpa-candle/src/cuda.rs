@@ -60,39 +60,22 @@ fn run_t<T: sdpa::Element + CudaDType + ValidAsZeroBits>(
     if let Some(p) = &call.problem {
         let dev = handle(&stream)?;
         let p = p.with_lse(with_lse);
-        // The metadata's and the slopes' storage stays read-locked until the call is queued.
-        let seqused = match (call.meta.paged, call.meta.cu_seqlens_k) {
-            (true, Some(cu)) => Some(lengths(cu)?),
-            _ => None,
-        };
-        let cu_q = storage(call.meta.cu_seqlens_q);
-        let cu_k = storage(call.meta.cu_seqlens_k.filter(|_| !call.meta.paged));
-        let used = storage(seqused.as_ref());
-        let table = storage(call.meta.block_table);
-        let alibi = storage(call.alibi);
-        let sinks = storage(call.sinks);
-        let extras = Extras {
-            alibi_slopes: view_f32("alibi_slopes", &alibi)?,
-            sinks: view_f32("sinks", &sinks)?,
-            lse: lse.as_mut().map(|l| l.as_view_mut()),
-            cu_seqlens_q: view_i32("seqlens_q", &cu_q)?,
-            cu_seqlens_k: view_i32("seqlens_k", &cu_k)?,
-            seqused_k: view_i32("seqlens_k", &used)?,
-            block_table: view_i32("block_table", &table)?,
-        };
-        let (qs, ks, vs) = (
-            q.as_cuda_slice::<T>()?,
-            k.as_cuda_slice::<T>()?,
-            v.as_cuda_slice::<T>()?,
-        );
-        let [q_s, k_s, v_s] = call.strides;
-        let views = Views {
-            q: View::new(qs.slice(q_l.start_offset()..), q_s),
-            k: View::new(ks.slice(k_l.start_offset()..), k_s),
-            v: View::new(vs.slice(v_l.start_offset()..), v_s),
-            out: ViewMut::new(out.as_view_mut(), call.out_strides),
-        };
-        sdpa::forward(&dev, &p, Backend::Auto, views, extras).map_err(candle_core::Error::wrap)?;
+        let lse = lse.as_mut().map(|l| l.as_view_mut());
+        with_extras(call, lse, |extras| {
+            let (qs, ks, vs) = (
+                q.as_cuda_slice::<T>()?,
+                k.as_cuda_slice::<T>()?,
+                v.as_cuda_slice::<T>()?,
+            );
+            let [q_s, k_s, v_s] = call.strides;
+            let views = Views {
+                q: View::new(qs.slice(q_l.start_offset()..), q_s),
+                k: View::new(ks.slice(k_l.start_offset()..), k_s),
+                v: View::new(vs.slice(v_l.start_offset()..), v_s),
+                out: ViewMut::new(out.as_view_mut(), call.out_strides),
+            };
+            sdpa::forward(&dev, &p, Backend::Auto, views, extras).map_err(candle_core::Error::wrap)
+        })?;
     }
     let lse = lse.map(|l| CudaStorage::wrap_cuda_slice(l, cdev.clone()));
     Ok((CudaStorage::wrap_cuda_slice(out, cdev), lse))
@@ -135,6 +118,36 @@ fn backward_t<T: sdpa::Element + CudaDType + ValidAsZeroBits>(
     let (out, lse) = run(call, q, k, v, true)?;
     let lse = lse.expect("asked for the log-sum-exp");
     let dev = handle(&stream)?;
+    with_extras(call, None, |extras| {
+        let [q_s, k_s, v_s] = call.strides;
+        let ops = BackwardViews {
+            q: View::new(q.0.as_cuda_slice::<T>()?.slice(q.1.start_offset()..), q_s),
+            k: View::new(k.0.as_cuda_slice::<T>()?.slice(k.1.start_offset()..), k_s),
+            v: View::new(v.0.as_cuda_slice::<T>()?.slice(v.1.start_offset()..), v_s),
+            out: View::new(out.as_cuda_slice::<T>()?.as_view(), call.out_strides),
+            d_out: View::new(
+                g.as_cuda_slice::<T>()?.slice(g_l.start_offset()..),
+                call.out_strides,
+            ),
+            lse: lse.as_cuda_slice::<f32>()?.as_view(),
+            dq: ViewMut::new(dq.as_view_mut(), q_s),
+            dk: ViewMut::new(dk.as_view_mut(), k_s),
+            dv: ViewMut::new(dv.as_view_mut(), v_s),
+            dsinks: None,
+        };
+        sdpa::backward(&dev, p, Backend::Auto, DqReduction::Atomic, ops, extras)
+            .map_err(candle_core::Error::wrap)
+    })?;
+    Ok([dq, dk, dv].map(wrap))
+}
+
+/// Runs `f` on the call's extras (ALiBi slopes, sinks, sequence metadata, and `lse`) as sdpa
+/// reads them, their storage read-locked until `f` returns (once the call is queued).
+fn with_extras<R>(
+    call: &Call<'_>,
+    lse: Option<cudarc::driver::CudaViewMut<'_, f32>>,
+    f: impl FnOnce(Extras<'_>) -> Result<R>,
+) -> Result<R> {
     let seqused = match (call.meta.paged, call.meta.cu_seqlens_k) {
         (true, Some(cu)) => Some(lengths(cu)?),
         _ => None,
@@ -145,34 +158,15 @@ fn backward_t<T: sdpa::Element + CudaDType + ValidAsZeroBits>(
     let table = storage(call.meta.block_table);
     let alibi = storage(call.alibi);
     let sinks = storage(call.sinks);
-    let extras = Extras {
+    f(Extras {
         alibi_slopes: view_f32("alibi_slopes", &alibi)?,
         sinks: view_f32("sinks", &sinks)?,
-        lse: None,
+        lse,
         cu_seqlens_q: view_i32("seqlens_q", &cu_q)?,
         cu_seqlens_k: view_i32("seqlens_k", &cu_k)?,
         seqused_k: view_i32("seqlens_k", &used)?,
         block_table: view_i32("block_table", &table)?,
-    };
-    let [q_s, k_s, v_s] = call.strides;
-    let ops = BackwardViews {
-        q: View::new(q.0.as_cuda_slice::<T>()?.slice(q.1.start_offset()..), q_s),
-        k: View::new(k.0.as_cuda_slice::<T>()?.slice(k.1.start_offset()..), k_s),
-        v: View::new(v.0.as_cuda_slice::<T>()?.slice(v.1.start_offset()..), v_s),
-        out: View::new(out.as_cuda_slice::<T>()?.as_view(), call.out_strides),
-        d_out: View::new(
-            g.as_cuda_slice::<T>()?.slice(g_l.start_offset()..),
-            call.out_strides,
-        ),
-        lse: lse.as_cuda_slice::<f32>()?.as_view(),
-        dq: ViewMut::new(dq.as_view_mut(), q_s),
-        dk: ViewMut::new(dk.as_view_mut(), k_s),
-        dv: ViewMut::new(dv.as_view_mut(), v_s),
-        dsinks: None,
-    };
-    sdpa::backward(&dev, p, Backend::Auto, DqReduction::Atomic, ops, extras)
-        .map_err(candle_core::Error::wrap)?;
-    Ok([dq, dk, dv].map(wrap))
+    })
 }
 
 /// `n` f32 of -inf (the log-sum-exp of a row that sees no key, which no kernel writes), on
