@@ -1,8 +1,9 @@
 // cutlass-sm80's backward: the dK/dV pass on mma.sync (m16n8k16, f32 accumulators), inside the
 // scalar backward's launches (scalar/scalar_bwd.cuh, run_backward: the D pre-pass, dQ's
 // conversion or deterministic kernel, the sinks' gradient), on the same Params and workspace.
-// Head dims 64 and 128 (head_dim = head_dim_v = D); can_implement (below) sends the others to
-// scalar.
+// Head dim 64 (head_dim = head_dim_v = D; kernels.txt's `bwd` lines); can_implement (below)
+// sends the others to scalar. The kernel compiles at D = 128 too, but spills there (dK and dV
+// take 128 registers a thread beside Sᵀ and dPᵀ): that instance waits for a leaner layout.
 //
 // A CTA takes 64 keys of one K/V head, 4 warps of 16 keys; K and V stay in shared memory while
 // it walks the 64-row query tiles of its group's heads that see them (the scalar kernel's tile
