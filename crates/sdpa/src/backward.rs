@@ -366,7 +366,9 @@ impl BackwardPlan {
 
 /// The operands of a backward run, views of the caller's device memory (each at its own element
 /// strides, head_dim contiguous, as [`crate::Views`] takes them): Q, K, V, the forward's output
-/// and log-sum-exp, and dO read; dQ, dK, dV (and dsinks) written.
+/// and log-sum-exp, and dO read; dQ, dK, dV (and dsinks) written. Of packed tensors, rows
+/// outside every sequence (past the last offset) are not written, as the forward leaves its
+/// output's; dense K/V rows past a sequence's `seqused_k` get zero gradients.
 #[derive(Debug)]
 pub struct BackwardViews<'a, 'g, T> {
     /// Queries, `[batch, heads, seq_q, head_dim]`.
