@@ -457,7 +457,13 @@ pub fn main(a: Args) -> CliResult<ExitCode> {
         }
     }
     drop(progress);
-    outln!("{} of {ran} checks passed", ran - failed)?;
+    verdict("checks", ran, failed)
+}
+
+/// The last line of a validation, `N of M {what} passed`, and its exit code: failure where any
+/// check failed or none ran.
+pub fn verdict(what: &str, ran: usize, failed: usize) -> CliResult<ExitCode> {
+    outln!("{} of {ran} {what} passed", ran - failed)?;
     Ok(if failed == 0 && ran > 0 {
         ExitCode::SUCCESS
     } else {

@@ -80,10 +80,5 @@ pub fn run(
             }
         }
     }
-    outln!("{} of {ran} backward checks passed", ran - failed)?;
-    Ok(if failed == 0 && ran > 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    crate::validate::verdict("backward checks", ran, failed)
 }
