@@ -79,7 +79,7 @@ done
 fi
 # The backward (the backends that have one): odd lengths, GQA, a band with softcap and ALiBi,
 # head dims 64 to 256, both dQ reductions.
-for backend in scalar cutlass-sm80; do
+for backend in scalar cutlass-sm80 cutlass; do
   has_part backward && has_backend $backend || continue
   for tool in $tools; do
     for mode in "" --deterministic; do

@@ -234,6 +234,11 @@ struct Band {
     const Index first = first_key(last_row);
     return int((first + bn - 1) / bn);
   }
+  // The band in another index type (a kernel that bounds the sizes to hold them in `int`).
+  template <typename J>
+  __host__ __device__ __forceinline__ Band<J> as() const {
+    return {J(seq_q), J(seq_k), J(diag), J(left), J(right), top_left, J(chunk)};
+  }
   // The same band for one sequence of a batch of different lengths: its diagonal moves with
   // them (left and right were clamped to the longest lengths, unbounded for this one too).
   __host__ __device__ __forceinline__ Band rebased(Index sq, Index sk) const {

@@ -1,8 +1,13 @@
-// The CuTe element types both CUTLASS backends instantiate: their names (kernel reports) and
-// the packing of two f32 into one register of them.
+// The CuTe element types both CUTLASS backends instantiate: their names (kernel reports), their
+// CUDA types and the packing of two f32 into one register of them.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cutlass/numeric_types.h>
+
+#include <cute/numeric/numeric_types.hpp>
+#include <type_traits>
 
 #include "common/dtype.cuh"
 
@@ -16,6 +21,11 @@ template <>
 constexpr const char* dtype_name<cute::bfloat16_t>() {
   return "bf16";
 }
+
+// The CUDA type of a CuTe element type (the scalar kernels' instantiation, which the backwards'
+// shared launches take).
+template <typename T>
+using native_t = std::conditional_t<std::is_same_v<T, cute::half_t>, __half, __nv_bfloat16>;
 
 // Two f32 -> one packed pair of T (low half = a), round to nearest.
 template <typename T>

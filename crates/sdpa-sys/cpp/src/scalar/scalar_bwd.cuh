@@ -145,6 +145,27 @@ __device__ __forceinline__ void load_row_stats(const Params& pm, Smem<D>& sm, co
   }
 }
 
+// P and scale · dS of one score of row i and key j, from s = q_i · k_j and dp = dO_i · v_j: the
+// logit (scale, softcap, ALiBi at distance |i + seq_k - seq_q - j|), P against the row's LSE
+// (log2 domain), dS from dP and the row's D; both zero where the pair is not visible. Every
+// backward kernel takes its scores' gradients here.
+struct ScoreGrad {
+  float p, ds;
+};
+__device__ __forceinline__ ScoreGrad score_grad(const Params& pm, float s, float dp, float lse2,
+                                                float delta, float slope2, int64_t dist,
+                                                bool visible) {
+  float x = s * pm.base.scale_log2, dcap = 1.f;
+  if (pm.cap2 > 0.f) {
+    const float t = tanhf(x * pm.inv_cap2);
+    x = pm.cap2 * t;
+    dcap = 1.f - t * t;
+  }
+  if (pm.alibi) x -= slope2 * float(dist);
+  const float p = visible ? exp2f(x - lse2) : 0.f;
+  return {p, visible ? p * (dp - delta) * dcap * pm.scale : 0.f};
+}
+
 // P and scale · dS of the tile of kBM rows from m0 and kBN keys from n0 into sm.p and sm.ds:
 // each warp its kRPW rows, each lane its key. Q, dO, K, V and the rows' LSE and D are in shared
 // memory.
@@ -175,16 +196,10 @@ __device__ __forceinline__ void tile_grads(const Params& pm, Smem<D>& sm, const 
     const int row = warp * kRPW + r;
     const int64_t i = m0 + row;
     const bool visible = i < s.seq.seq_q && j < s.seq.seq_k && s.mask.sees(i, j);
-    float x = sc[r] * pm.base.scale_log2, dcap = 1.f;
-    if (pm.cap2 > 0.f) {
-      const float t = tanhf(x * pm.inv_cap2);
-      x = pm.cap2 * t;
-      dcap = 1.f - t * t;
-    }
-    if (pm.alibi) x -= slope2 * float(llabs(i + s.seq.seq_k - s.seq.seq_q - j));
-    const float p = visible ? exp2f(x - sm.lse2[row]) : 0.f;
-    sm.p[row][lane] = p;
-    sm.ds[row][lane] = visible ? p * (dp[r] - sm.delta[row]) * dcap * pm.scale : 0.f;
+    const ScoreGrad g = score_grad(pm, sc[r], dp[r], sm.lse2[row], sm.delta[row], slope2,
+                                   llabs(i + s.seq.seq_k - s.seq.seq_q - j), visible);
+    sm.p[row][lane] = g.p;
+    sm.ds[row][lane] = g.ds;
   }
 }
 

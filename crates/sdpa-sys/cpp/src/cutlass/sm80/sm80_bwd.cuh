@@ -11,9 +11,8 @@
 //   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ   the warp's keys the A operand (ldmatrix from K, V [key][d]), Q and
 //                           dO the B operand (ldmatrix from [q][d]: the forward's Q·Kᵀ with
 //                           the roles swapped); C fragments of 16 keys x 64 queries;
-//   Pᵀ, dSᵀ                 per element: the logit (scale, softcap, ALiBi), P = exp2(x − LSE₂),
-//                           dS = scale · P (dP − D) (1 − t²); zero where the row does not see the
-//                           key, past the sequence, or past its keys;
+//   Pᵀ, dSᵀ                 per element (scalar::bwd::score_grad); zero where the row does not
+//                           see the key, past the sequence, or past its keys;
 //   dV += Pᵀ·dO, dK += dSᵀ·Q  Pᵀ and dSᵀ rounded to 16 bit are A fragments as they are (two n8 C
 //                           tiles make one k16 A tile, as the forward's P·V), dO and Q the B
 //                           operand by ldmatrix.trans;
@@ -50,10 +49,6 @@ constexpr int kBN = 64;  // keys a CTA
 constexpr int kBM = 64;  // query rows a step
 
 using scalar::bwd::Params;
-
-// The CUDA type of a CuTe element type (the scalar kernels' instantiation).
-template <typename T>
-using native_t = std::conditional_t<std::is_same_v<T, cute::half_t>, __half, __nv_bfloat16>;
 
 template <typename T, int D>
 struct Smem {
@@ -158,16 +153,11 @@ __global__ void __launch_bounds__(kThreads) mma_dkdv_kernel(const __grid_constan
           const int qi = 8 * n + 2 * t + (e & 1);
           const int64_t i = m0 + qi, j = n0 + kr0 + g + 8 * (e / 2);
           const bool visible = i < seq_q && j < seq_k && (!masked || s.mask.sees(i, j));
-          float x = sc[n][e] * p.scale_log2, dcap = 1.f;
-          if (pm.cap2 > 0.f) {
-            const float th = tanhf(x * pm.inv_cap2);
-            x = pm.cap2 * th;
-            dcap = 1.f - th * th;
-          }
-          if (pm.alibi) x -= slope2 * float(llabs(i + seq_k - seq_q - j));
-          const float pv = visible ? exp2f(x - sm.lse2[qi]) : 0.f;
-          dp[n][e] = visible ? pv * (dp[n][e] - sm.delta[qi]) * dcap * pm.scale : 0.f;
-          sc[n][e] = pv;
+          const scalar::bwd::ScoreGrad sg =
+              scalar::bwd::score_grad(pm, sc[n][e], dp[n][e], sm.lse2[qi], sm.delta[qi], slope2,
+                                      llabs(i + seq_k - seq_q - j), visible);
+          sc[n][e] = sg.p;
+          dp[n][e] = sg.ds;
         }
       }
 

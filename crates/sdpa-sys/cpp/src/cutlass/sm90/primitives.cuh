@@ -1,7 +1,7 @@
-// Device primitives the sm_90a kernels share (cutlass_sm90 f16/bf16, its small-problem path
-// and the native e4m3 kernel): SFU exp2, named and mbarriers, 32-bit shared-memory access, a
-// division by a per-launch constant, and the softmax base every kernel takes its exponents
-// against.
+// Device primitives the sm_90a kernels share (cutlass_sm90 f16/bf16, its small-problem path,
+// the native e4m3 kernel and the backward): SFU exp2, named and mbarriers, 32-bit shared-memory
+// access, cp.async, a division by a per-launch constant, and the softmax base every kernel takes
+// its exponents against.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -104,6 +104,30 @@ __device__ __forceinline__ float2 ld_shared2(uint32_t addr) {
   float2 v;
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
   return v;
+}
+
+// The shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return uint32_t(__cvta_generic_to_shared(p));
+}
+
+// Orders this thread's generic-proxy writes to shared memory (st.shared, cp.async) before the
+// async proxy's reads of it (wgmma, TMA stores) that follow a barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// cp.async of 16 (through L2 only) or 4 bytes, global to shared; zeros and nothing read where
+// !valid (src must still be an address of the tensor).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0)
+               : "memory");
 }
 
 // n / d for a divisor fixed per launch, 0 <= n < 2^31: a multiply-high and a shift instead of

@@ -67,9 +67,6 @@ __device__ __forceinline__ void bulk_to_peer(uint32_t dst, uint32_t src, uint32_
       "r"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 
 // E: the element types (tile_config.cuh's Elems): 16-bit Same<T>, or e4m3 accurate mode (QK
 // e4m3, PV f16, Out f16 or bf16).

@@ -1,0 +1,349 @@
+// cutlass's backward on sm_90a: the dK/dV pass (and in the atomic mode dQ's products) on wgmma,
+// inside the scalar backward's launches (scalar/scalar_bwd.cuh, run_backward: the D pre-pass,
+// dQ's conversion or deterministic kernel, the sinks' gradient), on the same Params and
+// workspace, as cutlass-sm80's backward is. Head dims 64 and 128 (head_dim = head_dim_v = D;
+// kernels.txt's `bwd` lines); can_implement (below) sends the others on.
+//
+// A CTA takes kBN = 128 keys of one K/V head, 64 a consumer warpgroup; K and V stay in shared
+// memory while it walks the 64-row query tiles of its group's heads that see them (the scalar
+// kernel's tile tests). Q, dO and the rows' LSE and D stream in by cp.async, two stages: the
+// next tile's copies are in flight while this one is computed. Per query tile:
+//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ    wgmma SS, each warpgroup its 64 keys (M) by the tile's 64 rows;
+//   Pᵀ, dSᵀ                  per element (scalar::bwd::score_grad), stored to shared memory in
+//                            16 bit, [key][row] (rows contiguous);
+//   dV += Pᵀ·dO, dK += dSᵀ·Q  wgmma SS, Pᵀ and dSᵀ K-major, dO and Q read as [d][row] (MN-major
+//                            views of the same shared memory), accumulated in registers over
+//                            every tile;
+//   dQ += dS·K (atomic mode)  dSᵀ's bytes read as dS (row contiguous, MN-major) with K as
+//                            [d][key]: the warpgroups split the head dim; each thread adds its
+//                            pairs to the f32 accumulator with 8-byte atomics.
+// Pᵀ and dSᵀ go through shared memory rather than staying in registers as A operands: dQ reads
+// dS there anyway, and it keeps 32 registers a thread free beside dK's and dV's 128 (D = 128)
+// and Sᵀ's and dPᵀ's 64. The deterministic mode runs the scalar dQ kernel after this pass.
+//
+// This is FlashAttention-2's order on Hopper's instructions: no warp specialization and no TMA
+// yet (FlashAttention-3's structure is the step after; docs/design.md, "The backward"). As in
+// cutlass-sm80's backward, a value a row does not see is zeroed in P and dS but the products
+// still multiply it by the other operand: a non-finite input at a position some row does not see
+// reaches gradients the reference keeps finite.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "cutlass/dtype.cuh"
+#include "cutlass/sm90/primitives.cuh"
+#include "cutlass/sm90/tile_config.cuh"
+#include "scalar/scalar_bwd.cuh"
+
+namespace sdpa::cutlass_sm90::bwd {
+
+constexpr int kWG = 2;  // consumer warpgroups, 64 keys each
+constexpr int kThreads = 128 * kWG;
+constexpr int kBN = 64 * kWG;  // keys a CTA
+constexpr int kBM = 64;        // query rows a step
+constexpr int kStages = 2;     // Q, dO and row statistics in flight
+
+using scalar::bwd::Params;
+
+template <typename T, int D>
+struct Cfg {
+  using BM = Int<kBM>;
+  using BN = Int<kBN>;
+  using HD = Int<D>;
+  using Stages = Int<kStages>;
+  // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: the warpgroups tile the keys (M).
+  using MmaSdP = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, BM, HD>, GMMA::Major::K, GMMA::Major::K>(),
+      Layout<Shape<Int<kWG>, _1, _1>>{}));
+  // dV += Pᵀ·dO and dK += dSᵀ·Q: Pᵀ and dSᵀ [key][row], dO and Q as [d][row].
+  using MmaDKV =
+      decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, HD, BM>,
+                                                         GMMA::Major::K, GMMA::Major::MN>(),
+                              Layout<Shape<Int<kWG>, _1, _1>>{}));
+  // dQ = dS·K: dS (rows, keys) row-contiguous, K as [d][key]; the warpgroups tile the head dim.
+  using MmaDQ =
+      decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<T, T, float, Shape<BM, Int<D / kWG>, BN>,
+                                                         GMMA::Major::MN, GMMA::Major::MN>(),
+                              Layout<Shape<_1, Int<kWG>, _1>>{}));
+
+  // Q and dO (rows, d, stage), K and V (keys, d): rows of D in K-major swizzle atoms; the
+  // transposed views (…t) are the same bytes as the MN-major B operands of dK/dV and dQ.
+  using LayoutQ = decltype(tile_to_shape(KAtom<T, D>{}, Shape<BM, HD, Stages>{}));
+  using LayoutQt = decltype(composition(
+      LayoutQ{}, make_layout(Shape<HD, BM, Stages>{}, Stride<BM, _1, Int<kBM * D>>{})));
+  using LayoutK = decltype(tile_to_shape(KAtom<T, D>{}, Shape<BN, HD>{}));
+  using LayoutKt = decltype(composition(LayoutK{}, make_layout(Shape<HD, BN>{}, Stride<BN, _1>{})));
+  // Pᵀ and dSᵀ (keys, rows), rows contiguous: K-major A operands of dK/dV; dS (rows, keys) is
+  // the same bytes as the MN-major A operand of dQ.
+  using LayoutPt = decltype(tile_to_shape(KAtom<T, kBM>{}, Shape<BN, BM>{}));
+  using LayoutDS =
+      decltype(composition(LayoutPt{}, make_layout(Shape<BM, BN>{}, Stride<BN, _1>{})));
+
+  struct Smem {
+    alignas(1024) T q[kStages * kBM * D];
+    alignas(1024) T d_o[kStages * kBM * D];
+    alignas(1024) T k[kBN * D];
+    alignas(1024) T v[kBN * D];
+    alignas(1024) T pt[kBN * kBM];
+    alignas(1024) T dst[kBN * kBM];
+    float lse[kStages][kBM];  // natural log, as the forward returns it
+    float delta[kStages][kBM];
+  };
+  // +1 KB: the kernel aligns the dynamic smem base up to 1024 bytes (128-byte swizzle atoms).
+  static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit");
+};
+
+// One round of wgmma over every k-block of A and B into C (zeroed first where `zero`), committed
+// as one group; waited for where kWait >= 0 (that many groups left in flight).
+template <bool kZero, int kWait, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void wg_gemm(Mma& mma, const TA& a, const TB& b, TC& c) {
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZero) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(c);
+}
+
+// Rows [0, R) of a 16-bit tensor at `base` (row stride `rs` elements, D wide) into the swizzled
+// tile `tile` (coordinates (row, col)) by cp.async; rows at or past `rows` as zeros.
+template <int R, int D, class Tile, typename T>
+__device__ __forceinline__ void load_rows(Tile&& tile, const T* base, int64_t rs, int64_t rows) {
+  constexpr int CH = D / 8;
+  for (int c = threadIdx.x; c < R * CH; c += kThreads) {
+    const int r = c / CH, ch = c % CH;
+    const bool in = r < rows;
+    cp_async_16(smem_addr(&tile(r, ch * 8)), base + (in ? r * rs + ch * 8 : 0), in);
+  }
+}
+
+template <typename T, int D, bool kAtomicDq>
+__global__ void __launch_bounds__(kThreads, 1)
+    wgmma_dkdv_kernel(const __grid_constant__ Params pm) {
+#ifdef SDPA_SM90_DEVICE
+  using C = Cfg<T, D>;
+  const KernelParams& p = pm.base;
+  auto& sm = smem_storage<typename C::Smem>();
+  const int tid = threadIdx.x;
+  // Rows, keys and tile starts in 32-bit int (can_implement bounds them); addresses in 64-bit.
+  const int n0 = int(blockIdx.x) * kBN, hk = int(blockIdx.y), b = int(blockIdx.z);
+  const scalar::bwd::SeqView s = scalar::bwd::seq_view(pm, b);
+  const int seq_q = int(s.seq.seq_q), seq_k = int(s.seq.seq_k), group = int(p.group);
+  const mask::Band<int> mask = s.mask.as<int>();
+  const int key_rows = pm.seqs.cu_k != nullptr ? seq_k : int(p.seq_k);
+  if (n0 >= key_rows) return;  // CTA-uniform, before any barrier
+
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQt{});
+  Tensor sdO = make_tensor(make_smem_ptr(sm.d_o), typename C::LayoutQ{});
+  Tensor sdOt = make_tensor(make_smem_ptr(sm.d_o), typename C::LayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(sm.k), typename C::LayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(sm.k), typename C::LayoutKt{});
+  Tensor sV = make_tensor(make_smem_ptr(sm.v), typename C::LayoutK{});
+  Tensor sPt = make_tensor(make_smem_ptr(sm.pt), typename C::LayoutPt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(sm.dst), typename C::LayoutPt{});
+  Tensor sdS = make_tensor(make_smem_ptr(sm.dst), typename C::LayoutDS{});
+
+  const T* kb = reinterpret_cast<const T*>(p.k) +
+                (b * p.ks.batch + hk * p.ks.head + (s.seq.k0 + n0) * p.ks.seq);
+  const T* vb = reinterpret_cast<const T*>(p.v) +
+                (b * p.vs.batch + hk * p.vs.head + (s.seq.k0 + n0) * p.vs.seq);
+  load_rows<kBN, D>(sK, kb, p.ks.seq, seq_k - n0);
+  load_rows<kBN, D>(sV, vb, p.vs.seq, seq_k - n0);
+
+  // The query tiles that see the CTA's keys, in order: (head of the group, first row).
+  struct Step {
+    int gi, m0;
+  };
+  const auto next_step = [&](int gi, int m0) {
+    for (; gi < group; ++gi, m0 = 0)
+      for (; m0 < seq_q; m0 += kBM)
+        if (mask.key_end(m0, kBM) > n0 && mask.key_begin(m0, kBM) < n0 + kBN) return Step{gi, m0};
+    return Step{group, 0};
+  };
+  // Q, dO, LSE and D of a step's rows into stage `st`.
+  const auto issue = [&](const Step& t, int st) {
+    const int64_t h = int64_t(hk) * group + t.gi;
+    const T* qb = reinterpret_cast<const T*>(p.q) +
+                  (b * p.qs.batch + h * p.qs.head + (s.seq.q0 + t.m0) * p.qs.seq);
+    const T* gb = reinterpret_cast<const T*>(pm.d_o) +
+                  (b * pm.dos.batch + h * pm.dos.head + (s.seq.q0 + t.m0) * pm.dos.seq);
+    load_rows<kBM, D>(sQ(_, _, st), qb, p.qs.seq, seq_q - t.m0);
+    load_rows<kBM, D>(sdO(_, _, st), gb, pm.dos.seq, seq_q - t.m0);
+    for (int r = tid; r < kBM; r += kThreads) {
+      const bool in = t.m0 + r < seq_q;
+      const int64_t at =
+          in ? lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, int64_t(t.m0 + r)) : int64_t(0);
+      cp_async_4(smem_addr(&sm.lse[st][r]), pm.lse + at, in);
+      cp_async_4(smem_addr(&sm.delta[st][r]), pm.delta + at, in);
+    }
+  };
+
+  typename C::MmaSdP mma_sdp;
+  typename C::MmaDKV mma_dkv;
+  typename C::MmaDQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);    // (MMA, MMA_M, MMA_K)
+  Tensor tSrV = thr_sdp.partition_fragment_A(sV);    // (MMA, MMA_M, MMA_K)
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, MMA_N, MMA_K, stage)
+  Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tKVrPt = thr_dkv.partition_fragment_A(sPt);
+  Tensor tKVrdSt = thr_dkv.partition_fragment_A(sdSt);
+  Tensor tKVrQt = thr_dkv.partition_fragment_B(sQt);
+  Tensor tKVrdOt = thr_dkv.partition_fragment_B(sdOt);
+  Tensor tQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor tSsPt = thr_sdp.partition_C(sPt);  // where this thread's Pᵀ elements are stored
+  Tensor tSsdSt = thr_sdp.partition_C(sdSt);
+  // (key, row) of each Sᵀ element this thread holds, and (row, d) of each dQ element.
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBN>, Int<kBM>>{}));
+  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<D>>{}));
+
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBN>, Int<D>>{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBN>, Int<D>>{});
+  clear(tdVrdV);
+  clear(tdKrdK);
+
+  Step cur = next_step(0, 0);
+  if (cur.gi < group) issue(cur, 0);
+  cute::cp_async_fence();
+  for (int st = 0; cur.gi < group; st ^= 1) {
+    const Step nxt = next_step(cur.gi, cur.m0 + kBM);
+    const int h = hk * group + cur.gi;
+    cute::cp_async_wait<0>();
+    fence_proxy_async();  // cp.async's writes, for wgmma's reads
+    // Stage st landed for every thread; the last step's reads of stage st ^ 1 and dS are done.
+    __syncthreads();
+    if (nxt.gi < group) issue(nxt, st ^ 1);
+    cute::cp_async_fence();
+
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBN>, Int<kBM>>{});
+    Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBN>, Int<kBM>>{});
+    wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
+    wg_gemm<true, 0>(mma_sdp, tSrV, tSrdO(_, _, _, st), tSrdP);
+    warpgroup_fence_operand(tSrS);
+
+    // Pᵀ into tSrS, scale · dSᵀ into tSrdP.
+    const bool masked = mask.tile_masked(cur.m0, kBM, n0, kBN);
+    const float slope2 = scalar::bwd::slope2_of(pm, b, h);
+    const int rows_left = seq_q - cur.m0, keys_left = seq_k - n0;
+    const int diag = cur.m0 + seq_k - seq_q - n0;  // key - row on the bottom-right diagonal
+    CUTE_UNROLL
+    for (int e = 0; e < size(tSrS); ++e) {
+      const int qi = get<1>(cS(e)), kj = get<0>(cS(e));
+      const bool visible =
+          qi < rows_left && kj < keys_left && (!masked || mask.sees(cur.m0 + qi, n0 + kj));
+      const scalar::bwd::ScoreGrad g =
+          scalar::bwd::score_grad(pm, tSrS(e), tSrdP(e), sm.lse[st][qi] * kLog2e, sm.delta[st][qi],
+                                  slope2, abs(qi + diag - kj), visible);
+      tSrS(e) = g.p;
+      tSrdP(e) = g.ds;
+    }
+    // Pᵀ and dSᵀ to shared memory, 16 bit, as pairs (key, row), (key, row + 1).
+    CUTE_UNROLL
+    for (int e = 0; e < size(tSrS); e += 2) {
+      st_shared(smem_addr(&tSsPt(e)), pack2<T>(tSrS(e), tSrS(e + 1)));
+      st_shared(smem_addr(&tSsdSt(e)), pack2<T>(tSrdP(e), tSrdP(e + 1)));
+    }
+    fence_proxy_async();
+    named_sync(1, kThreads);  // both warpgroups' keys stored (dQ reads all of dS)
+
+    wg_gemm<false, -1>(mma_dkv, tKVrPt, tKVrdOt(_, _, _, st), tdVrdV);
+    wg_gemm<false, -1>(mma_dkv, tKVrdSt, tKVrQt(_, _, _, st), tdKrdK);
+
+    if constexpr (kAtomicDq) {
+      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBM>, Int<D>>{});
+      wg_gemm<true, 0>(mma_dq, tQrdS, tQrKt, tdQrdQ);
+      CUTE_UNROLL
+      for (int e = 0; e < size(tdQrdQ); e += 2) {
+        const int i = cur.m0 + get<0>(cdQ(e));
+        if (i >= seq_q) continue;
+        float* row = pm.dq_acc + lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, int64_t(i)) * D;
+        atomicAdd(reinterpret_cast<float2*>(row + get<1>(cdQ(e))),
+                  make_float2(tdQrdQ(e), tdQrdQ(e + 1)));
+      }
+    } else {
+      warpgroup_wait<0>();
+    }
+    cur = nxt;
+  }
+  cute::cp_async_wait<0>();  // K and V's copies, where no query tile saw the keys
+  warpgroup_fence_operand(tdVrdV);
+  warpgroup_fence_operand(tdKrdK);
+
+  // dK and dV rows of this thread's keys (zeros past the sequence's keys in dense K/V).
+  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBN>, Int<D>>{}));
+  CUTE_UNROLL
+  for (int e = 0; e < size(tdVrdV); e += 2) {
+    const int j = n0 + get<0>(cKV(e));
+    if (j >= key_rows) continue;
+    const int d = get<1>(cKV(e));
+    T* dk_row = reinterpret_cast<T*>(pm.dk) +
+                (b * pm.dks.batch + hk * pm.dks.head + (s.seq.k0 + j) * pm.dks.seq);
+    T* dv_row = reinterpret_cast<T*>(pm.dv) +
+                (b * pm.dvs.batch + hk * pm.dvs.head + (s.seq.k0 + j) * pm.dvs.seq);
+    *reinterpret_cast<uint32_t*>(dk_row + d) = pack2<T>(tdKrdK(e), tdKrdK(e + 1));
+    *reinterpret_cast<uint32_t*>(dv_row + d) = pack2<T>(tdVrdV(e), tdVrdV(e + 1));
+  }
+#endif
+}
+
+template <typename T, int D>
+std::string can_implement(const BwdArgs& a, const DeviceInfo& dev) {
+  const FwdArgs& f = a.fwd;
+  if (f.dims.head_dim != D || f.dims.head_dim_v != D)
+    return "cutlass's backward runs head_dim = head_dim_v = " + std::to_string(D) +
+           " on this instance";
+  // The band's indices reach 2 (seq_q + seq_k) past zero (mask::Band), held in int here.
+  if (2 * (f.dims.seq_q + f.dims.seq_k) + kBN > limits::kIntMax)
+    return "seq_q + seq_k = " + std::to_string(f.dims.seq_q + f.dims.seq_k) +
+           " exceeds 2^30 - 64: cutlass's backward forms the mask's indices in 32-bit int";
+  return limits::first({sm90_only(dev), limits::int_sequences(f, "cutlass backward", kBN),
+                        scalar::bwd::can_implement<native_t<T>, D>(a, dev),
+                        limits::smem_per_block(dev, Cfg<T, D>::kSmemBytes)});
+}
+
+template <typename T, int D>
+void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
+  const FwdArgs& f = a.fwd;
+  const dim3 grid(unsigned((f.dims.seq_k + kBN - 1) / kBN), unsigned(f.dims.kv_heads),
+                  unsigned(f.dims.batch));
+  constexpr int kSmem = Cfg<T, D>::kSmemBytes;
+  scalar::bwd::run_backward<native_t<T>, D>(
+      a, stream, "cutlass", [&](const Params& pm, bool atomic_dq) {
+        if (atomic_dq) {
+          scalar::bwd::opt_in<wgmma_dkdv_kernel<T, D, true>, kSmem>();
+          wgmma_dkdv_kernel<T, D, true><<<grid, kThreads, kSmem, stream>>>(pm);
+        } else {
+          scalar::bwd::opt_in<wgmma_dkdv_kernel<T, D, false>, kSmem>();
+          wgmma_dkdv_kernel<T, D, false><<<grid, kThreads, kSmem, stream>>>(pm);
+        }
+        SDPA_LAUNCH_CHECK("cutlass dkdv_kernel launch");
+      });
+}
+
+template <typename T, int D>
+void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
+  const std::string tag = std::string(dtype_name<T>()) + "_d" + std::to_string(D);
+  const std::pair<const char*, const void*> kernels[] = {
+      {"bwd_dkdv_", reinterpret_cast<const void*>(wgmma_dkdv_kernel<T, D, false>)},
+      {"bwd_dkdv_atomic_", reinterpret_cast<const void*>(wgmma_dkdv_kernel<T, D, true>)}};
+  for (const auto& [name, kernel] : kernels) {
+    cudaFuncAttributes fa;
+    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    out.push_back({"cutlass", name + tag, fa.numRegs, int32_t(fa.sharedSizeBytes),
+                   int32_t(Cfg<T, D>::kSmemBytes), int32_t(fa.localSizeBytes),
+                   fa.maxThreadsPerBlock});
+  }
+}
+
+}  // namespace sdpa::cutlass_sm90::bwd
