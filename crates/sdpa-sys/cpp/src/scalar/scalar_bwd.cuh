@@ -74,7 +74,13 @@ struct Params {
   Strides dqs, dks, dvs;
   float* dsinks;  // [heads], null: not asked for
   float* delta;   // [LSE rows]: D_i, at the LSE's index
-  float* dq_acc;  // [LSE rows][head_dim] f32; null: the deterministic mode
+  float* dq_acc;  // [LSE rows][head_dim] f32; null: the deterministic mode on the dQ kernel
+  // The ordered deterministic mode (a dK/dV pass that adds each query tile's dQ into dq_acc in
+  // the order of its key blocks): a counter per tile of order_rows rows, [batch][heads][tiles],
+  // of the key blocks that have added into it; null: none.
+  int* dq_order;
+  int order_rows;
+  int64_t order_tiles;
 };
 
 // The shared memory of a dK/dV or dQ CTA: a tile of Q and dO rows, one of K and V rows (16-bit
@@ -257,6 +263,8 @@ __global__ void __launch_bounds__(kThreads) delta_kernel(const __grid_constant__
   if (lane == 0) pm.delta[at] = sum;
   if (pm.dq_acc != nullptr)
     for (int c = lane; c < pm.head_dim; c += 32) pm.dq_acc[at * pm.head_dim + c] = 0.f;
+  if (pm.dq_order != nullptr && lane == 0 && i % pm.order_rows == 0)
+    pm.dq_order[(b * p.heads + h) * pm.order_tiles + i / pm.order_rows] = 0;
 }
 
 // 2. dK and dV of a tile of kBN keys of K/V head blockIdx.y, sequence blockIdx.z (kAtomicDq:
@@ -483,10 +491,26 @@ inline int64_t lse_rows(const FwdArgs& a) {
 }
 
 // The workspace: D per LSE row, then (the atomic mode) the f32 dQ accumulator.
-inline int64_t workspace_bytes(const BwdArgs& a) {
+// Query tiles of `order_rows` rows a (sequence, head) in the ordered mode.
+inline int64_t order_tiles(const FwdArgs& a, int order_rows) {
+  return (a.dims.seq_q + order_rows - 1) / order_rows;
+}
+
+// Whether this call's dQ takes the ordered deterministic mode (`order_rows` > 0: the backend's
+// dK/dV pass has it).
+inline bool ordered(const BwdArgs& a, int order_rows) {
+  return a.grads.deterministic && order_rows > 0;
+}
+
+// The workspace: D per LSE row, then (the atomic and the ordered modes) the f32 dQ accumulator,
+// then (the ordered mode) its tiles' counters.
+inline int64_t workspace_bytes(const BwdArgs& a, int order_rows = 0) {
   const int64_t rows = lse_rows(a.fwd);
   const int64_t delta = (rows * 4 + 255) / 256 * 256;
-  return delta + (a.grads.deterministic ? 0 : rows * a.fwd.dims.head_dim * 4);
+  const int64_t acc = rows * a.fwd.dims.head_dim * 4;
+  if (ordered(a, order_rows))
+    return delta + acc + a.fwd.dims.batch * a.fwd.dims.heads * order_tiles(a.fwd, order_rows) * 4;
+  return delta + (a.grads.deterministic ? 0 : acc);
 }
 
 template <typename T, int D>
@@ -511,11 +535,13 @@ void opt_in() {
   }
 }
 
-// The backward's launches around a dK/dV pass: the D pre-pass, `dkdv(pm, atomic_dq)` (this
-// kernel's, or a faster backend's on the same Params and workspace), then dQ (the atomic mode's
-// conversion, or the deterministic dQ kernel) and the sinks' gradient. `who` names the backend
+// The backward's launches around a dK/dV pass: the D pre-pass, `dkdv(pm)` (this kernel's, or a
+// faster backend's on the same Params and workspace), then dQ (the accumulator's conversion,
+// or the deterministic dQ kernel) and the sinks' gradient. kOrderRows > 0: the dK/dV pass has
+// the ordered deterministic mode on query tiles of that many rows (Params::dq_order), so the
+// deterministic mode converts the accumulator as the atomic one does. `who` names the backend
 // in errors.
-template <typename T, int D, class DkDv>
+template <typename T, int D, int kOrderRows = 0, class DkDv>
 void run_backward(const BwdArgs& a, cudaStream_t stream, const char* who, DkDv&& dkdv) {
   const FwdArgs& f = a.fwd;
   if (!f.out.lse || !a.grads.workspace || (f.mods.alibi && !f.mods.alibi_slopes) ||
@@ -524,18 +550,22 @@ void run_backward(const BwdArgs& a, cudaStream_t stream, const char* who, DkDv&&
                 " backward: the LSE, the workspace, the ALiBi slopes or the sinks is missing");
   Params pm = make_params(a);
   auto* ws = device_ptr<uint8_t>(a.grads.workspace);
+  const bool in_order = ordered(a, kOrderRows);
+  const int64_t acc_at = (lse_rows(f) * 4 + 255) / 256 * 256;
   pm.delta = reinterpret_cast<float*>(ws);
-  pm.dq_acc = a.grads.deterministic
-                  ? nullptr
-                  : reinterpret_cast<float*>(ws + (lse_rows(f) * 4 + 255) / 256 * 256);
+  pm.dq_acc = a.grads.deterministic && !in_order ? nullptr : reinterpret_cast<float*>(ws + acc_at);
+  pm.dq_order =
+      in_order ? reinterpret_cast<int*>(ws + acc_at + lse_rows(f) * f.dims.head_dim * 4) : nullptr;
+  pm.order_rows = kOrderRows;
+  pm.order_tiles = kOrderRows > 0 ? order_tiles(f, kOrderRows) : 0;
   const auto heads = unsigned(f.dims.heads), batch = unsigned(f.dims.batch);
   const dim3 rows_grid(unsigned((f.dims.seq_q + kWarps - 1) / kWarps), heads, batch);
   constexpr int kSmem = int(sizeof(Smem<D>));
 
   delta_kernel<T, D><<<rows_grid, kThreads, 0, stream>>>(pm);
   SDPA_LAUNCH_CHECK("backward delta_kernel launch");
-  dkdv(pm, !a.grads.deterministic);
-  if (a.grads.deterministic) {
+  dkdv(pm);
+  if (pm.dq_acc == nullptr) {
     opt_in<dq_kernel<T, D>, kSmem>();
     const dim3 q_grid(unsigned((f.dims.seq_q + kBM - 1) / kBM), heads, batch);
     dq_kernel<T, D><<<q_grid, kThreads, kSmem, stream>>>(pm);
@@ -556,8 +586,8 @@ void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
   const dim3 keys_grid(unsigned((f.dims.seq_k + kBN - 1) / kBN), unsigned(f.dims.kv_heads),
                        unsigned(f.dims.batch));
   constexpr int kSmem = int(sizeof(Smem<D>));
-  run_backward<T, D>(a, stream, "scalar", [&](const Params& pm, bool atomic_dq) {
-    if (atomic_dq) {
+  run_backward<T, D>(a, stream, "scalar", [&](const Params& pm) {
+    if (pm.dq_acc != nullptr) {
       opt_in<dkdv_kernel<T, D, true>, kSmem>();
       dkdv_kernel<T, D, true><<<keys_grid, kThreads, kSmem, stream>>>(pm);
     } else {

@@ -266,17 +266,16 @@ void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
   const dim3 grid(unsigned((f.dims.seq_k + kBN - 1) / kBN), unsigned(f.dims.kv_heads),
                   unsigned(f.dims.batch));
   constexpr int kSmem = int(sizeof(Smem<T, D>));
-  scalar::bwd::run_backward<native_t<T>, D>(
-      a, stream, "cutlass-sm80", [&](const Params& pm, bool atomic_dq) {
-        if (atomic_dq) {
-          scalar::bwd::opt_in<mma_dkdv_kernel<T, D, true>, kSmem>();
-          mma_dkdv_kernel<T, D, true><<<grid, kThreads, kSmem, stream>>>(pm);
-        } else {
-          scalar::bwd::opt_in<mma_dkdv_kernel<T, D, false>, kSmem>();
-          mma_dkdv_kernel<T, D, false><<<grid, kThreads, kSmem, stream>>>(pm);
-        }
-        SDPA_LAUNCH_CHECK("cutlass-sm80 dkdv_kernel launch");
-      });
+  scalar::bwd::run_backward<native_t<T>, D>(a, stream, "cutlass-sm80", [&](const Params& pm) {
+    if (pm.dq_acc != nullptr) {
+      scalar::bwd::opt_in<mma_dkdv_kernel<T, D, true>, kSmem>();
+      mma_dkdv_kernel<T, D, true><<<grid, kThreads, kSmem, stream>>>(pm);
+    } else {
+      scalar::bwd::opt_in<mma_dkdv_kernel<T, D, false>, kSmem>();
+      mma_dkdv_kernel<T, D, false><<<grid, kThreads, kSmem, stream>>>(pm);
+    }
+    SDPA_LAUNCH_CHECK("cutlass-sm80 dkdv_kernel launch");
+  });
 }
 
 template <typename T, int D>

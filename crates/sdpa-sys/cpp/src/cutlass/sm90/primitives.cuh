@@ -1,7 +1,7 @@
 // Device primitives the sm_90a kernels share (cutlass_sm90 f16/bf16, its small-problem path,
 // the native e4m3 kernel and the backward): SFU exp2, named and mbarriers, 32-bit shared-memory
-// access, cp.async, a division by a per-launch constant, and the softmax base every kernel takes
-// its exponents against.
+// access, cp.async, bulk reductions, turn counters, a division by a per-launch constant, and the
+// softmax base every kernel takes its exponents against.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -128,6 +128,44 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool v
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
                "r"(valid ? 4 : 0)
                : "memory");
+}
+
+// A bulk reduction (add, f32) of `bytes` of shared memory at `src` into global memory at `dst`,
+// as one operation of the thread's bulk group: both 16-byte aligned, `bytes` a multiple of 16.
+__device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, int bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
+      "r"(src), "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// Waits for the thread's bulk groups: until their shared memory has been read (the source may
+// be written again), or (kComplete) until their writes are done and ordered before this thread's
+// later global accesses.
+template <bool kComplete>
+__device__ __forceinline__ void bulk_wait() {
+  if constexpr (kComplete) {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+}
+
+// A counter in global memory that orders CTAs: wait until it reads `turn` (acquire), and pass
+// the turn on (release).
+__device__ __forceinline__ void wait_turn(const int* counter, int turn) {
+  int v;
+  for (;;) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+    if (v == turn) break;
+    __nanosleep(32);
+  }
+}
+__device__ __forceinline__ void pass_turn(int* counter) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
 
 // n / d for a divisor fixed per launch, 0 <= n < 2^31: a multiply-high and a shift instead of

@@ -1,8 +1,8 @@
-// cutlass's backward on sm_90a: the dK/dV pass (and in the atomic mode dQ's products) on wgmma,
-// inside the scalar backward's launches (scalar/scalar_bwd.cuh, run_backward: the D pre-pass,
-// dQ's conversion or deterministic kernel, the sinks' gradient), on the same Params and
-// workspace, as cutlass-sm80's backward is. Head dims 64 and 128 (head_dim = head_dim_v = D;
-// kernels.txt's `bwd` lines); can_implement (below) sends the others on.
+// cutlass's backward on sm_90a: the dK/dV pass, with dQ's products, on wgmma, inside the
+// scalar backward's launches (scalar/scalar_bwd.cuh, run_backward: the D pre-pass, the dQ
+// accumulator's conversion, the sinks' gradient), on the same Params and workspace, as
+// cutlass-sm80's backward is. Head dims 64 and 128 (head_dim = head_dim_v = D; kernels.txt's
+// `bwd` lines); can_implement (below) sends the others on.
 //
 // A CTA takes kBN = 128 keys of one K/V head, 64 a consumer warpgroup; K and V stay in shared
 // memory while it walks the 64-row query tiles of its group's heads that see them (the scalar
@@ -14,18 +14,30 @@
 //   dV += Pᵀ·dO, dK += dSᵀ·Q  wgmma SS, Pᵀ and dSᵀ K-major, dO and Q read as [d][row] (MN-major
 //                            views of the same shared memory), accumulated in registers over
 //                            every tile;
-//   dQ += dS·K (atomic mode)  dSᵀ's bytes read as dS (row contiguous, MN-major) with K as
-//                            [d][key]: the warpgroups split the head dim; each thread adds its
-//                            pairs to the f32 accumulator with 8-byte atomics.
+//   dQ = dS·K                dSᵀ's bytes read as dS (row contiguous, MN-major) with K as
+//                            [d][key], the warpgroups splitting the head dim; the f32 tile
+//                            staged in shared memory and added to the accumulator a row at a
+//                            time by bulk reductions (cp.reduce.async.bulk), which the next
+//                            step's work overlaps.
 // Pᵀ and dSᵀ go through shared memory rather than staying in registers as A operands: dQ reads
 // dS there anyway, and it keeps 32 registers a thread free beside dK's and dV's 128 (D = 128)
-// and Sᵀ's and dPᵀ's 64. The deterministic mode runs the scalar dQ kernel after this pass.
+// and Sᵀ's and dPᵀ's 64.
+//
+// The deterministic mode (kOrdered) is the same pass with the additions into each query tile
+// ordered: a counter per tile (Params::dq_order, zeroed by the D pre-pass) says how many of the
+// key blocks that see it have added; a block waits for its turn before its reductions and passes
+// the turn on once they are complete. Turns run from the last key block that sees the tile down
+// to the first: under a causal or band mask the later blocks start nearer the tile and reach it
+// first (the other order made every block keep the pace of block 0: s16k-d128-causal 1.76x the
+// atomic mode's time). The grid launches the key blocks in that order too (blockIdx.x counts
+// down from the last), so a block waits only on blocks launched before it and the waits cannot
+// close a cycle.
 //
 // This is FlashAttention-2's order on Hopper's instructions: no warp specialization and no TMA
-// yet (FlashAttention-3's structure is the step after; docs/design.md, "The backward"). As in
-// cutlass-sm80's backward, a value a row does not see is zeroed in P and dS but the products
-// still multiply it by the other operand: a non-finite input at a position some row does not see
-// reaches gradients the reference keeps finite.
+// loads yet (FlashAttention-3's structure is the step after; docs/design.md, "The backward").
+// As in cutlass-sm80's backward, a value a row does not see is zeroed in P and dS but the
+// products still multiply it by the other operand: a non-finite input at a position some row
+// does not see reaches gradients the reference keeps finite.
 #pragma once
 
 #include <string>
@@ -43,6 +55,11 @@ constexpr int kThreads = 128 * kWG;
 constexpr int kBN = 64 * kWG;  // keys a CTA
 constexpr int kBM = 64;        // query rows a step
 constexpr int kStages = 2;     // Q, dO and row statistics in flight
+
+// A row of the dQ tile in shared memory: D floats and 16 bytes, so that the 8-byte stores of a
+// warp's accumulator pairs (8 rows, 4 column pairs) take the two wavefronts they must.
+template <int D>
+constexpr int kDqRow = D + 4;
 
 using scalar::bwd::Params;
 
@@ -87,7 +104,8 @@ struct Cfg {
     alignas(1024) T v[kBN * D];
     alignas(1024) T pt[kBN * kBM];
     alignas(1024) T dst[kBN * kBM];
-    float lse[kStages][kBM];  // natural log, as the forward returns it
+    alignas(128) float dq[kBM * kDqRow<D>];  // a tile of dQ, rows padded (kDqRow)
+    float lse[kStages][kBM];                 // natural log, as the forward returns it
     float delta[kStages][kBM];
   };
   // +1 KB: the kernel aligns the dynamic smem base up to 1024 bytes (128-byte swizzle atoms).
@@ -124,7 +142,7 @@ __device__ __forceinline__ void load_rows(Tile&& tile, const T* base, int64_t rs
   }
 }
 
-template <typename T, int D, bool kAtomicDq>
+template <typename T, int D, bool kOrdered>
 __global__ void __launch_bounds__(kThreads, 1)
     wgmma_dkdv_kernel(const __grid_constant__ Params pm) {
 #ifdef SDPA_SM90_DEVICE
@@ -133,7 +151,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto& sm = smem_storage<typename C::Smem>();
   const int tid = threadIdx.x;
   // Rows, keys and tile starts in 32-bit int (can_implement bounds them); addresses in 64-bit.
-  const int n0 = int(blockIdx.x) * kBN, hk = int(blockIdx.y), b = int(blockIdx.z);
+  // kOrdered: key blocks launch last first (see the turns below).
+  const int nb = kOrdered ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int n0 = nb * kBN, hk = int(blockIdx.y), b = int(blockIdx.z);
   const scalar::bwd::SeqView s = scalar::bwd::seq_view(pm, b);
   const int seq_q = int(s.seq.seq_q), seq_k = int(s.seq.seq_k), group = int(p.group);
   const mask::Band<int> mask = s.mask.as<int>();
@@ -213,6 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   clear(tdVrdV);
   clear(tdKrdK);
 
+  int* turn = nullptr;  // kOrdered: the counter of the last step's query tile
   Step cur = next_step(0, 0);
   if (cur.gi < group) issue(cur, 0);
   cute::cp_async_fence();
@@ -220,33 +241,58 @@ __global__ void __launch_bounds__(kThreads, 1)
     const Step nxt = next_step(cur.gi, cur.m0 + kBM);
     const int h = hk * group + cur.gi;
     cute::cp_async_wait<0>();
-    fence_proxy_async();  // cp.async's writes, for wgmma's reads
-    // Stage st landed for every thread; the last step's reads of stage st ^ 1 and dS are done.
+    fence_proxy_async();                   // cp.async's writes, for wgmma's reads
+    if (tid < kBM) bulk_wait<kOrdered>();  // the last step's dQ rows read (kOrdered: added)
+    // Stage st landed for every thread; the last step's reads of stage st ^ 1, of Pᵀ and dSᵀ
+    // and of the dQ tile are done.
     __syncthreads();
+    if (kOrdered && tid == 0 && turn != nullptr) pass_turn(turn);
     if (nxt.gi < group) issue(nxt, st ^ 1);
     cute::cp_async_fence();
 
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBN>, Int<kBM>>{});
     Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBN>, Int<kBM>>{});
     wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
-    wg_gemm<true, 0>(mma_sdp, tSrV, tSrdO(_, _, _, st), tSrdP);
-    warpgroup_fence_operand(tSrS);
+    wg_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, st), tSrdP);
 
-    // Pᵀ into tSrS, scale · dSᵀ into tSrdP.
+    // Pᵀ into tSrS, scale · dSᵀ into tSrdP. A plain tile (every pair visible, no score mods)
+    // takes its exponents while dPᵀ is still being computed; any other tile goes through
+    // score_grad once both are done.
     const bool masked = mask.tile_masked(cur.m0, kBM, n0, kBN);
-    const float slope2 = scalar::bwd::slope2_of(pm, b, h);
     const int rows_left = seq_q - cur.m0, keys_left = seq_k - n0;
-    const int diag = cur.m0 + seq_k - seq_q - n0;  // key - row on the bottom-right diagonal
-    CUTE_UNROLL
-    for (int e = 0; e < size(tSrS); ++e) {
-      const int qi = get<1>(cS(e)), kj = get<0>(cS(e));
-      const bool visible =
-          qi < rows_left && kj < keys_left && (!masked || mask.sees(cur.m0 + qi, n0 + kj));
-      const scalar::bwd::ScoreGrad g =
-          scalar::bwd::score_grad(pm, tSrS(e), tSrdP(e), sm.lse[st][qi] * kLog2e, sm.delta[st][qi],
-                                  slope2, abs(qi + diag - kj), visible);
-      tSrS(e) = g.p;
-      tSrdP(e) = g.ds;
+    const bool plain =
+        !masked && rows_left >= kBM && keys_left >= kBN && pm.cap2 == 0.f && pm.alibi == nullptr;
+    warpgroup_wait<1>();  // Sᵀ
+    warpgroup_fence_operand(tSrS);
+    if (plain) {
+      CUTE_UNROLL
+      for (int e = 0; e < size(tSrS); ++e) {
+        const int qi = get<1>(cS(e));
+        tSrS(e) = ex2(fmaf(tSrS(e), p.scale_log2, -sm.lse[st][qi] * kLog2e));
+      }
+    }
+    warpgroup_wait<0>();  // dPᵀ
+    warpgroup_fence_operand(tSrdP);
+    if (plain) {
+      CUTE_UNROLL
+      for (int e = 0; e < size(tSrS); ++e) {
+        const int qi = get<1>(cS(e));
+        tSrdP(e) = tSrS(e) * (tSrdP(e) - sm.delta[st][qi]) * pm.scale;
+      }
+    } else {
+      const float slope2 = scalar::bwd::slope2_of(pm, b, h);
+      const int diag = cur.m0 + seq_k - seq_q - n0;  // key - row on the bottom-right diagonal
+      CUTE_UNROLL
+      for (int e = 0; e < size(tSrS); ++e) {
+        const int qi = get<1>(cS(e)), kj = get<0>(cS(e));
+        const bool visible =
+            qi < rows_left && kj < keys_left && (!masked || mask.sees(cur.m0 + qi, n0 + kj));
+        const scalar::bwd::ScoreGrad g =
+            scalar::bwd::score_grad(pm, tSrS(e), tSrdP(e), sm.lse[st][qi] * kLog2e,
+                                    sm.delta[st][qi], slope2, abs(qi + diag - kj), visible);
+        tSrS(e) = g.p;
+        tSrdP(e) = g.ds;
+      }
     }
     // Pᵀ and dSᵀ to shared memory, 16 bit, as pairs (key, row), (key, row + 1).
     CUTE_UNROLL
@@ -257,26 +303,42 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_proxy_async();
     named_sync(1, kThreads);  // both warpgroups' keys stored (dQ reads all of dS)
 
+    // dQ = dS·K first, then dV += Pᵀ·dO and dK += dSᵀ·Q, which run while dQ's tile is staged in
+    // shared memory and each of its rows added to the f32 accumulator by one bulk reduction
+    // (kOrdered: after the key blocks before this one have added theirs).
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBM>, Int<D>>{});
+    wg_gemm<true, -1>(mma_dq, tQrdS, tQrKt, tdQrdQ);
     wg_gemm<false, -1>(mma_dkv, tKVrPt, tKVrdOt(_, _, _, st), tdVrdV);
     wg_gemm<false, -1>(mma_dkv, tKVrdSt, tKVrQt(_, _, _, st), tdKrdK);
-
-    if constexpr (kAtomicDq) {
-      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBM>, Int<D>>{});
-      wg_gemm<true, 0>(mma_dq, tQrdS, tQrKt, tdQrdQ);
-      CUTE_UNROLL
-      for (int e = 0; e < size(tdQrdQ); e += 2) {
-        const int i = cur.m0 + get<0>(cdQ(e));
-        if (i >= seq_q) continue;
-        float* row = pm.dq_acc + lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, int64_t(i)) * D;
-        atomicAdd(reinterpret_cast<float2*>(row + get<1>(cdQ(e))),
-                  make_float2(tdQrdQ(e), tdQrdQ(e + 1)));
-      }
-    } else {
-      warpgroup_wait<0>();
+    warpgroup_wait<2>();  // dQ
+    warpgroup_fence_operand(tdQrdQ);
+    CUTE_UNROLL
+    for (int e = 0; e < size(tdQrdQ); e += 2)
+      st_shared2(smem_addr(&sm.dq[get<0>(cdQ(e)) * kDqRow<D> + get<1>(cdQ(e))]), tdQrdQ(e),
+                 tdQrdQ(e + 1));
+    fence_proxy_async();
+    if constexpr (kOrdered) {
+      turn = pm.dq_order + (int64_t(b) * p.heads + h) * pm.order_tiles + cur.m0 / kBM;
+      if (tid == 0) wait_turn(turn, (mask.key_end(cur.m0, kBM) - 1) / kBN - nb);
     }
+    named_sync(1, kThreads);  // the tile stored (and kOrdered: this block's turn)
+    if (tid < min(rows_left, kBM)) {
+      float* row =
+          pm.dq_acc + lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, int64_t(cur.m0 + tid)) * D;
+      bulk_add_f32(row, smem_addr(&sm.dq[tid * kDqRow<D>]), D * 4);
+      bulk_commit();
+    }
+    warpgroup_wait<0>();  // dV and dK: their operands may be overwritten next step
+    warpgroup_fence_operand(tdVrdV);
+    warpgroup_fence_operand(tdKrdK);
     cur = nxt;
   }
   cute::cp_async_wait<0>();  // K and V's copies, where no query tile saw the keys
+  if (tid < kBM) bulk_wait<kOrdered>();
+  if constexpr (kOrdered) {
+    __syncthreads();
+    if (tid == 0 && turn != nullptr) pass_turn(turn);
+  }
   warpgroup_fence_operand(tdVrdV);
   warpgroup_fence_operand(tdKrdK);
 
@@ -312,31 +374,33 @@ std::string can_implement(const BwdArgs& a, const DeviceInfo& dev) {
                         limits::smem_per_block(dev, Cfg<T, D>::kSmemBytes)});
 }
 
+// The workspace: the scalar backward's, with the ordered mode's accumulator and counters.
+inline int64_t workspace_bytes(const BwdArgs& a) { return scalar::bwd::workspace_bytes(a, kBM); }
+
 template <typename T, int D>
 void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
   const FwdArgs& f = a.fwd;
   const dim3 grid(unsigned((f.dims.seq_k + kBN - 1) / kBN), unsigned(f.dims.kv_heads),
                   unsigned(f.dims.batch));
   constexpr int kSmem = Cfg<T, D>::kSmemBytes;
-  scalar::bwd::run_backward<native_t<T>, D>(
-      a, stream, "cutlass", [&](const Params& pm, bool atomic_dq) {
-        if (atomic_dq) {
-          scalar::bwd::opt_in<wgmma_dkdv_kernel<T, D, true>, kSmem>();
-          wgmma_dkdv_kernel<T, D, true><<<grid, kThreads, kSmem, stream>>>(pm);
-        } else {
-          scalar::bwd::opt_in<wgmma_dkdv_kernel<T, D, false>, kSmem>();
-          wgmma_dkdv_kernel<T, D, false><<<grid, kThreads, kSmem, stream>>>(pm);
-        }
-        SDPA_LAUNCH_CHECK("cutlass dkdv_kernel launch");
-      });
+  scalar::bwd::run_backward<native_t<T>, D, kBM>(a, stream, "cutlass", [&](const Params& pm) {
+    if (pm.dq_order != nullptr) {
+      scalar::bwd::opt_in<wgmma_dkdv_kernel<T, D, true>, kSmem>();
+      wgmma_dkdv_kernel<T, D, true><<<grid, kThreads, kSmem, stream>>>(pm);
+    } else {
+      scalar::bwd::opt_in<wgmma_dkdv_kernel<T, D, false>, kSmem>();
+      wgmma_dkdv_kernel<T, D, false><<<grid, kThreads, kSmem, stream>>>(pm);
+    }
+    SDPA_LAUNCH_CHECK("cutlass dkdv_kernel launch");
+  });
 }
 
 template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
   const std::string tag = std::string(dtype_name<T>()) + "_d" + std::to_string(D);
   const std::pair<const char*, const void*> kernels[] = {
-      {"bwd_dkdv_", reinterpret_cast<const void*>(wgmma_dkdv_kernel<T, D, false>)},
-      {"bwd_dkdv_atomic_", reinterpret_cast<const void*>(wgmma_dkdv_kernel<T, D, true>)}};
+      {"bwd_dkdv_ordered_", reinterpret_cast<const void*>(wgmma_dkdv_kernel<T, D, true>)},
+      {"bwd_dkdv_atomic_", reinterpret_cast<const void*>(wgmma_dkdv_kernel<T, D, false>)}};
   for (const auto& [name, kernel] : kernels) {
     cudaFuncAttributes fa;
     SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
