@@ -567,9 +567,9 @@ mod tests {
         .unwrap()
     }
 
-    /// The scalar backward takes every variant the forward has, at every head dim up to 256; the
-    /// other fused backends have none yet; what no backward takes is refused before any backend
-    /// is asked.
+    /// The scalar backward takes every variant the forward has, at every head dim up to 256;
+    /// cutlass-sm80 and cutlass take them at their head dims; wmma has none yet; what no
+    /// backward takes is refused before any backend is asked.
     #[test]
     fn which_backward_runs_what() {
         let p = Problem::new(2, 8, 100, 130, 64).with_dtype(DType::Bf16);
@@ -611,10 +611,20 @@ mod tests {
         assert!(why.contains("head_dim = head_dim_v = 64"), "{why}");
         let why = ask(Backend::CutlassSm80, &Problem { head_dim: 128, ..p });
         assert!(why.contains("not instantiated as wide"), "{why}");
-        for b in [Backend::Cutlass, Backend::Wmma] {
-            let why = ask(b, &p);
-            assert!(why.contains("has no backward yet"), "{b}: {why}");
+        // cutlass's sm_90a backward: head dims 64 and 128 exactly, with every variant the
+        // scalar one takes there (the sm_90a check passes on a device it does not know).
+        for v in variants
+            .iter()
+            .filter(|v| matches!(v.head_dim, 64 | 128) && v.v_dim() == v.head_dim)
+        {
+            assert_eq!(ask(Backend::Cutlass, v), "", "{v}");
         }
+        let why = ask(Backend::Cutlass, &Problem { head_dim: 96, ..p });
+        assert!(why.contains("head_dim = head_dim_v = 128"), "{why}");
+        let why = ask(Backend::Cutlass, &Problem { head_dim: 256, ..p });
+        assert!(why.contains("not instantiated as wide"), "{why}");
+        let why = ask(Backend::Wmma, &p);
+        assert!(why.contains("has no backward yet"), "{why}");
         let refused = |q: &Problem, fragment: &str| {
             let e =
                 refuse_what_no_backward_takes(&q.checked().unwrap(), Backend::Auto).unwrap_err();

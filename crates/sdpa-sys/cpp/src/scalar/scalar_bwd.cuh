@@ -535,6 +535,38 @@ void opt_in() {
   }
 }
 
+// `Kernel` on pm, after its shared-memory opt-in.
+template <auto Kernel, int kSmem>
+void launch(dim3 grid, int threads, cudaStream_t stream, const Params& pm) {
+  opt_in<Kernel, kSmem>();
+  Kernel<<<grid, threads, kSmem, stream>>>(pm);
+}
+
+// A backward kernel as `sdpa info` lists it: its name's stem, the kernel, the dynamic shared
+// memory its launches ask for.
+struct NamedKernel {
+  const char* name;
+  const void* kernel;
+  int32_t smem;
+};
+template <class Kernel>
+const void* kernel_ptr(Kernel* k) {
+  return reinterpret_cast<const void*>(k);
+}
+
+// `backend`'s backward kernels at element type T and head dim D, each named stem + dtype + _dD.
+template <typename T, int D, int N>
+void push_kernels(std::vector<KernelAttr>& out, const char* backend,
+                  const NamedKernel (&kernels)[N]) {
+  const std::string tag = std::string(dtype_name<T>()) + "_d" + std::to_string(D);
+  for (const NamedKernel& k : kernels) {
+    cudaFuncAttributes fa;
+    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, k.kernel));
+    out.push_back({backend, k.name + tag, fa.numRegs, int32_t(fa.sharedSizeBytes), k.smem,
+                   int32_t(fa.localSizeBytes), fa.maxThreadsPerBlock});
+  }
+}
+
 // The backward's launches around a dK/dV pass: the D pre-pass, `dkdv(pm)` (this kernel's, or a
 // faster backend's on the same Params and workspace), then dQ (the accumulator's conversion,
 // or the deterministic dQ kernel) and the sinks' gradient. kOrderRows > 0: the dK/dV pass has
@@ -566,9 +598,8 @@ void run_backward(const BwdArgs& a, cudaStream_t stream, const char* who, DkDv&&
   SDPA_LAUNCH_CHECK("backward delta_kernel launch");
   dkdv(pm);
   if (pm.dq_acc == nullptr) {
-    opt_in<dq_kernel<T, D>, kSmem>();
     const dim3 q_grid(unsigned((f.dims.seq_q + kBM - 1) / kBM), heads, batch);
-    dq_kernel<T, D><<<q_grid, kThreads, kSmem, stream>>>(pm);
+    launch<dq_kernel<T, D>, kSmem>(q_grid, kThreads, stream, pm);
     SDPA_LAUNCH_CHECK("backward dq_kernel launch");
   } else {
     convert_kernel<T, D><<<rows_grid, kThreads, 0, stream>>>(pm);
@@ -587,35 +618,24 @@ void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
                        unsigned(f.dims.batch));
   constexpr int kSmem = int(sizeof(Smem<D>));
   run_backward<T, D>(a, stream, "scalar", [&](const Params& pm) {
-    if (pm.dq_acc != nullptr) {
-      opt_in<dkdv_kernel<T, D, true>, kSmem>();
-      dkdv_kernel<T, D, true><<<keys_grid, kThreads, kSmem, stream>>>(pm);
-    } else {
-      opt_in<dkdv_kernel<T, D, false>, kSmem>();
-      dkdv_kernel<T, D, false><<<keys_grid, kThreads, kSmem, stream>>>(pm);
-    }
+    if (pm.dq_acc != nullptr)
+      launch<dkdv_kernel<T, D, true>, kSmem>(keys_grid, kThreads, stream, pm);
+    else
+      launch<dkdv_kernel<T, D, false>, kSmem>(keys_grid, kThreads, stream, pm);
     SDPA_LAUNCH_CHECK("scalar dkdv_kernel launch");
   });
 }
 
 template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
-  const std::string tag = std::string(dtype_name<T>()) + "_d" + std::to_string(D);
-  const std::pair<const char*, const void*> kernels[] = {
-      {"bwd_delta_", reinterpret_cast<const void*>(delta_kernel<T, D>)},
-      {"bwd_dkdv_", reinterpret_cast<const void*>(dkdv_kernel<T, D, false>)},
-      {"bwd_dkdv_atomic_", reinterpret_cast<const void*>(dkdv_kernel<T, D, true>)},
-      {"bwd_dq_", reinterpret_cast<const void*>(dq_kernel<T, D>)},
-      {"bwd_convert_", reinterpret_cast<const void*>(convert_kernel<T, D>)},
-      {"bwd_dsinks_", reinterpret_cast<const void*>(dsinks_kernel<T, D>)}};
-  for (const auto& [name, kernel] : kernels) {
-    cudaFuncAttributes fa;
-    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-    const bool big = std::string(name).rfind("bwd_dkdv", 0) == 0 || std::string(name) == "bwd_dq_";
-    out.push_back({"scalar", name + tag, fa.numRegs, int32_t(fa.sharedSizeBytes),
-                   big ? int32_t(sizeof(Smem<D>)) : 0, int32_t(fa.localSizeBytes),
-                   fa.maxThreadsPerBlock});
-  }
+  constexpr int32_t kSmem = int32_t(sizeof(Smem<D>));
+  push_kernels<T, D>(out, "scalar",
+                     {{"bwd_delta_", kernel_ptr(delta_kernel<T, D>), 0},
+                      {"bwd_dkdv_", kernel_ptr(dkdv_kernel<T, D, false>), kSmem},
+                      {"bwd_dkdv_atomic_", kernel_ptr(dkdv_kernel<T, D, true>), kSmem},
+                      {"bwd_dq_", kernel_ptr(dq_kernel<T, D>), kSmem},
+                      {"bwd_convert_", kernel_ptr(convert_kernel<T, D>), 0},
+                      {"bwd_dsinks_", kernel_ptr(dsinks_kernel<T, D>), 0}});
 }
 
 }  // namespace sdpa::scalar::bwd

@@ -267,29 +267,21 @@ void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
                   unsigned(f.dims.batch));
   constexpr int kSmem = int(sizeof(Smem<T, D>));
   scalar::bwd::run_backward<native_t<T>, D>(a, stream, "cutlass-sm80", [&](const Params& pm) {
-    if (pm.dq_acc != nullptr) {
-      scalar::bwd::opt_in<mma_dkdv_kernel<T, D, true>, kSmem>();
-      mma_dkdv_kernel<T, D, true><<<grid, kThreads, kSmem, stream>>>(pm);
-    } else {
-      scalar::bwd::opt_in<mma_dkdv_kernel<T, D, false>, kSmem>();
-      mma_dkdv_kernel<T, D, false><<<grid, kThreads, kSmem, stream>>>(pm);
-    }
+    if (pm.dq_acc != nullptr)
+      scalar::bwd::launch<mma_dkdv_kernel<T, D, true>, kSmem>(grid, kThreads, stream, pm);
+    else
+      scalar::bwd::launch<mma_dkdv_kernel<T, D, false>, kSmem>(grid, kThreads, stream, pm);
     SDPA_LAUNCH_CHECK("cutlass-sm80 dkdv_kernel launch");
   });
 }
 
 template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
-  const std::string tag = std::string(dtype_name<T>()) + "_d" + std::to_string(D);
-  const std::pair<const char*, const void*> kernels[] = {
-      {"bwd_dkdv_", reinterpret_cast<const void*>(mma_dkdv_kernel<T, D, false>)},
-      {"bwd_dkdv_atomic_", reinterpret_cast<const void*>(mma_dkdv_kernel<T, D, true>)}};
-  for (const auto& [name, kernel] : kernels) {
-    cudaFuncAttributes fa;
-    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-    out.push_back({"cutlass-sm80", name + tag, fa.numRegs, int32_t(fa.sharedSizeBytes),
-                   int32_t(sizeof(Smem<T, D>)), int32_t(fa.localSizeBytes), fa.maxThreadsPerBlock});
-  }
+  constexpr int32_t kSmem = int32_t(sizeof(Smem<T, D>));
+  scalar::bwd::push_kernels<T, D>(
+      out, "cutlass-sm80",
+      {{"bwd_dkdv_", scalar::bwd::kernel_ptr(mma_dkdv_kernel<T, D, false>), kSmem},
+       {"bwd_dkdv_atomic_", scalar::bwd::kernel_ptr(mma_dkdv_kernel<T, D, true>), kSmem}});
 }
 
 }  // namespace sdpa::cutlass_sm80::bwd

@@ -255,9 +255,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
     wg_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, st), tSrdP);
 
-    // Pᵀ into tSrS, scale · dSᵀ into tSrdP. A plain tile (every pair visible, no score mods)
-    // takes its exponents while dPᵀ is still being computed; any other tile goes through
+    // Pᵀ into tSrS, scale · dSᵀ into tSrdP, both to shared memory in 16 bit as pairs (key,
+    // row), (key, row + 1). A plain tile (every pair visible, no score mods) takes its
+    // exponents and stores Pᵀ while dPᵀ is still being computed; any other tile goes through
     // score_grad once both are done.
+    const auto store_pt = [&]() {
+      CUTE_UNROLL
+      for (int e = 0; e < size(tSrS); e += 2)
+        st_shared(smem_addr(&tSsPt(e)), pack2<T>(tSrS(e), tSrS(e + 1)));
+    };
     const bool masked = mask.tile_masked(cur.m0, kBM, n0, kBN);
     const int rows_left = seq_q - cur.m0, keys_left = seq_k - n0;
     const bool plain =
@@ -270,6 +276,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int qi = get<1>(cS(e));
         tSrS(e) = ex2(fmaf(tSrS(e), p.scale_log2, -sm.lse[st][qi] * kLog2e));
       }
+      store_pt();
     }
     warpgroup_wait<0>();  // dPᵀ
     warpgroup_fence_operand(tSrdP);
@@ -293,13 +300,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         tSrS(e) = g.p;
         tSrdP(e) = g.ds;
       }
+      store_pt();
     }
-    // Pᵀ and dSᵀ to shared memory, 16 bit, as pairs (key, row), (key, row + 1).
     CUTE_UNROLL
-    for (int e = 0; e < size(tSrS); e += 2) {
-      st_shared(smem_addr(&tSsPt(e)), pack2<T>(tSrS(e), tSrS(e + 1)));
+    for (int e = 0; e < size(tSrdP); e += 2)
       st_shared(smem_addr(&tSsdSt(e)), pack2<T>(tSrdP(e), tSrdP(e + 1)));
-    }
     fence_proxy_async();
     named_sync(1, kThreads);  // both warpgroups' keys stored (dQ reads all of dS)
 
@@ -384,30 +389,21 @@ void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
                   unsigned(f.dims.batch));
   constexpr int kSmem = Cfg<T, D>::kSmemBytes;
   scalar::bwd::run_backward<native_t<T>, D, kBM>(a, stream, "cutlass", [&](const Params& pm) {
-    if (pm.dq_order != nullptr) {
-      scalar::bwd::opt_in<wgmma_dkdv_kernel<T, D, true>, kSmem>();
-      wgmma_dkdv_kernel<T, D, true><<<grid, kThreads, kSmem, stream>>>(pm);
-    } else {
-      scalar::bwd::opt_in<wgmma_dkdv_kernel<T, D, false>, kSmem>();
-      wgmma_dkdv_kernel<T, D, false><<<grid, kThreads, kSmem, stream>>>(pm);
-    }
+    if (pm.dq_order != nullptr)
+      scalar::bwd::launch<wgmma_dkdv_kernel<T, D, true>, kSmem>(grid, kThreads, stream, pm);
+    else
+      scalar::bwd::launch<wgmma_dkdv_kernel<T, D, false>, kSmem>(grid, kThreads, stream, pm);
     SDPA_LAUNCH_CHECK("cutlass dkdv_kernel launch");
   });
 }
 
 template <typename T, int D>
 void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
-  const std::string tag = std::string(dtype_name<T>()) + "_d" + std::to_string(D);
-  const std::pair<const char*, const void*> kernels[] = {
-      {"bwd_dkdv_ordered_", reinterpret_cast<const void*>(wgmma_dkdv_kernel<T, D, true>)},
-      {"bwd_dkdv_atomic_", reinterpret_cast<const void*>(wgmma_dkdv_kernel<T, D, false>)}};
-  for (const auto& [name, kernel] : kernels) {
-    cudaFuncAttributes fa;
-    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-    out.push_back({"cutlass", name + tag, fa.numRegs, int32_t(fa.sharedSizeBytes),
-                   int32_t(Cfg<T, D>::kSmemBytes), int32_t(fa.localSizeBytes),
-                   fa.maxThreadsPerBlock});
-  }
+  constexpr int32_t kSmem = Cfg<T, D>::kSmemBytes;
+  scalar::bwd::push_kernels<T, D>(
+      out, "cutlass",
+      {{"bwd_dkdv_ordered_", scalar::bwd::kernel_ptr(wgmma_dkdv_kernel<T, D, true>), kSmem},
+       {"bwd_dkdv_atomic_", scalar::bwd::kernel_ptr(wgmma_dkdv_kernel<T, D, false>), kSmem}});
 }
 
 }  // namespace sdpa::cutlass_sm90::bwd
