@@ -113,7 +113,7 @@ struct Cfg {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit");
 };
 
-// One round of wgmma over every k-block of A and B into C (zeroed first where `zero`), committed
+// One round of wgmma over every k-block of A and B into C (zeroed first where kZero), committed
 // as one group; waited for where kWait >= 0 (that many groups left in flight).
 template <bool kZero, int kWait, class Mma, class TA, class TB, class TC>
 __device__ __forceinline__ void wg_gemm(Mma& mma, const TA& a, const TB& b, TC& c) {
