@@ -1,8 +1,8 @@
 //! The backward on the GPU against the float64 reference gradient (`sdpa::reference_backward`),
-//! on each backend with a backward where it runs the case: every variant the forward has (masks, softcap, ALiBi, sinks, GQA, head dims below an
-//! instance's, packed sequences, both layouts), both dQ reductions, the gradients poisoned
-//! before each run; the deterministic reduction bitwise repeatable; bad operands refused before
-//! anything is written.
+//! on each backend with a backward where it runs the case: every variant the forward has (masks,
+//! softcap, ALiBi, sinks, GQA, head dims below an instance's, packed sequences, both layouts),
+//! both dQ reductions, the gradients poisoned before each run; the deterministic reduction
+//! bitwise repeatable; bad operands refused before anything is written.
 
 mod common;
 
