@@ -135,8 +135,8 @@ fn gradients_match_the_reference() {
     );
 }
 
-/// The deterministic reduction gives the same bits on every run; the atomic one stays within
-/// its bar of it.
+/// The deterministic reduction gives the same bits on every run, on each backend with a
+/// backward that runs the problem; the atomic one stays within its bar of it.
 #[test]
 fn the_deterministic_reduction_repeats_bitwise() {
     let Some(dev) = common::device("the_deterministic_reduction_repeats_bitwise") else {
@@ -146,24 +146,36 @@ fn the_deterministic_reduction_repeats_bitwise() {
         .with_kv_heads(2)
         .with_causal(true);
     let mut f = BackwardCase::<bf16>::new(&dev, &p, fresh_seed()).unwrap();
-    let det = BackwardPlan::new(&dev, &f.p, Backend::Auto, DqReduction::Deterministic).unwrap();
-    let first = f.backward(&dev, &det).unwrap();
-    for _ in 0..3 {
+    let mut ran = Vec::new();
+    for backend in BACKWARDS {
+        let det = match BackwardPlan::new(&dev, &f.p, backend, DqReduction::Deterministic) {
+            Ok(plan) => plan,
+            Err(sdpa::Error::Unsupported { reason, .. }) => {
+                println!("{backend}: not run ({reason})");
+                continue;
+            }
+            Err(e) => panic!("{backend}: {e}"),
+        };
+        let first = f.backward(&dev, &det).unwrap();
+        for _ in 0..3 {
+            assert_eq!(
+                f.backward(&dev, &det).unwrap(),
+                first,
+                "a deterministic rerun on {backend} differs"
+            );
+        }
+        let atomic = BackwardPlan::new(&dev, &f.p, backend, DqReduction::Atomic).unwrap();
+        let a = f.backward(&dev, &atomic).unwrap();
         assert_eq!(
-            f.backward(&dev, &det).unwrap(),
-            first,
-            "a deterministic rerun differs"
+            a.dk, first.dk,
+            "{backend}: dK and dV do not depend on the dQ reduction"
         );
+        assert_eq!(a.dv, first.dv, "{backend}");
+        let r = compare_with(&a.dq, &first.dq, grad_tolerance(DType::Bf16), 0);
+        assert!(r.pass(), "{backend}: {r:?}");
+        ran.push(format!("{backend} repeats bitwise"));
     }
-    let atomic = BackwardPlan::new(&dev, &f.p, Backend::Auto, DqReduction::Atomic).unwrap();
-    let a = f.backward(&dev, &atomic).unwrap();
-    assert_eq!(
-        a.dk, first.dk,
-        "dK and dV do not depend on the dQ reduction"
-    );
-    assert_eq!(a.dv, first.dv);
-    let r = compare_with(&a.dq, &first.dq, grad_tolerance(DType::Bf16), 0);
-    assert!(r.pass(), "{r:?}");
+    common::assert_ran("the_deterministic_reduction_repeats_bitwise", &ran);
 }
 
 /// Bad operands and problems no backward takes are refused with a typed error before any

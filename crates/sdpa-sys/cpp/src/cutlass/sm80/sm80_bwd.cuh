@@ -1,6 +1,6 @@
 // cutlass-sm80's backward: the dK/dV pass on mma.sync (m16n8k16, f32 accumulators), inside the
 // scalar backward's launches (scalar/scalar_bwd.cuh, run_backward: the D pre-pass, dQ's
-// conversion or deterministic kernel, the sinks' gradient), on the same Params and workspace.
+// conversion, the sinks' gradient), on the same Params and workspace.
 // Head dim 64 (head_dim = head_dim_v = D; kernels.txt's `bwd` lines); can_implement (below)
 // sends the others to scalar. The kernel compiles at D = 128 too, but spills there (dK and dV
 // take 128 registers a thread beside Sᵀ and dPᵀ): that instance waits for a leaner layout.
@@ -16,10 +16,13 @@
 //   dV += Pᵀ·dO, dK += dSᵀ·Q  Pᵀ and dSᵀ rounded to 16 bit are A fragments as they are (two n8 C
 //                           tiles make one k16 A tile, as the forward's P·V), dO and Q the B
 //                           operand by ldmatrix.trans;
-//   dQ += dS·K (atomic mode) dSᵀ staged in shared memory [key][q], read back transposed as the A
+//   dQ += dS·K               dSᵀ staged in shared memory [key][q], read back transposed as the A
 //                           operand (ldmatrix.trans), K by ldmatrix.trans; each warp 16 query
 //                           rows, added to the f32 accumulator with atomics.
-// The deterministic mode runs the scalar dQ kernel after this pass.
+// The deterministic mode (kOrdered) is the same pass with each query tile's additions ordered
+// as cutlass's sm_90a backward orders them (a counter per tile, turns from the last key block
+// down, the grid launched in that order), made with plain read-modify-writes while the block
+// holds the turn.
 //
 // Shared memory tiles are [64][D] with each row's 16-byte chunks XOR-swizzled by the row
 // (chunk c at c ^ (row % 8)), so ldmatrix (plain and transposed) and the row copies are free
@@ -38,6 +41,7 @@
 #include <vector>
 
 // sm80_fwd.cuh first: it brings CuTe's element types before cutlass/dtype.cuh names them.
+#include "common/turns.cuh"
 #include "cutlass/sm80/sm80_fwd.cuh"
 #include "scalar/scalar_bwd.cuh"
 
@@ -53,7 +57,7 @@ using scalar::bwd::Params;
 template <typename T, int D>
 struct Smem {
   T k[kBN * D], v[kBN * D], q[kBM * D], d_o[kBM * D];
-  T ds[kBN * kBM];  // dSᵀ [key][q], the atomic mode's dQ operand
+  T ds[kBN * kBM];  // dSᵀ [key][q], dQ's operand
   float lse2[kBM], delta[kBM];
 };
 
@@ -77,14 +81,16 @@ __device__ __forceinline__ void load_tile(T* tile, const T* base, int64_t rs, in
   }
 }
 
-template <typename T, int D, bool kAtomicDq>
+template <typename T, int D, bool kOrdered>
 __global__ void __launch_bounds__(kThreads) mma_dkdv_kernel(const __grid_constant__ Params pm) {
 #ifdef SDPA_SM80_DEVICE
   const KernelParams& p = pm.base;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<Smem<T, D>*>(smem_raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t n0 = int64_t(blockIdx.x) * kBN, hk = blockIdx.y, b = blockIdx.z;
+  // kOrdered: key blocks launch last first (the turns below).
+  const int64_t nb = kOrdered ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int64_t n0 = nb * kBN, hk = blockIdx.y, b = blockIdx.z;
   const scalar::bwd::SeqView s = scalar::bwd::seq_view(pm, b);
   const int64_t seq_q = s.seq.seq_q, seq_k = s.seq.seq_k;
   const int64_t key_rows = pm.seqs.cu_k != nullptr ? seq_k : p.seq_k;
@@ -186,7 +192,7 @@ __global__ void __launch_bounds__(kThreads) mma_dkdv_kernel(const __grid_constan
         }
       }
 
-      if constexpr (kAtomicDq) {
+      {
         // dSᵀ [key][q] into shared memory, then dQ = dS·K for the warp's 16 query rows.
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
@@ -213,6 +219,18 @@ __global__ void __launch_bounds__(kThreads) mma_dkdv_kernel(const __grid_constan
             mma<T>(dq[2 * nn + 1], a, kf[2], kf[3]);
           }
         }
+        // kOrdered: the tile's key blocks add in turn, from the last down, each with plain
+        // read-modify-writes through L2 while it holds the turn.
+        // The counter of this tile (recomputed where used: a pointer held across the additions
+        // spilled).
+        const auto turn = [&]() {
+          return pm.dq_order + (b * p.heads + h) * pm.order_tiles + m0 / kBM;
+        };
+        if constexpr (kOrdered) {
+          if (threadIdx.x == 0)
+            wait_for_turn(turn(), int((s.mask.key_end(m0, kBM) - 1) / kBN - nb));
+          __syncthreads();
+        }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int64_t i = m0 + qr0 + g + 8 * half;
@@ -221,9 +239,20 @@ __global__ void __launch_bounds__(kThreads) mma_dkdv_kernel(const __grid_constan
               pm.dq_acc + lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, i) * pm.head_dim;
 #pragma unroll
           for (int n = 0; n < D / 8; ++n) {
-            atomicAdd(row + 8 * n + 2 * t, dq[n][2 * half]);
-            atomicAdd(row + 8 * n + 2 * t + 1, dq[n][2 * half + 1]);
+            float* at = row + 8 * n + 2 * t;
+            if constexpr (kOrdered) {
+              const float2 was = __ldcg(reinterpret_cast<const float2*>(at));
+              __stcg(reinterpret_cast<float2*>(at),
+                     make_float2(was.x + dq[n][2 * half], was.y + dq[n][2 * half + 1]));
+            } else {
+              atomicAdd(at, dq[n][2 * half]);
+              atomicAdd(at + 1, dq[n][2 * half + 1]);
+            }
           }
+        }
+        if constexpr (kOrdered) {
+          __syncthreads();  // every thread's additions done
+          if (threadIdx.x == 0) pass_the_turn(turn());
         }
       }
     }
@@ -260,14 +289,17 @@ std::string can_implement(const BwdArgs& a, const DeviceInfo& dev) {
                         limits::smem_per_block(dev, int(sizeof(Smem<T, D>)))});
 }
 
+// The workspace: the scalar backward's, with the ordered mode's accumulator and counters.
+inline int64_t workspace_bytes(const BwdArgs& a) { return scalar::bwd::workspace_bytes(a, kBM); }
+
 template <typename T, int D>
 void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
   const FwdArgs& f = a.fwd;
   const dim3 grid(unsigned((f.dims.seq_k + kBN - 1) / kBN), unsigned(f.dims.kv_heads),
                   unsigned(f.dims.batch));
   constexpr int kSmem = int(sizeof(Smem<T, D>));
-  scalar::bwd::run_backward<native_t<T>, D>(a, stream, "cutlass-sm80", [&](const Params& pm) {
-    if (pm.dq_acc != nullptr)
+  scalar::bwd::run_backward<native_t<T>, D, kBM>(a, stream, "cutlass-sm80", [&](const Params& pm) {
+    if (pm.dq_order != nullptr)
       scalar::bwd::launch<mma_dkdv_kernel<T, D, true>, kSmem>(grid, kThreads, stream, pm);
     else
       scalar::bwd::launch<mma_dkdv_kernel<T, D, false>, kSmem>(grid, kThreads, stream, pm);
@@ -280,8 +312,8 @@ void attributes(std::vector<KernelAttr>& out, const DeviceInfo&) {
   constexpr int32_t kSmem = int32_t(sizeof(Smem<T, D>));
   scalar::bwd::push_kernels<T, D>(
       out, "cutlass-sm80",
-      {{"bwd_dkdv_", scalar::bwd::kernel_ptr(mma_dkdv_kernel<T, D, false>), kSmem},
-       {"bwd_dkdv_atomic_", scalar::bwd::kernel_ptr(mma_dkdv_kernel<T, D, true>), kSmem}});
+      {{"bwd_dkdv_ordered_", scalar::bwd::kernel_ptr(mma_dkdv_kernel<T, D, true>), kSmem},
+       {"bwd_dkdv_atomic_", scalar::bwd::kernel_ptr(mma_dkdv_kernel<T, D, false>), kSmem}});
 }
 
 }  // namespace sdpa::cutlass_sm80::bwd
