@@ -597,13 +597,14 @@ void run_backward(const BwdArgs& a, cudaStream_t stream, const char* who, DkDv&&
   delta_kernel<T, D><<<rows_grid, kThreads, 0, stream>>>(pm);
   SDPA_LAUNCH_CHECK("backward delta_kernel launch");
   dkdv(pm);
-  if (pm.dq_acc == nullptr) {
+  if (pm.dq_acc != nullptr) {
+    convert_kernel<T, D><<<rows_grid, kThreads, 0, stream>>>(pm);
+    SDPA_LAUNCH_CHECK("backward convert_kernel launch");
+  } else if constexpr (kOrderRows == 0) {
+    // Only without the ordered mode: a backend that has it never instantiates this kernel.
     const dim3 q_grid(unsigned((f.dims.seq_q + kBM - 1) / kBM), heads, batch);
     launch<dq_kernel<T, D>, kSmem>(q_grid, kThreads, stream, pm);
     SDPA_LAUNCH_CHECK("backward dq_kernel launch");
-  } else {
-    convert_kernel<T, D><<<rows_grid, kThreads, 0, stream>>>(pm);
-    SDPA_LAUNCH_CHECK("backward convert_kernel launch");
   }
   if (pm.dsinks != nullptr) {
     dsinks_kernel<T, D><<<heads, kThreads, 0, stream>>>(pm);

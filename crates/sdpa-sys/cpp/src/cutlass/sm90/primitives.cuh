@@ -1,7 +1,7 @@
 // Device primitives the sm_90a kernels share (cutlass_sm90 f16/bf16, its small-problem path,
 // the native e4m3 kernel and the backward): SFU exp2, named and mbarriers, 32-bit shared-memory
-// access, cp.async, bulk reductions, turn counters, a division by a per-launch constant, and the
-// softmax base every kernel takes its exponents against.
+// access, cp.async, bulk reductions, a division by a per-launch constant, and the softmax base
+// every kernel takes its exponents against.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -152,20 +152,6 @@ __device__ __forceinline__ void bulk_wait() {
   } else {
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
   }
-}
-
-// A counter in global memory that orders CTAs: wait until it reads `turn` (acquire), and pass
-// the turn on (release).
-__device__ __forceinline__ void wait_turn(const int* counter, int turn) {
-  int v;
-  for (;;) {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
-    if (v == turn) break;
-    __nanosleep(32);
-  }
-}
-__device__ __forceinline__ void pass_turn(int* counter) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
 
 // n / d for a divisor fixed per launch, 0 <= n < 2^31: a multiply-high and a shift instead of

@@ -7,21 +7,23 @@
 // A CTA takes kBN = 128 keys of one K/V head, 64 a consumer warpgroup; K and V stay in shared
 // memory while it walks the 64-row query tiles of its group's heads that see them (the scalar
 // kernel's tile tests). Q, dO and the rows' LSE and D stream in by cp.async, two stages: the
-// next tile's copies are in flight while this one is computed. Per query tile:
+// next tile's copies are issued under this one's first products. Per query tile:
 //   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ    wgmma SS, each warpgroup its 64 keys (M) by the tile's 64 rows;
-//   Pᵀ, dSᵀ                  per element (scalar::bwd::score_grad), stored to shared memory in
-//                            16 bit, [key][row] (rows contiguous);
-//   dV += Pᵀ·dO, dK += dSᵀ·Q  wgmma SS, Pᵀ and dSᵀ K-major, dO and Q read as [d][row] (MN-major
-//                            views of the same shared memory), accumulated in registers over
-//                            every tile;
-//   dQ = dS·K                dSᵀ's bytes read as dS (row contiguous, MN-major) with K as
-//                            [d][key], the warpgroups splitting the head dim; the f32 tile
-//                            staged in shared memory and added to the accumulator a row at a
-//                            time by bulk reductions (cp.reduce.async.bulk), which the next
-//                            step's work overlaps.
-// Pᵀ and dSᵀ go through shared memory rather than staying in registers as A operands: dQ reads
-// dS there anyway, and it keeps 32 registers a thread free beside dK's and dV's 128 (D = 128)
-// and Sᵀ's and dPᵀ's 64.
+//   Pᵀ, dSᵀ                  per element (scalar::bwd::score_grad), then to 16 bit in the
+//                            registers they were computed in: Sᵀ's accumulator layout is the
+//                            A operand's of a product whose M is the keys and whose K is the
+//                            rows; dSᵀ also stored to shared memory [key][row] (rows
+//                            contiguous);
+//   dV += Pᵀ·dO              wgmma RS, under dSᵀ's store; dO read as [d][row] (an MN-major
+//                            view of the same shared memory);
+//   dQ = dS·K                wgmma SS: dSᵀ's bytes read as dS (row contiguous, MN-major) with
+//                            K as [d][key], the warpgroups splitting the head dim;
+//   dK += dSᵀ·Q              wgmma RS, Q read as [d][row];
+//   dQ's f32 tile            staged in shared memory while dK runs, and added to the
+//                            accumulator a row at a time by bulk reductions
+//                            (cp.reduce.async.bulk), which the next step's work overlaps.
+// dK and dV accumulate in registers over every tile. Keeping Pᵀ and dSᵀ in registers for dV and
+// dK spares shared memory Pᵀ's stores and a third of those products' reads.
 //
 // The deterministic mode (kOrdered) is the same pass with the additions into each query tile
 // ordered: a counter per tile (Params::dq_order, zeroed by the D pre-pass) says how many of the
@@ -43,8 +45,10 @@
 #include <string>
 #include <vector>
 
+#include "common/turns.cuh"
 #include "cutlass/dtype.cuh"
 #include "cutlass/sm90/primitives.cuh"
+#include "cutlass/sm90/softmax.cuh"
 #include "cutlass/sm90/tile_config.cuh"
 #include "scalar/scalar_bwd.cuh"
 
@@ -73,11 +77,15 @@ struct Cfg {
   using MmaSdP = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, BM, HD>, GMMA::Major::K, GMMA::Major::K>(),
       Layout<Shape<Int<kWG>, _1, _1>>{}));
-  // dV += Pᵀ·dO and dK += dSᵀ·Q: Pᵀ and dSᵀ [key][row], dO and Q as [d][row].
+  // dV += Pᵀ·dO and dK += dSᵀ·Q: Pᵀ and dSᵀ (keys, rows) from registers, dO and Q as [d][row].
   using MmaDKV =
-      decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, HD, BM>,
+      decltype(make_tiled_mma(SM90::GMMA::rs_op_selector<T, T, float, Shape<_64, HD, BM>,
                                                          GMMA::Major::K, GMMA::Major::MN>(),
                               Layout<Shape<Int<kWG>, _1, _1>>{}));
+  // A thread's Pᵀ or dSᵀ in 16 bit over its Sᵀ registers, as the A operand of dV's and dK's
+  // products: k-block kb (16 rows) is Sᵀ's column groups 2kb and 2kb + 1 (convert_p).
+  using LayoutPA =
+      Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBM / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
   // dQ = dS·K: dS (rows, keys) row-contiguous, K as [d][key]; the warpgroups tile the head dim.
   using MmaDQ =
       decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<T, T, float, Shape<BM, Int<D / kWG>, BN>,
@@ -91,8 +99,8 @@ struct Cfg {
       LayoutQ{}, make_layout(Shape<HD, BM, Stages>{}, Stride<BM, _1, Int<kBM * D>>{})));
   using LayoutK = decltype(tile_to_shape(KAtom<T, D>{}, Shape<BN, HD>{}));
   using LayoutKt = decltype(composition(LayoutK{}, make_layout(Shape<HD, BN>{}, Stride<BN, _1>{})));
-  // Pᵀ and dSᵀ (keys, rows), rows contiguous: K-major A operands of dK/dV; dS (rows, keys) is
-  // the same bytes as the MN-major A operand of dQ.
+  // dSᵀ (keys, rows), rows contiguous, as the products' C partition stores it; dS (rows, keys)
+  // is the same bytes as the MN-major A operand of dQ.
   using LayoutPt = decltype(tile_to_shape(KAtom<T, kBM>{}, Shape<BN, BM>{}));
   using LayoutDS =
       decltype(composition(LayoutPt{}, make_layout(Shape<BM, BN>{}, Stride<BN, _1>{})));
@@ -102,7 +110,6 @@ struct Cfg {
     alignas(1024) T d_o[kStages * kBM * D];
     alignas(1024) T k[kBN * D];
     alignas(1024) T v[kBN * D];
-    alignas(1024) T pt[kBN * kBM];
     alignas(1024) T dst[kBN * kBM];
     alignas(128) float dq[kBM * kDqRow<D>];  // a tile of dQ, rows padded (kDqRow)
     float lse[kStages][kBM];                 // natural log, as the forward returns it
@@ -167,7 +174,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   Tensor sK = make_tensor(make_smem_ptr(sm.k), typename C::LayoutK{});
   Tensor sKt = make_tensor(make_smem_ptr(sm.k), typename C::LayoutKt{});
   Tensor sV = make_tensor(make_smem_ptr(sm.v), typename C::LayoutK{});
-  Tensor sPt = make_tensor(make_smem_ptr(sm.pt), typename C::LayoutPt{});
   Tensor sdSt = make_tensor(make_smem_ptr(sm.dst), typename C::LayoutPt{});
   Tensor sdS = make_tensor(make_smem_ptr(sm.dst), typename C::LayoutDS{});
 
@@ -216,14 +222,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   Tensor tSrV = thr_sdp.partition_fragment_A(sV);    // (MMA, MMA_M, MMA_K)
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, MMA_N, MMA_K, stage)
   Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);  // (MMA, MMA_N, MMA_K, stage)
-  Tensor tKVrPt = thr_dkv.partition_fragment_A(sPt);
-  Tensor tKVrdSt = thr_dkv.partition_fragment_A(sdSt);
   Tensor tKVrQt = thr_dkv.partition_fragment_B(sQt);
   Tensor tKVrdOt = thr_dkv.partition_fragment_B(sdOt);
   Tensor tQrdS = thr_dq.partition_fragment_A(sdS);
   Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
-  Tensor tSsPt = thr_sdp.partition_C(sPt);  // where this thread's Pᵀ elements are stored
-  Tensor tSsdSt = thr_sdp.partition_C(sdSt);
+  // dSᵀ to shared memory by stmatrix: four 8x8 tiles an instruction, rows of keys.
+  auto copy_dst = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, mma_sdp);
+  auto thr_copy_dst = copy_dst.get_thread_slice(tid);
+  Tensor tdSsdSt = thr_copy_dst.partition_D(sdSt);
   // (key, row) of each Sᵀ element this thread holds, and (row, d) of each dQ element.
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBN>, Int<kBM>>{}));
   Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<D>>{}));
@@ -238,84 +244,95 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (cur.gi < group) issue(cur, 0);
   cute::cp_async_fence();
   for (int st = 0; cur.gi < group; st ^= 1) {
-    const Step nxt = next_step(cur.gi, cur.m0 + kBM);
     const int h = hk * group + cur.gi;
     cute::cp_async_wait<0>();
     fence_proxy_async();                   // cp.async's writes, for wgmma's reads
     if (tid < kBM) bulk_wait<kOrdered>();  // the last step's dQ rows read (kOrdered: added)
-    // Stage st landed for every thread; the last step's reads of stage st ^ 1, of Pᵀ and dSᵀ
-    // and of the dQ tile are done.
+    // Stage st landed for every thread; the last step's reads of stage st ^ 1, of dSᵀ and of
+    // the dQ tile are done.
     __syncthreads();
-    if (kOrdered && tid == 0 && turn != nullptr) pass_turn(turn);
-    if (nxt.gi < group) issue(nxt, st ^ 1);
-    cute::cp_async_fence();
 
+    // The products first: the next step's copies and the turn's release are issued under them.
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBN>, Int<kBM>>{});
     Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBN>, Int<kBM>>{});
     wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
     wg_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, st), tSrdP);
+    if (kOrdered && tid == 0 && turn != nullptr) pass_the_turn(turn);
+    const Step nxt = next_step(cur.gi, cur.m0 + kBM);
+    if (nxt.gi < group) issue(nxt, st ^ 1);
+    cute::cp_async_fence();
 
-    // Pᵀ into tSrS, scale · dSᵀ into tSrdP, both to shared memory in 16 bit as pairs (key,
-    // row), (key, row + 1). A plain tile (every pair visible, no score mods) takes its
-    // exponents and stores Pᵀ while dPᵀ is still being computed; any other tile goes through
-    // score_grad once both are done.
-    const auto store_pt = [&]() {
-      CUTE_UNROLL
-      for (int e = 0; e < size(tSrS); e += 2)
-        st_shared(smem_addr(&tSsPt(e)), pack2<T>(tSrS(e), tSrS(e + 1)));
+    // Pᵀ into tSrS, scale · dSᵀ into tSrdP; each to 16 bit in registers (rP, rdS) for dV's and
+    // dK's products, and dSᵀ to shared memory for dQ's. A plain tile (every pair visible, no
+    // score mods) takes one FMA and one MUFU a score; any other tile goes through score_grad.
+    Tensor rP = make_tensor<T>(typename C::LayoutPA{});
+    Tensor rdSc = make_tensor_like<T>(tSrdP);  // dSᵀ in 16 bit, in the accumulator's layout
+    Tensor rdS = make_tensor(rdSc.data(), typename C::LayoutPA{});
+    const auto issue_dv = [&]() {
+      convert_p(rP, tSrS);
+      warpgroup_fence_operand(rP);
+      wg_gemm<false, -1>(mma_dkv, rP, tKVrdOt(_, _, _, st), tdVrdV);
     };
     const bool masked = mask.tile_masked(cur.m0, kBM, n0, kBN);
     const int rows_left = seq_q - cur.m0, keys_left = seq_k - n0;
     const bool plain =
         !masked && rows_left >= kBM && keys_left >= kBN && pm.cap2 == 0.f && pm.alibi == nullptr;
+    // A row's LSE and D: a thread's elements come in pairs of adjacent rows (e, e + 1).
+    const uint32_t lse_at = smem_addr(&sm.lse[st][0]), delta_at = smem_addr(&sm.delta[st][0]);
+    const auto row_pair = [&](uint32_t at, int e) { return ld_shared2(at + 4 * get<1>(cS(e))); };
     warpgroup_wait<1>();  // Sᵀ
     warpgroup_fence_operand(tSrS);
     if (plain) {
       CUTE_UNROLL
-      for (int e = 0; e < size(tSrS); ++e) {
-        const int qi = get<1>(cS(e));
-        tSrS(e) = ex2(fmaf(tSrS(e), p.scale_log2, -sm.lse[st][qi] * kLog2e));
+      for (int e = 0; e < size(tSrS); e += 2) {
+        const float2 lse = row_pair(lse_at, e);
+        tSrS(e) = ex2(fmaf(tSrS(e), p.scale_log2, -lse.x * kLog2e));
+        tSrS(e + 1) = ex2(fmaf(tSrS(e + 1), p.scale_log2, -lse.y * kLog2e));
       }
-      store_pt();
-    }
-    warpgroup_wait<0>();  // dPᵀ
-    warpgroup_fence_operand(tSrdP);
-    if (plain) {
+      warpgroup_wait<0>();  // dPᵀ
+      warpgroup_fence_operand(tSrdP);
       CUTE_UNROLL
-      for (int e = 0; e < size(tSrS); ++e) {
-        const int qi = get<1>(cS(e));
-        tSrdP(e) = tSrS(e) * (tSrdP(e) - sm.delta[st][qi]) * pm.scale;
+      for (int e = 0; e < size(tSrS); e += 2) {
+        const float2 delta = row_pair(delta_at, e);
+        tSrdP(e) = tSrS(e) * (tSrdP(e) - delta.x) * pm.scale;
+        tSrdP(e + 1) = tSrS(e + 1) * (tSrdP(e + 1) - delta.y) * pm.scale;
       }
     } else {
+      warpgroup_wait<0>();  // dPᵀ
+      warpgroup_fence_operand(tSrdP);
       const float slope2 = scalar::bwd::slope2_of(pm, b, h);
       const int diag = cur.m0 + seq_k - seq_q - n0;  // key - row on the bottom-right diagonal
       CUTE_UNROLL
-      for (int e = 0; e < size(tSrS); ++e) {
-        const int qi = get<1>(cS(e)), kj = get<0>(cS(e));
-        const bool visible =
-            qi < rows_left && kj < keys_left && (!masked || mask.sees(cur.m0 + qi, n0 + kj));
-        const scalar::bwd::ScoreGrad g =
-            scalar::bwd::score_grad(pm, tSrS(e), tSrdP(e), sm.lse[st][qi] * kLog2e,
-                                    sm.delta[st][qi], slope2, abs(qi + diag - kj), visible);
-        tSrS(e) = g.p;
-        tSrdP(e) = g.ds;
+      for (int e = 0; e < size(tSrS); e += 2) {
+        const float2 lse = row_pair(lse_at, e), delta = row_pair(delta_at, e);
+        CUTE_UNROLL
+        for (int i = 0; i < 2; ++i) {
+          const int qi = get<1>(cS(e + i)), kj = get<0>(cS(e + i));
+          const bool visible =
+              qi < rows_left && kj < keys_left && (!masked || mask.sees(cur.m0 + qi, n0 + kj));
+          const scalar::bwd::ScoreGrad g =
+              scalar::bwd::score_grad(pm, tSrS(e + i), tSrdP(e + i), (i ? lse.y : lse.x) * kLog2e,
+                                      i ? delta.y : delta.x, slope2, abs(qi + diag - kj), visible);
+          tSrS(e + i) = g.p;
+          tSrdP(e + i) = g.ds;
+        }
       }
-      store_pt();
     }
-    CUTE_UNROLL
-    for (int e = 0; e < size(tSrdP); e += 2)
-      st_shared(smem_addr(&tSsdSt(e)), pack2<T>(tSrdP(e), tSrdP(e + 1)));
+    issue_dv();
+    convert_p(rdS, tSrdP);
+    warpgroup_fence_operand(rdS);
+    cute::copy(copy_dst, thr_copy_dst.retile_S(rdSc), tdSsdSt);
     fence_proxy_async();
     named_sync(1, kThreads);  // both warpgroups' keys stored (dQ reads all of dS)
 
-    // dQ = dS·K first, then dV += Pᵀ·dO and dK += dSᵀ·Q, which run while dQ's tile is staged in
-    // shared memory and each of its rows added to the f32 accumulator by one bulk reduction
-    // (kOrdered: after the key blocks before this one have added theirs).
+    // dQ = dS·K, then dK += dSᵀ·Q, which runs while dQ's tile is staged in shared memory and
+    // each of its rows added to the f32 accumulator by one bulk reduction (kOrdered: after the
+    // key blocks before this one have added theirs).
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBM>, Int<D>>{});
     wg_gemm<true, -1>(mma_dq, tQrdS, tQrKt, tdQrdQ);
-    wg_gemm<false, -1>(mma_dkv, tKVrPt, tKVrdOt(_, _, _, st), tdVrdV);
-    wg_gemm<false, -1>(mma_dkv, tKVrdSt, tKVrQt(_, _, _, st), tdKrdK);
-    warpgroup_wait<2>();  // dQ
+    wg_gemm<false, -1>(mma_dkv, rdS, tKVrQt(_, _, _, st), tdKrdK);
+    warpgroup_wait<1>();  // dV and dQ
+    warpgroup_fence_operand(rP);
     warpgroup_fence_operand(tdQrdQ);
     CUTE_UNROLL
     for (int e = 0; e < size(tdQrdQ); e += 2)
@@ -324,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_proxy_async();
     if constexpr (kOrdered) {
       turn = pm.dq_order + (int64_t(b) * p.heads + h) * pm.order_tiles + cur.m0 / kBM;
-      if (tid == 0) wait_turn(turn, (mask.key_end(cur.m0, kBM) - 1) / kBN - nb);
+      if (tid == 0) wait_for_turn(turn, (mask.key_end(cur.m0, kBM) - 1) / kBN - nb);
     }
     named_sync(1, kThreads);  // the tile stored (and kOrdered: this block's turn)
     if (tid < min(rows_left, kBM)) {
@@ -333,7 +350,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       bulk_add_f32(row, smem_addr(&sm.dq[tid * kDqRow<D>]), D * 4);
       bulk_commit();
     }
-    warpgroup_wait<0>();  // dV and dK: their operands may be overwritten next step
+    warpgroup_wait<0>();  // dK: its operands may be overwritten next step
+    warpgroup_fence_operand(rdS);
     warpgroup_fence_operand(tdVrdV);
     warpgroup_fence_operand(tdKrdK);
     cur = nxt;
@@ -342,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid < kBM) bulk_wait<kOrdered>();
   if constexpr (kOrdered) {
     __syncthreads();
-    if (tid == 0 && turn != nullptr) pass_turn(turn);
+    if (tid == 0 && turn != nullptr) pass_the_turn(turn);
   }
   warpgroup_fence_operand(tdVrdV);
   warpgroup_fence_operand(tdKrdK);
