@@ -746,7 +746,10 @@ fn write_instances(kernels: &[KernelLine], out_dir: &Path) {
 /// `sdpa_sys::PTXAS_REPORT`. A report whose source file is gone (deleted or moved since this
 /// build tree compiled it) is left out: CMake leaves its object and report behind.
 fn write_ptxas_report(build: &Path, cpp: &Path, out_dir: &Path) {
-    let mut files = Vec::new();
+    // One report per source, the newest: a source that moved to another CMake target (e.g.
+    // the sm_90a kernels to sdpa_core_sm90) leaves its old report behind in an existing tree.
+    let mut newest: std::collections::BTreeMap<String, (std::time::SystemTime, PathBuf)> =
+        Default::default();
     let mut stack = vec![build.to_path_buf()];
     while let Some(dir) = stack.pop() {
         let Ok(entries) = fs::read_dir(&dir) else {
@@ -757,10 +760,16 @@ fn write_ptxas_report(build: &Path, cpp: &Path, out_dir: &Path) {
             if p.is_dir() {
                 stack.push(p);
             } else if p.extension().is_some_and(|x| x == "ptxas") && source_exists(&p, cpp) {
-                files.push(p);
+                let key = object_source(&p).map_or_else(|| p.display().to_string(), |(_, s)| s);
+                let time = e.metadata().and_then(|m| m.modified()).ok();
+                let time = time.unwrap_or(std::time::SystemTime::UNIX_EPOCH);
+                if newest.get(&key).is_none_or(|(t, _)| time > *t) {
+                    newest.insert(key, (time, p));
+                }
             }
         }
     }
+    let mut files: Vec<PathBuf> = newest.into_values().map(|(_, p)| p).collect();
     files.sort();
     let mut report = String::new();
     for f in files {
@@ -775,16 +784,23 @@ fn write_ptxas_report(build: &Path, cpp: &Path, out_dir: &Path) {
     fs::write(out_dir.join("ptxas.txt"), report).unwrap();
 }
 
-/// Whether the source of `.../sdpa_core.dir/src/<path>.cu.o.ptxas` still exists as
+/// `(build tree, source path)` of `<build>/CMakeFiles/<target>.dir/<source>.o.ptxas`.
+fn object_source(report: &Path) -> Option<(String, String)> {
+    let text = report.to_string_lossy();
+    let (build, rest) = text.split_once("/CMakeFiles/")?;
+    let (_, rel) = rest.split_once(".dir/")?;
+    Some((
+        build.to_string(),
+        rel.trim_end_matches(".o.ptxas").to_string(),
+    ))
+}
+
+/// Whether the source of `.../<target>.dir/src/<path>.cu.o.ptxas` still exists as
 /// `cpp/src/<path>.cu` (true when the path does not have that shape).
 fn source_exists(report: &Path, cpp: &Path) -> bool {
-    let text = report.to_string_lossy();
-    match text.split_once("sdpa_core.dir/") {
+    match object_source(report) {
         // Sources generated from cpp/kernels.txt live in the build tree, under gen/.
-        Some((build, rel)) => {
-            let src = rel.trim_end_matches(".o.ptxas");
-            cpp.join(src).exists() || Path::new(build).join("..").join(src).exists()
-        }
+        Some((build, src)) => cpp.join(&src).exists() || Path::new(&build).join(&src).exists(),
         None => true,
     }
 }

@@ -12,6 +12,18 @@
 
 namespace sdpa {
 
+// A kernel's attributes on the current device; false where the build has no code for the GPU
+// (the sm_90a kernels on any other), which `sdpa info` then leaves out.
+inline bool attributes_on_device(const void* kernel, cudaFuncAttributes& fa) {
+  const cudaError_t e = cudaFuncGetAttributes(&fa, kernel);
+  if (e == cudaErrorInvalidDeviceFunction || e == cudaErrorNoKernelImageForDevice) {
+    (void)cudaGetLastError();  // not a sticky error: cleared, so the next call does not see it
+    return false;
+  }
+  SDPA_CUDA_CHECK(e);
+  return true;
+}
+
 // `kernels` = {non-causal, causal} or {non-causal, causal, band} (the general path of the
 // kernels that have one: windows, top-left causal, softcap, ALiBi); `dynamic_smem` = bytes each
 // launch requests (cudaFuncGetAttributes only knows static shared memory).
@@ -23,7 +35,7 @@ void push_attributes(std::vector<KernelAttr>& out, const char* backend, const ch
   constexpr const char* kSuffix[3] = {"", "_causal", "_band"};
   for (int i = 0; i < N; ++i) {
     cudaFuncAttributes fa;
-    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernels[i]));
+    if (!attributes_on_device(kernels[i], fa)) continue;
     out.push_back({backend,
                    std::string("fwd_") + dtype + "_d" + std::to_string(head_dim) + kSuffix[i],
                    fa.numRegs, int32_t(fa.sharedSizeBytes), dynamic_smem[i],

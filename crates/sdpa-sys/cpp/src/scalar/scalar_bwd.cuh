@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "common/attributes.cuh"
 #include "common/check.cuh"
 #include "common/dtype.cuh"
 #include "common/launch.cuh"
@@ -561,7 +562,7 @@ void push_kernels(std::vector<KernelAttr>& out, const char* backend,
   const std::string tag = std::string(dtype_name<T>()) + "_d" + std::to_string(D);
   for (const NamedKernel& k : kernels) {
     cudaFuncAttributes fa;
-    SDPA_CUDA_CHECK(cudaFuncGetAttributes(&fa, k.kernel));
+    if (!attributes_on_device(k.kernel, fa)) continue;
     out.push_back({backend, k.name + tag, fa.numRegs, int32_t(fa.sharedSizeBytes), k.smem,
                    int32_t(fa.localSizeBytes), fa.maxThreadsPerBlock});
   }
