@@ -10,9 +10,13 @@
 //     own online-softmax state over all the CTA's rows;
 //   - the warps' states meet in shared memory at the end; with one split the CTA writes the
 //     output, with several it writes its normalized partial output and log-sum-exp (f32, to the
-//     workspace) and `combine_kernel` merges them: O = Σ_s e^{lse_s - m} O_s / Σ_s e^{lse_s - m}.
-//     A sink (common/sinks.cuh) joins a row once: where the output is written (one split), or in
-//     the combine as one more partial of output 0 (several), never in a split's partial.
+//     workspace) and the splits are merged: O = Σ_s e^{lse_s - m} O_s / Σ_s e^{lse_s - m}
+//     (combine_row). The last split of a row block to finish merges them itself, found by a
+//     counter a row block (FwdArgs::tile_counter, zero between calls): a decode step is one
+//     launch. Without counters (a stream capture before any call made them) `combine_kernel`
+//     merges them in a second launch. A sink (common/sinks.cuh) joins a row once: where the
+//     output is written (one split), or in the merge as one more partial of output 0 (several),
+//     never in a split's partial.
 // Nothing is allocated or synchronized per call: the workspace is the caller's (workspace_bytes),
 // so a decode step can be captured in a CUDA graph.
 //
@@ -106,6 +110,9 @@ struct Params {
   int splits, split_tiles;
   int64_t lse_rows;      // rows of the LSE layout: the workspace's per-split stride
   float *ws_o, *ws_lse;  // splits > 1: [split][lse row][D], [split][lse row]
+  // splits > 1: a counter a row block (batch, kv head, row block), zero between calls; the
+  // last split to count merges the block's rows (null: combine_kernel does, launched after).
+  int32_t* counters;
 };
 
 // Two e4m3 codes (low byte first) as two T values, exactly.
@@ -187,16 +194,128 @@ struct CodeCopy {
   }
 };
 
-template <typename T, int D, int MT, class Mask, bool F8>
+// Splits a merge loads at once (see combine_row).
+constexpr int kFewSplits = 16;
+
+// Merges the splits' partial outputs of row (token `tok`, head `head`) of sequence b into its
+// output and log-sum-exp: one warp, whose lanes read the splits' log-sum-exps side by side (a
+// split per lane), then the partial outputs (a column pair per lane). The partials come through
+// L2 (ld.global.cg): other CTAs wrote them during this grid. Up to kFewSplits splits (short
+// contexts, where the merge's latency shows in a step's time) every load is issued at once: one
+// round trip to L2, not one for the log-sum-exps and then one for each few splits. Both forms
+// add in the same order.
+template <typename T, int D, class Mask>
+__device__ __forceinline__ void combine_row(const Params<T, Mask>& p, const Seq<int>& seq, int b,
+                                            int tok, int head, int lane) {
+  constexpr int kPer = D / 64;  // column pairs a lane
+  const int n = p.splits;
+  const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
+  const auto lse_of = [&](int s) {
+    return s < n ? __ldcg(p.ws_lse + int64_t(s) * p.lse_rows + lrow) : -INFINITY;
+  };
+  // Split s's partial output, this lane's column pair i. A split without keys for this row
+  // (weight 0) holds zeros.
+  const auto part = [&](int s, int i) {
+    return __ldcg(reinterpret_cast<const float2*>(p.ws_o + (int64_t(s) * p.lse_rows + lrow) * D +
+                                                  2 * lane + 64 * i));
+  };
+  const auto warp_max = [](float v) {
+#pragma unroll
+    for (int x = 16; x > 0; x /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, x));
+    return v;
+  };
+  float m = -INFINITY, sum = 0.f, acc[kPer][2] = {};
+  if (n <= kFewSplits) {
+    const float ls = lse_of(lane);
+    float2 x[kFewSplits][kPer];
+#pragma unroll
+    for (int j = 0; j < kFewSplits; ++j)
+#pragma unroll
+      for (int i = 0; i < kPer; ++i)
+        if (j < n) x[j][i] = part(j, i);
+    m = warp_max(ls);
+    if (m != -INFINITY) {
+      const float wl = ls == -INFINITY ? 0.f : __expf(ls - m);
+      sum = wl;
+#pragma unroll
+      for (int j = 0; j < kFewSplits; ++j) {
+        if (j >= n) break;
+        const float wgt = __shfl_sync(0xffffffffu, wl, j);
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          acc[i][0] += wgt * x[j][i].x;
+          acc[i][1] += wgt * x[j][i].y;
+        }
+      }
+    }
+  } else {
+    for (int s = lane; s < n; s += 32) m = fmaxf(m, lse_of(s));
+    m = warp_max(m);
+    for (int s0 = 0; m != -INFINITY && s0 < n; s0 += 32) {
+      const float ls = lse_of(s0 + lane);
+      const float wl = ls == -INFINITY ? 0.f : __expf(ls - m);
+      sum += wl;
+      const int chunk = min(32, n - s0);
+#pragma unroll 8
+      for (int j = 0; j < chunk; ++j) {
+        const float wgt = __shfl_sync(0xffffffffu, wl, j);
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          const float2 x = part(s0 + j, i);
+          acc[i][0] += wgt * x.x;
+          acc[i][1] += wgt * x.y;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+  float a = 1.f;  // the sink, once, as a partial of log-sum-exp sink and output 0
+  if (p.sinks != nullptr) {
+    float m2 = m * kLog2e;
+    a = fold_sink(m2, sum, p.sinks[head]);
+    m = m2 * 0.6931471805599453f;
+  }
+  const float inv = sum > 0.f ? a / sum : 0.f;
+  T* const out =
+      p.o + int64_t(b) * p.os.batch + int64_t(head) * p.os.head + int64_t(seq.q0 + tok) * p.os.seq;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i)
+    *reinterpret_cast<uint32_t*>(out + 2 * lane + 64 * i) =
+        pack2<T>(acc[i][0] * inv, acc[i][1] * inv);
+  if (lane == 0 && p.lse != nullptr) p.lse[lrow] = sum > 0.f ? m + __logf(sum) : -INFINITY;
+}
+
+// Whether this CTA is the last of its row block's splits to have written its partials (then
+// it merges them; every CTA of the block reaches here or none does). Each thread's writes are
+// fenced before thread 0 counts, and the last reads the others' after its own fence (the CUDA
+// programming guide's last-block pattern); it sets the counter back to zero.
+__device__ __forceinline__ bool last_split(int32_t* counter, int splits) {
+  __threadfence();
+  __syncthreads();
+  bool last = false;
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counter, 1) == splits - 1;
+    if (last) *counter = 0;  // every split has counted
+  }
+  if (!__syncthreads_or(last)) return false;
+  __threadfence();
+  return true;
+}
+
+// kMerge: the launch has several splits and counters (Params::counters), and the last split of
+// each row block merges the block's rows. A kernel of its own: with the merge in it, ptxas
+// shapes the decode loop's registers differently, and steps with one split ran 1-4% slower.
+template <typename T, int D, int MT, class Mask, bool F8, bool kMerge>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_kernel(const __grid_constant__ Params<T, Mask> p) {
 #ifdef SDPA_SM80_DEVICE
-  // With several splits the combine (sm_90) may launch and wait for this grid's completion
-  // already. With one, the grid after is the next step's, which must not: a one-wave grid's
-  // CTAs each want an SM of their own, and the next grid's CTAs, resident early, take the second
-  // slot of SMs still loading and crowd the next wave onto fewer SMs (measured:
+  // A combine launched after this grid (sm_90) may launch and wait for its completion already.
+  // Otherwise the grid after is the next step's, which must not: a one-wave grid's CTAs each
+  // want an SM of their own, and the next grid's CTAs, resident early, take the second slot of
+  // SMs still loading and crowd the next wave onto fewer SMs (measured:
   // docs/log/2026-11-notebook.md, "decode launched programmatically").
-  if (p.splits > 1) pdl_launch_dependents();
+  if (p.splits > 1 && !kMerge) pdl_launch_dependents();
   // Launched programmatically on sm_90 (launch()): the grid before it on the stream may still
   // run; nothing global is read or written before it completes.
   pdl_wait();
@@ -457,67 +576,30 @@ __global__ void __launch_bounds__(kThreads, 1)
         p.lse[lrow] = lse;
     }
   }
+  if constexpr (kMerge) {
+    if (!last_split(p.counters + (blockIdx.z * gridDim.y + blockIdx.y), p.splits)) return;
+    // The last split of the row block: the block's rows merged, one warp a row.
+    for (int row = warp; row < R; row += kWarps) {
+      const int r = r0 + row;
+      if (r >= rows) break;
+      combine_row<T, D>(p, seq, b, r / p.group, hk * p.group + r % p.group, lane);
+    }
+  }
 #endif
 }
 
-// Merges the splits' partial outputs: one warp per (token, head), 4 a CTA; grid (tokens / 4,
-// heads, batch). The lanes read the splits' log-sum-exps side by side (a split per lane), then
-// the partial outputs (a column pair per lane).
+// Merges the splits' partial outputs where no counters let the last split do it: one warp per
+// (token, head), 4 a CTA; grid (tokens / 4, heads, batch).
 template <typename T, int D, class Mask>
 __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Params<T, Mask> p) {
 #ifdef SDPA_SM80_DEVICE
-  constexpr int kPer = D / 64;  // column pairs a lane
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int tok = blockIdx.x * 4 + warp, head = blockIdx.y, b = blockIdx.z, n = p.splits;
+  const int tok = blockIdx.x * 4 + warp, head = blockIdx.y, b = blockIdx.z;
   pdl_launch_dependents();  // the next decode step's grid may launch and wait for this one
   pdl_wait();               // launched programmatically on sm_90: the splits' partials are complete
   const Seq<int> seq = seq_of<int>(p.seqs, b, p.mask.seq_q, p.mask.seq_k);
   if (tok >= seq.seq_q) return;
-  const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
-  const auto lse_of = [&](int s) {
-    return s < n ? p.ws_lse[int64_t(s) * p.lse_rows + lrow] : -INFINITY;
-  };
-  float m = -INFINITY;
-  for (int s = lane; s < n; s += 32) m = fmaxf(m, lse_of(s));
-#pragma unroll
-  for (int x = 16; x > 0; x /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
-  float sum = 0.f, acc[kPer][2] = {};
-  if (m != -INFINITY) {
-    for (int s0 = 0; s0 < n; s0 += 32) {
-      const float ls = lse_of(s0 + lane);
-      const float wl = ls == -INFINITY ? 0.f : __expf(ls - m);
-      sum += wl;
-      const int chunk = min(32, n - s0);
-#pragma unroll 4
-      for (int j = 0; j < chunk; ++j) {
-        // A split without keys for this row (weight 0) holds zeros.
-        const float wgt = __shfl_sync(0xffffffffu, wl, j);
-        const float* const wo = p.ws_o + (int64_t(s0 + j) * p.lse_rows + lrow) * D;
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) {
-          const float2 x = *reinterpret_cast<const float2*>(wo + 2 * lane + 64 * i);
-          acc[i][0] += wgt * x.x;
-          acc[i][1] += wgt * x.y;
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
-  float a = 1.f;  // the sink, once, as a partial of log-sum-exp sink and output 0
-  if (p.sinks != nullptr) {
-    float m2 = m * kLog2e;
-    a = fold_sink(m2, sum, p.sinks[head]);
-    m = m2 * 0.6931471805599453f;
-  }
-  const float inv = sum > 0.f ? a / sum : 0.f;
-  T* const out =
-      p.o + int64_t(b) * p.os.batch + int64_t(head) * p.os.head + int64_t(seq.q0 + tok) * p.os.seq;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i)
-    *reinterpret_cast<uint32_t*>(out + 2 * lane + 64 * i) =
-        pack2<T>(acc[i][0] * inv, acc[i][1] * inv);
-  if (lane == 0 && p.lse != nullptr) p.lse[lrow] = sum > 0.f ? m + __logf(sum) : -INFINITY;
+  combine_row<T, D>(p, seq, b, tok, head, lane);
 #endif
 }
 
@@ -629,6 +711,24 @@ std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
                         scales});
 }
 
+// The counters FwdArgs::tile_counter points at (sdpa_sys::COUNTERS in the Rust layer, which
+// allocates them): the row blocks of a launch with at most this many (batch, kv head, row
+// block) merge their splits in the decode kernel.
+constexpr int64_t kCounters = 1024;
+
+// The row blocks' counters for the launch of `pl` (null: combine_kernel merges): where there
+// are splits to merge and a counter for every row block. SDPA_DECODE_FOLD=0 in the environment
+// (read once, for measuring) always launches the combine.
+inline int32_t* fold_counters(const FwdArgs& a, const Plan& pl) {
+  static const bool off = [] {
+    const char* e = std::getenv("SDPA_DECODE_FOLD");
+    return e != nullptr && e[0] == '0';
+  }();
+  const int64_t blocks = a.dims.batch * a.dims.kv_heads * pl.row_blocks;
+  if (off || pl.splits == 1 || a.scratch.tile_counter == 0 || blocks > kCounters) return nullptr;
+  return device_ptr<int32_t>(a.scratch.tile_counter);
+}
+
 // Merges the splits' partial outputs into the output: combine_kernel over (tokens / 4, heads,
 // batch). On sm_90 it launches programmatically: its launch and start overlap the splits' tail,
 // and it waits for their completion before reading the partials.
@@ -639,6 +739,15 @@ void launch_combine(const Params<T, Mask>& p, const FwdArgs& a, const DeviceInfo
       combine_kernel<T, D, Mask>,
       dim3(unsigned((a.dims.seq_q + 3) / 4), unsigned(a.dims.heads), unsigned(a.dims.batch)),
       dim3(128), 0, stream, dev.cc_major >= 9, p);
+}
+
+// `Kernel` over `grid`, after its shared-memory opt-in (once a device, each kernel its own).
+template <auto Kernel, int kSmem, typename T, class Mask>
+void launch_decode(dim3 grid, const DeviceInfo& dev, cudaStream_t stream,
+                   const Params<T, Mask>& p) {
+  static std::atomic<uint64_t> configured{0};
+  opt_in_smem(reinterpret_cast<const void*>(Kernel), kSmem, configured);
+  launch_kernel(Kernel, grid, dim3(kThreads), kSmem, stream, dev.cc_major >= 9, p);
 }
 
 template <typename T, int D, int MT, class Mask, bool F8>
@@ -683,16 +792,15 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Pla
     p.ws_o = device_ptr<float>(a.scratch.workspace);
     p.ws_lse = p.ws_o + int64_t(pl.splits) * pl.lse_rows * D;
   }
-  const auto kernel = decode_kernel<T, D, MT, Mask, F8>;
-  constexpr int smem = F8 ? G::kSmemBytesF8 : G::kSmemBytes;
-  static std::atomic<uint64_t> configured{0};
-  opt_in_smem(reinterpret_cast<const void*>(kernel), smem, configured);
+  p.counters = fold_counters(a, pl);
   // On sm_90 programmatically: the launch and the CTAs' start overlap the tail of the grid
   // before it on the stream (a decode step's previous combine, or the previous layer's kernel).
-  launch_kernel(
-      kernel,
-      dim3(unsigned(pl.splits), unsigned(a.dims.kv_heads * pl.row_blocks), unsigned(a.dims.batch)),
-      dim3(kThreads), smem, stream, dev.cc_major >= 9, p);
+  const dim3 grid(unsigned(pl.splits), unsigned(a.dims.kv_heads * pl.row_blocks),
+                  unsigned(a.dims.batch));
+  constexpr int smem = F8 ? G::kSmemBytesF8 : G::kSmemBytes;
+  if (p.counters != nullptr)
+    return launch_decode<decode_kernel<T, D, MT, Mask, F8, true>, smem>(grid, dev, stream, p);
+  launch_decode<decode_kernel<T, D, MT, Mask, F8, false>, smem>(grid, dev, stream, p);
   if (pl.splits > 1) launch_combine<T, D>(p, a, dev, stream);
 }
 
