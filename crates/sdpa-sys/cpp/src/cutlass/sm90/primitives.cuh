@@ -225,4 +225,18 @@ inline std::string sm90_only(const DeviceInfo& dev) {
          limits::cc(dev);
 }
 
+// TMA needs a 16-byte aligned base and 16-byte multiple strides below 2^40 bytes (and dims
+// below 2^32: the shapes here are int). A null pointer is not checked (can_implement asked before
+// the buffers exist).
+inline std::string tma_operand(uint64_t address, const Strides& s, const char* what,
+                               int elem_bytes) {
+  const auto ok = [&](int64_t st) {
+    return st >= 0 && (st * elem_bytes) % 16 == 0 && st * elem_bytes < (int64_t(1) << 40);
+  };
+  if (address % 16 != 0 || !ok(s.batch) || !ok(s.head) || !ok(s.seq))
+    return std::string(what) +
+           " is not TMA-addressable (16-byte aligned base and strides required)";
+  return "";
+}
+
 }  // namespace sdpa::cutlass_sm90

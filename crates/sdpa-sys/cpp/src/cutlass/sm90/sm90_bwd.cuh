@@ -6,8 +6,10 @@
 //
 // A CTA takes kBN = 128 keys of one K/V head, 64 a consumer warpgroup; K and V stay in shared
 // memory while it walks the 64-row query tiles of its group's heads that see them (the scalar
-// kernel's tile tests). Q, dO and the rows' LSE and D stream in by cp.async, two stages: the
-// next tile's copies are issued under this one's first products. Per query tile:
+// kernel's tile tests). A producer warp streams each tile's Q and dO (TMA) and its rows' LSE
+// and D (cp.async, two rows a lane) into two stages, as FlashAttention-3's backward does; the
+// consumers release a stage once its last product has read it, and issue no load but K's and
+// V's, once (cp.async, zeros past the keys). Per query tile:
 //   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ    wgmma SS, each warpgroup its 64 keys (M) by the tile's 64 rows;
 //   Pᵀ, dSᵀ                  per element (scalar::bwd::score_grad), then to 16 bit in the
 //                            registers they were computed in: Sᵀ's accumulator layout is the
@@ -19,34 +21,40 @@
 //   dQ = dS·K                wgmma SS: dSᵀ's bytes read as dS (row contiguous, MN-major) with
 //                            K as [d][key], the warpgroups splitting the head dim;
 //   dK += dSᵀ·Q              wgmma RS, Q read as [d][row];
-//   dQ's f32 tile            staged in shared memory while dK runs, and added to the
-//                            accumulator a row at a time by bulk reductions
-//                            (cp.reduce.async.bulk), which the next step's work overlaps.
+//   dQ's f32 tile            staged in shared memory (two buffers) while dK runs; the
+//                            producer warpgroup's second warp adds it to the accumulator a row
+//                            a lane by bulk reductions (cp.reduce.async.bulk) while the
+//                            consumers go on to the next steps.
 // dK and dV accumulate in registers over every tile. Keeping Pᵀ and dSᵀ in registers for dV and
 // dK spares shared memory Pᵀ's stores and a third of those products' reads.
 //
 // The deterministic mode (kOrdered) is the same pass with the additions into each query tile
 // ordered: a counter per tile (Params::dq_order, zeroed by the D pre-pass) says how many of the
-// key blocks that see it have added; a block waits for its turn before its reductions and passes
-// the turn on once they are complete. Turns run from the last key block that sees the tile down
-// to the first: under a causal or band mask the later blocks start nearer the tile and reach it
-// first (the other order made every block keep the pace of block 0: s16k-d128-causal 1.76x the
-// atomic mode's time). The grid launches the key blocks in that order too (blockIdx.x counts
-// down from the last), so a block waits only on blocks launched before it and the waits cannot
-// close a cycle.
+// key blocks that see it have added; a block's dQ warp waits for its turn before its reductions
+// and passes the turn on once they are complete, off the consumers' path. Turns run from the last
+// key block that sees the tile down to the first: under a causal or band mask the later blocks
+// start nearer the tile and reach it first (the other order made every block keep the pace of block
+// 0: s16k-d128-causal 1.76x the atomic mode's time). The grid launches the key blocks in that order
+// too (blockIdx.x counts down from the last), so a block waits only on blocks launched before it
+// and the waits cannot close a cycle.
 //
-// This is FlashAttention-2's order on Hopper's instructions: no warp specialization and no TMA
-// loads yet (FlashAttention-3's structure is the step after; docs/design.md, "The backward").
+// Rows past the sequence: TMA fills those past the tensor's end with zeros, but packed rows there
+// are the next sequence's, so the consumers zero them in a tile the sequence ends inside (a
+// non-finite value there would reach this sequence's dK and dV through the products' zeros).
 // As in cutlass-sm80's backward, a value a row does not see is zeroed in P and dS but the
 // products still multiply it by the other operand: a non-finite input at a position some row
 // does not see reaches gradients the reference keeps finite.
 #pragma once
+
+#include <cutlass/arch/reg_reconfig.h>
 
 #include <string>
 #include <vector>
 
 #include "common/turns.cuh"
 #include "cutlass/dtype.cuh"
+#include "cutlass/sm90/mainloop_params.cuh"
+#include "cutlass/sm90/pipeline.cuh"
 #include "cutlass/sm90/primitives.cuh"
 #include "cutlass/sm90/softmax.cuh"
 #include "cutlass/sm90/tile_config.cuh"
@@ -55,7 +63,14 @@
 namespace sdpa::cutlass_sm90::bwd {
 
 constexpr int kWG = 2;  // consumer warpgroups, 64 keys each
-constexpr int kThreads = 128 * kWG;
+constexpr int kConsumers = 128 * kWG;
+// and the producer warpgroup: its warp 0 loads, its warp 1 adds dQ into the accumulator
+constexpr int kThreads = kConsumers + 128;
+// Registers a thread: the producer warpgroup gives up what the consumers take (setmaxnreg), 24
+// and 240 of the 168 a launch of 384 threads allows.
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+static_assert(kWG * (kConsumerRegs - 168) <= 168 - kProducerRegs, "setmaxnreg would wait forever");
 constexpr int kBN = 64 * kWG;  // keys a CTA
 constexpr int kBM = 64;        // query rows a step
 constexpr int kStages = 2;     // Q, dO and row statistics in flight
@@ -111,14 +126,36 @@ struct Cfg {
     alignas(1024) T k[kBN * D];
     alignas(1024) T v[kBN * D];
     alignas(1024) T dst[kBN * kBM];
-    alignas(128) float dq[kBM * kDqRow<D>];  // a tile of dQ, rows padded (kDqRow)
-    float lse[kStages][kBM];                 // natural log, as the forward returns it
+    alignas(128) float dq[2][kBM * kDqRow<D>];  // tiles of dQ (step u in u % 2), rows padded
+    float lse[kStages][kBM];                    // natural log, as the forward returns it
     float delta[kStages][kBM];
+    uint64_t full[kStages];   // a stage's Q, dO (TMA bytes), LSE and D (the lanes' copies) landed
+    uint64_t empty[kStages];  // every consumer thread is done with the stage
+    uint64_t dq_full[2];      // every consumer thread has stored its part of the dQ tile
+    uint64_t dq_empty[2];     // the dQ warp's reductions have read the tile
   };
   // +1 KB: the kernel aligns the dynamic smem base up to 1024 bytes (128-byte swizzle atoms).
   static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit");
+
+  // Q and dO tiles (kBM rows, D) by TMA, from (rows, d, head, batch) tensors.
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorOf<T, D>>(),
+                                      take<0, 2>(LayoutQ{}), Shape<BM, HD>{}, _1{}));
 };
+
+// The producer's TMA descriptors, a kernel parameter of their own beside the scalar backward's
+// Params (which every backend's kernels share).
+template <typename T, int D>
+struct Loads {
+  typename Cfg<T, D>::TmaQ q, d_o;
+};
+
+// An mbarrier arrival once every cp.async this thread has issued so far has landed, counted
+// among the arrivals the barrier was initialized to expect.
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar))
+               : "memory");
+}
 
 // One round of wgmma over every k-block of A and B into C (zeroed first where kZero), committed
 // as one group; waited for where kWait >= 0 (that many groups left in flight).
@@ -138,25 +175,37 @@ __device__ __forceinline__ void wg_gemm(Mma& mma, const TA& a, const TB& b, TC& 
 }
 
 // Rows [0, R) of a 16-bit tensor at `base` (row stride `rs` elements, D wide) into the swizzled
-// tile `tile` (coordinates (row, col)) by cp.async; rows at or past `rows` as zeros.
+// tile `tile` (coordinates (row, col)) by cp.async, by consumer thread `tid`; rows at or past
+// `rows` as zeros.
 template <int R, int D, class Tile, typename T>
-__device__ __forceinline__ void load_rows(Tile&& tile, const T* base, int64_t rs, int64_t rows) {
+__device__ __forceinline__ void load_rows(Tile&& tile, const T* base, int64_t rs, int64_t rows,
+                                          int tid) {
   constexpr int CH = D / 8;
-  for (int c = threadIdx.x; c < R * CH; c += kThreads) {
+  for (int c = tid; c < R * CH; c += kConsumers) {
     const int r = c / CH, ch = c % CH;
     const bool in = r < rows;
     cp_async_16(smem_addr(&tile(r, ch * 8)), base + (in ? r * rs + ch * 8 : 0), in);
   }
 }
 
+// Rows [r0, kBM) of stage st of the tiles Q and dO as zeros, by consumer thread `tid`.
+template <int D, class Tile>
+__device__ __forceinline__ void zero_rows(Tile&& q, Tile&& d_o, int r0, int tid) {
+  constexpr int CH = D / 8;
+  for (int c = r0 * CH + tid; c < kBM * CH; c += kConsumers) {
+    const int r = c / CH, ch = c % CH;
+    *reinterpret_cast<uint4*>(&q(r, ch * 8)) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(&d_o(r, ch * 8)) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 template <typename T, int D, bool kOrdered>
 __global__ void __launch_bounds__(kThreads, 1)
-    wgmma_dkdv_kernel(const __grid_constant__ Params pm) {
+    wgmma_dkdv_kernel(const __grid_constant__ Params pm, const __grid_constant__ Loads<T, D> tma) {
 #ifdef SDPA_SM90_DEVICE
   using C = Cfg<T, D>;
   const KernelParams& p = pm.base;
   auto& sm = smem_storage<typename C::Smem>();
-  const int tid = threadIdx.x;
   // Rows, keys and tile starts in 32-bit int (can_implement bounds them); addresses in 64-bit.
   // kOrdered: key blocks launch last first (see the turns below).
   const int nb = kOrdered ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
@@ -168,21 +217,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (n0 >= key_rows) return;  // CTA-uniform, before any barrier
 
   Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQ{});
-  Tensor sQt = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQt{});
   Tensor sdO = make_tensor(make_smem_ptr(sm.d_o), typename C::LayoutQ{});
-  Tensor sdOt = make_tensor(make_smem_ptr(sm.d_o), typename C::LayoutQt{});
-  Tensor sK = make_tensor(make_smem_ptr(sm.k), typename C::LayoutK{});
-  Tensor sKt = make_tensor(make_smem_ptr(sm.k), typename C::LayoutKt{});
-  Tensor sV = make_tensor(make_smem_ptr(sm.v), typename C::LayoutK{});
-  Tensor sdSt = make_tensor(make_smem_ptr(sm.dst), typename C::LayoutPt{});
-  Tensor sdS = make_tensor(make_smem_ptr(sm.dst), typename C::LayoutDS{});
-
-  const T* kb = reinterpret_cast<const T*>(p.k) +
-                (b * p.ks.batch + hk * p.ks.head + (s.seq.k0 + n0) * p.ks.seq);
-  const T* vb = reinterpret_cast<const T*>(p.v) +
-                (b * p.vs.batch + hk * p.vs.head + (s.seq.k0 + n0) * p.vs.seq);
-  load_rows<kBN, D>(sK, kb, p.ks.seq, seq_k - n0);
-  load_rows<kBN, D>(sV, vb, p.vs.seq, seq_k - n0);
+  if (threadIdx.x == 0) {
+    prefetch_tma_descriptor(tma.q.get_tma_descriptor());
+    prefetch_tma_descriptor(tma.d_o.get_tma_descriptor());
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(&sm.full[st], 1 + 32);  // the TMA thread's, and each lane's copies landed
+      mbar_init(&sm.empty[st], kConsumers);
+    }
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(&sm.dq_full[i], kConsumers);
+      mbar_init(&sm.dq_empty[i], 1);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();  // the last CTA-wide barrier: the roles part here
 
   // The query tiles that see the CTA's keys, in order: (head of the group, first row).
   struct Step {
@@ -194,23 +243,100 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (mask.key_end(m0, kBM) > n0 && mask.key_begin(m0, kBM) < n0 + kBN) return Step{gi, m0};
     return Step{group, 0};
   };
-  // Q, dO, LSE and D of a step's rows into stage `st`.
-  const auto issue = [&](const Step& t, int st) {
-    const int64_t h = int64_t(hk) * group + t.gi;
-    const T* qb = reinterpret_cast<const T*>(p.q) +
-                  (b * p.qs.batch + h * p.qs.head + (s.seq.q0 + t.m0) * p.qs.seq);
-    const T* gb = reinterpret_cast<const T*>(pm.d_o) +
-                  (b * pm.dos.batch + h * pm.dos.head + (s.seq.q0 + t.m0) * pm.dos.seq);
-    load_rows<kBM, D>(sQ(_, _, st), qb, p.qs.seq, seq_q - t.m0);
-    load_rows<kBM, D>(sdO(_, _, st), gb, pm.dos.seq, seq_q - t.m0);
-    for (int r = tid; r < kBM; r += kThreads) {
-      const bool in = t.m0 + r < seq_q;
-      const int64_t at =
-          in ? lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, int64_t(t.m0 + r)) : int64_t(0);
-      cp_async_4(smem_addr(&sm.lse[st][r]), pm.lse + at, in);
-      cp_async_4(smem_addr(&sm.delta[st][r]), pm.delta + at, in);
+
+  if (threadIdx.x < 128) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if (threadIdx.x >= 64) return;
+    const int lane = int(threadIdx.x) % 32;
+    if (threadIdx.x >= 32) {
+      // The dQ warp: step u's tile of dQ, once stored, added into the accumulator (kOrdered: in
+      // its turn, waited for while the consumers compute the tile, and passed on once the
+      // additions are complete). A tile's rows are consecutive rows of the accumulator (as of
+      // the LSE: lse_index).
+      int u = 0;
+      for (Step t = next_step(0, 0); t.gi < group; t = next_step(t.gi, t.m0 + kBM), ++u) {
+        const int slot = u % 2, h = hk * group + t.gi;
+        int* turn = nullptr;
+        if constexpr (kOrdered) {
+          turn = pm.dq_order + (int64_t(b) * p.heads + h) * pm.order_tiles + t.m0 / kBM;
+          if (lane == 0) wait_for_turn(turn, (mask.key_end(t.m0, kBM) - 1) / kBN - nb);
+          __syncwarp();
+        }
+        Bar::wait(&sm.dq_full[slot], (u / 2) & 1);
+        float* const tile =
+            pm.dq_acc + lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, int64_t(t.m0)) * D;
+        for (int r = lane; r < min(seq_q - t.m0, kBM); r += 32)
+          bulk_add_f32(tile + r * D, smem_addr(&sm.dq[slot][r * kDqRow<D>]), D * 4);
+        bulk_commit();
+        bulk_wait<false>();  // the tile read: its buffer is free
+        __syncwarp();
+        if (lane == 0) Bar::arrive(&sm.dq_empty[slot]);
+        if constexpr (kOrdered) {
+          bulk_wait<true>();  // added
+          __syncwarp();
+          if (lane == 0) pass_the_turn(turn);
+        }
+      }
+      return;
     }
-  };
+    // The loads: warp 0 fills stage u % kStages with step u's Q and dO (lane 0's TMA copies)
+    // and its rows' LSE and D (each lane's cp.async), once the consumers have released the
+    // stage's use before.
+    const bool packed = pm.seqs.total_q > 0;
+    Tensor mQ =
+        tma.q.get_tma_tensor(make_shape(packed ? int(pm.seqs.total_q) : int(p.seq_q), Int<D>{},
+                                        int(p.heads), packed ? 1 : int(pm.batch)));
+    Tensor mdO = tma.d_o.get_tma_tensor(shape(mQ));
+    const int qb = packed ? 0 : b;
+    int u = 0;
+    for (Step t = next_step(0, 0); t.gi < group; t = next_step(t.gi, t.m0 + kBM), ++u) {
+      const int st = u % kStages;
+      if (u >= kStages) Bar::wait(&sm.empty[st], ((u / kStages) - 1) & 1);
+      const int h = hk * group + t.gi;
+      if (lane == 0) {
+        uint64_t& bar = sm.full[st];
+        Bar::arrive_and_expect_tx(&bar, 2 * kBM * D * int(sizeof(T)));
+        const auto rows = [&](auto& m) {
+          return local_tile(domain_offset(make_coord(int(s.seq.q0) + t.m0, _0{}), m(_, _, h, qb)),
+                            Shape<Int<kBM>, Int<D>>{}, make_coord(_0{}, _0{}));
+        };
+        auto tQ = tma_partition(tma.q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ(_, _, st)),
+                                group_modes<0, 2>(rows(mQ)));
+        auto tdO = tma_partition(tma.d_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO(_, _, st)),
+                                 group_modes<0, 2>(rows(mdO)));
+        copy(tma.q.with(bar), get<0>(tQ), get<1>(tQ));
+        copy(tma.d_o.with(bar), get<0>(tdO), get<1>(tdO));
+      }
+      const int64_t row0 = lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, int64_t(t.m0));
+      for (int r = lane; r < kBM; r += 32) {
+        const bool in = t.m0 + r < seq_q;
+        cp_async_4(smem_addr(&sm.lse[st][r]), pm.lse + (in ? row0 + r : 0), in);
+        cp_async_4(smem_addr(&sm.delta[st][r]), pm.delta + (in ? row0 + r : 0), in);
+      }
+      cp_async_arrive(&sm.full[st]);
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+  const int tid = int(threadIdx.x) - 128;  // consumer thread: 0 .. kConsumers - 1
+  Tensor sQt = make_tensor(make_smem_ptr(sm.q), typename C::LayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(sm.d_o), typename C::LayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(sm.k), typename C::LayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(sm.k), typename C::LayoutKt{});
+  Tensor sV = make_tensor(make_smem_ptr(sm.v), typename C::LayoutK{});
+  Tensor sdSt = make_tensor(make_smem_ptr(sm.dst), typename C::LayoutPt{});
+  Tensor sdS = make_tensor(make_smem_ptr(sm.dst), typename C::LayoutDS{});
+
+  const T* kb = reinterpret_cast<const T*>(p.k) +
+                (b * p.ks.batch + hk * p.ks.head + (s.seq.k0 + n0) * p.ks.seq);
+  const T* vb = reinterpret_cast<const T*>(p.v) +
+                (b * p.vs.batch + hk * p.vs.head + (s.seq.k0 + n0) * p.vs.seq);
+  load_rows<kBN, D>(sK, kb, p.ks.seq, seq_k - n0, tid);
+  load_rows<kBN, D>(sV, vb, p.vs.seq, seq_k - n0, tid);
+  cute::cp_async_fence();
+  cute::cp_async_wait<0>();
+  fence_proxy_async();  // cp.async's writes, for wgmma's reads (after the step's barrier)
 
   typename C::MmaSdP mma_sdp;
   typename C::MmaDKV mma_dkv;
@@ -239,28 +365,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   clear(tdVrdV);
   clear(tdKrdK);
 
-  int* turn = nullptr;  // kOrdered: the counter of the last step's query tile
   Step cur = next_step(0, 0);
-  if (cur.gi < group) issue(cur, 0);
-  cute::cp_async_fence();
-  for (int st = 0; cur.gi < group; st ^= 1) {
+  for (int u = 0; cur.gi < group; ++u) {
+    const int st = u % kStages;
     const int h = hk * group + cur.gi;
-    cute::cp_async_wait<0>();
-    fence_proxy_async();                   // cp.async's writes, for wgmma's reads
-    if (tid < kBM) bulk_wait<kOrdered>();  // the last step's dQ rows read (kOrdered: added)
-    // Stage st landed for every thread; the last step's reads of stage st ^ 1, of dSᵀ and of
-    // the dQ tile are done.
-    __syncthreads();
+    const int rows_left = seq_q - cur.m0, keys_left = seq_k - n0;
+    Bar::wait(&sm.full[st], (u / kStages) & 1);
+    if (rows_left < kBM) {  // rows past the sequence: zeros, not the next sequence's rows
+      zero_rows<D>(sQ(_, _, st), sdO(_, _, st), rows_left, tid);
+      fence_proxy_async();
+    }
+    // The last step's reads of dSᵀ are done (and K and V, and a tile's zeroed rows, are in
+    // place for every consumer).
+    named_sync(1, kConsumers);
 
-    // The products first: the next step's copies and the turn's release are issued under them.
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBN>, Int<kBM>>{});
     Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBN>, Int<kBM>>{});
     wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
     wg_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, st), tSrdP);
-    if (kOrdered && tid == 0 && turn != nullptr) pass_the_turn(turn);
     const Step nxt = next_step(cur.gi, cur.m0 + kBM);
-    if (nxt.gi < group) issue(nxt, st ^ 1);
-    cute::cp_async_fence();
 
     // Pᵀ into tSrS, scale · dSᵀ into tSrdP; each to 16 bit in registers (rP, rdS) for dV's and
     // dK's products, and dSᵀ to shared memory for dQ's. A plain tile (every pair visible, no
@@ -274,7 +397,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_gemm<false, -1>(mma_dkv, rP, tKVrdOt(_, _, _, st), tdVrdV);
     };
     const bool masked = mask.tile_masked(cur.m0, kBM, n0, kBN);
-    const int rows_left = seq_q - cur.m0, keys_left = seq_k - n0;
     const bool plain =
         !masked && rows_left >= kBM && keys_left >= kBN && pm.cap2 == 0.f && pm.alibi == nullptr;
     // A row's LSE and D: a thread's elements come in pairs of adjacent rows (e, e + 1).
@@ -323,44 +445,30 @@ __global__ void __launch_bounds__(kThreads, 1)
     warpgroup_fence_operand(rdS);
     cute::copy(copy_dst, thr_copy_dst.retile_S(rdSc), tdSsdSt);
     fence_proxy_async();
-    named_sync(1, kThreads);  // both warpgroups' keys stored (dQ reads all of dS)
+    named_sync(1, kConsumers);  // both warpgroups' keys stored (dQ reads all of dS)
 
-    // dQ = dS·K, then dK += dSᵀ·Q, which runs while dQ's tile is staged in shared memory and
-    // each of its rows added to the f32 accumulator by one bulk reduction (kOrdered: after the
-    // key blocks before this one have added theirs).
+    // dQ = dS·K, then dK += dSᵀ·Q, which runs while dQ's tile is staged in shared memory for
+    // the dQ warp (its buffer free once the warp has read the tile of two steps back).
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBM>, Int<D>>{});
     wg_gemm<true, -1>(mma_dq, tQrdS, tQrKt, tdQrdQ);
     wg_gemm<false, -1>(mma_dkv, rdS, tKVrQt(_, _, _, st), tdKrdK);
     warpgroup_wait<1>();  // dV and dQ
     warpgroup_fence_operand(rP);
     warpgroup_fence_operand(tdQrdQ);
+    const int slot = u % 2;
+    if (u >= 2) Bar::wait(&sm.dq_empty[slot], ((u / 2) - 1) & 1);
     CUTE_UNROLL
     for (int e = 0; e < size(tdQrdQ); e += 2)
-      st_shared2(smem_addr(&sm.dq[get<0>(cdQ(e)) * kDqRow<D> + get<1>(cdQ(e))]), tdQrdQ(e),
+      st_shared2(smem_addr(&sm.dq[slot][get<0>(cdQ(e)) * kDqRow<D> + get<1>(cdQ(e))]), tdQrdQ(e),
                  tdQrdQ(e + 1));
-    fence_proxy_async();
-    if constexpr (kOrdered) {
-      turn = pm.dq_order + (int64_t(b) * p.heads + h) * pm.order_tiles + cur.m0 / kBM;
-      if (tid == 0) wait_for_turn(turn, (mask.key_end(cur.m0, kBM) - 1) / kBN - nb);
-    }
-    named_sync(1, kThreads);  // the tile stored (and kOrdered: this block's turn)
-    if (tid < min(rows_left, kBM)) {
-      float* row =
-          pm.dq_acc + lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, int64_t(cur.m0 + tid)) * D;
-      bulk_add_f32(row, smem_addr(&sm.dq[tid * kDqRow<D>]), D * 4);
-      bulk_commit();
-    }
+    fence_proxy_async();  // for the bulk reductions' reads
+    Bar::arrive(&sm.dq_full[slot]);
     warpgroup_wait<0>();  // dK: its operands may be overwritten next step
     warpgroup_fence_operand(rdS);
     warpgroup_fence_operand(tdVrdV);
     warpgroup_fence_operand(tdKrdK);
+    Bar::arrive(&sm.empty[st]);  // the stage's last reader
     cur = nxt;
-  }
-  cute::cp_async_wait<0>();  // K and V's copies, where no query tile saw the keys
-  if (tid < kBM) bulk_wait<kOrdered>();
-  if constexpr (kOrdered) {
-    __syncthreads();
-    if (tid == 0 && turn != nullptr) pass_the_turn(turn);
   }
   warpgroup_fence_operand(tdVrdV);
   warpgroup_fence_operand(tdKrdK);
@@ -394,7 +502,32 @@ std::string can_implement(const BwdArgs& a, const DeviceInfo& dev) {
            " exceeds 2^30 - 64: cutlass's backward forms the mask's indices in 32-bit int";
   return limits::first({sm90_only(dev), limits::int_sequences(f, "cutlass backward", kBN),
                         scalar::bwd::can_implement<native_t<T>, D>(a, dev),
+                        tma_operand(f.ops.q, f.ops.q_stride, "q", int(sizeof(T))),
+                        tma_operand(a.grads.d_o, a.grads.do_stride, "dO", int(sizeof(T))),
                         limits::smem_per_block(dev, Cfg<T, D>::kSmemBytes)});
+}
+
+// The producer's TMA descriptors of Q and dO: (rows, d, head, batch), packed rows one batch
+// entry (as the forward's, operand_tensor).
+template <typename T, int D>
+Loads<T, D> make_loads(const BwdArgs& a) {
+  const FwdArgs& f = a.fwd;
+  const bool packed = f.seqs.total_q > 0;
+  const int64_t rows = packed ? f.seqs.total_q : f.dims.seq_q, batch = packed ? 1 : f.dims.batch;
+  const auto tma = [&](uint64_t ptr, const Strides& st) {
+    return make_tma_copy(
+        SM90_TMA_LOAD{}, operand_tensor(device_ptr<const T>(ptr), rows, D, f.dims.heads, batch, st),
+        take<0, 2>(typename Cfg<T, D>::LayoutQ{}), Shape<Int<kBM>, Int<D>>{}, _1{});
+  };
+  return {tma(f.ops.q, f.ops.q_stride), tma(a.grads.d_o, a.grads.do_stride)};
+}
+
+// `Kernel` on pm and the loads, after its shared-memory opt-in.
+template <auto Kernel, typename T, int D>
+void launch(dim3 grid, cudaStream_t stream, const Params& pm, const Loads<T, D>& loads) {
+  constexpr int kSmem = Cfg<T, D>::kSmemBytes;
+  scalar::bwd::opt_in<Kernel, kSmem>();
+  Kernel<<<grid, kThreads, kSmem, stream>>>(pm, loads);
 }
 
 // The workspace: the scalar backward's, with the ordered mode's accumulator and counters.
@@ -405,12 +538,12 @@ void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
   const FwdArgs& f = a.fwd;
   const dim3 grid(unsigned((f.dims.seq_k + kBN - 1) / kBN), unsigned(f.dims.kv_heads),
                   unsigned(f.dims.batch));
-  constexpr int kSmem = Cfg<T, D>::kSmemBytes;
+  const Loads<T, D> loads = make_loads<T, D>(a);
   scalar::bwd::run_backward<native_t<T>, D, kBM>(a, stream, "cutlass", [&](const Params& pm) {
     if (pm.dq_order != nullptr)
-      scalar::bwd::launch<wgmma_dkdv_kernel<T, D, true>, kSmem>(grid, kThreads, stream, pm);
+      launch<wgmma_dkdv_kernel<T, D, true>>(grid, stream, pm, loads);
     else
-      scalar::bwd::launch<wgmma_dkdv_kernel<T, D, false>, kSmem>(grid, kThreads, stream, pm);
+      launch<wgmma_dkdv_kernel<T, D, false>>(grid, stream, pm, loads);
     SDPA_LAUNCH_CHECK("cutlass dkdv_kernel launch");
   });
 }

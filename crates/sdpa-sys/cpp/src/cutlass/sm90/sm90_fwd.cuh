@@ -262,20 +262,6 @@ __global__ void __launch_bounds__(TileConfig<E, D>::kThreads, 1)
 
 // Host side ----------------------------------------------------------------------------------
 
-// TMA needs a 16-byte aligned base and 16-byte multiple strides below 2^40 bytes (and dims
-// below 2^32: the shapes here are int). A null pointer is not checked (can_implement asked before
-// the buffers exist).
-inline std::string tma_operand(uint64_t address, const Strides& s, const char* what,
-                               int elem_bytes) {
-  const auto ok = [&](int64_t st) {
-    return st >= 0 && (st * elem_bytes) % 16 == 0 && st * elem_bytes < (int64_t(1) << 40);
-  };
-  if (address % 16 != 0 || !ok(s.batch) || !ok(s.head) || !ok(s.seq))
-    return std::string(what) +
-           " is not TMA-addressable (16-byte aligned base and strides required)";
-  return "";
-}
-
 // SDPA_SM90_CTAS=n in the environment (read once), for tests, sanitizers and measurements: n > 0
 // caps the masked kernels' persistent grid at n CTAs (several tiles a CTA on small problems);
 // n < 0 leaves it one CTA a tile, as without a tile counter.
