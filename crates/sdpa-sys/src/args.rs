@@ -165,11 +165,13 @@ mod blocks {
     }
 
     /// Device memory a launch borrows. workspace: workspace_bytes(kernel, args) bytes owned by
-    /// the caller (0 when that is 0), valid until the enqueued work is done. tile_counter: two
-    /// device i32 that are zero between calls (0: none), with which a kernel may hand out its
-    /// work tiles to a persistent grid as they free up (the cutlass-sm90 masked kernels); such
-    /// a kernel leaves them zero when it ends, and a call may run before the previous one on
-    /// the same stream has ended only where it waits for it before touching them.
+    /// the caller (0 when that is 0), valid until the enqueued work is done. tile_counter:
+    /// `COUNTERS` device i32 that are zero between calls (0: none), with which a kernel may
+    /// hand out its work tiles to a persistent grid as they free up (the cutlass-sm90 masked
+    /// kernels) or find the last of its CTAs to finish a piece of work (the decode kernel's
+    /// splits); such a kernel leaves them zero when it ends, and a call may run before the
+    /// previous one on the same stream has ended only where it waits for it before touching
+    /// them.
     #[derive(Debug, Clone, Copy, Default)]
     struct FwdScratch {
         workspace: u64,
