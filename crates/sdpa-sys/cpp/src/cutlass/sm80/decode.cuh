@@ -45,6 +45,7 @@
 
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstdlib>
 #include <type_traits>
@@ -194,13 +195,15 @@ struct CodeCopy {
   }
 };
 
-// Splits a merge loads at once (see combine_row).
-constexpr int kFewSplits = 16;
+// Splits a merge loads at once (see combine_row): up to 16, at most 32 column pairs of
+// partials a lane in registers (MLA's 512 columns: 4).
+template <int D>
+constexpr int kFewSplits = std::min(16, 32 / (D / 64));
 
 // Merges the splits' partial outputs of row (token `tok`, head `head`) of sequence b into its
 // output and log-sum-exp: one warp, whose lanes read the splits' log-sum-exps side by side (a
 // split per lane), then the partial outputs (a column pair per lane). The partials come through
-// L2 (ld.global.cg): other CTAs wrote them during this grid. Up to kFewSplits splits (short
+// L2 (ld.global.cg): other CTAs wrote them during this grid. Up to kFewSplits<D> splits (short
 // contexts, where the merge's latency shows in a step's time) every load is issued at once: one
 // round trip to L2, not one for the log-sum-exps and then one for each few splits. Both forms
 // add in the same order.
@@ -225,11 +228,12 @@ __device__ __forceinline__ void combine_row(const Params<T, Mask>& p, const Seq<
     return v;
   };
   float m = -INFINITY, sum = 0.f, acc[kPer][2] = {};
-  if (n <= kFewSplits) {
+  constexpr int kFew = kFewSplits<D>;
+  if (n <= kFew) {
     const float ls = lse_of(lane);
-    float2 x[kFewSplits][kPer];
+    float2 x[kFew][kPer];
 #pragma unroll
-    for (int j = 0; j < kFewSplits; ++j)
+    for (int j = 0; j < kFew; ++j)
 #pragma unroll
       for (int i = 0; i < kPer; ++i)
         if (j < n) x[j][i] = part(j, i);
@@ -238,7 +242,7 @@ __device__ __forceinline__ void combine_row(const Params<T, Mask>& p, const Seq<
       const float wl = ls == -INFINITY ? 0.f : __expf(ls - m);
       sum = wl;
 #pragma unroll
-      for (int j = 0; j < kFewSplits; ++j) {
+      for (int j = 0; j < kFew; ++j) {
         if (j >= n) break;
         const float wgt = __shfl_sync(0xffffffffu, wl, j);
 #pragma unroll
