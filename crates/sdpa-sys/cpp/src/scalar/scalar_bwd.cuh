@@ -536,11 +536,12 @@ void opt_in() {
   }
 }
 
-// `Kernel` on pm, after its shared-memory opt-in.
-template <auto Kernel, int kSmem>
-void launch(dim3 grid, int threads, cudaStream_t stream, const Params& pm) {
+// `Kernel` on its arguments (pm, and whatever else a backend's kernel takes), after its
+// shared-memory opt-in.
+template <auto Kernel, int kSmem, typename... Args>
+void launch(dim3 grid, int threads, cudaStream_t stream, const Args&... args) {
   opt_in<Kernel, kSmem>();
-  Kernel<<<grid, threads, kSmem, stream>>>(pm);
+  Kernel<<<grid, threads, kSmem, stream>>>(args...);
 }
 
 // A backward kernel as `sdpa info` lists it: its name's stem, the kernel, the dynamic shared

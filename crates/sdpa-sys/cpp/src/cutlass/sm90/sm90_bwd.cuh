@@ -522,14 +522,6 @@ Loads<T, D> make_loads(const BwdArgs& a) {
   return {tma(f.ops.q, f.ops.q_stride), tma(a.grads.d_o, a.grads.do_stride)};
 }
 
-// `Kernel` on pm and the loads, after its shared-memory opt-in.
-template <auto Kernel, typename T, int D>
-void launch(dim3 grid, cudaStream_t stream, const Params& pm, const Loads<T, D>& loads) {
-  constexpr int kSmem = Cfg<T, D>::kSmemBytes;
-  scalar::bwd::opt_in<Kernel, kSmem>();
-  Kernel<<<grid, kThreads, kSmem, stream>>>(pm, loads);
-}
-
 // The workspace: the scalar backward's, with the ordered mode's accumulator and counters.
 inline int64_t workspace_bytes(const BwdArgs& a) { return scalar::bwd::workspace_bytes(a, kBM); }
 
@@ -538,12 +530,13 @@ void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
   const FwdArgs& f = a.fwd;
   const dim3 grid(unsigned((f.dims.seq_k + kBN - 1) / kBN), unsigned(f.dims.kv_heads),
                   unsigned(f.dims.batch));
+  constexpr int kSmem = Cfg<T, D>::kSmemBytes;
   const Loads<T, D> loads = make_loads<T, D>(a);
   scalar::bwd::run_backward<native_t<T>, D, kBM>(a, stream, "cutlass", [&](const Params& pm) {
     if (pm.dq_order != nullptr)
-      launch<wgmma_dkdv_kernel<T, D, true>>(grid, stream, pm, loads);
+      scalar::bwd::launch<wgmma_dkdv_kernel<T, D, true>, kSmem>(grid, kThreads, stream, pm, loads);
     else
-      launch<wgmma_dkdv_kernel<T, D, false>>(grid, stream, pm, loads);
+      scalar::bwd::launch<wgmma_dkdv_kernel<T, D, false>, kSmem>(grid, kThreads, stream, pm, loads);
     SDPA_LAUNCH_CHECK("cutlass dkdv_kernel launch");
   });
 }
