@@ -75,7 +75,8 @@ struct Params {
   Strides dqs, dks, dvs;
   float* dsinks;  // [heads], null: not asked for
   float* delta;   // [LSE rows]: D_i, at the LSE's index
-  float* dq_acc;  // [LSE rows][head_dim] f32; null: the deterministic mode on the dQ kernel
+  float* dq_acc;  // [LSE rows][head_dim] f32 in dq_col's order; null: the deterministic mode
+                  // on the dQ kernel
   // The ordered deterministic mode (a dK/dV pass that adds each query tile's dQ into dq_acc in
   // the order of its key blocks): a counter per tile of order_rows rows, [batch][heads][tiles],
   // of the key blocks that have added into it; null: none.
@@ -83,6 +84,15 @@ struct Params {
   int order_rows;
   int64_t order_tiles;
 };
+
+// Where column `col` of accumulator row `row` (its LSE index) lies in the row: in each complete
+// group of 64 columns, the 8-float chunks trade places by the row's index mod 8 (XOR). Rows
+// staged in shared memory in this order spread a warp's stores of 8 rows over every bank, so
+// that sm_90a's backward stages a tile of consecutive rows as the accumulator holds them and adds
+// it with one bulk reduction. Pairs (col even) stay adjacent.
+__host__ __device__ __forceinline__ int dq_col(int64_t row, int col, int head_dim) {
+  return col < head_dim / 64 * 64 ? col ^ (int(row & 7) << 3) : col;
+}
 
 // The shared memory of a dK/dV or dQ CTA: a tile of Q and dO rows, one of K and V rows (16-bit
 // pairs, rows padded a word so that lane j reading row j hits bank j + w), the tile's P and
@@ -334,14 +344,14 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
         for (int r = 0; r < kRPW; ++r) {
           const int64_t i = m0 + warp * kRPW + r;
           if (i >= s.seq.seq_q) continue;
-          float* row =
-              pm.dq_acc + lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, i) * pm.head_dim;
+          const int64_t at = lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, i);
 #pragma unroll
           for (int c = 0; c < CPL; ++c) {
             const int col = 2 * (lane + 32 * c);
             if (col >= pm.head_dim) continue;
-            atomicAdd(row + col, acc[r][2 * c]);
-            atomicAdd(row + col + 1, acc[r][2 * c + 1]);
+            float* pair = pm.dq_acc + at * pm.head_dim + dq_col(at, col, pm.head_dim);
+            atomicAdd(pair, acc[r][2 * c]);
+            atomicAdd(pair + 1, acc[r][2 * c + 1]);
           }
         }
       }
@@ -370,11 +380,14 @@ __global__ void __launch_bounds__(kThreads) convert_kernel(const __grid_constant
   const int64_t i = int64_t(blockIdx.x) * kWarps + warp, h = blockIdx.y, b = blockIdx.z;
   const Seq<int64_t> seq = seq_of<int64_t>(pm.seqs, b, p.seq_q, p.seq_k);
   if (i >= seq.seq_q) return;
-  const float* acc = pm.dq_acc + lse_index(pm.seqs, seq, b, h, p.heads, p.seq_q, i) * pm.head_dim;
+  const int64_t at = lse_index(pm.seqs, seq, b, h, p.heads, p.seq_q, i);
+  const float* acc = pm.dq_acc + at * pm.head_dim;
   auto* row = reinterpret_cast<uint32_t*>(
       pm.dq + 2 * (b * pm.dqs.batch + h * pm.dqs.head + (seq.q0 + i) * pm.dqs.seq));
-  for (int w = lane; w < pm.head_dim / 2; w += 32)
-    row[w] = P2::from_float2(acc[2 * w], acc[2 * w + 1]);
+  for (int w = lane; w < pm.head_dim / 2; w += 32) {
+    const float* pair = acc + dq_col(at, 2 * w, pm.head_dim);
+    row[w] = P2::from_float2(pair[0], pair[1]);
+  }
 }
 
 // 3b. The deterministic mode's dQ: a tile of kBM rows of head blockIdx.y, sequence blockIdx.z,

@@ -235,11 +235,10 @@ __global__ void __launch_bounds__(kThreads) mma_dkdv_kernel(const __grid_constan
         for (int half = 0; half < 2; ++half) {
           const int64_t i = m0 + qr0 + g + 8 * half;
           if (i >= seq_q) continue;
-          float* row =
-              pm.dq_acc + lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, i) * pm.head_dim;
+          const int64_t row = lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, i);
 #pragma unroll
           for (int n = 0; n < D / 8; ++n) {
-            float* at = row + 8 * n + 2 * t;
+            float* at = pm.dq_acc + row * D + scalar::bwd::dq_col(row, 8 * n + 2 * t, D);
             if constexpr (kOrdered) {
               const float2 was = __ldcg(reinterpret_cast<const float2*>(at));
               __stcg(reinterpret_cast<float2*>(at),

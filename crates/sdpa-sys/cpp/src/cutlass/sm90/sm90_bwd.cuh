@@ -21,17 +21,19 @@
 //   dQ = dS·K                wgmma SS: dSᵀ's bytes read as dS (row contiguous, MN-major) with
 //                            K as [d][key], the warpgroups splitting the head dim;
 //   dK += dSᵀ·Q              wgmma RS, Q read as [d][row];
-//   dQ's f32 tile            staged in shared memory (two buffers) while dK runs; the
-//                            producer warpgroup's second warp adds it to the accumulator a row
-//                            a lane by bulk reductions (cp.reduce.async.bulk) while the
-//                            consumers go on to the next steps.
+//   dQ's f32 tile            staged in shared memory (two buffers) while dK runs, its rows as
+//                            the accumulator holds them (consecutive rows, each in
+//                            scalar::bwd::dq_col's order); one thread of the producer
+//                            warpgroup's second warp adds it to the accumulator with one bulk
+//                            reduction (cp.reduce.async.bulk) while the consumers go on to the
+//                            next steps.
 // dK and dV accumulate in registers over every tile. Keeping Pᵀ and dSᵀ in registers for dV and
 // dK spares shared memory Pᵀ's stores and a third of those products' reads.
 //
 // The deterministic mode (kOrdered) is the same pass with the additions into each query tile
 // ordered: a counter per tile (Params::dq_order, zeroed by the D pre-pass) says how many of the
-// key blocks that see it have added; a block's dQ warp waits for its turn before its reductions
-// and passes the turn on once they are complete, off the consumers' path. Turns run from the last
+// key blocks that see it have added; a block's dQ thread waits for its turn before its reduction
+// and passes the turn on once it is complete, off the consumers' path. Turns run from the last
 // key block that sees the tile down to the first: under a causal or band mask the later blocks
 // start nearer the tile and reach it first (the other order made every block keep the pace of block
 // 0: s16k-d128-causal 1.76x the atomic mode's time). The grid launches the key blocks in that order
@@ -64,7 +66,7 @@ namespace sdpa::cutlass_sm90::bwd {
 
 constexpr int kWG = 2;  // consumer warpgroups, 64 keys each
 constexpr int kConsumers = 128 * kWG;
-// and the producer warpgroup: its warp 0 loads, its warp 1 adds dQ into the accumulator
+// and the producer warpgroup: its warp 0 loads, a thread of its warp 1 adds dQ into the accumulator
 constexpr int kThreads = kConsumers + 128;
 // Registers a thread: the producer warpgroup gives up what the consumers take (setmaxnreg), 24
 // and 240 of the 168 a launch of 384 threads allows.
@@ -75,15 +77,11 @@ constexpr int kBN = 64 * kWG;  // keys a CTA
 constexpr int kBM = 64;        // query rows a step
 constexpr int kStages = 2;     // Q, dO and row statistics in flight
 
-// A row of the dQ tile in shared memory: D floats and 16 bytes, so that the 8-byte stores of a
-// warp's accumulator pairs (8 rows, 4 column pairs) take the two wavefronts they must.
-template <int D>
-constexpr int kDqRow = D + 4;
-
 using scalar::bwd::Params;
 
 template <typename T, int D>
 struct Cfg {
+  static_assert(D % 64 == 0, "dQ's staging takes the accumulator's column order (dq_col) whole");
   using BM = Int<kBM>;
   using BN = Int<kBN>;
   using HD = Int<D>;
@@ -126,13 +124,13 @@ struct Cfg {
     alignas(1024) T k[kBN * D];
     alignas(1024) T v[kBN * D];
     alignas(1024) T dst[kBN * kBM];
-    alignas(128) float dq[2][kBM * kDqRow<D>];  // tiles of dQ (step u in u % 2), rows padded
-    float lse[kStages][kBM];                    // natural log, as the forward returns it
+    alignas(128) float dq[2][kBM * D];  // tiles of dQ (step u in u % 2), as the accumulator's rows
+    float lse[kStages][kBM];            // natural log, as the forward returns it
     float delta[kStages][kBM];
     uint64_t full[kStages];   // a stage's Q, dO (TMA bytes), LSE and D (the lanes' copies) landed
     uint64_t empty[kStages];  // every consumer thread is done with the stage
     uint64_t dq_full[2];      // every consumer thread has stored its part of the dQ tile
-    uint64_t dq_empty[2];     // the dQ warp's reductions have read the tile
+    uint64_t dq_empty[2];     // the dQ thread's reduction has read the tile
   };
   // +1 KB: the kernel aligns the dynamic smem base up to 1024 bytes (128-byte swizzle atoms).
   static constexpr int kSmemBytes = int(sizeof(Smem)) + 1024;
@@ -249,32 +247,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x >= 64) return;
     const int lane = int(threadIdx.x) % 32;
     if (threadIdx.x >= 32) {
-      // The dQ warp: step u's tile of dQ, once stored, added into the accumulator (kOrdered: in
-      // its turn, waited for while the consumers compute the tile, and passed on once the
-      // additions are complete). A tile's rows are consecutive rows of the accumulator (as of
-      // the LSE: lse_index).
+      // The dQ thread (the second warp's first): step u's tile of dQ, once stored, added into the
+      // accumulator (kOrdered: in its turn, waited for while the consumers compute the tile, and
+      // passed on once the addition is complete). A tile's rows are consecutive rows of the
+      // accumulator (as of the LSE: lse_index), staged in its order: one reduction a tile.
+      if (threadIdx.x != 32) return;
       int u = 0;
       for (Step t = next_step(0, 0); t.gi < group; t = next_step(t.gi, t.m0 + kBM), ++u) {
         const int slot = u % 2, h = hk * group + t.gi;
         int* turn = nullptr;
         if constexpr (kOrdered) {
           turn = pm.dq_order + (int64_t(b) * p.heads + h) * pm.order_tiles + t.m0 / kBM;
-          if (lane == 0) wait_for_turn(turn, (mask.key_end(t.m0, kBM) - 1) / kBN - nb);
-          __syncwarp();
+          wait_for_turn(turn, (mask.key_end(t.m0, kBM) - 1) / kBN - nb);
         }
         Bar::wait(&sm.dq_full[slot], (u / 2) & 1);
         float* const tile =
             pm.dq_acc + lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, int64_t(t.m0)) * D;
-        for (int r = lane; r < min(seq_q - t.m0, kBM); r += 32)
-          bulk_add_f32(tile + r * D, smem_addr(&sm.dq[slot][r * kDqRow<D>]), D * 4);
+        bulk_add_f32(tile, smem_addr(sm.dq[slot]), min(seq_q - t.m0, kBM) * D * 4);
         bulk_commit();
         bulk_wait<false>();  // the tile read: its buffer is free
-        __syncwarp();
-        if (lane == 0) Bar::arrive(&sm.dq_empty[slot]);
+        Bar::arrive(&sm.dq_empty[slot]);
         if constexpr (kOrdered) {
           bulk_wait<true>();  // added
-          __syncwarp();
-          if (lane == 0) pass_the_turn(turn);
+          pass_the_turn(turn);
         }
       }
       return;
@@ -448,7 +443,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     named_sync(1, kConsumers);  // both warpgroups' keys stored (dQ reads all of dS)
 
     // dQ = dS·K, then dK += dSᵀ·Q, which runs while dQ's tile is staged in shared memory for
-    // the dQ warp (its buffer free once the warp has read the tile of two steps back).
+    // the dQ thread (its buffer free once that thread's reduction has read the tile of two steps
+    // back).
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBM>, Int<D>>{});
     wg_gemm<true, -1>(mma_dq, tQrdS, tQrKt, tdQrdQ);
     wg_gemm<false, -1>(mma_dkv, rdS, tKVrQt(_, _, _, st), tdKrdK);
@@ -457,9 +453,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     warpgroup_fence_operand(tdQrdQ);
     const int slot = u % 2;
     if (u >= 2) Bar::wait(&sm.dq_empty[slot], ((u / 2) - 1) & 1);
+    // The accumulator's column order (scalar::bwd::dq_col) keyed by the row's index mod 8: the
+    // thread's rows of the tile are 8 apart, so one key serves them all.
+    const int64_t row0 = lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, int64_t(cur.m0));
+    const int dq_key = int((row0 + get<0>(cdQ(0))) & 7) << 3;
     CUTE_UNROLL
     for (int e = 0; e < size(tdQrdQ); e += 2)
-      st_shared2(smem_addr(&sm.dq[slot][get<0>(cdQ(e)) * kDqRow<D> + get<1>(cdQ(e))]), tdQrdQ(e),
+      st_shared2(smem_addr(&sm.dq[slot][get<0>(cdQ(e)) * D + (get<1>(cdQ(e)) ^ dq_key)]), tdQrdQ(e),
                  tdQrdQ(e + 1));
     fence_proxy_async();  // for the bulk reductions' reads
     Bar::arrive(&sm.dq_full[slot]);
