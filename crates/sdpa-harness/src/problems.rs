@@ -131,6 +131,7 @@ pub const NAMED_PROBLEMS: &[Named] = &[
     Named::dense("s2k-d128", [4, 16, 2048, 128], false),
     Named::dense("s4k-d128-causal", [2, 16, 4096, 128], true),
     Named::dense("s8k-d128", [1, 16, 8192, 128], false),
+    Named::dense("s8k-d64", [1, 32, 8192, 64], false),
     Named::dense("s16k-d128-causal", [1, 16, 16384, 128], true),
     Named::dense("s8k-d256", [1, 16, 8192, 256], false),
     Named::dense("s8k-d256-causal", [1, 16, 8192, 256], true),

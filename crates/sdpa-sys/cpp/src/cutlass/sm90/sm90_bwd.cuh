@@ -5,21 +5,24 @@
 // `bwd` lines); can_implement (below) sends the others on.
 //
 // A CTA takes kBN = 128 keys of one K/V head, 64 a consumer warpgroup; K and V stay in shared
-// memory while it walks the 64-row query tiles of its group's heads that see them (the scalar
-// kernel's tile tests). A producer warp streams each tile's Q and dO (TMA) and its rows' LSE
-// and D (cp.async, two rows a lane) into two stages, as FlashAttention-3's backward does; the
-// consumers release a stage once its last product has read it, and issue no load but K's and
-// V's, once (cp.async, zeros past the keys). Per query tile:
-//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ    wgmma SS, each warpgroup its 64 keys (M) by the tile's 64 rows;
+// memory while it walks the query tiles (kBM rows: 128 at D = 64, 64 at D = 128) of its group's
+// heads that see them (the scalar kernel's tile tests). A producer warp streams each tile's Q
+// and dO (TMA) and its rows' LSE and D (cp.async, a lane every 32nd row) into two stages, as
+// FlashAttention-3's backward does; the consumers release a stage once its last product has
+// read it, and issue no load but K's and V's, once (cp.async, zeros past the keys). Per query
+// tile:
+//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ    wgmma SS, each warpgroup its 64 keys (M) by the tile's rows;
 //   Pᵀ, dSᵀ                  per element (scalar::bwd::score_grad), then to 16 bit in the
 //                            registers they were computed in: Sᵀ's accumulator layout is the
 //                            A operand's of a product whose M is the keys and whose K is the
 //                            rows; dSᵀ also stored to shared memory [key][row] (rows
-//                            contiguous);
+//                            contiguous; at D = 128 two buffers, so the warpgroups meet once
+//                            a step, when both have stored theirs);
 //   dV += Pᵀ·dO              wgmma RS, under dSᵀ's store; dO read as [d][row] (an MN-major
 //                            view of the same shared memory);
 //   dQ = dS·K                wgmma SS: dSᵀ's bytes read as dS (row contiguous, MN-major) with
-//                            K as [d][key], the warpgroups splitting the head dim;
+//                            K as [d][key], the warpgroups splitting the rows (128) or the
+//                            head dim (64 rows);
 //   dK += dSᵀ·Q              wgmma RS, Q read as [d][row];
 //   dQ's f32 tile            staged in shared memory (two buffers) while dK runs, its rows as
 //                            the accumulator holds them (consecutive rows, each in
@@ -74,14 +77,20 @@ constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 static_assert(kWG * (kConsumerRegs - 168) <= 168 - kProducerRegs, "setmaxnreg would wait forever");
 constexpr int kBN = 64 * kWG;  // keys a CTA
-constexpr int kBM = 64;        // query rows a step
 constexpr int kStages = 2;     // Q, dO and row statistics in flight
+// Query rows a step: 128 at head dim 64, where a step of 64 rows is too short for its
+// elementwise work and barriers (FlashAttention-3's 128 x 128 there), 64 above.
+constexpr int rows_a_step(int head_dim) { return head_dim == 64 ? 128 : 64; }
 
 using scalar::bwd::Params;
 
 template <typename T, int D>
 struct Cfg {
   static_assert(D % 64 == 0, "dQ's staging takes the accumulator's column order (dq_col) whole");
+  static constexpr int kBM = rows_a_step(D);
+  // dSᵀ buffers: two, so that the warpgroups meet once a step, where shared memory has room for
+  // them (not at D = 64's 128-row steps).
+  static constexpr int kDsBufs = kBM == 64 ? 2 : 1;
   using BM = Int<kBM>;
   using BN = Int<kBN>;
   using HD = Int<D>;
@@ -99,11 +108,14 @@ struct Cfg {
   // products: k-block kb (16 rows) is Sᵀ's column groups 2kb and 2kb + 1 (convert_p).
   using LayoutPA =
       Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBM / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
-  // dQ = dS·K: dS (rows, keys) row-contiguous, K as [d][key]; the warpgroups tile the head dim.
-  using MmaDQ =
-      decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<T, T, float, Shape<BM, Int<D / kWG>, BN>,
-                                                         GMMA::Major::MN, GMMA::Major::MN>(),
-                              Layout<Shape<_1, Int<kWG>, _1>>{}));
+  // dQ = dS·K: dS (rows, keys) row-contiguous, K as [d][key]; the warpgroups tile the rows
+  // where a step has 128 of them, else the head dim.
+  static constexpr bool kDqSplitsRows = kBM == 64 * kWG;
+  using MmaDQ = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kDqSplitsRows ? D : D / kWG>, BN>,
+                                 GMMA::Major::MN, GMMA::Major::MN>(),
+      std::conditional_t<kDqSplitsRows, Layout<Shape<Int<kWG>, _1, _1>>,
+                         Layout<Shape<_1, Int<kWG>, _1>>>{}));
 
   // Q and dO (rows, d, stage), K and V (keys, d): rows of D in K-major swizzle atoms; the
   // transposed views (…t) are the same bytes as the MN-major B operands of dK/dV and dQ.
@@ -112,18 +124,19 @@ struct Cfg {
       LayoutQ{}, make_layout(Shape<HD, BM, Stages>{}, Stride<BM, _1, Int<kBM * D>>{})));
   using LayoutK = decltype(tile_to_shape(KAtom<T, D>{}, Shape<BN, HD>{}));
   using LayoutKt = decltype(composition(LayoutK{}, make_layout(Shape<HD, BN>{}, Stride<BN, _1>{})));
-  // dSᵀ (keys, rows), rows contiguous, as the products' C partition stores it; dS (rows, keys)
-  // is the same bytes as the MN-major A operand of dQ.
-  using LayoutPt = decltype(tile_to_shape(KAtom<T, kBM>{}, Shape<BN, BM>{}));
-  using LayoutDS =
-      decltype(composition(LayoutPt{}, make_layout(Shape<BM, BN>{}, Stride<BN, _1>{})));
+  // dSᵀ (keys, rows, buffer), rows contiguous, as the products' C partition stores it; dS
+  // (rows, keys, buffer) is the same bytes as the MN-major A operand of dQ. Step u uses buffer
+  // u % kDsBufs: with two, a step's stores need not wait for the step before's dQ to read it.
+  using LayoutPt = decltype(tile_to_shape(KAtom<T, kBM>{}, Shape<BN, BM, Int<kDsBufs>>{}));
+  using LayoutDS = decltype(composition(
+      LayoutPt{}, make_layout(Shape<BM, BN, Int<kDsBufs>>{}, Stride<BN, _1, Int<kBN * kBM>>{})));
 
   struct Smem {
     alignas(1024) T q[kStages * kBM * D];
     alignas(1024) T d_o[kStages * kBM * D];
     alignas(1024) T k[kBN * D];
     alignas(1024) T v[kBN * D];
-    alignas(1024) T dst[kBN * kBM];
+    alignas(1024) T dst[kDsBufs * kBN * kBM];
     alignas(128) float dq[2][kBM * D];  // tiles of dQ (step u in u % 2), as the accumulator's rows
     float lse[kStages][kBM];            // natural log, as the forward returns it
     float delta[kStages][kBM];
@@ -186,11 +199,11 @@ __device__ __forceinline__ void load_rows(Tile&& tile, const T* base, int64_t rs
   }
 }
 
-// Rows [r0, kBM) of stage st of the tiles Q and dO as zeros, by consumer thread `tid`.
-template <int D, class Tile>
+// Rows [r0, R) of stage st of the tiles Q and dO (R rows) as zeros, by consumer thread `tid`.
+template <int R, int D, class Tile>
 __device__ __forceinline__ void zero_rows(Tile&& q, Tile&& d_o, int r0, int tid) {
   constexpr int CH = D / 8;
-  for (int c = r0 * CH + tid; c < kBM * CH; c += kConsumers) {
+  for (int c = r0 * CH + tid; c < R * CH; c += kConsumers) {
     const int r = c / CH, ch = c % CH;
     *reinterpret_cast<uint4*>(&q(r, ch * 8)) = make_uint4(0, 0, 0, 0);
     *reinterpret_cast<uint4*>(&d_o(r, ch * 8)) = make_uint4(0, 0, 0, 0);
@@ -202,6 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_dkdv_kernel(const __grid_constant__ Params pm, const __grid_constant__ Loads<T, D> tma) {
 #ifdef SDPA_SM90_DEVICE
   using C = Cfg<T, D>;
+  constexpr int kBM = C::kBM;
   const KernelParams& p = pm.base;
   auto& sm = smem_storage<typename C::Smem>();
   // Rows, keys and tile starts in 32-bit int (can_implement bounds them); addresses in 64-bit.
@@ -255,14 +269,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       int u = 0;
       for (Step t = next_step(0, 0); t.gi < group; t = next_step(t.gi, t.m0 + kBM), ++u) {
         const int slot = u % 2, h = hk * group + t.gi;
+        float* const tile =
+            pm.dq_acc + lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, int64_t(t.m0)) * D;
         int* turn = nullptr;
         if constexpr (kOrdered) {
           turn = pm.dq_order + (int64_t(b) * p.heads + h) * pm.order_tiles + t.m0 / kBM;
           wait_for_turn(turn, (mask.key_end(t.m0, kBM) - 1) / kBN - nb);
         }
         Bar::wait(&sm.dq_full[slot], (u / 2) & 1);
-        float* const tile =
-            pm.dq_acc + lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, int64_t(t.m0)) * D;
         bulk_add_f32(tile, smem_addr(sm.dq[slot]), min(seq_q - t.m0, kBM) * D * 4);
         bulk_commit();
         bulk_wait<false>();  // the tile read: its buffer is free
@@ -303,6 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         copy(tma.d_o.with(bar), get<0>(tdO), get<1>(tdO));
       }
       const int64_t row0 = lse_index(pm.seqs, s.seq, b, h, p.heads, p.seq_q, int64_t(t.m0));
+#pragma unroll 1
       for (int r = lane; r < kBM; r += 32) {
         const bool in = t.m0 + r < seq_q;
         cp_async_4(smem_addr(&sm.lse[st][r]), pm.lse + (in ? row0 + r : 0), in);
@@ -331,7 +346,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   load_rows<kBN, D>(sV, vb, p.vs.seq, seq_k - n0, tid);
   cute::cp_async_fence();
   cute::cp_async_wait<0>();
-  fence_proxy_async();  // cp.async's writes, for wgmma's reads (after the step's barrier)
+  fence_proxy_async();        // cp.async's writes, for wgmma's reads
+  named_sync(1, kConsumers);  // every consumer's rows of K and V in place
 
   typename C::MmaSdP mma_sdp;
   typename C::MmaDKV mma_dkv;
@@ -367,12 +383,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int rows_left = seq_q - cur.m0, keys_left = seq_k - n0;
     Bar::wait(&sm.full[st], (u / kStages) & 1);
     if (rows_left < kBM) {  // rows past the sequence: zeros, not the next sequence's rows
-      zero_rows<D>(sQ(_, _, st), sdO(_, _, st), rows_left, tid);
+      zero_rows<kBM, D>(sQ(_, _, st), sdO(_, _, st), rows_left, tid);
       fence_proxy_async();
+      named_sync(1, kConsumers);  // CTA-uniform: every consumer's zeros in place
+    } else if constexpr (C::kDsBufs == 1) {
+      named_sync(1, kConsumers);  // the step before's dQ has read dSᵀ (and the zeros' barrier)
     }
-    // The last step's reads of dSᵀ are done (and K and V, and a tile's zeroed rows, are in
-    // place for every consumer).
-    named_sync(1, kConsumers);
 
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBN>, Int<kBM>>{});
     Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBN>, Int<kBM>>{});
@@ -381,8 +397,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const Step nxt = next_step(cur.gi, cur.m0 + kBM);
 
     // Pᵀ into tSrS, scale · dSᵀ into tSrdP; each to 16 bit in registers (rP, rdS) for dV's and
-    // dK's products, and dSᵀ to shared memory for dQ's. A plain tile (every pair visible, no
-    // score mods) takes one FMA and one MUFU a score; any other tile goes through score_grad.
+    // dK's products, and dSᵀ to shared memory for dQ's. Without score mods a score takes one
+    // FMA and one MUFU (and a select where the tile hides pairs); with them, score_grad.
     Tensor rP = make_tensor<T>(typename C::LayoutPA{});
     Tensor rdSc = make_tensor_like<T>(tSrdP);  // dSᵀ in 16 bit, in the accumulator's layout
     Tensor rdS = make_tensor(rdSc.data(), typename C::LayoutPA{});
@@ -392,14 +408,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_gemm<false, -1>(mma_dkv, rP, tKVrdOt(_, _, _, st), tdVrdV);
     };
     const bool masked = mask.tile_masked(cur.m0, kBM, n0, kBN);
-    const bool plain =
-        !masked && rows_left >= kBM && keys_left >= kBN && pm.cap2 == 0.f && pm.alibi == nullptr;
+    const bool whole = !masked && rows_left >= kBM && keys_left >= kBN;  // every pair visible
     // A row's LSE and D: a thread's elements come in pairs of adjacent rows (e, e + 1).
     const uint32_t lse_at = smem_addr(&sm.lse[st][0]), delta_at = smem_addr(&sm.delta[st][0]);
     const auto row_pair = [&](uint32_t at, int e) { return ld_shared2(at + 4 * get<1>(cS(e))); };
+    const auto visible = [&](int e) {
+      const int qi = get<1>(cS(e)), kj = get<0>(cS(e));
+      return qi < rows_left && kj < keys_left && (!masked || mask.sees(cur.m0 + qi, n0 + kj));
+    };
     warpgroup_wait<1>();  // Sᵀ
     warpgroup_fence_operand(tSrS);
-    if (plain) {
+    if (pm.cap2 == 0.f && pm.alibi == nullptr) {
+      // No score mods: one FMA and one MUFU a score, then, on a tile some pair of which is not
+      // visible, P and dS of those pairs zeroed (a select: whatever their scores were).
       CUTE_UNROLL
       for (int e = 0; e < size(tSrS); e += 2) {
         const float2 lse = row_pair(lse_at, e);
@@ -414,6 +435,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         tSrdP(e) = tSrS(e) * (tSrdP(e) - delta.x) * pm.scale;
         tSrdP(e + 1) = tSrS(e + 1) * (tSrdP(e + 1) - delta.y) * pm.scale;
       }
+      if (!whole) {
+        CUTE_UNROLL
+        for (int e = 0; e < size(tSrS); ++e) {
+          const bool in = visible(e);
+          tSrS(e) = in ? tSrS(e) : 0.f;
+          tSrdP(e) = in ? tSrdP(e) : 0.f;
+        }
+      }
     } else {
       warpgroup_wait<0>();  // dPᵀ
       warpgroup_fence_operand(tSrdP);
@@ -425,11 +454,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         CUTE_UNROLL
         for (int i = 0; i < 2; ++i) {
           const int qi = get<1>(cS(e + i)), kj = get<0>(cS(e + i));
-          const bool visible =
-              qi < rows_left && kj < keys_left && (!masked || mask.sees(cur.m0 + qi, n0 + kj));
-          const scalar::bwd::ScoreGrad g =
-              scalar::bwd::score_grad(pm, tSrS(e + i), tSrdP(e + i), (i ? lse.y : lse.x) * kLog2e,
-                                      i ? delta.y : delta.x, slope2, abs(qi + diag - kj), visible);
+          const scalar::bwd::ScoreGrad g = scalar::bwd::score_grad(
+              pm, tSrS(e + i), tSrdP(e + i), (i ? lse.y : lse.x) * kLog2e, i ? delta.y : delta.x,
+              slope2, abs(qi + diag - kj), visible(e + i));
           tSrS(e + i) = g.p;
           tSrdP(e + i) = g.ds;
         }
@@ -438,7 +465,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     issue_dv();
     convert_p(rdS, tSrdP);
     warpgroup_fence_operand(rdS);
-    cute::copy(copy_dst, thr_copy_dst.retile_S(rdSc), tdSsdSt);
+    // Two buffers: buffer u % 2 was last read by step u - 2's dQ, which both warpgroups waited
+    // for before the barrier below in step u - 1. One: the barrier at the step's start.
+    const int ds_slot = u % C::kDsBufs;
+    cute::copy(copy_dst, thr_copy_dst.retile_S(rdSc), tdSsdSt(_, _, _, ds_slot));
     fence_proxy_async();
     named_sync(1, kConsumers);  // both warpgroups' keys stored (dQ reads all of dS)
 
@@ -446,7 +476,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // the dQ thread (its buffer free once that thread's reduction has read the tile of two steps
     // back).
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBM>, Int<D>>{});
-    wg_gemm<true, -1>(mma_dq, tQrdS, tQrKt, tdQrdQ);
+    wg_gemm<true, -1>(mma_dq, tQrdS(_, _, _, ds_slot), tQrKt, tdQrdQ);
     wg_gemm<false, -1>(mma_dkv, rdS, tKVrQt(_, _, _, st), tdKrdK);
     warpgroup_wait<1>();  // dV and dQ
     warpgroup_fence_operand(rP);
@@ -517,13 +547,15 @@ Loads<T, D> make_loads(const BwdArgs& a) {
   const auto tma = [&](uint64_t ptr, const Strides& st) {
     return make_tma_copy(
         SM90_TMA_LOAD{}, operand_tensor(device_ptr<const T>(ptr), rows, D, f.dims.heads, batch, st),
-        take<0, 2>(typename Cfg<T, D>::LayoutQ{}), Shape<Int<kBM>, Int<D>>{}, _1{});
+        take<0, 2>(typename Cfg<T, D>::LayoutQ{}), Shape<Int<Cfg<T, D>::kBM>, Int<D>>{}, _1{});
   };
   return {tma(f.ops.q, f.ops.q_stride), tma(a.grads.d_o, a.grads.do_stride)};
 }
 
 // The workspace: the scalar backward's, with the ordered mode's accumulator and counters.
-inline int64_t workspace_bytes(const BwdArgs& a) { return scalar::bwd::workspace_bytes(a, kBM); }
+inline int64_t workspace_bytes(const BwdArgs& a) {
+  return scalar::bwd::workspace_bytes(a, rows_a_step(int(a.fwd.dims.head_dim)));
+}
 
 template <typename T, int D>
 void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
@@ -532,13 +564,16 @@ void backward(const BwdArgs& a, const DeviceInfo&, cudaStream_t stream) {
                   unsigned(f.dims.batch));
   constexpr int kSmem = Cfg<T, D>::kSmemBytes;
   const Loads<T, D> loads = make_loads<T, D>(a);
-  scalar::bwd::run_backward<native_t<T>, D, kBM>(a, stream, "cutlass", [&](const Params& pm) {
-    if (pm.dq_order != nullptr)
-      scalar::bwd::launch<wgmma_dkdv_kernel<T, D, true>, kSmem>(grid, kThreads, stream, pm, loads);
-    else
-      scalar::bwd::launch<wgmma_dkdv_kernel<T, D, false>, kSmem>(grid, kThreads, stream, pm, loads);
-    SDPA_LAUNCH_CHECK("cutlass dkdv_kernel launch");
-  });
+  scalar::bwd::run_backward<native_t<T>, D, Cfg<T, D>::kBM>(
+      a, stream, "cutlass", [&](const Params& pm) {
+        if (pm.dq_order != nullptr)
+          scalar::bwd::launch<wgmma_dkdv_kernel<T, D, true>, kSmem>(grid, kThreads, stream, pm,
+                                                                    loads);
+        else
+          scalar::bwd::launch<wgmma_dkdv_kernel<T, D, false>, kSmem>(grid, kThreads, stream, pm,
+                                                                     loads);
+        SDPA_LAUNCH_CHECK("cutlass dkdv_kernel launch");
+      });
 }
 
 template <typename T, int D>
