@@ -12,12 +12,12 @@
 // read it, and issue no load but K's and V's, once (cp.async, zeros past the keys). Per query
 // tile:
 //   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ    wgmma SS, each warpgroup its 64 keys (M) by the tile's rows;
-//   Pᵀ, dSᵀ                  per element (scalar::bwd::score_grad), then to 16 bit in the
-//                            registers they were computed in: Sᵀ's accumulator layout is the
-//                            A operand's of a product whose M is the keys and whose K is the
-//                            rows; dSᵀ also stored to shared memory [key][row] (rows
-//                            contiguous; at D = 128 two buffers, so the warpgroups meet once
-//                            a step, when both have stored theirs);
+//   Pᵀ, dSᵀ                  per element (with softcap or ALiBi scalar::bwd::score_grad),
+//                            then to 16 bit in the registers they were computed in: Sᵀ's
+//                            accumulator layout is the A operand's of a product whose M is
+//                            the keys and whose K is the rows; dSᵀ also stored to shared
+//                            memory [key][row] (rows contiguous; at D = 128 two buffers, so
+//                            the warpgroups meet once a step, when both have stored theirs);
 //   dV += Pᵀ·dO              wgmma RS, under dSᵀ's store; dO read as [d][row] (an MN-major
 //                            view of the same shared memory);
 //   dQ = dS·K                wgmma SS: dSᵀ's bytes read as dS (row contiguous, MN-major) with
