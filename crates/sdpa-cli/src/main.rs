@@ -247,7 +247,7 @@ fn info() -> CliResult<ExitCode> {
     }
     outln!("\nkernels (ptxas report captured at build time):")?;
     outln!(
-        "  {:<44} {:>7} {:>5} {:>6} {:>6} {:>7}",
+        "  {:<44} {:>7} {:>5} {:>6} {:>6} {:>7}  wgmma",
         "kernel",
         "arch",
         "regs",
@@ -257,13 +257,14 @@ fn info() -> CliResult<ExitCode> {
     )?;
     for k in sdpa_harness::info::kernels() {
         outln!(
-            "  {:<44} {:>7} {:>5} {:>6} {:>6} {:>7}",
+            "  {:<44} {:>7} {:>5} {:>6} {:>6} {:>7}  {}",
             short_kernel_name(&k.kernel),
             k.arch,
             k.registers,
             k.smem,
             k.stack,
-            k.spill_stores + k.spill_loads
+            k.spill_stores + k.spill_loads,
+            if k.wgmma_serialized { "serialized" } else { "" }
         )?;
     }
     if let Some(dev) = &dev {

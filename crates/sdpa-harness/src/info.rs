@@ -21,7 +21,13 @@ pub struct KernelReport {
     pub spill_stores: u32,
     /// Spill loads in bytes.
     pub spill_loads: u32,
+    /// ptxas serialized the kernel's wgmma (C7512, C7515, ...: "wgmma.mma_async instructions
+    /// are serialized"), each waiting for the one before: as slow as a spill, without one.
+    pub wgmma_serialized: bool,
 }
+
+/// ptxas's note that a function's wgmma are serialized; the function is quoted at its end.
+const WGMMA_SERIALIZED: &str = "wgmma.mma_async instructions are serialized";
 
 fn number_before(text: &str, unit: &str) -> u32 {
     text.find(unit)
@@ -47,6 +53,7 @@ pub fn parse_ptxas(report: &str) -> Vec<KernelReport> {
                 stack: 0,
                 spill_stores: 0,
                 spill_loads: 0,
+                wgmma_serialized: false,
             });
         } else if line.contains("bytes stack frame") {
             if let Some(k) = current.as_mut() {
@@ -61,6 +68,22 @@ pub fn parse_ptxas(report: &str) -> Vec<KernelReport> {
             k.registers = number_before(line, "registers");
             k.smem = number_before(line, "bytes smem");
             out.push(k);
+        }
+    }
+    // The serialization notes name the function after its report, for the architecture that
+    // has wgmma (sm_90a): mark the sm_90 reports of each function named.
+    for line in report.lines().filter(|l| l.contains(WGMMA_SERIALIZED)) {
+        let Some(name) = line
+            .rsplit_once(" '")
+            .map(|(_, n)| n.trim_end_matches('\''))
+        else {
+            continue;
+        };
+        for k in out
+            .iter_mut()
+            .filter(|k| k.kernel == name && k.arch.starts_with("sm_90"))
+        {
+            k.wgmma_serialized = true;
         }
     }
     out
@@ -100,8 +123,15 @@ mod tests {
 ptxas info    : Compiling entry function 'void k<__half, 64, false>(P)' for 'sm_90a'\n\
 ptxas info    : Function properties for void k<__half, 64, false>(P)\n\
     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n\
-ptxas info    : Used 122 registers, used 1 barriers, 36992 bytes smem\n";
-        let k = &parse_ptxas(text)[0];
+ptxas info    : Used 122 registers, used 1 barriers, 36992 bytes smem\n\
+ptxas info    : Compiling entry function 'void k<__half, 64, true>(P)' for 'sm_90a'\n\
+ptxas info    : Function properties for void k<__half, 64, true>(P)\n\
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+ptxas info    : Used 168 registers, used 2 barriers\n\
+ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized \
+due to insufficient register resources for the function 'void k<__half, 64, true>(P)'\n";
+        let ks = parse_ptxas(text);
+        let k = &ks[0];
         assert_eq!(k.file, "fwd_f16_d64.cu");
         assert_eq!(k.kernel, "void k<__half, 64, false>(P)");
         assert_eq!(k.arch, "sm_90a");
@@ -109,6 +139,9 @@ ptxas info    : Used 122 registers, used 1 barriers, 36992 bytes smem\n";
             (k.registers, k.smem, k.stack, k.spill_stores, k.spill_loads),
             (122, 36992, 8, 4, 12)
         );
+        assert!(!k.wgmma_serialized);
+        assert_eq!(ks[1].kernel, "void k<__half, 64, true>(P)");
+        assert!(ks[1].wgmma_serialized);
     }
 
     /// The spill bytes a kernel is known to have, each a step of docs/perf.md to remove: none,
@@ -141,6 +174,7 @@ ptxas info    : Used 122 registers, used 1 barriers, 36992 bytes smem\n";
                     k.spill_stores <= allowed && k.spill_loads <= allowed,
                     "{k:?} (spill bytes allowed: {allowed})"
                 );
+                assert!(!k.wgmma_serialized, "{k:?}: ptxas serialized its wgmma");
             }
         }
     }
