@@ -85,7 +85,7 @@ for backend in scalar cutlass-sm80 cutlass; do
     for mode in "" --deterministic; do
       check "$tool" "$tool-$backend-backward$mode" "$sdpa" validate --backward $mode \
         --backend $backend --dtype bf16 --causal both --seed 13 --shape 1,2,77,130,64 \
-        --shape 2,4,70,70,128 --kv-heads 2 --shape 1,2,40,45,256
+        --shape 2,4,170,150,128 --kv-heads 2 --shape 1,2,40,45,256
     done
     check "$tool" "$tool-$backend-backward-variants" "$sdpa" validate --backward \
       --backend $backend --dtype f16 --seed 14 --window 30,5 --softcap 20 --alibi head \

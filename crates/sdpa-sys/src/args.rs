@@ -166,7 +166,7 @@ mod blocks {
 
     /// Device memory a launch borrows. workspace: workspace_bytes(kernel, args) bytes owned by
     /// the caller (0 when that is 0), valid until the enqueued work is done. tile_counter:
-    /// `COUNTERS` device i32 that are zero between calls (0: none), with which a kernel may
+    /// `tile_counters()` device i32 that are zero between calls (0: none), with which a kernel may
     /// hand out its work tiles to a persistent grid as they free up (the cutlass-sm90 masked
     /// kernels) or find the last of its CTAs to finish a piece of work (the decode kernel's
     /// splits); such a kernel leaves them zero when it ends, and a call may run before the

@@ -92,6 +92,8 @@ void merge_finish(const MergeFinishArgs& a, std::size_t stream) {
 
 bool built_with_cutlass() { return sdpa::built_with_cutlass(); }
 
+std::size_t tile_counters() { return std::size_t(sdpa::kTileCounters); }
+
 rust::Vec<KernelAttr> kernel_attributes(const DeviceInfo& dev) {
   rust::Vec<KernelAttr> out;
   for (const auto& k : sdpa::kernel_attributes(dev)) {

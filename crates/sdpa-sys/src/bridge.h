@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "rust/cxx.h"
+#include "sdpa/counters.h"
 #include "sdpa/merge.h"
 #include "sdpa/sdpa.h"
 
@@ -50,4 +51,5 @@ void merge_partial(const MergeArgs& args, std::size_t stream);
 void merge_finish(const MergeFinishArgs& args, std::size_t stream);
 rust::Vec<KernelAttr> kernel_attributes(const DeviceInfo& dev);
 bool built_with_cutlass();
+std::size_t tile_counters();
 }  // namespace sdpa_bridge

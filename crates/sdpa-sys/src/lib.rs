@@ -175,6 +175,11 @@ pub mod ffi {
         fn kernel_attributes(dev: &DeviceInfo) -> Result<Vec<KernelAttr>>;
         /// Whether the CUTLASS kernels were compiled in.
         fn built_with_cutlass() -> bool;
+        /// How many device i32 `FwdScratch::tile_counter` points at, zero between calls: the
+        /// cutlass-sm90 masked kernels hand out their work tiles with the first two, and the
+        /// decode kernel's row blocks (up to this many a launch) count their finished splits, so
+        /// that the last merges them (the core's `kTileCounters`, sdpa/counters.h).
+        fn tile_counters() -> usize;
     }
 }
 
@@ -210,12 +215,6 @@ pub struct Instance {
 /// crate's features choose (all by default; the CUTLASS ones exist only when
 /// `ffi::built_with_cutlass()`).
 pub const INSTANCES: &[Instance] = include!(concat!(env!("OUT_DIR"), "/instances.rs"));
-
-/// How many device i32 `FwdScratch::tile_counter` points at, zero between calls: the
-/// cutlass-sm90 masked kernels hand out their work tiles with the first two, and the decode
-/// kernel's row blocks (up to this many a launch) count their finished splits, so that the last
-/// merges them (the core's `decode::kCounters`).
-pub const COUNTERS: usize = 1024;
 
 /// CUDA architectures the core was compiled for, as CMake names them (e.g. "80;90a-real").
 pub const CUDA_ARCHS: &str = env!("SDPA_CUDA_ARCHS");

@@ -31,10 +31,10 @@ pub struct Device {
     /// simulated path's 16-bit Q, K, V), grown on demand and reused: work on one stream runs in
     /// order, so one buffer per stream suffices.
     scratch: Arc<Mutex<Option<CudaSlice<u8>>>>,
-    /// `sdpa_sys::COUNTERS` i32, zero between calls (`FwdArgs::tile_counter`), with which the
-    /// cutlass-sm90 masked kernels hand out their work tiles and the decode kernel's last split
-    /// finds itself; made on first use outside a stream capture (`reserve` makes them ahead of
-    /// one). One set per stream: calls on a stream run in order.
+    /// `sdpa_sys::ffi::tile_counters()` i32, zero between calls (`FwdArgs::tile_counter`), with
+    /// which the cutlass-sm90 masked kernels hand out their work tiles and the decode kernel's
+    /// last split finds itself; made on first use outside a stream capture (`reserve` makes
+    /// them ahead of one). One set per stream: calls on a stream run in order.
     tile_counter: Arc<Mutex<Option<CudaSlice<i32>>>>,
     /// What the fused kernels are told about the GPU, read once when it is opened.
     info: DeviceInfo,
@@ -222,7 +222,8 @@ impl Device {
             if self.stream.capture_status()? != Capture::CU_STREAM_CAPTURE_STATUS_NONE {
                 return Ok(0);
             }
-            *counter = Some(self.stream.alloc_zeros::<i32>(sdpa_sys::COUNTERS)?);
+            let count = sdpa_sys::ffi::tile_counters();
+            *counter = Some(self.stream.alloc_zeros::<i32>(count)?);
         }
         let slice = counter.as_ref().expect("made above");
         Ok(slice.device_ptr(&self.stream).0)

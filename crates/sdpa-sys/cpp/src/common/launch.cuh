@@ -97,20 +97,37 @@ inline void add_pdl(cudaLaunchConfig_t& cfg, cudaLaunchAttribute* attrs) {
   cfg.attrs = attrs;
 }
 
-// Launches `kernel` on `stream` (grid, block, dynamic shared memory bytes) with `args`,
-// programmatically where `programmatic` (the device is sm_90 or later, and the kernel waits
-// with pdl_wait before its first global access) and PDL is enabled.
+// Launches `kernel` on `stream` (grid, block, dynamic shared memory bytes) with `args`, in
+// clusters of `cluster_x` CTAs along x (1: none; sm_90 and later, and a kernel that opted in to
+// clusters of more than 8 where it takes them), programmatically where `programmatic` (the
+// device is sm_90 or later, and the kernel waits with pdl_wait before its first global access)
+// and PDL is enabled.
 template <typename... Params, typename... Args>
-void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                   cudaStream_t stream, bool programmatic, Args&&... args) {
+void launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                      cudaStream_t stream, bool programmatic, unsigned cluster_x, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attrs[1];
+  cudaLaunchAttribute attrs[2];
+  if (cluster_x > 1) {
+    cudaLaunchAttribute& at = attrs[cfg.numAttrs++];
+    at.id = cudaLaunchAttributeClusterDimension;
+    at.val.clusterDim.x = cluster_x;
+    at.val.clusterDim.y = 1;
+    at.val.clusterDim.z = 1;
+    cfg.attrs = attrs;
+  }
   if (programmatic) add_pdl(cfg, attrs);
   SDPA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// launch_clustered without clusters.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, bool programmatic, Args&&... args) {
+  launch_clustered(kernel, grid, block, smem, stream, programmatic, 1, std::forward<Args>(args)...);
 }
 
 }  // namespace sdpa

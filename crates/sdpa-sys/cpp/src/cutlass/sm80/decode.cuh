@@ -9,14 +9,17 @@
 //     across its 4 warps (warp w takes keys 16w .. 16w + 15 of each tile), each warp keeping its
 //     own online-softmax state over all the CTA's rows;
 //   - the warps' states meet in shared memory at the end; with one split the CTA writes the
-//     output, with several it writes its normalized partial output and log-sum-exp (f32, to the
-//     workspace) and the splits are merged: O = Σ_s e^{lse_s - m} O_s / Σ_s e^{lse_s - m}
-//     (combine_row). The last split of a row block to finish merges them itself, found by a
-//     counter a row block (FwdArgs::tile_counter, zero between calls): a decode step is one
-//     launch. Without counters (a stream capture before any call made them) `combine_kernel`
-//     merges them in a second launch. A sink (common/sinks.cuh) joins a row once: where the
-//     output is written (one split), or in the merge as one more partial of output 0 (several),
-//     never in a split's partial.
+//     output, with several it writes its normalized partial output and log-sum-exp (f32) and
+//     the splits are merged: O = Σ_s e^{lse_s - m} O_s / Σ_s e^{lse_s - m} (merge_row). On
+//     sm_90, where a row block has at most kClusterMax splits and the cluster fits, the row
+//     block's splits are one cluster: each writes its partial into the first split's shared
+//     memory (distributed shared memory) and, after the cluster's barrier, the first merges
+//     them. Otherwise each writes it to the workspace and the last split of a row block to
+//     finish merges them, found by a counter a row block (FwdArgs::tile_counter, zero between
+//     calls). Either way a decode step is one launch; without counters (a stream capture
+//     before any call made them) `combine_kernel` merges in a second launch. A sink
+//     (common/sinks.cuh) joins a row once: where the output is written (one split), or in the
+//     merge as one more partial of output 0 (several), never in a split's partial.
 // Nothing is allocated or synchronized per call: the workspace is the caller's (workspace_bytes),
 // so a decode step can be captured in a CUDA graph.
 //
@@ -51,6 +54,7 @@
 #include <type_traits>
 
 #include "cutlass/sm80/sm80_fwd.cuh"
+#include "sdpa/counters.h"
 
 namespace sdpa::cutlass_sm80::decode {
 
@@ -61,6 +65,14 @@ constexpr int kStages = 3;
 constexpr int kStagesF8 = 4;
 // Query tokens a decode step may have (speculative decoding's drafts included).
 constexpr int64_t kMaxTokens = 16;
+// Splits a cluster may hold: the portable cluster size (clusters of 16 measured slower than a
+// merge through L2, notebook session 33).
+constexpr int kClusterMax = 8;
+
+// Where a launch's splits are merged: by a second launch (combine_kernel; one split needs
+// none), by the last split of each row block to finish (counters), or by the first split of
+// each row block's cluster.
+enum class Merge { kCombine, kLastSplit, kCluster };
 
 // Geometry at head dim D with MT m16 strips of rows (16 · MT rows a CTA).
 template <typename T, int D, int MT>
@@ -76,6 +88,11 @@ struct Geo {
   static constexpr int kRecOffset = (kQOffset + kQElems) * int(sizeof(T));  // bytes
   static constexpr int kFlagOffset = kRecOffset + int(sizeof(NonFiniteCols<D>));
   static constexpr int kSmemBytes = kFlagOffset + kRows * D;
+  // Merge::kCluster: the row block's partials [split][row][D], then their log-sum-exps
+  // [split][row] (Params::merge_rows rows a split), in the first split's CTA at
+  // Params::merge_offset: in the stages its own tiles never fill, past the end state, where
+  // they fit there (merge_region), else past everything (kMergeOffset).
+  static constexpr int kMergeOffset = (kSmemBytes + 15) / 16 * 16;
   // An e4m3 cache: one 16-bit tile pair (K, V), the code stages ([key][D] bytes, K then V),
   // then Q, the records and the flags; the end state lies over the tiles and the code stages.
   static constexpr int kCodeTileBytes = kBN * D;
@@ -89,8 +106,8 @@ struct Geo {
                 "the end state fits the tiles and code stages");
   // The warps' states at the end, over the stages: m, l [warp][row], O [warp][row][D + 1].
   static constexpr int kOPitch = D + 1;
-  static_assert((2 * kWarps * kRows + kWarps * kRows * kOPitch) * 4 <= kQOffset * int(sizeof(T)),
-                "the end state fits the stages");
+  static constexpr int kEndStateBytes = (2 * kWarps * kRows + kWarps * kRows * kOPitch) * 4;
+  static_assert(kEndStateBytes <= kQOffset * int(sizeof(T)), "the end state fits the stages");
 };
 
 template <typename T, class Mask>
@@ -111,10 +128,50 @@ struct Params {
   int splits, split_tiles;
   int64_t lse_rows;      // rows of the LSE layout: the workspace's per-split stride
   float *ws_o, *ws_lse;  // splits > 1: [split][lse row][D], [split][lse row]
-  // splits > 1: a counter a row block (batch, kv head, row block), zero between calls; the
-  // last split to count merges the block's rows (null: combine_kernel does, launched after).
+  // Merge::kLastSplit: a counter a row block (batch, kv head, row block), zero between calls;
+  // the last split to count merges the block's rows.
   int32_t* counters;
+  // Merge::kCluster: the rows of a row block's partials in the merge region, and its byte
+  // offset in dynamic shared memory (Geo's kMergeOffset comment).
+  int merge_rows, merge_offset;
 };
+
+// Distributed shared memory (sm_90; compiled out below, where no cluster launches): the
+// address `addr` of this CTA's shared memory has in the CTA of cluster rank `rank`, stores
+// there, and the cluster's barrier (arrive with release, wait with acquire; relaxed: an
+// arrival that orders nothing, paired with a wait before the first remote access).
+__device__ __forceinline__ uint32_t cluster_addr(uint32_t addr, uint32_t rank) {
+  uint32_t out = addr;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
+#endif
+  return out;
+}
+__device__ __forceinline__ void st_cluster(uint32_t addr, float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(x) : "memory");
+#endif
+}
+__device__ __forceinline__ void st_cluster2(uint32_t addr, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
 
 // Two e4m3 codes (low byte first) as two T values, exactly.
 template <typename T>
@@ -200,28 +257,20 @@ struct CodeCopy {
 template <int D>
 constexpr int kFewSplits = std::min(16, 32 / (D / 64));
 
-// Merges the splits' partial outputs of row (token `tok`, head `head`) of sequence b into its
-// output and log-sum-exp: one warp, whose lanes read the splits' log-sum-exps side by side (a
-// split per lane), then the partial outputs (a column pair per lane). The partials come through
-// L2 (ld.global.cg): other CTAs wrote them during this grid. Up to kFewSplits<D> splits (short
-// contexts, where the merge's latency shows in a step's time) every load is issued at once: one
-// round trip to L2, not one for the log-sum-exps and then one for each few splits. Both forms
-// add in the same order.
-template <typename T, int D, class Mask>
-__device__ __forceinline__ void combine_row(const Params<T, Mask>& p, const Seq<int>& seq, int b,
-                                            int tok, int head, int lane) {
+// Merges the splits' partial outputs of row (token `tok`, head `head`) of sequence b, whose
+// LSE index is `lrow`, into its output and log-sum-exp: one warp, whose lanes read the splits'
+// log-sum-exps side by side (a split per lane: lse_of(s), -inf past the splits), then the
+// partial outputs (a column pair per lane: part(s, i) is split s's columns 2 lane + 64 i and the
+// next; a split without keys for this row, weight 0, holds zeros). Up to kFewSplits<D> splits
+// (short contexts, where the merge's latency shows in a step's time) every load is issued at
+// once: one round trip, not one for the log-sum-exps and then one for each few splits. Both
+// forms add in the same order.
+template <typename T, int D, class Mask, class LseOf, class Part>
+__device__ __forceinline__ void merge_row(const Params<T, Mask>& p, const Seq<int>& seq, int b,
+                                          int tok, int head, int64_t lrow, int lane,
+                                          const LseOf& lse_of, const Part& part) {
   constexpr int kPer = D / 64;  // column pairs a lane
   const int n = p.splits;
-  const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
-  const auto lse_of = [&](int s) {
-    return s < n ? __ldcg(p.ws_lse + int64_t(s) * p.lse_rows + lrow) : -INFINITY;
-  };
-  // Split s's partial output, this lane's column pair i. A split without keys for this row
-  // (weight 0) holds zeros.
-  const auto part = [&](int s, int i) {
-    return __ldcg(reinterpret_cast<const float2*>(p.ws_o + (int64_t(s) * p.lse_rows + lrow) * D +
-                                                  2 * lane + 64 * i));
-  };
   const auto warp_max = [](float v) {
 #pragma unroll
     for (int x = 16; x > 0; x /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, x));
@@ -290,6 +339,23 @@ __device__ __forceinline__ void combine_row(const Params<T, Mask>& p, const Seq<
   if (lane == 0 && p.lse != nullptr) p.lse[lrow] = sum > 0.f ? m + __logf(sum) : -INFINITY;
 }
 
+// merge_row over the partials in the workspace. They come through L2 (ld.global.cg): other
+// CTAs wrote them during this grid.
+template <typename T, int D, class Mask>
+__device__ __forceinline__ void combine_row(const Params<T, Mask>& p, const Seq<int>& seq, int b,
+                                            int tok, int head, int lane) {
+  const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
+  merge_row<T, D>(
+      p, seq, b, tok, head, lrow, lane,
+      [&](int s) {
+        return s < p.splits ? __ldcg(p.ws_lse + int64_t(s) * p.lse_rows + lrow) : -INFINITY;
+      },
+      [&](int s, int i) {
+        return __ldcg(reinterpret_cast<const float2*>(
+            p.ws_o + (int64_t(s) * p.lse_rows + lrow) * D + 2 * lane + 64 * i));
+      });
+}
+
 // Whether this CTA is the last of its row block's splits to have written its partials (then
 // it merges them; every CTA of the block reaches here or none does). Each thread's writes are
 // fenced before thread 0 counts, and the last reads the others' after its own fence (the CUDA
@@ -307,19 +373,20 @@ __device__ __forceinline__ bool last_split(int32_t* counter, int splits) {
   return true;
 }
 
-// kMerge: the launch has several splits and counters (Params::counters), and the last split of
-// each row block merges the block's rows. A kernel of its own: with the merge in it, ptxas
+// kMerge: where the launch's splits are merged. A kernel for each: with a merge in it, ptxas
 // shapes the decode loop's registers differently, and steps with one split ran 1-4% slower.
-template <typename T, int D, int MT, class Mask, bool F8, bool kMerge>
+// Merge::kCluster: the grid's clusters are the row blocks' splits (x), 16-bit caches only.
+template <typename T, int D, int MT, class Mask, bool F8, Merge kMerge>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_kernel(const __grid_constant__ Params<T, Mask> p) {
 #ifdef SDPA_SM80_DEVICE
+  static_assert(kMerge != Merge::kCluster || !F8, "the merge region lies past the 16-bit layout");
   // A combine launched after this grid (sm_90) may launch and wait for its completion already.
   // Otherwise the grid after is the next step's, which must not: a one-wave grid's CTAs each
   // want an SM of their own, and the next grid's CTAs, resident early, take the second slot of
   // SMs still loading and crowd the next wave onto fewer SMs (measured:
   // docs/log/2026-11-notebook.md, "decode launched programmatically").
-  if (p.splits > 1 && !kMerge) pdl_launch_dependents();
+  if (p.splits > 1 && kMerge == Merge::kCombine) pdl_launch_dependents();
   // Launched programmatically on sm_90 (launch()): the grid before it on the stream may still
   // run; nothing global is read or written before it completes.
   pdl_wait();
@@ -341,7 +408,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int r0 = (blockIdx.y % p.row_blocks) * R;  // the CTA's first (token, head) row
   const Seq<int> seq = seq_of<int>(p.seqs, b, p.mask.seq_q, p.mask.seq_k);
   const int rows = seq.seq_q * p.group;
-  if (r0 >= rows) return;  // no such tokens in this sequence (CTA-uniform)
+  if (r0 >= rows) return;  // no such tokens in this sequence (uniform in a cluster too)
+  // The other CTAs of the cluster write into this one's shared memory once it has started.
+  if constexpr (kMerge == Merge::kCluster) cluster_arrive_relaxed();
   const Mask mask = p.mask.rebased(seq.seq_q, seq.seq_k);
   const int seq_k = seq.seq_k;
   const int tok_lo = r0 / p.group, tok_hi = (min(r0 + R, rows) - 1) / p.group;
@@ -532,6 +601,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   __syncthreads();
 
+  // Merge::kCluster: the partials go to the first split's merge region (this CTA's own when it
+  // is the first), once every CTA of the cluster has started.
+  uint32_t merge_o = 0, merge_lse = 0;
+  if constexpr (kMerge == Merge::kCluster) {
+    merge_o = cluster_addr(uint32_t(__cvta_generic_to_shared(smem_raw + p.merge_offset)), 0);
+    merge_lse = merge_o + uint32_t(p.splits * p.merge_rows * D) * 4u;
+    cluster_wait();
+  }
   // Combined: per row, the max over warps, each warp's factor, l; per (row, column), O. One
   // warp a row at a time, lanes over the columns.
   for (int row = warp; row < R; row += kWarps) {
@@ -567,6 +644,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (p.splits == 1) {
         *reinterpret_cast<uint32_t*>(out + col) = pack2<T>(x[0], x[1]);
+      } else if constexpr (kMerge == Merge::kCluster) {
+        st_cluster2(merge_o + uint32_t((split * p.merge_rows + row) * D + col) * 4u, x[0], x[1]);
       } else {
         float* const wo = p.ws_o + (int64_t(split) * p.lse_rows + lrow) * D;
         wo[col] = x[0];
@@ -574,13 +653,34 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if (lane == 0) {
-      if (p.splits > 1)
+      if (kMerge == Merge::kCluster && p.splits > 1)
+        st_cluster(merge_lse + uint32_t(split * p.merge_rows + row) * 4u, lse);
+      else if (p.splits > 1)
         p.ws_lse[int64_t(split) * p.lse_rows + lrow] = lse;
       else if (p.lse != nullptr)
         p.lse[lrow] = lse;
     }
   }
-  if constexpr (kMerge) {
+  if constexpr (kMerge == Merge::kCluster) {
+    cluster_arrive();  // this CTA's partials written (release) ...
+    cluster_wait();    // ... and every other's visible (acquire)
+    if (split != 0) return;
+    // The first split: the block's rows merged from its merge region, one warp a row.
+    const float* const o_part = reinterpret_cast<const float*>(smem_raw + p.merge_offset);
+    const float* const lse_part = o_part + p.splits * p.merge_rows * D;
+    for (int row = warp; row < R; row += kWarps) {
+      const int r = r0 + row;
+      if (r >= rows) break;
+      const int tok = r / p.group, head = hk * p.group + r % p.group;
+      merge_row<T, D>(
+          p, seq, b, tok, head, lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok), lane,
+          [&](int s) { return s < p.splits ? lse_part[s * p.merge_rows + row] : -INFINITY; },
+          [&](int s, int i) {
+            return *reinterpret_cast<const float2*>(o_part + (s * p.merge_rows + row) * D +
+                                                    2 * lane + 64 * i);
+          });
+    }
+  } else if constexpr (kMerge == Merge::kLastSplit) {
     if (!last_split(p.counters + (blockIdx.z * gridDim.y + blockIdx.y), p.splits)) return;
     // The last split of the row block: the block's rows merged, one warp a row.
     for (int row = warp; row < R; row += kWarps) {
@@ -659,19 +759,35 @@ inline std::string fp8_kv_refusal(const FwdArgs& a) {
          std::to_string(a.dims.seq_k) + ")";
 }
 
-// The split of `tiles` key tiles among CTAs where `base` CTAs of work meet `slots` CTA slots:
-// enough splits to fill the slots, down to one tile each (SDPA_DECODE_SPLITS=n in the
-// environment sets the count instead, read once, for measuring); their count and tiles each.
-// Short contexts want the most splits: the combine's merge is short next to a tile's load
-// latency (measured: docs/log/2026-11-notebook.md, "decode launched programmatically").
-inline void split_keys(int64_t tiles, int64_t base, int64_t slots, int& splits, int& split_tiles) {
-  int64_t n = base >= slots ? 1 : slots / base;
-  n = std::max<int64_t>(1, std::min<int64_t>(n, tiles));
+// The split count SDPA_DECODE_SPLITS=n in the environment forces (read once, for measuring; 0:
+// none).
+inline int64_t forced_splits() {
   static const int64_t forced = [] {
     const char* e = std::getenv("SDPA_DECODE_SPLITS");
     return e != nullptr ? std::atoll(e) : 0;
   }();
-  if (forced > 0) n = std::min<int64_t>(forced, tiles);
+  return forced;
+}
+
+// Whether decode may merge splits in clusters (Merge::kCluster); SDPA_DECODE_CLUSTER=0 in the
+// environment (read once, for measuring) says no.
+inline bool cluster_merge_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("SDPA_DECODE_CLUSTER");
+    return !(e != nullptr && e[0] == '0');
+  }();
+  return on;
+}
+
+// The split of `tiles` key tiles among CTAs where `base` CTAs of work meet `slots` CTA slots:
+// enough splits to fill the slots, down to one tile each (forced_splits() sets the count
+// instead); their count and tiles each. Short contexts want the most splits: the merge is short
+// next to a tile's load latency (measured: docs/log/2026-11-notebook.md, "decode launched
+// programmatically").
+inline void split_keys(int64_t tiles, int64_t base, int64_t slots, int& splits, int& split_tiles) {
+  int64_t n = base >= slots ? 1 : slots / base;
+  n = std::max<int64_t>(1, std::min<int64_t>(n, tiles));
+  if (forced_splits() > 0) n = std::min<int64_t>(forced_splits(), tiles);
   split_tiles = int((tiles + n - 1) / n);
   splits = int((tiles + split_tiles - 1) / split_tiles);
 }
@@ -684,8 +800,8 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   pl.lse_rows = a.seqs.total_q > 0 ? a.dims.heads * a.seqs.total_q
                                    : a.dims.batch * a.dims.heads * a.dims.seq_q;
   const int64_t tiles = (a.dims.seq_k + 63) / 64;
-  // Splits fill one CTA an SM (an unknown device: an H100's 132), each at least 4 tiles. One a
-  // SM, not the two that fit: fewer, longer splits pay the pipeline's fill and drain and the
+  // Splits fill one CTA an SM (an unknown device: an H100's 132). One a SM, not the two that
+  // fit: fewer, longer splits pay the pipeline's fill and drain and the
   // combine fewer times, which outweighs the bytes more CTAs would keep in flight (measured:
   // docs/log/2026-11-perf-history.md, "Serving: decode, paged cache, varlen").
   // An e4m3 cache's CTAs take at most 110 KB of shared memory: two an SM where two fit (a
@@ -694,6 +810,16 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   const int64_t slots = (known(dev) ? dev.sms : 132) * (two ? 2 : 1);
   split_keys(tiles, a.dims.batch * a.dims.kv_heads * pl.row_blocks, slots, pl.splits,
              pl.split_tiles);
+  // On sm_90, splits of one tile more than a cluster holds become kClusterMax splits of two,
+  // which merge in a cluster: a round trip through L2 saved outweighs the second tile (measured
+  // at decode-b1-k1k: 6.45 us against 6.97 for 16 splits merged through L2; at 4 tiles a split
+  // the doubling costs more than the cluster saves: notebook, session 33).
+  if (known(dev) && dev.cc_major >= 9 && !fp8_kv(a) && cluster_merge_enabled() &&
+      forced_splits() == 0 && pl.split_tiles == 1 && pl.splits > kClusterMax &&
+      tiles <= 2 * kClusterMax) {
+    pl.split_tiles = 2;
+    pl.splits = int((tiles + 1) / 2);
+  }
   return pl;
 }
 
@@ -715,22 +841,81 @@ std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
                         scales});
 }
 
-// The counters FwdArgs::tile_counter points at (sdpa_sys::COUNTERS in the Rust layer, which
-// allocates them): the row blocks of a launch with at most this many (batch, kv head, row
-// block) merge their splits in the decode kernel.
-constexpr int64_t kCounters = 1024;
-
 // The row blocks' counters for the launch of `pl` (null: combine_kernel merges): where there
-// are splits to merge and a counter for every row block. SDPA_DECODE_FOLD=0 in the environment
-// (read once, for measuring) always launches the combine.
+// are splits to merge and a counter for every row block among FwdArgs::tile_counter's
+// (sdpa/counters.h). SDPA_DECODE_FOLD=0 in the environment (read once, for measuring) always
+// launches the combine.
 inline int32_t* fold_counters(const FwdArgs& a, const Plan& pl) {
   static const bool off = [] {
     const char* e = std::getenv("SDPA_DECODE_FOLD");
     return e != nullptr && e[0] == '0';
   }();
   const int64_t blocks = a.dims.batch * a.dims.kv_heads * pl.row_blocks;
-  if (off || pl.splits == 1 || a.scratch.tile_counter == 0 || blocks > kCounters) return nullptr;
+  if (off || pl.splits == 1 || a.scratch.tile_counter == 0 || blocks > kTileCounters)
+    return nullptr;
   return device_ptr<int32_t>(a.scratch.tile_counter);
+}
+
+// Rows a row block of `a` holds in the merge region (Merge::kCluster): those of its CTA that
+// exist.
+inline int merge_rows(const FwdArgs& a, const Plan& pl) {
+  return int(std::min<int64_t>(16 * pl.mt, a.dims.seq_q * (a.dims.heads / a.dims.kv_heads)));
+}
+
+// The merge region of a launch of `pl` (Merge::kCluster, `rows` rows a row block) at head dim D
+// with MT strips: its byte offset, and the dynamic shared memory of the launch. Where the
+// stages a split's tiles never fill hold it past the warps' end state, the kernel's own shared
+// memory suffices (a short context's splits of one or two tiles: two CTAs an SM still fit).
+struct MergeRegion {
+  int offset, smem;
+};
+template <int D, int MT>
+MergeRegion merge_region(const Plan& pl, int rows) {
+  using G = Geo<cute::half_t, D, MT>;  // the layout in bytes is the same for both 16-bit types
+  const int bytes = pl.splits * rows * (D + 1) * 4;
+  const int used = std::min(pl.split_tiles, kStages) * G::kStageElems * 2;
+  const int in_stages = (std::max(used, G::kEndStateBytes) + 15) / 16 * 16;
+  if (in_stages + bytes <= G::kQOffset * 2) return {in_stages, G::kSmemBytes};
+  return {G::kMergeOffset, G::kMergeOffset + bytes};
+}
+
+// Whether a launch of Kernel (Merge::kCluster) over `grid` with `smem` bytes merges its
+// `splits` splits in clusters: on sm_90 (cluster_merge_enabled), 2 to kClusterMax splits, and
+// as many clusters resident at once as the grid holds (cudaOccupancyMaxActiveClusters, asked
+// once a device, split count and size: a cluster's CTAs share a GPC).
+template <auto Kernel>
+bool merges_in_cluster(const DeviceInfo& dev, int splits, int smem, dim3 grid) {
+  if (!cluster_merge_enabled() || dev.cc_major < 9 || splits < 2 || splits > kClusterMax ||
+      smem > dev.smem_optin_per_block)
+    return false;
+  const void* kernel = reinterpret_cast<const void*>(Kernel);
+  int device = 0;
+  SDPA_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= 64) return false;
+  // Once a device: any dynamic shared memory the device allows (the launch's varies).
+  static std::atomic<uint64_t> configured{0};
+  opt_in_smem(kernel, dev.smem_optin_per_block, configured);
+  // The answer for (device, splits, smem), as (smem << 24) | (device << 16) | clusters.
+  static std::atomic<uint64_t> asked[kClusterMax + 1];
+  const uint64_t key = (uint64_t(smem) << 24) | (uint64_t(device) << 16);
+  uint64_t v = asked[splits].load(std::memory_order_relaxed);
+  if ((v & ~uint64_t(0xffff)) != key) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(unsigned(splits));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = size_t(smem);
+    cudaLaunchAttribute at;
+    at.id = cudaLaunchAttributeClusterDimension;
+    at.val.clusterDim.x = unsigned(splits);
+    at.val.clusterDim.y = at.val.clusterDim.z = 1;
+    cfg.attrs = &at;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    SDPA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+    v = key | uint64_t(std::min(clusters, 0xffff));
+    asked[splits].store(v, std::memory_order_relaxed);
+  }
+  return int64_t(v & 0xffff) >= int64_t(grid.y) * grid.z;
 }
 
 // Merges the splits' partial outputs into the output: combine_kernel over (tokens / 4, heads,
@@ -796,15 +981,25 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Pla
     p.ws_o = device_ptr<float>(a.scratch.workspace);
     p.ws_lse = p.ws_o + int64_t(pl.splits) * pl.lse_rows * D;
   }
-  p.counters = fold_counters(a, pl);
+  p.merge_rows = merge_rows(a, pl);
   // On sm_90 programmatically: the launch and the CTAs' start overlap the tail of the grid
   // before it on the stream (a decode step's previous combine, or the previous layer's kernel).
   const dim3 grid(unsigned(pl.splits), unsigned(a.dims.kv_heads * pl.row_blocks),
                   unsigned(a.dims.batch));
+  if constexpr (!F8) {
+    constexpr auto kClustered = decode_kernel<T, D, MT, Mask, false, Merge::kCluster>;
+    const MergeRegion region = merge_region<D, MT>(pl, p.merge_rows);
+    p.merge_offset = region.offset;
+    if (merges_in_cluster<kClustered>(dev, pl.splits, region.smem, grid))
+      return launch_clustered(kClustered, grid, dim3(kThreads), size_t(region.smem), stream, true,
+                              unsigned(pl.splits), p);
+  }
+  p.counters = fold_counters(a, pl);
   constexpr int smem = F8 ? G::kSmemBytesF8 : G::kSmemBytes;
   if (p.counters != nullptr)
-    return launch_decode<decode_kernel<T, D, MT, Mask, F8, true>, smem>(grid, dev, stream, p);
-  launch_decode<decode_kernel<T, D, MT, Mask, F8, false>, smem>(grid, dev, stream, p);
+    return launch_decode<decode_kernel<T, D, MT, Mask, F8, Merge::kLastSplit>, smem>(grid, dev,
+                                                                                     stream, p);
+  launch_decode<decode_kernel<T, D, MT, Mask, F8, Merge::kCombine>, smem>(grid, dev, stream, p);
   if (pl.splits > 1) launch_combine<T, D>(p, a, dev, stream);
 }
 
