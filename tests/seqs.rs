@@ -323,7 +323,7 @@ fn decode_matches_the_reference() {
         .with_kv_heads(1)
         .with_lse(true);
     run(long, random_inputs(&long, fresh_seed()).unwrap());
-    // Few row blocks (8, 16 and 20 of them): 16, 8 and 6 splits, which Hopper merges in a
+    // Few row blocks (8, 16 and 20 of them): 8, 8 and 6 splits, which Hopper merges in a
     // cluster of each row block's splits, with 1 and 8 tokens a sequence (4 and 32 rows a CTA).
     for (batch, seq_q, seq_k) in [(4, 1, 1000), (8, 1, 3001), (10, 8, 3001)] {
         let p = Problem::new(batch, 8, seq_q, seq_k, 128)
