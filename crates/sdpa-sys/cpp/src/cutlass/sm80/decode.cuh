@@ -108,6 +108,9 @@ struct Geo {
   static constexpr int kOPitch = D + 1;
   static constexpr int kEndStateBytes = (2 * kWarps * kRows + kWarps * kRows * kOPitch) * 4;
   static_assert(kEndStateBytes <= kQOffset * int(sizeof(T)), "the end state fits the stages");
+  // At the head dims with a decode kernel (kHasDecode).
+  static_assert(D > 128 || (kSmemBytes <= 112 * 1024 && kSmemBytesF8 <= 112 * 1024),
+                "two CTAs an SM on Hopper (plan)");
 };
 
 template <typename T, class Mask>
@@ -804,9 +807,13 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   // fit: fewer, longer splits pay the pipeline's fill and drain and the
   // combine fewer times, which outweighs the bytes more CTAs would keep in flight (measured:
   // docs/log/2026-11-perf-history.md, "Serving: decode, paged cache, varlen").
-  // An e4m3 cache's CTAs take at most 110 KB of shared memory: two an SM where two fit (a
-  // Hopper's 228 KB; an unknown device is taken for an H100).
-  const bool two = fp8_kv(a) && (!known(dev) || dev.smem_per_sm >= (224 << 10));
+  // Two CTAs an SM where two fit (at most 112 KB each: a Hopper's 228 KB; an unknown device is
+  // taken for an H100) for an e4m3 cache, whose CTAs hide each other's widening, and for a
+  // paged cache, whose CTAs hide each other's page-table reads (a tile's copies wait for its
+  // pages: one CTA an SM ran decode-b16-k8k-paged in 197.6 us, two in 128.4, the dense cache's
+  // in 124.6; notebook, session 33).
+  const bool two = (fp8_kv(a) || a.seqs.page_size > 0) &&
+                   (!known(dev) || dev.smem_per_sm >= (224 << 10));
   const int64_t slots = (known(dev) ? dev.sms : 132) * (two ? 2 : 1);
   split_keys(tiles, a.dims.batch * a.dims.kv_heads * pl.row_blocks, slots, pl.splits,
              pl.split_tiles);
