@@ -53,6 +53,7 @@
 #include <cstdlib>
 #include <type_traits>
 
+#include "common/cluster.cuh"
 #include "cutlass/sm80/sm80_fwd.cuh"
 #include "sdpa/counters.h"
 
@@ -138,43 +139,6 @@ struct Params {
   // offset in dynamic shared memory (Geo's kMergeOffset comment).
   int merge_rows, merge_offset;
 };
-
-// Distributed shared memory (sm_90; compiled out below, where no cluster launches): the
-// address `addr` of this CTA's shared memory has in the CTA of cluster rank `rank`, stores
-// there, and the cluster's barrier (arrive with release, wait with acquire; relaxed: an
-// arrival that orders nothing, paired with a wait before the first remote access).
-__device__ __forceinline__ uint32_t cluster_addr(uint32_t addr, uint32_t rank) {
-  uint32_t out = addr;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
-#endif
-  return out;
-}
-__device__ __forceinline__ void st_cluster(uint32_t addr, float x) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(x) : "memory");
-#endif
-}
-__device__ __forceinline__ void st_cluster2(uint32_t addr, float x, float y) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_arrive() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
 
 // Two e4m3 codes (low byte first) as two T values, exactly.
 template <typename T>
@@ -608,7 +572,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // is the first), once every CTA of the cluster has started.
   uint32_t merge_o = 0, merge_lse = 0;
   if constexpr (kMerge == Merge::kCluster) {
-    merge_o = cluster_addr(uint32_t(__cvta_generic_to_shared(smem_raw + p.merge_offset)), 0);
+    merge_o = map_rank(uint32_t(__cvta_generic_to_shared(smem_raw + p.merge_offset)), 0);
     merge_lse = merge_o + uint32_t(p.splits * p.merge_rows * D) * 4u;
     cluster_wait();
   }
@@ -812,8 +776,8 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   // paged cache, whose CTAs hide each other's page-table reads (a tile's copies wait for its
   // pages: one CTA an SM ran decode-b16-k8k-paged in 197.6 us, two in 128.4, the dense cache's
   // in 124.6; notebook, session 33).
-  const bool two = (fp8_kv(a) || a.seqs.page_size > 0) &&
-                   (!known(dev) || dev.smem_per_sm >= (224 << 10));
+  const bool two =
+      (fp8_kv(a) || a.seqs.page_size > 0) && (!known(dev) || dev.smem_per_sm >= (224 << 10));
   const int64_t slots = (known(dev) ? dev.sms : 132) * (two ? 2 : 1);
   split_keys(tiles, a.dims.batch * a.dims.kv_heads * pl.row_blocks, slots, pl.splits,
              pl.split_tiles);

@@ -39,24 +39,12 @@
 #pragma once
 
 #include "common/attributes.cuh"
+#include "common/cluster.cuh"
 #include "common/launch.cuh"
 #include "cutlass/sm90/sm90_fwd.cuh"
 
 namespace sdpa::cutlass_sm90 {
 
-// The cluster-wide barrier in two halves; every thread of every CTA arrives once per phase.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-}
-// Address `addr` of this CTA's shared memory -> the same offset in cluster CTA `rank`'s.
-__device__ __forceinline__ uint32_t map_rank(uint32_t addr, int rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
 // `bytes` (a multiple of 16) of this CTA's smem at `src` to cluster smem `dst`; the mbarrier
 // `bar` (of dst's CTA) counts them.
 __device__ __forceinline__ void bulk_to_peer(uint32_t dst, uint32_t src, uint32_t bytes,
