@@ -291,3 +291,13 @@ mod arch_tests {
         assert!(archs_include_sm90a(default), "{default}");
     }
 }
+
+#[cfg(test)]
+mod counter_tests {
+    #[test]
+    fn the_counters_rust_allocates_are_the_cores_count() {
+        // One count (sdpa/counters.h) sizes the allocation and bounds the kernels' use: the
+        // masked kernels' tile feed takes the first two.
+        assert!(super::ffi::tile_counters() >= 2);
+    }
+}

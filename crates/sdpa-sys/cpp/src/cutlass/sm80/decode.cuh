@@ -66,8 +66,8 @@ constexpr int kStages = 3;
 constexpr int kStagesF8 = 4;
 // Query tokens a decode step may have (speculative decoding's drafts included).
 constexpr int64_t kMaxTokens = 16;
-// Splits a cluster may hold: the portable cluster size (clusters of 16 measured slower than a
-// merge through L2, notebook session 33).
+// Splits a cluster may hold: the portable cluster size (larger, non-portable clusters cost
+// more to launch and meet than the L2 round trip they save; docs/perf.md, step 16).
 constexpr int kClusterMax = 8;
 
 // Where a launch's splits are merged: by a second launch (combine_kernel; one split needs
@@ -736,14 +736,15 @@ inline int64_t forced_splits() {
   return forced;
 }
 
-// Whether decode may merge splits in clusters (Merge::kCluster); SDPA_DECODE_CLUSTER=0 in the
-// environment (read once, for measuring) says no.
-inline bool cluster_merge_enabled() {
+// Whether a decode step of `a` on `dev` may merge its splits in clusters (Merge::kCluster): a
+// 16-bit cache on sm_90; SDPA_DECODE_CLUSTER=0 in the environment (read once, for measuring)
+// says no.
+inline bool may_merge_in_cluster(const FwdArgs& a, const DeviceInfo& dev) {
   static const bool on = [] {
     const char* e = std::getenv("SDPA_DECODE_CLUSTER");
     return !(e != nullptr && e[0] == '0');
   }();
-  return on;
+  return on && dev.cc_major >= 9 && !fp8_kv(a);
 }
 
 // The split of `tiles` key tiles among CTAs where `base` CTAs of work meet `slots` CTA slots:
@@ -768,26 +769,24 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
                                    : a.dims.batch * a.dims.heads * a.dims.seq_q;
   const int64_t tiles = (a.dims.seq_k + 63) / 64;
   // Splits fill one CTA an SM (an unknown device: an H100's 132). One a SM, not the two that
-  // fit: fewer, longer splits pay the pipeline's fill and drain and the
-  // combine fewer times, which outweighs the bytes more CTAs would keep in flight (measured:
+  // fit: fewer, longer splits pay the pipeline's fill and drain and the combine fewer times,
+  // which outweighs the bytes more CTAs would keep in flight (measured:
   // docs/log/2026-11-perf-history.md, "Serving: decode, paged cache, varlen").
   // Two CTAs an SM where two fit (at most 112 KB each: a Hopper's 228 KB; an unknown device is
   // taken for an H100) for an e4m3 cache, whose CTAs hide each other's widening, and for a
   // paged cache, whose CTAs hide each other's page-table reads (a tile's copies wait for its
-  // pages: one CTA an SM ran decode-b16-k8k-paged in 197.6 us, two in 128.4, the dense cache's
-  // in 124.6; notebook, session 33).
+  // pages; docs/perf.md, "Paged decode").
   const bool two =
       (fp8_kv(a) || a.seqs.page_size > 0) && (!known(dev) || dev.smem_per_sm >= (224 << 10));
   const int64_t slots = (known(dev) ? dev.sms : 132) * (two ? 2 : 1);
   split_keys(tiles, a.dims.batch * a.dims.kv_heads * pl.row_blocks, slots, pl.splits,
              pl.split_tiles);
   // On sm_90, splits of one tile more than a cluster holds become kClusterMax splits of two,
-  // which merge in a cluster: a round trip through L2 saved outweighs the second tile (measured
-  // at decode-b1-k1k: 6.45 us against 6.97 for 16 splits merged through L2; at 4 tiles a split
-  // the doubling costs more than the cluster saves: notebook, session 33).
-  if (known(dev) && dev.cc_major >= 9 && !fp8_kv(a) && cluster_merge_enabled() &&
-      forced_splits() == 0 && pl.split_tiles == 1 && pl.splits > kClusterMax &&
-      tiles <= 2 * kClusterMax) {
+  // which merge in a cluster: the round trip through L2 saved outweighs the second tile (at
+  // more tiles a split, doubling them costs more than the cluster saves; docs/perf.md,
+  // "Short-context decode").
+  if (may_merge_in_cluster(a, dev) && forced_splits() == 0 && pl.split_tiles == 1 &&
+      pl.splits > kClusterMax && tiles <= 2 * kClusterMax) {
     pl.split_tiles = 2;
     pl.splits = int((tiles + 1) / 2);
   }
@@ -851,12 +850,13 @@ MergeRegion merge_region(const Plan& pl, int rows) {
 }
 
 // Whether a launch of Kernel (Merge::kCluster) over `grid` with `smem` bytes merges its
-// `splits` splits in clusters: on sm_90 (cluster_merge_enabled), 2 to kClusterMax splits, and
-// as many clusters resident at once as the grid holds (cudaOccupancyMaxActiveClusters, asked
-// once a device, split count and size: a cluster's CTAs share a GPC).
+// `splits` splits in clusters: where the step may (may_merge_in_cluster), 2 to kClusterMax
+// splits, and as many clusters resident at once as the grid holds
+// (cudaOccupancyMaxActiveClusters, asked once a device, split count and size: a cluster's CTAs
+// share a GPC).
 template <auto Kernel>
-bool merges_in_cluster(const DeviceInfo& dev, int splits, int smem, dim3 grid) {
-  if (!cluster_merge_enabled() || dev.cc_major < 9 || splits < 2 || splits > kClusterMax ||
+bool merges_in_cluster(const FwdArgs& a, const DeviceInfo& dev, int splits, int smem, dim3 grid) {
+  if (!may_merge_in_cluster(a, dev) || splits < 2 || splits > kClusterMax ||
       smem > dev.smem_optin_per_block)
     return false;
   const void* kernel = reinterpret_cast<const void*>(Kernel);
@@ -961,7 +961,7 @@ void launch(const FwdArgs& a, const DeviceInfo& dev, const Mask& mask, const Pla
     constexpr auto kClustered = decode_kernel<T, D, MT, Mask, false, Merge::kCluster>;
     const MergeRegion region = merge_region<D, MT>(pl, p.merge_rows);
     p.merge_offset = region.offset;
-    if (merges_in_cluster<kClustered>(dev, pl.splits, region.smem, grid))
+    if (merges_in_cluster<kClustered>(a, dev, pl.splits, region.smem, grid))
       return launch_clustered(kClustered, grid, dim3(kThreads), size_t(region.smem), stream, true,
                               unsigned(pl.splits), p);
   }
