@@ -199,6 +199,15 @@ pub const NAMED_PROBLEMS: &[Named] = &[
         seqs: NamedSeqs::Paged(128),
         ..Named::decode("decode-b16-k8k-paged", [16, 1, 8192], false)
     },
+    // The same cache in vLLM's and FlashInfer's common pages of 16 keys, and in pages of 256.
+    Named {
+        seqs: NamedSeqs::Paged(16),
+        ..Named::decode("decode-b16-k8k-paged16", [16, 1, 8192], false)
+    },
+    Named {
+        seqs: NamedSeqs::Paged(256),
+        ..Named::decode("decode-b16-k8k-paged256", [16, 1, 8192], false)
+    },
     Named::decode("spec-b16-q8-k8k", [16, 8, 8192], true),
     // The bf16 decode problems over an e4m3 K/V cache (scales per K/V head): half the bytes.
     Named {
@@ -398,6 +407,8 @@ mod tests {
             ("decode-b1-k4k", 1, 1, 4096),
             ("decode-b8-k2k", 8, 1, 2048),
             ("decode-b16-k8k-paged", 16, 1, 8192),
+            ("decode-b16-k8k-paged16", 16, 1, 8192),
+            ("decode-b16-k8k-paged256", 16, 1, 8192),
             ("spec-b16-q8-k8k", 16, 8, 8192),
         ] {
             let p = named_problem(name).unwrap();
@@ -415,6 +426,18 @@ mod tests {
             paged.seqs.kv,
             sdpa::KvRows::Paged { page_size: 128, .. }
         ));
+        for (name, page) in [
+            ("decode-b16-k8k-paged16", 16),
+            ("decode-b16-k8k-paged256", 256),
+        ] {
+            let p = named_problem(name).unwrap();
+            let spans = sdpa::check_metadata(&p, &named_meta(name, 3).unwrap()).unwrap();
+            assert!(spans.iter().all(|s| s.seq_k == 8192), "{name}");
+            assert!(
+                matches!(p.seqs.kv, sdpa::KvRows::Paged { page_size, .. } if page_size == page),
+                "{name}"
+            );
+        }
     }
 
     /// The -fp8kv problems are the bf16 decode problems of the same name stem over an e4m3

@@ -33,6 +33,7 @@
 #include "common/attributes.cuh"
 #include "common/check.cuh"
 #include "common/dtype.cuh"
+#include "common/ex2.cuh"
 #include "common/launch.cuh"
 #include "common/limits.cuh"
 #include "common/mask.cuh"
@@ -127,14 +128,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
 // the max becomes 0 or inf (tests/numerics.rs, logits 1e8-1e10). There the product is
 // rounded first, RN(x·scale) - base: exactly 0 for the max, <= 0 for the rest (monotone).
 // The check is per row, outside the element loop, so ordinary logits keep the single FMA.
-
-// 2^x on the SFU alone. exp2f adds a denormal-range fix-up (a compare and two multiplies per
-// call); P values below 2^-126 are zero once rounded to f16/bf16 anyway.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Fragment loads from shared memory. For f16 the library's wmma.load already carries the .shared
 // state space and becomes ldmatrix. The bf16 builtins lose it: their PTX loads are generic, which
@@ -394,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
 
     // Online softmax of this lane's half row, on raw scores: scale > 0 commutes with max, and the
     // scaling folds into one FFMA per element inside the exponent; with the tree reductions and
-    // fast_exp2 that keeps the softmax's instruction count and dependency chains short (measured).
+    // ex2 that keeps the softmax's instruction count and dependency chains short (measured).
     float x[32];
     {
       const float* srow = sS + r * kSLd + 4 * half;
@@ -423,12 +416,12 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? kMinCtasD64 : 1) fwd_kerne
     const float m_new = fmaxf(m_run, __fmul_rn(m, p.scale_log2));
     // A row with nothing visible yet keeps m = -inf; subtracting 0 then keeps p = 0, not NaN.
     const float base = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = fast_exp2(m_run - base);
+    const float alpha = ex2(m_run - base);
     float part[4] = {0.f, 0.f, 0.f, 0.f};
     const auto exps = [&](auto exponent) {
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
-        x[j] = fast_exp2(exponent(x[j]));
+        x[j] = ex2(exponent(x[j]));
         part[j % 4] += x[j];
       }
     };

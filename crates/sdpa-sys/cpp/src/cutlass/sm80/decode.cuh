@@ -112,6 +112,12 @@ struct Geo {
   // At the head dims with a decode kernel (kHasDecode).
   static_assert(D > 128 || (kSmemBytes <= 112 * 1024 && kSmemBytesF8 <= 112 * 1024),
                 "two CTAs an SM on Hopper (plan)");
+  // The kernel's ldmatrix addresses (decode_kernel) need every tile row and Q row to start on a
+  // multiple of D · 2 bytes from the 1024-byte aligned base.
+  static constexpr bool kAligned = D * 2 <= 1024 && kStageElems * 2 % (D * 2) == 0 &&
+                                   C::kTileElems * 2 % (D * 2) == 0 &&
+                                   kQOffset * 2 % (D * 2) == 0 && kQByteF8 % (D * 2) == 0;
+  static_assert(kAligned, "rows start on multiples of D · 2 bytes");
 };
 
 template <typename T, class Mask>
@@ -430,11 +436,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       cute::cp_async_fence();
     }
 
+    // This lane's ldmatrix addresses, in bytes, at k-block 0: row r's chunk c is stored at chunk
+    // c ^ phase(r), so chunk 2k + c, k-block k's, lies at (c ^ phase) ^ 2k, and its address is
+    // k-block 0's XOR 32k: one instruction a load, where each row starts on a multiple of its
+    // D · 2 bytes (G::kAligned).
     const int swz = C::phase(lane);
-    const auto x_chunk = [swz](int c) { return (c ^ swz) << 3; };
-    const int q_row = lane & 15, q_chunk = lane >> 4;
-    const int k_row = (lane & 7) + ((lane >> 4) << 3) + 16 * warp, k_chunk = (lane >> 3) & 1;
-    const int v_row = (lane & 15) + 16 * warp, v_chunk = lane >> 4;
+    const auto lane_off = [swz](int row, int c) {
+      return uint32_t(row * D + ((c ^ swz) << 3)) * 2;
+    };
+    const auto kblock = [](uint32_t addr, int k) { return addr ^ uint32_t(k << 5); };
+    const uint32_t smem_addr = uint32_t(__cvta_generic_to_shared(smem_raw));
+    const uint32_t q_addr = uint32_t(__cvta_generic_to_shared(sQ)) + lane_off(lane & 15, lane >> 4);
+    const uint32_t k_off = lane_off((lane & 7) + ((lane >> 4) << 3) + 16 * warp, (lane >> 3) & 1);
+    const uint32_t v_off = C::kTileElems * 2 + lane_off((lane & 15) + 16 * warp, lane >> 4);
 
     for (int n = n_begin; n < n_end; ++n) {
       const int s = (n - n_begin) % S;
@@ -467,10 +481,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (n + S - 1 < n_end) load_kv(n + S - 1, (n - n_begin + S - 1) % S);
       cute::cp_async_fence();
-      const T* const sK = stage;
-      const T* const sV = sK + C::kTileElems;
+      const uint32_t stage_addr = smem_addr + (F8 ? 0 : s) * G::kStageElems * 2;
       if (nonfinite) {  // rare; CTA-uniform
-        record_and_zero<T, D, 4, 1, false>(const_cast<T*>(sV), nf, nf, tid);
+        record_and_zero<T, D, 4, 1, false>(stage + C::kTileElems, nf, nf, tid);
         __syncthreads();
         for (int i = tid; i < R * D; i += kThreads) {
           const int row = i / D, col = i % D, r = r0 + row;
@@ -492,11 +505,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int kb = 0; kb < kQK; ++kb) {
         uint32_t kf[4];
-        ldsm(kf, sK + k_row * D + x_chunk(2 * kb + k_chunk));
+        ldsm(kf, kblock(stage_addr + k_off, kb));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           uint32_t qf[4];
-          ldsm(qf, sQ + (q_row + 16 * mt) * D + x_chunk(2 * kb + q_chunk));
+          ldsm(qf, kblock(q_addr, kb) + 16 * mt * D * 2);
           mma<T>(sacc[mt][0], qf, kf[0], kf[1]);
           mma<T>(sacc[mt][1], qf, kf[2], kf[3]);
         }
@@ -531,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int dp = 0; dp < kON / 2; ++dp) {
         uint32_t vf[4];
-        ldsm_t(vf, sV + v_row * D + x_chunk(2 * dp + v_chunk));
+        ldsm_t(vf, kblock(stage_addr + v_off, dp));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma<T>(o[mt][2 * dp], pa[mt], vf[0], vf[1]);
@@ -773,11 +786,12 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   // which outweighs the bytes more CTAs would keep in flight (measured:
   // docs/log/2026-11-perf-history.md, "Serving: decode, paged cache, varlen").
   // Two CTAs an SM where two fit (at most 112 KB each: a Hopper's 228 KB; an unknown device is
-  // taken for an H100) for an e4m3 cache, whose CTAs hide each other's widening, and for a
-  // paged cache, whose CTAs hide each other's page-table reads (a tile's copies wait for its
-  // pages; docs/perf.md, "Paged decode").
-  const bool two =
-      (fp8_kv(a) || a.seqs.page_size > 0) && (!known(dev) || dev.smem_per_sm >= (224 << 10));
+  // taken for an H100) for an e4m3 cache, whose CTAs hide each other's widening; for a paged
+  // cache, whose CTAs hide each other's page-table reads (a tile's copies wait for its pages;
+  // docs/perf.md, "Paged decode"); and for 32 rows a CTA, whose warps' mma and softmax chains
+  // outlast a tile's load with one warp a scheduler (docs/perf.md, "Speculative decode").
+  const bool two = (fp8_kv(a) || a.seqs.page_size > 0 || pl.mt == 2) &&
+                   (!known(dev) || dev.smem_per_sm >= (224 << 10));
   const int64_t slots = (known(dev) ? dev.sms : 132) * (two ? 2 : 1);
   split_keys(tiles, a.dims.batch * a.dims.kv_heads * pl.row_blocks, slots, pl.splits,
              pl.split_tiles);

@@ -102,6 +102,7 @@
 
 #include "common/attributes.cuh"
 #include "common/check.cuh"
+#include "common/ex2.cuh"
 #include "common/launch.cuh"
 #include "common/limits.cuh"
 #include "common/mask.cuh"
@@ -148,6 +149,17 @@ template <typename T>
 __device__ __forceinline__ void ldsm_t(uint32_t (&r)[4], const T* p) {
   cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(p), r[0], r[1], r[2],
                                 r[3]);
+}
+// The same by 32-bit shared address, for kernels that form the addresses themselves.
+__device__ __forceinline__ void ldsm(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.x4.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
 }
 // 16 bytes global -> shared, zero-filled (and nothing read) when !pred.
 template <typename T>
@@ -388,14 +400,14 @@ __device__ __forceinline__ void softmax_step(float (&sacc)[kSN][4], float (&m_ru
     const float hi = mx == -INFINITY ? 0.f : __fmul_rn(mx, sl2);
     const float lo = mx == -INFINITY ? 0.f : fmaf(mx, sl2, -hi);
     // Exactly 1 when the max did not move (also for -inf == -inf: O and l are still 0).
-    alpha[r] = mx == m_run[r] ? 1.f : exp2f(fmaf(m_run[r], sl2, -hi) - lo);
+    alpha[r] = mx == m_run[r] ? 1.f : ex2(fmaf(m_run[r], sl2, -hi) - lo);
     m_run[r] = mx;
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < kSN; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float x = exp2f(fmaf(sacc[j][2 * r + e], sl2, -hi) - lo);
+        const float x = ex2(fmaf(sacc[j][2 * r + e], sl2, -hi) - lo);
         sacc[j][2 * r + e] = x;
         sum += x;
       }

@@ -1,5 +1,5 @@
 // Device primitives the sm_90a kernels share (cutlass_sm90 f16/bf16, its small-problem path,
-// the native e4m3 kernel and the backward): SFU exp2, named and mbarriers, 32-bit shared-memory
+// the native e4m3 kernel and the backward): named and mbarriers, 32-bit shared-memory
 // access, cp.async, bulk reductions, a division by a per-launch constant, and the softmax base
 // every kernel takes its exponents against.
 #pragma once
@@ -9,20 +9,13 @@
 #include <cstdint>
 #include <string>
 
+#include "common/ex2.cuh"
 #include "common/launch.cuh"  // pdl_wait, pdl_launch_dependents
 #include "common/limits.cuh"
 #include "common/smem.cuh"  // ld_shared_128
 #include "sdpa/sdpa.h"
 
 namespace sdpa::cutlass_sm90 {
-
-// 2^x on the SFU with denormal results flushed to zero. exp2f (no fast-math) spends a compare
-// and two predicated multiplies per call on denormals: 3 extra instructions per score.
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Named barriers (id 0 is __syncthreads): bar.sync waits, bar.arrive only counts.
 __device__ __forceinline__ void named_sync(int id, int threads) {
