@@ -323,9 +323,11 @@ fn decode_matches_the_reference() {
         .with_kv_heads(1)
         .with_lse(true);
     run(long, random_inputs(&long, fresh_seed()).unwrap());
-    // Few row blocks (8, 16 and 20 of them): 8, 8 and 6 splits, which Hopper merges in a
-    // cluster of each row block's splits, with 1 and 8 tokens a sequence (4 and 32 rows a CTA).
-    for (batch, seq_q, seq_k) in [(4, 1, 1000), (8, 1, 3001), (10, 8, 3001)] {
+    // Few row blocks (on 132 SMs): 16 and 18 of them at 4 rows a CTA (1 token a sequence) take
+    // 8 and 7 splits, 34 at 32 rows (8 tokens, two CTAs an SM) 7, which Hopper merges in a
+    // cluster of each row block's splits; 8 row blocks take 16 one-tile splits, merged by the
+    // combine.
+    for (batch, seq_q, seq_k) in [(8, 1, 3001), (9, 1, 3001), (17, 8, 3001), (4, 1, 1000)] {
         let p = Problem::new(batch, 8, seq_q, seq_k, 128)
             .with_kv_heads(2)
             .with_causal(true)

@@ -14,10 +14,10 @@
 //     sm_90, where a row block has at most kClusterMax splits and the cluster fits, the row
 //     block's splits are one cluster: each writes its partial into the first split's shared
 //     memory (distributed shared memory) and, after the cluster's barrier, the first merges
-//     them. Otherwise each writes it to the workspace and the last split of a row block to
-//     finish merges them, found by a counter a row block (FwdArgs::tile_counter, zero between
-//     calls). Either way a decode step is one launch; without counters (a stream capture
-//     before any call made them) `combine_kernel` merges in a second launch. A sink
+//     them. Otherwise each writes it to the workspace and `combine_kernel`, launched
+//     programmatically behind the grid, merges them. (The last split of a row block to finish
+//     can merge them instead, found by a counter a row block, FwdArgs::tile_counter: one
+//     launch, but no faster anywhere and slower at 16 splits; fold_counters.) A sink
 //     (common/sinks.cuh) joins a row once: where the output is written (one split), or in the
 //     merge as one more partial of output 0 (several), never in a split's partial.
 // Nothing is allocated or synchronized per call: the workspace is the caller's (workspace_bytes),
@@ -795,15 +795,6 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   const int64_t slots = (known(dev) ? dev.sms : 132) * (two ? 2 : 1);
   split_keys(tiles, a.dims.batch * a.dims.kv_heads * pl.row_blocks, slots, pl.splits,
              pl.split_tiles);
-  // On sm_90, splits of one tile more than a cluster holds become kClusterMax splits of two,
-  // which merge in a cluster: the round trip through L2 saved outweighs the second tile (at
-  // more tiles a split, doubling them costs more than the cluster saves; docs/perf.md,
-  // "Short-context decode").
-  if (may_merge_in_cluster(a, dev) && forced_splits() == 0 && pl.split_tiles == 1 &&
-      pl.splits > kClusterMax && tiles <= 2 * kClusterMax) {
-    pl.split_tiles = 2;
-    pl.splits = int((tiles + 1) / 2);
-  }
   return pl;
 }
 
@@ -825,17 +816,19 @@ std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
                         scales});
 }
 
-// The row blocks' counters for the launch of `pl` (null: combine_kernel merges): where there
-// are splits to merge and a counter for every row block among FwdArgs::tile_counter's
-// (sdpa/counters.h). SDPA_DECODE_FOLD=0 in the environment (read once, for measuring) always
-// launches the combine.
+// The row blocks' counters for the launch of `pl`, where its last split merges the splits
+// (Merge::kLastSplit), or null: combine_kernel merges them. The combine measured as fast or
+// faster on every decode problem (b1-k4k 0.85x, b1-k32k 0.97x the last split's time in graph
+// replay: docs/log/2026-11-notebook.md, session 34), so the last split merges only where
+// SDPA_DECODE_FOLD=1 in the environment (read once, for measuring) asks, there are splits to
+// merge and a counter for every row block among FwdArgs::tile_counter's (sdpa/counters.h).
 inline int32_t* fold_counters(const FwdArgs& a, const Plan& pl) {
-  static const bool off = [] {
+  static const bool on = [] {
     const char* e = std::getenv("SDPA_DECODE_FOLD");
-    return e != nullptr && e[0] == '0';
+    return e != nullptr && e[0] == '1';
   }();
   const int64_t blocks = a.dims.batch * a.dims.kv_heads * pl.row_blocks;
-  if (off || pl.splits == 1 || a.scratch.tile_counter == 0 || blocks > kTileCounters)
+  if (!on || pl.splits == 1 || a.scratch.tile_counter == 0 || blocks > kTileCounters)
     return nullptr;
   return device_ptr<int32_t>(a.scratch.tile_counter);
 }
