@@ -818,8 +818,8 @@ std::string can_implement(const FwdArgs& a, const DeviceInfo& dev) {
 
 // The row blocks' counters for the launch of `pl`, where its last split merges the splits
 // (Merge::kLastSplit), or null: combine_kernel merges them. The combine measured as fast or
-// faster on every decode problem (b1-k4k 0.85x, b1-k32k 0.97x the last split's time in graph
-// replay: docs/log/2026-11-notebook.md, session 34), so the last split merges only where
+// faster on every decode problem (docs/log/2026-11-notebook.md, "The splits merged by the
+// combine kernel again"), so the last split merges only where
 // SDPA_DECODE_FOLD=1 in the environment (read once, for measuring) asks, there are splits to
 // merge and a counter for every row block among FwdArgs::tile_counter's (sdpa/counters.h).
 inline int32_t* fold_counters(const FwdArgs& a, const Plan& pl) {
