@@ -154,15 +154,18 @@ struct Consumer {
     };
     const auto softmax_step = [&](int n) {
       // The mask and the score mods from the parameters, not held across the loop; the mods
-      // first, then the mask.
+      // first, then the mask. A band's tiles that hide nothing skip both where there are no
+      // mods: the sequence's lengths (packed: read from global memory) are not looked up.
       // (The mods are made before the key tile's place is computed: the other way round, the
       // compiler computes the mods' branches on every tile.)
-      const Mask mask = K::mask_of(p, K::seq_of_tile(p, w));
-      const Mods mods = Mods::of(p, w, mask.seq_k - mask.seq_q, sl2_raw);
-      const int n0 = K::key_tile(n, kt) * BN;
-      const auto tile = score_tile(Srow, cSrc);
-      mods.apply(tile, m0, n0);
-      mask.apply(tile, m0, BM, n0, BN);
+      if (!K::unmasked_use(n, kt) || Mods::on(p)) {
+        const Mask mask = K::mask_of(p, K::seq_of_tile(p, w));
+        const Mods mods = Mods::of(p, w, mask.seq_k - mask.seq_q, sl2_raw);
+        const int n0 = K::key_tile(n, kt) * BN;
+        const auto tile = score_tile(Srow, cSrc);
+        mods.apply(tile, m0, n0);
+        mask.apply(tile, m0, BM, n0, BN);
+      }
       softmax.step(Srow, sl2);
     };
     // V of the tile's i-th ring use: landed, and checked if partly masked (the n_cross partly

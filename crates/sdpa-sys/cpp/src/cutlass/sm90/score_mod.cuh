@@ -9,6 +9,11 @@
 namespace sdpa::cutlass_sm90 {
 
 struct NoScoreMod {
+  // Whether the call has mods.
+  template <class P>
+  __device__ __forceinline__ static bool on(const P& /*p*/) {
+    return false;
+  }
   // Work tile w's mods, for a sequence of seq_k - seq_q = diagonal and softmax scale sl2.
   template <class P>
   __device__ __forceinline__ static NoScoreMod of(const P& /*p*/, const WorkTile& /*w*/,
@@ -27,6 +32,11 @@ struct NoScoreMod {
 
 struct CapAlibiMod {
   ScoreMods m;
+
+  template <class P>
+  __device__ __forceinline__ static bool on(const P& p) {
+    return p.cap2 > 0.f || p.alibi != nullptr;
+  }
 
   // The slope of w's (batch, head). Made where used, from the parameters (constant memory),
   // rather than held in registers across the main loop.

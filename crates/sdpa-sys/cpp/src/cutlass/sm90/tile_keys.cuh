@@ -80,6 +80,14 @@ struct TileKeys {
     }
   }
 
+  // Whether a query tile's i-th ring use hides no key from any of its rows, so that its scores
+  // need no mask: a band's uses past its partly masked ones, save the last key tile where it
+  // comes first among them (no upper partly masked tile), which may run past the sequence's keys
+  // (key_tiles counts it as partly masked only where the rows past them are another sequence's).
+  __device__ __forceinline__ static bool unmasked_use(int i, const KeyTiles& kt) {
+    return kBand && i >= kt.n_cross + (kt.n_upper == 0 ? 1 : 0);
+  }
+
   // How many of a query tile's first ring uses the non-finite V check takes (partly masked).
   __device__ __forceinline__ static int checked_uses(const KeyTiles& kt) {
     if constexpr (kBand)
