@@ -289,12 +289,13 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   if constexpr (KernelTraits<E, D, Mask>::kFeed)
     p.sched.counter = forced_ctas() < 0 ? nullptr : device_ptr<int32_t>(a.scratch.tile_counter);
   // Non-masked grids are persistent past one wave (Sched::grid_size), as are those on the feed
-  // with a counter; two warpgroups' turns only pay where every CTA runs a single tile, three's
-  // on every grid.
+  // with a counter. Three warpgroups take turns on every grid; two on the masked kernels' (one
+  // tile a CTA, or the feed) and where every CTA runs a single tile, not on the unmasked
+  // persistent grid, where they measured slower (docs/log/2026-11-notebook.md, session 35).
   constexpr int kWG = TileConfig<E, D>::kWG;
-  const bool turns = p.sched.wgs == kWG && kWG > 1 &&
-                     (kWG == 3 || (Mask::kMasksKeys && p.sched.counter == nullptr) ||
-                      p.sched.tiles <= persistent_ctas(p.sched, sms));
+  const bool turns =
+      p.sched.wgs == kWG && kWG > 1 &&
+      (kWG == 3 || Mask::kMasksKeys || p.sched.tiles <= persistent_ctas(p.sched, sms));
   // E4M3 with the pre-pass: V is its copy in the workspace (v_prepass.cuh).
   const void* v = device_ptr<const void>(E::kPrepass ? a.scratch.workspace : a.ops.v);
   const Strides vs = E::kPrepass && !E::kFp8PV ? packed_v_strides(a) : a.ops.v_stride;
