@@ -33,6 +33,7 @@ struct NoScoreMod {
 struct CapAlibiMod {
   ScoreMods m;
 
+  // Whether the call asks for softcap or ALiBi.
   template <class P>
   __device__ __forceinline__ static bool on(const P& p) {
     return p.cap2 > 0.f || p.alibi != nullptr;

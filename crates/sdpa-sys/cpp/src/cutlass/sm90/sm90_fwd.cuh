@@ -291,7 +291,7 @@ KernelParams<E, D, Mask> make_params(const FwdArgs& a, int sms) {
   // Non-masked grids are persistent past one wave (Sched::grid_size), as are those on the feed
   // with a counter. Three warpgroups take turns on every grid; two on the masked kernels' (one
   // tile a CTA, or the feed) and where every CTA runs a single tile, not on the unmasked
-  // persistent grid, where they measured slower (docs/log/2026-11-notebook.md, session 35).
+  // persistent grid, where their waits cost more than the staggered issue gains.
   constexpr int kWG = TileConfig<E, D>::kWG;
   const bool turns =
       p.sched.wgs == kWG && kWG > 1 &&
