@@ -61,7 +61,8 @@ struct Consumer {
 
   // One work tile of consumer warpgroup wg: O (tOrO,
   // zeroed by the caller) and the softmax state over the tile's kt.n_tiles key tiles, which are
-  // ring uses it, it + 1, ...; `it` is advanced past them. Issue rounds, N = n_tiles:
+  // ring uses it, it + 1, ...; `it` is advanced past them. `at`: the tile's record on the feed
+  // (TileKeys::seq). Issue rounds, N = n_tiles:
   //   round 0:            S_0
   //   round n (1..N-1):   S_n, then O += P_{n-1}·V_{n-1}: two commit groups
   //   round N:            O += P_{N-1}·V_{N-1}
@@ -75,8 +76,8 @@ struct Consumer {
   template <class Ops, class TO, class Softmax>
   __device__ __forceinline__ static void mma(const Params& p, typename C::Smem& sm, const Ops& ops,
                                              int m0, const KeyTiles& kt, int& it, int qi, TO& tOrO,
-                                             Softmax& softmax, const WorkTile& w, float sl2_raw,
-                                             int wg, PhaseBits& v_phase) {
+                                             Softmax& softmax, const WorkTile& w, uint32_t at,
+                                             float sl2_raw, int wg, PhaseBits& v_phase) {
     const float sl2 = step_scale(p, sl2_raw);
     const int n_tiles = kt.n_tiles;
     const bool turns = C::kPingPong && p.turns;
@@ -159,7 +160,7 @@ struct Consumer {
       // (The mods are made before the key tile's place is computed: the other way round, the
       // compiler computes the mods' branches on every tile.)
       if (!K::unmasked_use(n, kt) || Mods::on(p)) {
-        const Mask mask = K::mask_of(p, K::seq_of_tile(p, w));
+        const Mask mask = K::mask_of(p, K::seq(p, w, at));
         const Mods mods = Mods::of(p, w, mask.seq_k - mask.seq_q, sl2_raw);
         const int n0 = K::key_tile(n, kt) * BN;
         const auto tile = score_tile(Srow, cSrc);

@@ -51,13 +51,13 @@ struct Producer {
     const int bm = 64 * sp.wgs;
     int it = 0, qi = 0;  // qi: the tiles with queries so far (Q loads)
     // Work tile t's loads.
-    Walk::template issue<E::kConvertV>(sp, sm, [&](int t) {
-      const WorkTile w = Sched::decode(sp, t);
+    const auto make = [&](int t) { return K::record(p, sp, t); };
+    Walk::template issue<E::kConvertV>(sp, sm, make, [&](const TileRecord& r, uint32_t /*at*/) {
+      const WorkTile w = r.w;
       const int hk = p.div_group.div(w.h);
       const int m0 = w.m_block * bm;
-      const Seq<int> seq = K::seq_of_tile(p, w);
-      if (K::past_end(seq, m0)) return;
-      const KeyTiles kt = K::key_tiles(p, seq, m0, bm);
+      const Seq<int> seq = r.seq;
+      const KeyTiles kt = r.kt;
       const int qb = Seqs::q_batch(p, w.b), kb = Seqs::kv_batch(p, w.b);
       // BM rows from row m0 (with 64-row tiles the upper half goes unused).
       Tensor gQ = local_tile(domain_offset(make_coord(seq.q0 + m0, _0{}), mQ(_, _, w.h, qb)),

@@ -95,7 +95,6 @@ struct FwdCollectives {
   static constexpr int D = D_;
   using Traits = KernelTraits<E, D, Mask>;
   using Keys = TileKeys<E, D, Mask>;
-  using Scheduler = TileScheduler<Mask::kMasksKeys>;
   using Producer = cutlass_sm90::Producer<E, D, Mask>;
   using VSide = cutlass_sm90::VSide<E, D, Mask>;
   using Consumer = cutlass_sm90::Consumer<E, D, Mask>;
@@ -160,12 +159,10 @@ __device__ __forceinline__ void fwd_body(const typename K::Params& p) {
   using E = typename K::E;
   using T = typename K::Traits;
   using C = typename T::C;
-  using Sched = typename K::Scheduler;
   using Keys = typename K::Keys;
   using Consumer = typename K::Consumer;
   using VSide = typename K::VSide;
   using Epi = typename K::Epilogue;
-  constexpr int D = K::D;
   auto& sm = smem_storage<typename C::Smem>();
   const int tid = threadIdx.x;
 
@@ -211,11 +208,11 @@ __device__ __forceinline__ void fwd_body(const typename K::Params& p) {
   const auto ops = Consumer::consumer_operands(sm, ctid);
   int it = 0, qi = 0;  // ring uses and tiles with queries so far
   PhaseBits v_phase;   // kTracked kernels' V barrier phases (VRing)
-  T::Walk::follow(p.sched, sm, [&](int t) __attribute__((always_inline)) {
-    const WorkTile w = Sched::decode(p.sched, t);
+  const auto make = [&](int t) { return Keys::record(p.mainloop, p.sched, t); };
+  const auto run_tile = [&](const TileRecord& r, uint32_t at) __attribute__((always_inline)) {
+    const WorkTile w = r.w;
     const int m0 = w.m_block * bm;
-    if (Keys::past_end(Keys::seq_of_tile(p.mainloop, w), m0)) return;
-    const KeyTiles kt = Keys::key_tiles(p.mainloop, Keys::seq_of_tile(p.mainloop, w), m0, bm);
+    const KeyTiles kt = r.kt;
     float sl2, o_scale;
     Consumer::scales(p.mainloop, w, sl2, o_scale);
     OnlineSoftmax<decltype(size<0>(O))::value, C::Tune::kOneExpLoop, E::kFp8PV ? 8 : 0, true>
@@ -225,9 +222,9 @@ __device__ __forceinline__ void fwd_body(const typename K::Params& p) {
     // window rows feel.
     const float sink = p.epilogue.sinks != nullptr ? __ldg(p.epilogue.sinks + w.h) : -INFINITY;
     clear(tOrO);
-    Consumer::mma(p.mainloop, sm, ops, m0, kt, it, qi, tOrO, softmax, w, sl2, wg, v_phase);
+    Consumer::mma(p.mainloop, sm, ops, m0, kt, it, qi, tOrO, softmax, w, at, sl2, wg, v_phase);
     // The sequence and its mask again, not held across the main loop.
-    const Seq<int> seq = Keys::seq_of_tile(p.mainloop, w);
+    const Seq<int> seq = Keys::seq(p.mainloop, w, at);
     // On the feed the check runs ahead by up to a tile: its records of this tile are in the
     // slots of the tile's parity, complete once nf_ready says so, and free once read.
     if constexpr (T::kTracked) T::records(sm).wait(qi);
@@ -249,7 +246,8 @@ __device__ __forceinline__ void fwd_body(const typename K::Params& p) {
       T::q_slot(sm).release(qi);
     }
     ++qi;
-  });
+  };
+  T::Walk::follow(p.sched, sm, make, run_tile);
 }
 
 template <class E, int D, class Mask>

@@ -309,8 +309,8 @@ struct TileConfig {
     // written them (nf_ready), the consumers have read them (nf_free).
     uint64_t feed_full[2], feed_empty[2];
     uint64_t nf_ready[2], nf_free[2];
-    int feed_tile[2];
-    uint32_t feed_next;  // the producer's next feed index
+    alignas(16) uint32_t feed_slot[2][12];  // a TileRecord each (tile_keys.cuh)
+    uint32_t feed_next;                     // the producer's next feed index
     uint32_t nf_any[kCheckSlots];
     NonFiniteCols<kDV> nf[kCheckSlots];
     NonFiniteCols<kDV> nf_last[kCheckSlots];

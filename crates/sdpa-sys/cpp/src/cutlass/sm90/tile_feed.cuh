@@ -2,10 +2,12 @@
 // tenfold in cost (a causal query tile sees as many key tiles as its index, and packed sequences
 // differ in length); the scheduler orders them heaviest first, and a CTA that finishes takes the
 // next from a global counter, which balances them greedily. Within a CTA the producer's TMA
-// thread fetches each tile and publishes it in a two-slot ring in shared memory; the consumers
-// and the non-finite V check read it from there, so every role walks the same tiles. The CTA
-// then loads the next tile's Q and K/V while its consumers finish the last one, instead of a new
-// CTA starting cold.
+// thread fetches each tile, works out its sequence and key tiles once (a packed sequence's are
+// a scan of cu_seqlens and loads from global memory), and publishes that record in a two-slot
+// ring in shared memory; the consumers and the non-finite V check read it from there, so every
+// role walks the same tiles, and a reader keeps its slot until it is done with the tile (it
+// reads the sequence from there where it needs it). The CTA then loads the next tile's Q and
+// K/V while its consumers finish the last one, instead of a new CTA starting cold.
 //
 // The counter (FwdArgs::tile_counter: tiles handed out past the first wave, CTAs done) is zero
 // when a call starts; the last CTA to run out of tiles sets it back to zero. Everything that
@@ -32,10 +34,10 @@ struct TileFeed {
     return int(n);
   }
 
-  // Work tile k of this CTA: its own block index first, then one from the counter; `tiles`
+  // The CTA's next work tile: its own block index first, then one from the counter; `tiles`
   // (none) once they are all handed out.
-  __device__ __forceinline__ int fetch(int k) const {
-    if (k == 0) return int(blockIdx.x);
+  __device__ __forceinline__ int fetch(bool first) const {
+    if (first) return int(blockIdx.x);
     if (counter == nullptr) return tiles;
     const int t = grid() + atomicAdd(counter, 1);
     return t < tiles ? t : tiles;
@@ -53,33 +55,39 @@ struct TileFeed {
     }
   }
 
-  // The feed's two slots (tile k in slot k % 2): the producer's TMA thread writes, every other
+  // The feed's two slots (record k in slot k % 2): the producer's TMA thread writes, every other
   // role of the CTA reads.
   template <class Smem>
   __device__ __forceinline__ static Handoff<2> slots(Smem& sm) {
     return {sm.feed_full, sm.feed_empty};
   }
-
-  // The producer's TMA thread: fetches work tile k and publishes it in its slot once every
-  // reader has taken tile k - 2 from there. Returns it (`tiles`: none; the CTA is done).
+  // Record k's slot, a shared-memory address.
   template <class Smem>
-  __device__ __forceinline__ int publish(Smem& sm, int k) const {
-    const int t = fetch(k);
-    slots(sm).acquire(k);
-    st_shared(uint32_t(__cvta_generic_to_shared(&sm.feed_tile[Handoff<2>::slot(k)])), uint32_t(t));
-    slots(sm).commit(k);  // release: the tile's value is visible to the waiters
-    if (t >= tiles) finish();
-    return t;
+  __device__ __forceinline__ static uint32_t slot_at(Smem& sm, int k) {
+    return uint32_t(__cvta_generic_to_shared(&sm.feed_slot[Handoff<2>::slot(k)][0]));
   }
 
-  // A reader (a consumer or checking thread): work tile k, from the producer's slot.
+  // The producer's TMA thread: publishes record k (Rec::store) once every reader is done with
+  // record k - 2. Returns its slot.
+  template <class Smem, class Rec>
+  __device__ __forceinline__ static uint32_t publish(Smem& sm, int k, const Rec& rec) {
+    slots(sm).acquire(k);
+    const uint32_t at = slot_at(sm, k);
+    rec.store(at);
+    slots(sm).commit(k);  // release: the record is visible to the waiters
+    return at;
+  }
+
+  // A reader (a consumer or checking thread): waits for record k; returns its slot, which stays
+  // the reader's until done(k).
   template <class Smem>
-  __device__ __forceinline__ static int take(Smem& sm, int k) {
+  __device__ __forceinline__ static uint32_t take(Smem& sm, int k) {
     slots(sm).wait(k);
-    const int t =
-        int(ld_shared_32(uint32_t(__cvta_generic_to_shared(&sm.feed_tile[Handoff<2>::slot(k)]))));
+    return slot_at(sm, k);
+  }
+  template <class Smem>
+  __device__ __forceinline__ static void done(Smem& sm, int k) {
     slots(sm).release(k);
-    return t;
   }
 };
 

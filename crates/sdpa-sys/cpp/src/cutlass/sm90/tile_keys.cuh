@@ -1,10 +1,12 @@
 // The key tiles of a work tile: its sequence, whether it lies past the sequence's queries, its
 // mask, which key tiles it sees in what order, where each lies in K's and V's TMA tensors, and
-// which of them the non-finite V check takes. Every role of the CTA computes them alike.
+// which of them the non-finite V check takes. Every role of the CTA walks the same records of
+// them: made once by the producer on the tile feed, by each role otherwise (TileWalk).
 #pragma once
 
 #include "common/mask.cuh"
 #include "common/seqs.cuh"
+#include "common/smem.cuh"
 #include "cutlass/sm90/kernel_traits.cuh"
 
 namespace sdpa::cutlass_sm90 {
@@ -17,6 +19,40 @@ struct KeyTiles {
   int begin, n_cross, n_upper;
 };
 
+// A work tile as every role walks it (TileWalk): which tile, its key tiles and its sequence;
+// none() past its sequence's queries. On the tile feed the producer publishes it in a slot of
+// 12 words in shared memory (store); a reader loads the tile and its key tiles (load) and reads
+// the sequence from the slot where it needs it (load_seq), rather than holding it in registers.
+struct TileRecord {
+  WorkTile w;
+  KeyTiles kt;
+  Seq<int> seq;
+
+  __device__ __forceinline__ bool none() const { return w.m_block < 0; }
+  __device__ __forceinline__ static TileRecord end() {
+    TileRecord r{};
+    r.w.m_block = -1;
+    return r;
+  }
+  __device__ __forceinline__ void store(uint32_t at) const {
+    st_shared_128(at, make_uint4(w.m_block, w.h, w.b, kt.n_tiles));
+    st_shared_128(at + 16, make_uint4(kt.n_first, kt.begin, kt.n_cross, kt.n_upper));
+    st_shared_128(at + 32, make_uint4(seq.q0, seq.k0, seq.seq_q, seq.seq_k));
+  }
+  // The tile and its key tiles (the sequence left zero).
+  __device__ __forceinline__ static TileRecord load(uint32_t at) {
+    const uint4 a = ld_shared_128(at), b = ld_shared_128(at + 16);
+    TileRecord r{};
+    r.w = {int(a.x), int(a.y), int(a.z)};
+    r.kt = {int(a.w), int(b.x), int(b.y), int(b.z), int(b.w)};
+    return r;
+  }
+  __device__ __forceinline__ static Seq<int> load_seq(uint32_t at) {
+    const uint4 c = ld_shared_128(at + 32);
+    return {int(c.x), int(c.y), int(c.z), int(c.w)};
+  }
+};
+
 template <class E, int D, class Mask>
 struct TileKeys {
   using T = KernelTraits<E, D, Mask>;
@@ -25,12 +61,25 @@ struct TileKeys {
   static constexpr int BN = T::BN;
   static constexpr bool kBand = T::kBand;
 
-  // Work tile w's sequence and whether a tile from m0 lies past its queries (the layout's).
-  __device__ __forceinline__ static Seq<int> seq_of_tile(const Params& p, const WorkTile& w) {
-    return Seqs::of(p, w);
+  // Work tile t's record: its place, its sequence and, where it has queries, its key tiles.
+  __device__ __forceinline__ static TileRecord record(const Params& p,
+                                                      const typename T::Sched::Params& sp, int t) {
+    TileRecord r{};
+    r.w = T::Sched::decode(sp, t);
+    const int bm = 64 * sp.wgs, m0 = r.w.m_block * bm;
+    r.seq = Seqs::of(p, r.w);
+    if (Seqs::past_end(r.seq, m0)) return TileRecord::end();
+    r.kt = key_tiles(p, r.seq, m0, bm);
+    return r;
   }
-  __device__ __forceinline__ static bool past_end(const Seq<int>& seq, int m0) {
-    return Seqs::past_end(seq, m0);
+  // Work tile w's sequence, where a role needs it: on the feed from the record's slot `at`
+  // (packed sequences: one shared-memory read instead of loads from global memory), otherwise
+  // from the layout.
+  __device__ __forceinline__ static Seq<int> seq(const Params& p, const WorkTile& w, uint32_t at) {
+    if constexpr (T::kFeed && kBand)
+      return TileRecord::load_seq(at);
+    else
+      return Seqs::of(p, w);
   }
 
   // The mask of one sequence (the band rebased to its lengths: the call's own for dense ones).

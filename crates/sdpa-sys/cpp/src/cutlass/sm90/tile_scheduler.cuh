@@ -138,32 +138,49 @@ struct TileScheduler {
   }
 };
 
-// How the roles of a CTA walk its work tiles, all in the same order: f(t) for each work tile t
-// (a return from f goes on to the next). On the feed (kFeed: the masked kernels with a persistent
-// grid, tile_feed.cuh) the producer's TMA thread fetches each tile and publishes it, and every
-// other role takes it from there; otherwise each role walks the tiles statically, blockIdx.x,
-// blockIdx.x + gridDim.x, ... (kOneTile: the first alone). A role whose tile body was a loop body
-// passes it as a lambda marked __attribute__((always_inline)): inlined late, as an ordinary
-// lambda is, it is optimized apart from its surroundings, and the consumers' and the check's
-// code comes out otherwise than as a loop body (the producer's loads were a lambda already).
+// How the roles of a CTA walk its work tiles, all in the same order. make(t) is work tile t's
+// record (Rec: TileKeys::record, its place, sequence and key tiles; none() for a tile past its
+// sequence's queries, which no role runs); f(rec, at) runs a tile (a return from f goes on to
+// the next), `at` the record's slot in shared memory on the feed (0 otherwise). On the feed
+// (kFeed: the masked kernels with a persistent grid, tile_feed.cuh) the producer's TMA thread
+// fetches each tile, makes its record and publishes it, and every other role reads the tile's
+// place and key tiles from the slot (Rec::load) and keeps the slot until f returns; otherwise
+// each role walks the tiles statically, blockIdx.x, blockIdx.x + gridDim.x, ... (kOneTile: the
+// first alone), making each record itself. A role whose tile body was a loop body passes it as
+// a lambda marked __attribute__((always_inline)): inlined late, as an ordinary lambda is, it is
+// optimized apart from its surroundings, and the consumers' and the check's code comes out
+// otherwise than as a loop body (the producer's loads were a lambda already).
 template <bool kFeed, bool kOneTile>
 struct TileWalk {
   // The producer's TMA thread, which issues the tiles. kGridEachTile: the grid size re-read at
   // each step of the static walk (held in a register across the loop, it is the one value ptxas
   // spills where the thread has 24 registers and e4m3 V to load into its own ring).
-  template <bool kGridEachTile, class SP, class Smem, class F>
-  __device__ __forceinline__ static void issue(const SP& sp, Smem& sm, F&& f) {
+  template <bool kGridEachTile, class SP, class Smem, class Make, class F>
+  __device__ __forceinline__ static void issue(const SP& sp, Smem& sm, Make&& make, F&& f) {
+    using Rec = decltype(make(0));
     if constexpr (kFeed) {
       // The feed's index lives in shared memory: in a register across the loop it is what
       // ptxas spills first at D >= 192.
       const uint32_t k_at = uint32_t(__cvta_generic_to_shared(&sm.feed_next));
       st_shared(k_at, 0u);
+      const TileFeed feed{sp.counter, sp.tiles};
       for (;;) {
         const int k = int(ld_shared_32(k_at));
         st_shared(k_at, uint32_t(k + 1));
-        const int t = TileFeed{sp.counter, sp.tiles}.publish(sm, k);
-        if (t >= sp.tiles) break;
-        f(t);
+        // The next tile with queries (none: the CTA is done).
+        Rec rec = Rec::end();
+        for (bool first = k == 0;; first = false) {
+          const int t = feed.fetch(first);
+          if (t >= sp.tiles) break;
+          rec = make(t);
+          if (!rec.none()) break;
+        }
+        const uint32_t at = TileFeed::publish(sm, k, rec);
+        if (rec.none()) {
+          feed.finish();
+          break;
+        }
+        f(rec, at);
       }
     } else {
       const auto stride = [] {
@@ -172,32 +189,31 @@ struct TileWalk {
         return int(n);
       };
       for (int t = blockIdx.x; t < sp.tiles; t += stride()) {
-        f(t);
+        const Rec rec = make(t);
+        if (!rec.none()) f(rec, 0u);
         if constexpr (kOneTile) break;
       }
     }
   }
 
   // Every other role: the tiles the TMA thread issues.
-  template <class SP, class Smem, class F>
-  __device__ __forceinline__ static void follow(const SP& sp, Smem& sm, F&& f) {
-    for (int k = 0;; ++k) {
-      const int t = tile(sp, sm, k);
-      if (t >= sp.tiles) break;
-      f(t);
-      if constexpr (kOneTile) break;
-    }
-  }
-
- private:
-  // Work tile k of this CTA (sp.tiles: none left).
-  template <class SP, class Smem>
-  __device__ __forceinline__ static int tile(const SP& sp, Smem& sm, int k) {
+  template <class SP, class Smem, class Make, class F>
+  __device__ __forceinline__ static void follow(const SP& sp, Smem& sm, Make&& make, F&& f) {
+    using Rec = decltype(make(0));
     if constexpr (kFeed) {
-      return TileFeed::take(sm, k);
+      for (int k = 0;; ++k) {
+        const uint32_t at = TileFeed::take(sm, k);
+        const Rec rec = Rec::load(at);
+        if (rec.none()) break;  // nothing is published after it: its slot is not handed back
+        f(rec, at);
+        TileFeed::done(sm, k);
+      }
     } else {
-      const int t = int(blockIdx.x) + k * int(gridDim.x);
-      return (kOneTile && k > 0) || t >= sp.tiles ? sp.tiles : t;
+      for (int t = blockIdx.x; t < sp.tiles; t += int(gridDim.x)) {
+        const Rec rec = make(t);
+        if (!rec.none()) f(rec, 0u);
+        if constexpr (kOneTile) break;
+      }
     }
   }
 };

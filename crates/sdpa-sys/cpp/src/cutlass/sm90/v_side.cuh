@@ -39,11 +39,10 @@ struct VSide {
     constexpr auto kSwizzle = get_swizzle_portion(typename C::LayoutV{});
     constexpr auto kFlatV = get_nonswizzle_portion(typename C::LayoutV{});
     constexpr int S8 = C::kV8Stages;
-    const int bm = 64 * sp.wgs;
     int it = 0;
-    Walk::follow(sp, sm, [&](int t) __attribute__((always_inline)) {
-      const WorkTile w = Sched::decode(sp, t);
-      const KeyTiles kt = K::key_tiles(p, K::seq_of_tile(p, w), w.m_block * bm, bm);
+    const auto make = [&](int t) { return K::record(p, sp, t); };
+    const auto run_tile = [&](const TileRecord& r, uint32_t /*at*/) __attribute__((always_inline)) {
+      const KeyTiles kt = r.kt;
       for (int n = 0; n < kt.n_tiles; ++n, ++it) {
         const PipelineState<S> use{it};
         const PipelineState<S8> use8{it};
@@ -67,7 +66,8 @@ struct VSide {
         T::v8_ring(sm).release(use8);
         T::v_ring(sm).ring.commit(use);
       }
-    });
+    };
+    Walk::follow(sp, sm, make, run_tile);
   }
 
   // Masked kernels without kConvertV, producer warps 1-3 (thread ct of C::kConverters): the
@@ -83,16 +83,15 @@ struct VSide {
                                                  typename C::Smem& sm, int ct) {
     static_assert(S >= 2);
     const uint32_t v16 = uint32_t(__cvta_generic_to_shared(sm.v));
-    const int bm = 64 * sp.wgs;
     int it = 0, nt = 0;  // ring uses and tiles with queries so far
     PhaseBits landed;    // kTracked: bit s, the phase of stage s's landed barrier
-    Walk::follow(sp, sm, [&](int t) __attribute__((always_inline)) {
+    const auto make = [&](int t) {
       asm volatile("" : "+r"(t));  // opaque: nothing shared with the TMA thread's registers
-      const WorkTile w = Sched::decode(sp, t);
-      const int m0 = w.m_block * bm;
-      const Seq<int> seq = K::seq_of_tile(p, w);
-      if (K::past_end(seq, m0)) return;
-      const KeyTiles kt = K::key_tiles(p, seq, m0, bm);
+      return K::record(p, sp, t);
+    };
+    const auto run_tile = [&](const TileRecord& r, uint32_t at) __attribute__((always_inline)) {
+      const Seq<int> seq = K::seq(p, r.w, at);
+      const KeyTiles kt = r.kt;
       const int n_checked = K::checked_uses(kt);
       const int slot0 = kTracked ? (nt & 1) * C::kTileSlots : 0;
       if constexpr (kTracked) T::records(sm).acquire(nt);
@@ -112,7 +111,8 @@ struct VSide {
       if constexpr (kTracked) T::records(sm).commit(nt);
       it += kt.n_tiles;
       ++nt;
-    });
+    };
+    Walk::follow(sp, sm, make, run_tile);
   }
 
   // A consumer thread's O elements' (row, col) in the row/col view, from an opaque copy of its
