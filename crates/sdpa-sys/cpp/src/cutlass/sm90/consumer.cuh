@@ -80,7 +80,7 @@ struct Consumer {
                                              float sl2_raw, int wg, PhaseBits& v_phase) {
     const float sl2 = step_scale(p, sl2_raw);
     const int n_tiles = kt.n_tiles;
-    const bool turns = C::kPingPong && p.turns;
+    const bool turns = T::kTurns && p.turns;
     const auto turn_sync = [&](int w) {
       if (turns) named_sync(kTurnBarrier + w, 256);
     };

@@ -58,6 +58,12 @@ struct KernelTraits {
   // and fast mode, whose pre-pass took V's NaN codes out (add_nan_columns).
   static constexpr bool kChecksV = Mask::kMasksKeys && !E::kConvertV && !E::kFp8PV;
 
+  // Whether the consumer warpgroups may take turns issuing (Params::turns decides per launch):
+  // where the tuning table allows them, and in the band kernel on the tile feed, whose short
+  // query tiles' starts and ends they stagger (compiled into the D = 128 causal kernel, they
+  // slow it even when off; measured: docs/log/2026-11-notebook.md, "turns on the D = 128 feed").
+  static constexpr bool kTurns = C::kPingPong || (kFeed && kBand);
+
   // The walk over the CTA's work tiles every role takes (the tile feed, or the static walk).
   using Walk = TileWalk<kFeed, kOneTile>;
 

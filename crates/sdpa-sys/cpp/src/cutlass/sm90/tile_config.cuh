@@ -43,7 +43,8 @@ using namespace cute;
 //   kPingPong    whether the consumer warpgroups may take turns issuing (Params::turns
 //                decides per launch). At D = 128 the turns cost more than the ordering gains
 //                on the problems that matter, so they are compiled out (measured:
-//                docs/log/2026-11-perf-history.md, "Next to FlashAttention-4").
+//                docs/log/2026-11-perf-history.md, "Next to FlashAttention-4"), but for the
+//                band kernel on the tile feed (KernelTraits::kTurns).
 //   kOneExpLoop  the softmax's huge-logit fallback pre-multiplies the scores and reuses the one
 //                FMA exponent loop (D = 128), or compiles a loop per form (D = 64): each chosen
 //                by timing both where it is used (measured: docs/log/2026-11-notebook.md, "one
