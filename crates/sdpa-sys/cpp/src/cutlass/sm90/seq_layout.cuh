@@ -51,8 +51,8 @@ struct VarSeqs {
     asm volatile("" : "+r"(b));
     return seq_of<int>(p.seqs, b, p.seq_q, p.seq_k);
   }
-  // Past its sequence's queries, or none (TileScheduler): every role of the CTA skips the tile (a
-  // grid covers the longest sequence).
+  // Past its sequence's queries, or none (TileScheduler): no role of the CTA runs the tile
+  // (TileKeys::record; a grid covers the longest sequence).
   __device__ __forceinline__ static bool past_end(const Seq<int>& seq, int m0) {
     return m0 < 0 || m0 >= seq.seq_q;
   }

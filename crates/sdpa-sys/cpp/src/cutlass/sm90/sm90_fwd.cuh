@@ -24,9 +24,10 @@
 // and the mask policy (common/mask.cuh) it is templated on, which applies itself to a tile of
 // scores. The band kernel is the general path: its score mods and sequence layout are the
 // call's (KernelTraits::Mods, Seqs); the plain kernels run dense sequences without mods. With
-// sequences of different lengths each role finds its work tile's sequence, skips tiles past its
-// queries, and rebases the band to its lengths; rows past a sequence's end that a tile's TMA copy
-// brings in (the next sequence's) are masked like any key the band hides, and the non-finite V
+// sequences of different lengths a work tile's record (TileKeys::record: its sequence, its key
+// tiles; none past the sequence's queries) is made once on the tile feed and read by every role,
+// and the band is rebased to the sequence's lengths; rows past a sequence's end that a tile's TMA
+// copy brings in (the next sequence's) are masked like any key the band hides, and the non-finite V
 // check ignores them. docs/design.md describes the tiles,
 // roles, register split, overlap and scheduling. Assumes validated arguments
 // (crates/sdpa/src/problem/mod.rs): head dims <= D (narrower ones on the general path, their

@@ -30,7 +30,8 @@ struct WorkTile {
 // the grid covers heads x (ceil(total_q / rows) + batch) tiles, at least every sequence's; tile
 // r of each head walks the sequences in order, each one's tiles heaviest (last) first, with the
 // heads of a tile next to each other (a GQA group's CTAs share their K/V in L2); the CTAs past
-// the last tile end at once. Each role finds its tile by a scan of cu_seqlens_q.
+// the last tile end at once. A tile's sequence is a scan of cu_seqlens_q (TileKeys::record: on
+// the feed the producer's alone).
 template <bool kVaries>
 struct TileScheduler {
   // 32-bit tile numbers: can_implement (sm90_fwd.cuh) keeps ceil(seq_q / 128) x batch x heads
