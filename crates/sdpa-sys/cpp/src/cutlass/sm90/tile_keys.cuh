@@ -60,6 +60,8 @@ struct TileKeys {
   using Seqs = typename T::Seqs;
   static constexpr int BN = T::BN;
   static constexpr bool kBand = T::kBand;
+  static_assert(sizeof(TileRecord) == sizeof(T::Smem::feed_slot[0]),
+                "the feed's slot holds one TileRecord");
 
   // Work tile t's record: its place, its sequence and, where it has queries, its key tiles.
   __device__ __forceinline__ static TileRecord record(const Params& p,
