@@ -27,10 +27,10 @@
 // edges.
 //
 // A mask also applies itself to a tile of scores (`apply`): a kernel hands it a view of the tile
-// (ScoreTile below: each element's row and key within the tile, and a way to hide one), and the
-// mask hides the scores of keys their rows do not see, paying only on tiles its tile test says may
-// hold one. NoMask and CausalBottomRight hide by last_key alone (each row sees a prefix of the
-// block's key range); Band by both edges.
+// (Tile below: each element's row and key within the tile, and a way to keep one range of a row's
+// columns), and the mask hides the scores of keys their rows do not see, paying only on tiles its
+// tile test says may hold one. NoMask and CausalBottomRight hide by last_key alone (each row sees a
+// prefix of the block's key range); Band by both edges.
 //
 // Index is the kernel's row/key type: int where the kernel's 32-bit limits hold (its
 // can_implement), int64_t where the kernel computes in 64 bits.
@@ -50,8 +50,18 @@ namespace sdpa::mask {
 
 // What `apply` asks of a kernel's tile of scores (Tile): kRows x kCols elements as the kernel's
 // threads hold them (compile-time counts), row(r) and col(r, c) each element's row and key
-// within the tile, hide(r, c) sets its score to -inf. One thread's part of a tile is a Tile too.
-//
+// within the tile, and keep(r, lo, hi), which hides (sets to -inf) the scores of row r whose
+// column lies outside [lo, hi] (given within [-1, bn]). One thread's part of a tile is a Tile too.
+// A row's kept columns are one range, so a tile can test each score against a mask of its row
+// made once, instead of the row's two edges.
+
+// Column x of a tile of bn keys (x relative to the tile's first key), clamped to [-1, bn]:
+// every column beyond either end hides or keeps the same scores.
+template <typename Index>
+__device__ __forceinline__ int tile_column(Index x, Index bn) {
+  return int(x < Index(-1) ? Index(-1) : (x > bn ? bn : x));
+}
+
 // Hides the scores of keys past a row's last key (prefix masks: NoMask, CausalBottomRight), for
 // the bn keys from n0 of the rows from m0, where the mask's tile test says some may be.
 template <class M, class Tile, typename Index>
@@ -59,12 +69,8 @@ __device__ __forceinline__ void apply_prefix(const M& mask, const Tile& t, Index
                                              Index bn) {
   if (!mask.tile_masked(m0, n0, bn)) return;
 #pragma unroll
-  for (int r = 0; r < Tile::kRows; ++r) {
-    const Index last = mask.last_key(m0 + t.row(r));
-#pragma unroll
-    for (int c = 0; c < Tile::kCols; ++c)
-      if (n0 + t.col(r, c) > last) t.hide(r, c);
-  }
+  for (int r = 0; r < Tile::kRows; ++r)
+    t.keep(r, 0, tile_column(mask.last_key(m0 + t.row(r)) - n0, bn));
 }
 
 // Every key of the sequence, for every row.
@@ -253,12 +259,7 @@ struct Band {
 #pragma unroll
     for (int r = 0; r < Tile::kRows; ++r) {
       const Index row = m0 + t.row(r);
-      const Index first = first_key(row) - n0, last = last_key(row) - n0;
-#pragma unroll
-      for (int c = 0; c < Tile::kCols; ++c) {
-        const Index col = t.col(r, c);
-        if (col < first || col > last) t.hide(r, c);
-      }
+      t.keep(r, tile_column(first_key(row) - n0, bn), tile_column(last_key(row) - n0, bn));
     }
   }
 };

@@ -73,27 +73,37 @@ struct Epilogue {
           uint32_t(__cvta_generic_to_shared(C::staging(sm))) + uint32_t(wg * 64 * DV * sizeof(Out));
       if (qi > 0) named_sync(bar, 128);
       {
+        // The thread's elements lie in rows r0 + 8 a (all alike mod 8) and column pairs c0 + 8 j
+        // (c0 < 8): wgmma's accumulator layout. So an element's chunk j is swizzled by the same
+        // r0 % 8 as every other, and its staging address is one of eight (j % 8) per thread
+        // plus a constant: made once, each write is one store at a fixed offset.
         typename C::MmaPV mma_pv;
         Tensor cO = mma_pv.get_thread_slice(etid).partition_C(
             make_identity_tensor(Shape<Int<C::kBM>, Int<DV>>{}));
+        const int r0 = get<0>(cO(0)) - 64 * wg, c0 = get<1>(cO(0));
+        const uint32_t thread_base = so + uint32_t(r0 * DV + c0) * sizeof(Out);
+        const int swizzle = r0 & 7;
         CUTE_UNROLL
         for (int i = 0; i < size(tOrO); i += 2) {
-          const int r = get<0>(cO(i)) - 64 * wg, c = get<1>(cO(i));  // element i + 1: (r, c + 1)
-          const int phys = r * DV + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
-          st_shared(so + phys * sizeof(Out), pack2<Out>(tOrO(i), tOrO(i + 1)));
+          // element i + 1: (r, c + 1); dr and dc fold to constants
+          const int dr = get<0>(cO(i)) - get<0>(cO(0)), dc = get<1>(cO(i)) - get<1>(cO(0));
+          const int j = dc >> 3;
+          const uint32_t chunk = uint32_t((((j & 7) ^ swizzle) << 3) * sizeof(Out));
+          const uint32_t fixed = uint32_t((dr * DV + ((j & ~7) << 3)) * sizeof(Out));
+          st_shared(thread_base + chunk + fixed, pack2<Out>(tOrO(i), tOrO(i + 1)));
         }
       }
       named_sync(bar, 128);
       Out* ob = p.o + int64_t(b) * p.os.batch + int64_t(h) * p.os.head + int64_t(seq.q0) * p.os.seq;
-      constexpr int CH = DV / 8;  // 16-byte chunks per row
-      const int wtid = etid % 128;
+      constexpr int CH = DV / 8;  // 16-byte chunks per row (24 at DV = 192: not a divisor of 128)
+      const int wtid = etid & 127;
       CUTE_UNROLL
       for (int i = 0; i < 64 * CH / 128; ++i) {
         const int ci = wtid + i * 128, r = ci / CH, j = ci % CH;
         const int row = m0 + 64 * wg + r;
         if (row < seq.seq_q && j * 8 < p.dv)
-          *reinterpret_cast<uint4*>(ob + int64_t(row) * p.os.seq + j * 8) =
-              ld_shared_128(so + (r * DV + ((j ^ (r & 7)) << 3)) * sizeof(Out));
+          st_global_128(ob + int64_t(row) * p.os.seq + j * 8,
+                        ld_shared_128(so + (r * DV + ((j ^ (r & 7)) << 3)) * sizeof(Out)));
       }
     }
   }

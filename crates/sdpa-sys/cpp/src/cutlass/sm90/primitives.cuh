@@ -60,6 +60,14 @@ __device__ __forceinline__ void st_shared_128(uint32_t addr, uint4 v) {
                "r"(v.w)
                : "memory");
 }
+// A 16-byte store to global memory (p 16-byte aligned) as one instruction: a uint4 assigned
+// through a pointer is split into four 4-byte stores wherever the compiler cannot prove the
+// address's alignment from its arithmetic, which changes with unrelated edits.
+__device__ __forceinline__ void st_global_128(void* p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
 __device__ __forceinline__ void st_shared_8(uint32_t addr, uint8_t v) {
   asm volatile("st.shared.b8 [%0], %1;" ::"r"(addr), "h"(uint16_t(v)) : "memory");
 }
@@ -102,6 +110,13 @@ __device__ __forceinline__ float2 ld_shared2(uint32_t addr) {
 // The shared-memory address of a generic pointer into shared memory.
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
+}
+
+// x << n for any n >= 0, 0 from n = 32 on (PTX clamps the shift; C++ leaves it undefined).
+__device__ __forceinline__ uint32_t shl_clamped(uint32_t x, uint32_t n) {
+  uint32_t y;
+  asm("shl.b32 %0, %1, %2;" : "=r"(y) : "r"(x), "r"(n));
+  return y;
 }
 
 // Orders this thread's generic-proxy writes to shared memory (st.shared, cp.async) before the

@@ -415,7 +415,7 @@ __global__ void __launch_bounds__(128, 1)
     out.y = pack2<Out>(acc[2] * inv, acc[3] * inv);
     out.z = pack2<Out>(acc[4] * inv, acc[5] * inv);
     out.w = pack2<Out>(acc[6] * inv, acc[7] * inv);
-    *reinterpret_cast<uint4*>(ob + int64_t(row) * p.os.seq + c) = out;
+    st_global_128(ob + int64_t(row) * p.os.seq + c, out);
   }
   cluster_wait();  // phase 2
 #endif

@@ -32,7 +32,23 @@ struct ScoreTile {
 
   __device__ __forceinline__ int row(int r) const { return get<0>(cs(r, 0)); }
   __device__ __forceinline__ int col(int r, int c) const { return get<1>(cs(r, c)); }
-  __device__ __forceinline__ void hide(int r, int c) const { s(r, c) = -INFINITY; }
+  // Hides row r's scores outside columns [lo, hi] (each within [-1, kN], kN the tile's columns)
+  // with one mask word a row: bit c set where the thread's c-th column is kept, then one test and
+  // select a score (fa4's R2P masks). A wgmma accumulator gives a thread columns in pairs 8 apart,
+  // 2 q + 8 j + {0, 1} for its lane's quad position q (col(r, 0) = 2 q), so the count of its
+  // columns below x is 2 (y / 8) + min(y % 8, 2), y = x - 2 q where positive.
+  __device__ __forceinline__ void keep(int r, int lo, int hi) const {
+    static_assert(kCols <= 32, "one mask word a row");
+    const int base = col(r, 0);
+    const auto below = [base](int x) {
+      const int y = max(x - base, 0);
+      return 2 * (y >> 3) + min(y & 7, 2);
+    };
+    const uint32_t kept = shl_clamped(~0u, below(lo)) & ~shl_clamped(~0u, below(hi + 1));
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c)
+      if (!(kept & (1u << c))) s(r, c) = -INFINITY;
+  }
   __device__ __forceinline__ auto& x(int i) const { return s(i); }
   __device__ __forceinline__ auto& x(int r, int c) const { return s(r, c); }
 };

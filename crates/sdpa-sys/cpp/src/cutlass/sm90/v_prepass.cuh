@@ -13,6 +13,7 @@
 
 #include "common/launch.cuh"
 #include "cutlass/sm90/nonfinite_v.cuh"
+#include "cutlass/sm90/primitives.cuh"
 #include "cutlass/sm90/tile_config.cuh"
 #include "sdpa/sdpa.h"
 
@@ -102,8 +103,8 @@ __global__ void __launch_bounds__(256)
         for (int i = 0; i < 4; ++i)
           w[q] |= uint32_t(tile[p_key_of(half + 4 * q + i)][d]) << (8 * i);
       }
-      *reinterpret_cast<uint4*>(out + (bk * D + d) * keys_pad + key0 + half) =
-          make_uint4(w[0], w[1], w[2], w[3]);
+      st_global_128(out + (bk * D + d) * keys_pad + key0 + half,
+                    make_uint4(w[0], w[1], w[2], w[3]));
     }
     __syncthreads();
   }
