@@ -393,7 +393,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int n_end =
       min(n_lo + p.split_tiles, (mask.key_end(tok_lo, tok_hi - tok_lo + 1) + BN - 1) / BN);
 
-  for (int i = tid; i < R * D; i += kThreads) flags[i] = 0;
+  // Whether some tile of this CTA may hide keys from one of its rows (below seq_k): only then is
+  // V checked for non-finite values and are the flags kept (a one-token step sees every key).
+  const bool checks = Mask::kMasksKeys && mask.last_key(tok_lo) + 1 < seq_k;
+  if (checks) {
+    static_assert((F8 ? G::kFlagOffsetF8 : G::kFlagOffset) % 16 == 0 && R * D % 16 == 0,
+                  "the flags are zeroed 16 bytes a store");
+    for (int i = tid; i < R * D / 16; i += kThreads)
+      reinterpret_cast<uint4*>(flags)[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
   float o[MT][kON][4], m_run[MT][2], l_run[MT][2];
   start_rows(o, m_run, l_run);
   // An e4m3 cache: scores in code units, K's scale joined to the softmax scale (a negative or
@@ -464,8 +472,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         own_nan = kv.widen(codes + s * G::kCodeStageBytes, stage);
       }
       // A tile that hides keys from some row (past seq_k aside) is checked for non-finite V.
-      const bool partial = Mask::kMasksKeys && n0 + BN - 1 > mask.last_key(tok_lo) &&
-                           mask.last_key(tok_lo) + 1 < seq_k;
+      const bool partial = checks && n0 + BN - 1 > mask.last_key(tok_lo);
       bool nonfinite = false;
       if (partial) {
         // The widened tile is not visible before this barrier: an e4m3 cache ORs what each
@@ -564,6 +571,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
+      // Eight rows at a time, warp-uniformly; those past the sequence's rows are never merged.
+      if (r0 + 16 * mt + 8 * r >= rows) continue;
       const int row = 16 * mt + g + 8 * r;
       float l = l_run[mt][r];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
@@ -619,7 +628,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         float acc = 0.f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) acc += f[w] * sm_o[(w * R + row) * G::kOPitch + col + e];
-        const int fl = flags[row * D + col + e];
+        const int fl = checks ? flags[row * D + col + e] : 0;
         x[e] = acc * inv + (fl ? nonfinite_value(fl & 1, fl & 2, fl & 4) : 0.f);
       }
       if (p.splits == 1) {

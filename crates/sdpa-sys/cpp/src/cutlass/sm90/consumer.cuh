@@ -163,7 +163,7 @@ struct Consumer {
         const Mask mask = K::mask_of(p, K::seq(p, w, at));
         const Mods mods = Mods::of(p, w, mask.seq_k - mask.seq_q, sl2_raw);
         const int n0 = K::key_tile(n, kt) * BN;
-        const auto tile = score_tile(Srow, cSrc);
+        const auto tile = score_tile<!E::kFp8PV>(Srow, cSrc);
         mods.apply(tile, m0, n0);
         mask.apply(tile, m0, BM, n0, BN);
       }

@@ -21,8 +21,10 @@ __device__ __forceinline__ constexpr auto rowcol(L const& l) {
 
 // A thread's part of a tile of scores as the mask policies (common/mask.cuh: apply) and the score
 // mods (common/score_mods.cuh) take it: S in the row/col view, cS each element's (row, col) within
-// the tile.
-template <class TS, class TC>
+// the tile. kBitMask: keep() by one mask word a row; without it, by each score's column (the e4m3
+// P kernels: there the mask word's registers let ptxas move the softmax's first exponentials in
+// front of K's release in the key loop, which delayed the next K load and cost causal 6-7%).
+template <class TS, class TC, bool kBitMask = true>
 struct ScoreTile {
   TS& s;
   TC const& cs;
@@ -38,6 +40,12 @@ struct ScoreTile {
   // 2 q + 8 j + {0, 1} for its lane's quad position q (col(r, 0) = 2 q), so the count of its
   // columns below x is 2 (y / 8) + min(y % 8, 2), y = x - 2 q where positive.
   __device__ __forceinline__ void keep(int r, int lo, int hi) const {
+    if constexpr (!kBitMask) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c)
+        if (col(r, c) < lo || col(r, c) > hi) s(r, c) = -INFINITY;
+      return;
+    }
     static_assert(kCols <= 32, "one mask word a row");
     const int base = col(r, 0);
     const auto below = [base](int x) {
@@ -52,8 +60,8 @@ struct ScoreTile {
   __device__ __forceinline__ auto& x(int i) const { return s(i); }
   __device__ __forceinline__ auto& x(int r, int c) const { return s(r, c); }
 };
-template <class TS, class TC>
-__device__ __forceinline__ ScoreTile<TS, TC> score_tile(TS& s, TC const& cs) {
+template <bool kBitMask = true, class TS, class TC>
+__device__ __forceinline__ ScoreTile<TS, TC, kBitMask> score_tile(TS& s, TC const& cs) {
   return {s, cs};
 }
 
