@@ -23,7 +23,7 @@ __device__ __forceinline__ constexpr auto rowcol(L const& l) {
 // mods (common/score_mods.cuh) take it: S in the row/col view, cS each element's (row, col) within
 // the tile. kBitMask: keep() by one mask word a row; without it, by each score's column (the e4m3
 // P kernels: there the mask word's registers let ptxas move the softmax's first exponentials in
-// front of K's release in the key loop, which delayed the next K load and cost causal 6-7%).
+// front of K's release in the key loop, which delays the next K load; docs/perf.md, step 7).
 template <class TS, class TC, bool kBitMask = true>
 struct ScoreTile {
   TS& s;
