@@ -14,6 +14,12 @@ Then anywhere:
 
     python3 scripts/ncu_regions.py varlen-sass.csv [--top 12]
 
+Any other kernel (no producer and consumer warpgroups: decode, the combine), `--runs` splits its
+code into runs of consecutive instructions that each warp executes equally often (straight-line
+code once, a loop's body n times), with their stall samples:
+
+    python3 scripts/ncu_regions.py decode-sass.csv --runs
+
 The consumers' code runs from the warpgroup's register allocation (USETMAXREG.TRY_ALLOC) to the
 producer's release of its registers (USETMAXREG.DEALLOC). The key loop is the smallest loop
 there with a wgmma in it; a work tile is one execution of the first HGMMA before it (round 0's
@@ -34,8 +40,33 @@ def read(path):
     addr, src = hdr.index("Address"), hdr.index("Source")
     samples = hdr.index("Warp Stall Sampling (All Samples)")
     executed = hdr.index("Instructions Executed")
-    return [(int(r[addr], 16), r[src].strip(), int(r[samples] or 0), int(r[executed] or 0))
-            for r in rows[header + 1:] if len(r) > executed]
+    ins = []
+    for r in rows[header + 1:]:
+        if "Address" in r:  # the next profiled launch's listing: one launch is read
+            break
+        if len(r) > executed:
+            ins.append((int(r[addr], 16), r[src].strip(), int(r[samples] or 0),
+                        int(r[executed] or 0)))
+    return ins
+
+
+def runs(ins, share=0.01):
+    """Prints the runs of consecutive instructions each warp executes equally often, those with
+    at least `share` of the samples: where a short kernel's time goes, in code order."""
+    warps = ins[0][3]  # every warp executes the entry instruction once
+    total = sum(x[2] for x in ins)
+    print(f"samples: {total}; {warps} warps, {sum(x[3] for x in ins) / warps:.0f} "
+          "instructions a warp")
+    first = 0
+    for i in range(1, len(ins) + 1):
+        if i < len(ins) and ins[i][3] == ins[first][3]:
+            continue
+        s = sum(x[2] for x in ins[first:i])
+        if ins[first][3] and s >= share * total:
+            print(f"  {first:6d}-{i - 1:<6d} {ins[first][3] / warps:5.2f} times a warp, "
+                  f"{i - first:5d} instructions, {s:6d} samples ({100 * s / total:4.1f}%)  "
+                  f"{ins[first][1][:50]}")
+        first = i
 
 
 def regions(ins):
@@ -61,8 +92,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
     ap.add_argument("--top", type=int, default=10, help="most-sampled instructions a region")
+    ap.add_argument("--runs", action="store_true",
+                    help="any kernel: runs of instructions executed equally often")
     args = ap.parse_args()
     ins = read(args.csv)
+    if args.runs:
+        return runs(ins)
     begin, loop0, loop1, end = regions(ins)
     tiles = next(x[3] for x in ins[begin:loop0] if "HGMMA" in x[1])  # round 0's S
     steps = next(x[3] for x in ins[loop0:loop1] if "HGMMA" in x[1])
