@@ -103,11 +103,13 @@ struct Geo {
   static constexpr int kRecOffsetF8 = kQByteF8 + kQElems * int(sizeof(T));
   static constexpr int kFlagOffsetF8 = kRecOffsetF8 + int(sizeof(NonFiniteCols<D>));
   static constexpr int kSmemBytesF8 = kFlagOffsetF8 + kRows * D;
-  static_assert((2 * kWarps * kRows + kWarps * kRows * (D + 1)) * 4 <= kQByteF8,
-                "the end state fits the tiles and code stages");
-  // The warps' states at the end, over the stages: m, l [warp][row], O [warp][row][D + 1].
-  static constexpr int kOPitch = D + 1;
+  // The warps' states at the end, over the stages: m, l [warp][row], O [warp][row][kOPitch].
+  // A row's pitch of 8 banks past a multiple of 32 lets a warp's 8-byte writes (a quad's column
+  // pairs of 8 rows) and reads (a row's consecutive pairs) meet no bank twice in a wavefront.
+  static constexpr int kOPitch = D + 8;
+  static_assert(kOPitch % 32 == 8, "a row's pitch is 8 banks past a multiple of 32");
   static constexpr int kEndStateBytes = (2 * kWarps * kRows + kWarps * kRows * kOPitch) * 4;
+  static_assert(kEndStateBytes <= kQByteF8, "the end state fits the tiles and code stages");
   static_assert(kEndStateBytes <= kQOffset * int(sizeof(T)), "the end state fits the stages");
   // At the head dims with a decode kernel (kHasDecode).
   static_assert(D > 128 || (kSmemBytes <= 112 * 1024 && kSmemBytesF8 <= 112 * 1024),
@@ -187,13 +189,23 @@ struct CodeCopy {
     constexpr int P = kPassRows;
     const int rows = seq_k - n * BN - crow;
     uint8_t* const sk = stage + crow * D + cchunk * 16;
-#pragma unroll
-    for (int i = 0; i < BN / P; ++i) {
+    const auto pass = [&](int i, const uint8_t* k, const uint8_t* v) {
       const bool in = i * P < rows;
-      const int64_t row =
-          paged ? (in ? seqs.paged_row(b, n * BN + i * P + crow) : 0) : int64_t(n * BN + i * P);
-      cp_async16(sk + i * P * D, kg + row * ks.seq, in);
-      cp_async16(sk + kTileBytes + i * P * D, vg + row * vs.seq, in);
+      cp_async16(sk + i * P * D, k, in);
+      cp_async16(sk + kTileBytes + i * P * D, v, in);
+    };
+    // As KvCopy::load: the cache's kind decided once a tile.
+    if (paged) {
+#pragma unroll
+      for (int i = 0; i < BN / P; ++i) {
+        const int64_t row = i * P < rows ? seqs.paged_row(b, n * BN + i * P + crow) : 0;
+        pass(i, kg + row * ks.seq, vg + row * vs.seq);
+      }
+    } else {
+      const uint8_t* k = kg + int64_t(n * BN) * ks.seq;
+      const uint8_t* v = vg + int64_t(n * BN) * vs.seq;
+#pragma unroll
+      for (int i = 0; i < BN / P; ++i, k += P * ks.seq, v += P * vs.seq) pass(i, k, v);
     }
   }
 
@@ -431,7 +443,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         kv.load(smem + s * G::kStageElems, n, seq_k, p.ks, p.vs, p.seqs, b);
     };
     // Q rows (token, head) of the CTA, zero past the sequence's tokens; with the first tile.
-    for (int c = tid; c < R * (D / 8); c += kThreads) {
+    static_assert(R * (D / 8) % kThreads == 0, "Q's chunks are whole passes of the CTA");
+#pragma unroll
+    for (int i = 0; i < R * (D / 8) / kThreads; ++i) {
+      const int c = tid + i * kThreads;
       const int row = c / (D / 8), chunk = c % (D / 8), r = r0 + row;
       const int tok = r / p.group, head = hk * p.group + r % p.group;
       const T* src = p.q + int64_t(b) * p.qs.batch + int64_t(head) * p.qs.head +
@@ -583,10 +598,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       float* const orow = sm_o + (warp * R + row) * G::kOPitch;
 #pragma unroll
-      for (int j = 0; j < kON; ++j) {
-        orow[8 * j + 2 * t] = o[mt][j][2 * r];
-        orow[8 * j + 2 * t + 1] = o[mt][j][2 * r + 1];
-      }
+      for (int j = 0; j < kON; ++j)
+        *reinterpret_cast<float2*>(orow + 8 * j + 2 * t) =
+            make_float2(o[mt][j][2 * r], o[mt][j][2 * r + 1]);
     }
   __syncthreads();
 
@@ -622,14 +636,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     T* const out = p.o + int64_t(b) * p.os.batch + int64_t(head) * p.os.head +
                    int64_t(seq.q0 + tok) * p.os.seq;
     for (int col = 2 * lane; col < D; col += 64) {
+      float acc[2] = {0.f, 0.f};
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float2 ow = *reinterpret_cast<const float2*>(sm_o + (w * R + row) * G::kOPitch + col);
+        acc[0] += f[w] * ow.x;
+        acc[1] += f[w] * ow.y;
+      }
       float x[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float acc = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) acc += f[w] * sm_o[(w * R + row) * G::kOPitch + col + e];
         const int fl = checks ? flags[row * D + col + e] : 0;
-        x[e] = acc * inv + (fl ? nonfinite_value(fl & 1, fl & 2, fl & 4) : 0.f);
+        x[e] = acc[e] * inv + (fl ? nonfinite_value(fl & 1, fl & 2, fl & 4) : 0.f);
       }
       if (p.splits == 1) {
         *reinterpret_cast<uint32_t*>(out + col) = pack2<T>(x[0], x[1]);
@@ -637,8 +655,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         st_cluster2(merge_o + uint32_t((split * p.merge_rows + row) * D + col) * 4u, x[0], x[1]);
       } else {
         float* const wo = p.ws_o + (int64_t(split) * p.lse_rows + lrow) * D;
-        wo[col] = x[0];
-        wo[col + 1] = x[1];
+        *reinterpret_cast<float2*>(wo + col) = make_float2(x[0], x[1]);
       }
     }
     if (lane == 0) {

@@ -313,8 +313,9 @@ struct RowChunks {
 // configuration): thread tid copies chunks tid % RT + j·RT of rows tid / RT + i·kPassRows. A pass
 // moves 8k rows and a chunk stays in its group under the swizzle, so the swizzled destination only
 // advances by whole rows and RT chunks. The per-thread base pointers stay live across the sweep;
-// tile and pass offsets are recomputed from the (constant-bank) strides where they are used. A
-// paged cache's rows come from its block table instead, looked up per pass for the rows in bounds.
+// a tile's offset is recomputed from the (constant-bank) strides where it is used and its passes
+// step from there. A paged cache's rows come from its block table instead, looked up per pass for
+// the rows in bounds.
 // kNarrow: K's and V's rows have the chunks `cols` says, fewer than the tile's.
 template <class C, typename T, bool kNarrow = false>
 struct KvCopy {
@@ -341,19 +342,29 @@ struct KvCopy {
     constexpr int BN = C::kBN, P = C::kPassRows, RT = C::kRowThreads, D = C::kChunks * 8;
     const int rows = seq_k - n * BN - crow;  // pass i is in bounds iff i·P < rows
     T* const sk = stage + c_soff;
-#pragma unroll
-    for (int i = 0; i < BN / P; ++i) {
+    // Pass i: the chunks at k and v (this thread's row chunk) into the stage's rows i·P + crow.
+    const auto pass = [&](int i, const T* k, const T* v) {
       const bool in = i * P < rows;
-      const int64_t row =
-          paged ? (in ? seqs.paged_row(b, n * BN + i * P + crow) : 0) : int64_t(n * BN + i * P);
 #pragma unroll
       for (int j = 0; j < C::kRowReps; ++j) {
         const int c = cchunk + j * RT;
-        cp_async16(sk + i * P * D + j * RT * 8, kg + row * ks.seq + j * RT * 8,
-                   in && (!kNarrow || c < cols.qk));
-        cp_async16(sk + C::kTileElems + i * P * D + j * RT * 8, vg + row * vs.seq + j * RT * 8,
+        cp_async16(sk + i * P * D + j * RT * 8, k + j * RT * 8, in && (!kNarrow || c < cols.qk));
+        cp_async16(sk + C::kTileElems + i * P * D + j * RT * 8, v + j * RT * 8,
                    in && (!kNarrow || c < cols.v));
       }
+    };
+    // The cache's kind decided once a tile, not once a pass: a dense pass advances two pointers.
+    if (paged) {
+#pragma unroll
+      for (int i = 0; i < BN / P; ++i) {
+        const int64_t row = i * P < rows ? seqs.paged_row(b, n * BN + i * P + crow) : 0;
+        pass(i, kg + row * ks.seq, vg + row * vs.seq);
+      }
+    } else {
+      const T* k = kg + int64_t(n * BN) * ks.seq;
+      const T* v = vg + int64_t(n * BN) * vs.seq;
+#pragma unroll
+      for (int i = 0; i < BN / P; ++i, k += P * ks.seq, v += P * vs.seq) pass(i, k, v);
     }
   }
 };
