@@ -408,20 +408,26 @@ fn sinks_on_sequences_and_decode() {
 }
 
 /// NaN and infinities in V at the newest keys, which the earlier draft tokens of a speculative
-/// step do not see: each token gets what the reference gives it.
+/// step do not see: each token gets what the reference gives it. 8 tokens of 4 heads are a CTA
+/// of 32 rows (two CTAs an SM); 4 tokens in 12 sequences a CTA of 16 rows, in splits of two
+/// tiles.
 #[test]
 fn decode_keeps_nonfinite_v_from_tokens_that_do_not_see_it() {
     let Some(dev) = common::device("decode nonfinite") else {
         return;
     };
     let mut ran = Vec::new();
-    for dtype in DType::ALL {
-        let p = Problem::new(1, 4, 8, 1000, 128)
+    for (dtype, (batch, seq_q)) in DType::ALL
+        .into_iter()
+        .flat_map(|d| [(d, (1, 8)), (d, (12, 4))])
+    {
+        let p = Problem::new(batch, 4, seq_q, 1000, 128)
             .with_kv_heads(1)
             .with_causal(true)
             .with_dtype(dtype);
         let mut x = random_inputs(&p, fresh_seed()).unwrap();
-        // Keys 996..999 are seen by tokens 4.. only; key 500 by every token.
+        // Keys 997..999 are seen by the last tokens only (token i of n sees keys up to
+        // 1000 - n + i); key 500 by every token.
         for (key, val) in [
             (997, f64::NAN),
             (998, f64::INFINITY),
