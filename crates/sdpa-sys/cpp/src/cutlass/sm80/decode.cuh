@@ -194,19 +194,7 @@ struct CodeCopy {
       cp_async16(sk + i * P * D, k, in);
       cp_async16(sk + kTileBytes + i * P * D, v, in);
     };
-    // As KvCopy::load: the cache's kind decided once a tile.
-    if (paged) {
-#pragma unroll
-      for (int i = 0; i < BN / P; ++i) {
-        const int64_t row = i * P < rows ? seqs.paged_row(b, n * BN + i * P + crow) : 0;
-        pass(i, kg + row * ks.seq, vg + row * vs.seq);
-      }
-    } else {
-      const uint8_t* k = kg + int64_t(n * BN) * ks.seq;
-      const uint8_t* v = vg + int64_t(n * BN) * vs.seq;
-#pragma unroll
-      for (int i = 0; i < BN / P; ++i, k += P * ks.seq, v += P * vs.seq) pass(i, k, v);
-    }
+    tile_passes<BN, P>(paged, kg, vg, ks, vs, seqs, b, n, crow, rows, pass);
   }
 
   // The codes this thread copied into `stage`, as T into the 16-bit tiles `tile` (K, then V);

@@ -309,13 +309,34 @@ struct RowChunks {
   int qk, v;
 };
 
+// The passes of key tile n (keys n·BN ..) one thread copies: pass(i, k, v) with its row
+// crow + i·P of K and V, from the thread's first row's chunk kg, vg; a paged cache's rows from
+// its block table (rows past the sequence's `rows` left: row 0, whose chunks are never read), a
+// dense tile's by stepping two pointers. The cache's kind is decided once a tile, not once a
+// pass: the dense passes are one straight block of copies.
+template <int BN, int P, typename E, class Pass>
+__device__ __forceinline__ void tile_passes(bool paged, const E* kg, const E* vg, const Strides& ks,
+                                            const Strides& vs, const SeqParams& seqs, int b, int n,
+                                            int crow, int rows, const Pass& pass) {
+  if (paged) {
+#pragma unroll
+    for (int i = 0; i < BN / P; ++i) {
+      const int64_t row = i * P < rows ? seqs.paged_row(b, n * BN + i * P + crow) : 0;
+      pass(i, kg + row * ks.seq, vg + row * vs.seq);
+    }
+  } else {
+    const E* k = kg + int64_t(n * BN) * ks.seq;
+    const E* v = vg + int64_t(n * BN) * vs.seq;
+#pragma unroll
+    for (int i = 0; i < BN / P; ++i, k += P * ks.seq, v += P * vs.seq) pass(i, k, v);
+  }
+}
+
 // Global -> shared copies of K/V tiles (the prefill and decode kernels; C: the tile
 // configuration): thread tid copies chunks tid % RT + j·RT of rows tid / RT + i·kPassRows. A pass
 // moves 8k rows and a chunk stays in its group under the swizzle, so the swizzled destination only
 // advances by whole rows and RT chunks. The per-thread base pointers stay live across the sweep;
-// a tile's offset is recomputed from the (constant-bank) strides where it is used and its passes
-// step from there. A paged cache's rows come from its block table instead, looked up per pass for
-// the rows in bounds.
+// a tile's rows come from tile_passes.
 // kNarrow: K's and V's rows have the chunks `cols` says, fewer than the tile's.
 template <class C, typename T, bool kNarrow = false>
 struct KvCopy {
@@ -353,19 +374,7 @@ struct KvCopy {
                    in && (!kNarrow || c < cols.v));
       }
     };
-    // The cache's kind decided once a tile, not once a pass: a dense pass advances two pointers.
-    if (paged) {
-#pragma unroll
-      for (int i = 0; i < BN / P; ++i) {
-        const int64_t row = i * P < rows ? seqs.paged_row(b, n * BN + i * P + crow) : 0;
-        pass(i, kg + row * ks.seq, vg + row * vs.seq);
-      }
-    } else {
-      const T* k = kg + int64_t(n * BN) * ks.seq;
-      const T* v = vg + int64_t(n * BN) * vs.seq;
-#pragma unroll
-      for (int i = 0; i < BN / P; ++i, k += P * ks.seq, v += P * vs.seq) pass(i, k, v);
-    }
+    tile_passes<BN, P>(paged, kg, vg, ks, vs, seqs, b, n, crow, rows, pass);
   }
 };
 
