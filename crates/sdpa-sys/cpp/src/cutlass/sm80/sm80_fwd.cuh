@@ -310,9 +310,10 @@ struct RowChunks {
 };
 
 // The passes of key tile n (keys n·BN ..) one thread copies: pass(i, k, v) with its row
-// crow + i·P of K and V, from the thread's first row's chunk kg, vg; a paged cache's rows from
-// its block table (rows past the sequence's `rows` left: row 0, whose chunks are never read), a
-// dense tile's by stepping two pointers. The cache's kind is decided once a tile, not once a
+// crow + i·P of K and V, from the thread's first row's chunk kg, vg. `rows`: the sequence's keys
+// from the thread's first row of the tile (pass i is in bounds iff i·P < rows). A paged cache's
+// rows come from its block table (a pass out of bounds gets row 0, whose chunks are never read),
+// a dense tile's by stepping two pointers. The cache's kind is decided once a tile, not once a
 // pass: the dense passes are one straight block of copies.
 template <int BN, int P, typename E, class Pass>
 __device__ __forceinline__ void tile_passes(bool paged, const E* kg, const E* vg, const Strides& ks,
