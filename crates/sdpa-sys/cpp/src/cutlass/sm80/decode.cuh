@@ -103,12 +103,14 @@ struct Geo {
   static constexpr int kRecOffsetF8 = kQByteF8 + kQElems * int(sizeof(T));
   static constexpr int kFlagOffsetF8 = kRecOffsetF8 + int(sizeof(NonFiniteCols<D>));
   static constexpr int kSmemBytesF8 = kFlagOffsetF8 + kRows * D;
-  // The warps' states at the end, over the stages: m, l [warp][row], O [warp][row][kOPitch].
-  // A row's pitch of 8 banks past a multiple of 32 lets a warp's 8-byte writes (a quad's column
-  // pairs of 8 rows) and reads (a row's consecutive pairs) meet no bank twice in a wavefront.
+  // The warps' states at the end, over the stages: m, l [warp][row], O [warp][row][kOPitch],
+  // then each row's destination (an element offset). A row's pitch of 8 banks past a multiple
+  // of 32 lets a warp's 8-byte writes (a quad's column pairs of 8 rows) and reads (a row's
+  // consecutive pairs) meet no bank twice in a wavefront.
   static constexpr int kOPitch = D + 8;
   static_assert(kOPitch % 32 == 8, "a row's pitch is 8 banks past a multiple of 32");
-  static constexpr int kEndStateBytes = (2 * kWarps * kRows + kWarps * kRows * kOPitch) * 4;
+  static constexpr int kEndStateBytes =
+      (2 * kWarps * kRows + kWarps * kRows * kOPitch) * 4 + kRows * int(sizeof(int64_t));
   static_assert(kEndStateBytes <= kQByteF8, "the end state fits the tiles and code stages");
   static_assert(kEndStateBytes <= kQOffset * int(sizeof(T)), "the end state fits the stages");
   // At the head dims with a decode kernel (kHasDecode).
@@ -600,11 +602,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     merge_lse = merge_o + uint32_t(p.splits * p.merge_rows * D) * 4u;
     cluster_wait();
   }
-  // Combined: per row, the max over warps, each warp's factor, l; per (row, column), O. One
-  // warp a row at a time, lanes over the columns.
-  for (int row = warp; row < R; row += kWarps) {
-    const int r = r0 + row;
-    if (r >= rows) break;  // rows only grow
+  // The warps' states combined in two steps, neither a chain a row: a thread a row makes the
+  // row's weights (warp w's e^{m_w - m}, over the row's sum) in place of the m's, its
+  // log-sum-exp and its destination; then each thread adds the warps' O for one column pair of
+  // every kGroups-th row.
+  int64_t* const sm_dst = reinterpret_cast<int64_t*>(sm_o + kWarps * R * G::kOPitch);
+  if (tid < R && r0 + tid < rows) {
+    const int row = tid, r = r0 + row;
     const int tok = r / p.group, head = hk * p.group + r % p.group;
     float m = -INFINITY;
 #pragma unroll
@@ -620,59 +624,116 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float a = p.splits == 1 && p.sinks != nullptr ? fold_sink(m2, l, p.sinks[head]) : 1.f;
     const float inv = l > 0.f ? a * v_mul / l : 0.f;
     const float lse = l > 0.f ? (m2 + __log2f(l)) * 0.6931471805599453f : -INFINITY;
-    const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
-    T* const out = p.o + int64_t(b) * p.os.batch + int64_t(head) * p.os.head +
-                   int64_t(seq.q0 + tok) * p.os.seq;
-    for (int col = 2 * lane; col < D; col += 64) {
-      float acc[2] = {0.f, 0.f};
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float2 ow = *reinterpret_cast<const float2*>(sm_o + (w * R + row) * G::kOPitch + col);
-        acc[0] += f[w] * ow.x;
-        acc[1] += f[w] * ow.y;
-      }
-      float x[2];
+    for (int w = 0; w < kWarps; ++w) sm_m[w * R + row] = f[w] * inv;
+    const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
+    if (p.splits == 1) {
+      sm_dst[row] =
+          int64_t(b) * p.os.batch + int64_t(head) * p.os.head + int64_t(seq.q0 + tok) * p.os.seq;
+      if (p.lse != nullptr) p.lse[lrow] = lse;
+    } else if constexpr (kMerge == Merge::kCluster) {
+      sm_dst[row] = int64_t(split * p.merge_rows + row) * D;
+      st_cluster(merge_lse + uint32_t(split * p.merge_rows + row) * 4u, lse);
+    } else {
+      sm_dst[row] = (int64_t(split) * p.lse_rows + lrow) * D;
+      p.ws_lse[int64_t(split) * p.lse_rows + lrow] = lse;
+    }
+  }
+  __syncthreads();
+  constexpr int kPairs = D / 2, kGroups = kThreads / kPairs;
+  static_assert(kThreads % kPairs == 0 && R % kGroups == 0, "whole column pairs and rows");
+  const int col = 2 * (tid % kPairs), group0 = tid / kPairs;
+  // Every row's sum first, then the stores: the cluster's stores are ordered (asm with a memory
+  // clobber), and no shared-memory load may wait behind one.
+  float2 x[R / kGroups];
+#pragma unroll
+  for (int i = 0; i < R / kGroups; ++i) {
+    const int row = group0 + kGroups * i;
+    float acc[2] = {0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float wgt = sm_m[w * R + row];
+      const float2 ow = *reinterpret_cast<const float2*>(sm_o + (w * R + row) * G::kOPitch + col);
+      acc[0] += wgt * ow.x;
+      acc[1] += wgt * ow.y;
+    }
+    if (checks) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int fl = checks ? flags[row * D + col + e] : 0;
-        x[e] = acc[e] * inv + (fl ? nonfinite_value(fl & 1, fl & 2, fl & 4) : 0.f);
-      }
-      if (p.splits == 1) {
-        *reinterpret_cast<uint32_t*>(out + col) = pack2<T>(x[0], x[1]);
-      } else if constexpr (kMerge == Merge::kCluster) {
-        st_cluster2(merge_o + uint32_t((split * p.merge_rows + row) * D + col) * 4u, x[0], x[1]);
-      } else {
-        float* const wo = p.ws_o + (int64_t(split) * p.lse_rows + lrow) * D;
-        *reinterpret_cast<float2*>(wo + col) = make_float2(x[0], x[1]);
+        const int fl = flags[row * D + col + e];
+        if (fl) acc[e] += nonfinite_value(fl & 1, fl & 2, fl & 4);
       }
     }
-    if (lane == 0) {
-      if (kMerge == Merge::kCluster && p.splits > 1)
-        st_cluster(merge_lse + uint32_t(split * p.merge_rows + row) * 4u, lse);
-      else if (p.splits > 1)
-        p.ws_lse[int64_t(split) * p.lse_rows + lrow] = lse;
-      else if (p.lse != nullptr)
-        p.lse[lrow] = lse;
-    }
+    x[i] = make_float2(acc[0], acc[1]);
+  }
+#pragma unroll
+  for (int i = 0; i < R / kGroups; ++i) {
+    const int row = group0 + kGroups * i;
+    if (r0 + row >= rows) break;  // rows only grow
+    const int64_t dst = sm_dst[row] + col;
+    if (p.splits == 1)
+      *reinterpret_cast<uint32_t*>(p.o + dst) = pack2<T>(x[i].x, x[i].y);
+    else if constexpr (kMerge == Merge::kCluster)
+      st_cluster2(merge_o + uint32_t(dst) * 4u, x[i].x, x[i].y);
+    else
+      *reinterpret_cast<float2*>(p.ws_o + dst) = x[i];
   }
   if constexpr (kMerge == Merge::kCluster) {
     cluster_arrive();  // this CTA's partials written (release) ...
     cluster_wait();    // ... and every other's visible (acquire)
     if (split != 0) return;
-    // The first split: the block's rows merged from its merge region, one warp a row.
+    // The first split merges the block's rows from its merge region, in the same two steps: a
+    // thread a row makes each split's weight (e^{lse_s - m} over the sum, a sink folded in),
+    // the row's log-sum-exp and its output row (in the end state's place, which is spent).
     const float* const o_part = reinterpret_cast<const float*>(smem_raw + p.merge_offset);
     const float* const lse_part = o_part + p.splits * p.merge_rows * D;
-    for (int row = warp; row < R; row += kWarps) {
-      const int r = r0 + row;
-      if (r >= rows) break;
+    float* const sm_w = sm_m;  // [row][kClusterMax]
+    if (tid < R && r0 + tid < rows) {
+      const int row = tid, r = r0 + row;
       const int tok = r / p.group, head = hk * p.group + r % p.group;
-      merge_row<T, D>(
-          p, seq, b, tok, head, lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok), lane,
-          [&](int s) { return s < p.splits ? lse_part[s * p.merge_rows + row] : -INFINITY; },
-          [&](int s, int i) {
-            return *reinterpret_cast<const float2*>(o_part + (s * p.merge_rows + row) * D +
-                                                    2 * lane + 64 * i);
-          });
+      float ls[kClusterMax], m = -INFINITY;
+#pragma unroll
+      for (int s = 0; s < kClusterMax; ++s) {
+        ls[s] = s < p.splits ? lse_part[s * p.merge_rows + row] : -INFINITY;
+        m = fmaxf(m, ls[s]);
+      }
+      float wl[kClusterMax], sum = 0.f;
+#pragma unroll
+      for (int s = 0; s < kClusterMax; ++s) {
+        wl[s] = ls[s] == -INFINITY ? 0.f : __expf(ls[s] - m);
+        sum += wl[s];
+      }
+      float a = 1.f;  // the sink, once, as a partial of log-sum-exp sink and output 0
+      if (p.sinks != nullptr) {
+        float m2 = m * kLog2e;
+        a = fold_sink(m2, sum, p.sinks[head]);
+        m = m2 * 0.6931471805599453f;
+      }
+      const float inv = sum > 0.f ? a / sum : 0.f;
+#pragma unroll
+      for (int s = 0; s < kClusterMax; ++s) sm_w[row * kClusterMax + s] = wl[s] * inv;
+      sm_dst[row] =
+          int64_t(b) * p.os.batch + int64_t(head) * p.os.head + int64_t(seq.q0 + tok) * p.os.seq;
+      if (p.lse != nullptr)
+        p.lse[lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok)] =
+            sum > 0.f ? m + __logf(sum) : -INFINITY;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < R / kGroups; ++i) {
+      const int row = group0 + kGroups * i;
+      if (r0 + row >= rows) break;
+      float acc[2] = {0.f, 0.f};
+#pragma unroll
+      for (int s = 0; s < kClusterMax; ++s) {
+        if (s >= p.splits) break;
+        const float wgt = sm_w[row * kClusterMax + s];
+        const float2 o =
+            *reinterpret_cast<const float2*>(o_part + (s * p.merge_rows + row) * D + col);
+        acc[0] += wgt * o.x;
+        acc[1] += wgt * o.y;
+      }
+      *reinterpret_cast<uint32_t*>(p.o + sm_dst[row] + col) = pack2<T>(acc[0], acc[1]);
     }
   } else if constexpr (kMerge == Merge::kLastSplit) {
     if (!last_split(p.counters + (blockIdx.z * gridDim.y + blockIdx.y), p.splits)) return;
