@@ -324,9 +324,8 @@ fn decode_matches_the_reference() {
         .with_lse(true);
     run(long, random_inputs(&long, fresh_seed()).unwrap());
     // Few row blocks (on 132 SMs): 16 and 18 of them at 4 rows a CTA (1 token a sequence) take
-    // 8 and 7 splits, 34 at 32 rows (8 tokens, two CTAs an SM) 7, which Hopper merges in a
-    // cluster of each row block's splits; 8 row blocks take 16 one-tile splits, merged by the
-    // combine.
+    // 8 and 7 splits, 34 at 32 rows (8 tokens) 3, which Hopper merges in a cluster of each row
+    // block's splits; 8 row blocks take 16 one-tile splits, merged by the combine.
     for (batch, seq_q, seq_k) in [(8, 1, 3001), (9, 1, 3001), (17, 8, 3001), (4, 1, 1000)] {
         let p = Problem::new(batch, 8, seq_q, seq_k, 128)
             .with_kv_heads(2)
@@ -409,8 +408,7 @@ fn sinks_on_sequences_and_decode() {
 
 /// NaN and infinities in V at the newest keys, which the earlier draft tokens of a speculative
 /// step do not see: each token gets what the reference gives it. 8 tokens of 4 heads are a CTA
-/// of 32 rows (two CTAs an SM); 4 tokens in 12 sequences a CTA of 16 rows, in splits of two
-/// tiles.
+/// of 32 rows; 4 tokens in 12 sequences a CTA of 16 rows, in splits of two tiles.
 #[test]
 fn decode_keeps_nonfinite_v_from_tokens_that_do_not_see_it() {
     let Some(dev) = common::device("decode nonfinite") else {

@@ -861,11 +861,13 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   // which outweighs the bytes more CTAs would keep in flight (measured:
   // docs/log/2026-11-perf-history.md, "Serving: decode, paged cache, varlen").
   // Two CTAs an SM where two fit (at most 112 KB each: a Hopper's 228 KB; an unknown device is
-  // taken for an H100) for an e4m3 cache, whose CTAs hide each other's widening; for a paged
+  // taken for an H100) for an e4m3 cache, whose CTAs hide each other's widening, and for a paged
   // cache, whose CTAs hide each other's page-table reads (a tile's copies wait for its pages;
-  // docs/perf.md, "Paged decode"); and for 32 rows a CTA, whose warps' mma and softmax chains
-  // outlast a tile's load with one warp a scheduler (docs/perf.md, "Speculative decode").
-  const bool two = (fp8_kv(a) || a.seqs.page_size > 0 || pl.mt == 2) &&
+  // docs/perf.md, "Paged decode"). A dense cache's 32-row CTAs (speculative decoding's drafts)
+  // take one too: with two, a batch that fills the GPU gets a second split, a merge, and SMs
+  // left with one CTA; with one it streams near the 16-row kernel's rate (docs/perf.md,
+  // "Speculative decode").
+  const bool two = (fp8_kv(a) || a.seqs.page_size > 0) &&
                    (!known(dev) || dev.smem_per_sm >= (224 << 10));
   const int64_t slots = (known(dev) ? dev.sms : 132) * (two ? 2 : 1);
   split_keys(tiles, a.dims.batch * a.dims.kv_heads * pl.row_blocks, slots, pl.splits,
