@@ -227,6 +227,27 @@ struct CodeCopy {
   }
 };
 
+// The element offset of row (token `tok`, head `head`) of sequence b in the output.
+template <typename T, class Mask>
+__device__ __forceinline__ int64_t out_row(const Params<T, Mask>& p, const Seq<int>& seq, int b,
+                                           int head, int tok) {
+  return int64_t(b) * p.os.batch + int64_t(head) * p.os.head + int64_t(seq.q0 + tok) * p.os.seq;
+}
+
+// A merge of splits' partials whose weights e^{lse_s - m} sum to `sum` (m in natural-log units):
+// the row's sink (sinks[head], none where null) joins once, as a partial of log-sum-exp sink and
+// output 0, moving m and sum; returns the factor of the weighted partials' sum (0 where nothing
+// is visible).
+__device__ __forceinline__ float merged_factor(const float* sinks, int head, float& m, float& sum) {
+  float a = 1.f;
+  if (sinks != nullptr) {
+    float m2 = m * kLog2e;
+    a = fold_sink(m2, sum, sinks[head]);
+    m = m2 * 0.6931471805599453f;
+  }
+  return sum > 0.f ? a / sum : 0.f;
+}
+
 // Splits a merge loads at once (see combine_row): up to 16, at most 32 column pairs of
 // partials a lane in registers (MLA's 512 columns: 4).
 template <int D>
@@ -298,15 +319,8 @@ __device__ __forceinline__ void merge_row(const Params<T, Mask>& p, const Seq<in
   }
 #pragma unroll
   for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
-  float a = 1.f;  // the sink, once, as a partial of log-sum-exp sink and output 0
-  if (p.sinks != nullptr) {
-    float m2 = m * kLog2e;
-    a = fold_sink(m2, sum, p.sinks[head]);
-    m = m2 * 0.6931471805599453f;
-  }
-  const float inv = sum > 0.f ? a / sum : 0.f;
-  T* const out =
-      p.o + int64_t(b) * p.os.batch + int64_t(head) * p.os.head + int64_t(seq.q0 + tok) * p.os.seq;
+  const float inv = merged_factor(p.sinks, head, m, sum);
+  T* const out = p.o + out_row(p, seq, b, head, tok);
 #pragma unroll
   for (int i = 0; i < kPer; ++i)
     *reinterpret_cast<uint32_t*>(out + 2 * lane + 64 * i) =
@@ -628,8 +642,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int w = 0; w < kWarps; ++w) sm_m[w * R + row] = f[w] * inv;
     const int64_t lrow = lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok);
     if (p.splits == 1) {
-      sm_dst[row] =
-          int64_t(b) * p.os.batch + int64_t(head) * p.os.head + int64_t(seq.q0 + tok) * p.os.seq;
+      sm_dst[row] = out_row(p, seq, b, head, tok);
       if (p.lse != nullptr) p.lse[lrow] = lse;
     } else if constexpr (kMerge == Merge::kCluster) {
       sm_dst[row] = int64_t(split * p.merge_rows + row) * D;
@@ -703,17 +716,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         wl[s] = ls[s] == -INFINITY ? 0.f : __expf(ls[s] - m);
         sum += wl[s];
       }
-      float a = 1.f;  // the sink, once, as a partial of log-sum-exp sink and output 0
-      if (p.sinks != nullptr) {
-        float m2 = m * kLog2e;
-        a = fold_sink(m2, sum, p.sinks[head]);
-        m = m2 * 0.6931471805599453f;
-      }
-      const float inv = sum > 0.f ? a / sum : 0.f;
+      const float inv = merged_factor(p.sinks, head, m, sum);
 #pragma unroll
       for (int s = 0; s < kClusterMax; ++s) sm_w[row * kClusterMax + s] = wl[s] * inv;
-      sm_dst[row] =
-          int64_t(b) * p.os.batch + int64_t(head) * p.os.head + int64_t(seq.q0 + tok) * p.os.seq;
+      sm_dst[row] = out_row(p, seq, b, head, tok);
       if (p.lse != nullptr)
         p.lse[lse_index(p.seqs, seq, b, head, p.heads, p.mask.seq_q, tok)] =
             sum > 0.f ? m + __logf(sum) : -INFINITY;
@@ -867,8 +873,8 @@ inline Plan plan(const FwdArgs& a, const DeviceInfo& dev) {
   // take one too: with two, a batch that fills the GPU gets a second split, a merge, and SMs
   // left with one CTA; with one it streams near the 16-row kernel's rate (docs/perf.md,
   // "Speculative decode").
-  const bool two = (fp8_kv(a) || a.seqs.page_size > 0) &&
-                   (!known(dev) || dev.smem_per_sm >= (224 << 10));
+  const bool two =
+      (fp8_kv(a) || a.seqs.page_size > 0) && (!known(dev) || dev.smem_per_sm >= (224 << 10));
   const int64_t slots = (known(dev) ? dev.sms : 132) * (two ? 2 : 1);
   split_keys(tiles, a.dims.batch * a.dims.kv_heads * pl.row_blocks, slots, pl.splits,
              pl.split_tiles);
